@@ -1,0 +1,157 @@
+"""The one transformer both LLaDA and Dream are: pre-norm blocks, RoPE, SwiGLU MLP,
+non-causal attention under an explicit boolean mask, and an optional K/V cache that
+forwards write into in place (so a block-only step attends to a prefix computed by an
+earlier full-row step)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import List, Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .config import ModelConfig
+
+
+def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    """Norms and RoPE run in float32, or float64 when the model itself is float64."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.to(_compute_dtype(x.dtype))
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(x.dtype)
+
+
+def rope(pos: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype):
+    """cos/sin of shape [B, 1, T, D] for rotate-half RoPE at integer positions `pos` [B, T]."""
+    cd = _compute_dtype(dtype)
+    inv = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=pos.device, dtype=cd) / head_dim))
+    ang = pos.to(cd)[..., None] * inv
+    ang = torch.cat([ang, ang], dim=-1)[:, None]
+    return ang.cos().to(dtype), ang.sin().to(dtype)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    a, b = x.chunk(2, dim=-1)
+    return torch.cat([-b, a], dim=-1)
+
+
+@dataclass
+class KVCache:
+    """Per-layer K and V, [B, H_kv, W, D]; a forward at `offset` writes its columns in place."""
+
+    k: List[torch.Tensor]
+    v: List[torch.Tensor]
+
+    @classmethod
+    def empty(cls, cfg: ModelConfig, batch: int, width: int, dtype: torch.dtype, device) -> "KVCache":
+        shape = (batch, cfg.n_kv_heads, width, cfg.head_dim)
+        return cls([torch.empty(shape, dtype=dtype, device=device) for _ in range(cfg.n_layers)],
+                   [torch.empty(shape, dtype=dtype, device=device) for _ in range(cfg.n_layers)])
+
+    @property
+    def width(self) -> int:
+        return self.k[0].shape[2]
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.k + self.v)
+
+
+class Layer(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        d, kv, f, b = cfg.hidden_size, cfg.n_kv_heads * cfg.head_dim, cfg.intermediate_size, cfg.linear_bias
+        self.cfg = cfg
+        self.attn_norm = RMSNorm(d, cfg.rms_norm_eps)
+        self.q = nn.Linear(d, d, bias=cfg.qkv_bias or b)
+        self.k = nn.Linear(d, kv, bias=cfg.qkv_bias or b)
+        self.v = nn.Linear(d, kv, bias=cfg.qkv_bias or b)
+        self.o = nn.Linear(d, d, bias=b)
+        self.mlp_norm = RMSNorm(d, cfg.rms_norm_eps)
+        self.gate = nn.Linear(d, f, bias=b)
+        self.up = nn.Linear(d, f, bias=b)
+        self.down = nn.Linear(f, d, bias=b)
+
+    def forward(self, h, cos, sin, mask, cache: Optional[KVCache], idx: int, offset: int):
+        B, T, _ = h.shape
+        H, Hkv, D = self.cfg.n_heads, self.cfg.n_kv_heads, self.cfg.head_dim
+        x = self.attn_norm(h)
+        q = self.q(x).view(B, T, H, D).transpose(1, 2)
+        k = self.k(x).view(B, T, Hkv, D).transpose(1, 2)
+        v = self.v(x).view(B, T, Hkv, D).transpose(1, 2)
+        q = q * cos + _rotate_half(q) * sin
+        k = k * cos + _rotate_half(k) * sin
+        if cache is not None:
+            cache.k[idx][:, :, offset:offset + T] = k
+            cache.v[idx][:, :, offset:offset + T] = v
+            k, v = cache.k[idx][:, :, :mask.shape[-1]], cache.v[idx][:, :, :mask.shape[-1]]
+        a = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=Hkv != H)
+        h = h + self.o(a.transpose(1, 2).reshape(B, T, H * D))
+        x = self.mlp_norm(h)
+        return h + self.down(F.silu(self.gate(x)) * self.up(x))
+
+
+class DLLM(nn.Module):
+    """Internal parameter names are layout-neutral; engine.models.weights maps them to
+    each checkpoint format's real names."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.config = cfg
+        self.embed = nn.Embedding(cfg.embedding_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(Layer(cfg) for _ in range(cfg.n_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.embedding_size,
+                                                                       bias=cfg.linear_bias)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.embed.weight.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.embed.weight.device
+
+    def forward(self, ids: torch.Tensor, pos: torch.Tensor, mask: torch.Tensor,
+                cache: Optional[KVCache] = None, offset: int = 0,
+                logits_last: Optional[int] = None) -> torch.Tensor:
+        """ids/pos [B, T]; mask bool [B, 1, T, K] (True = may attend) where K = T without a
+        cache, or the number of cache columns attended with one. With a cache, this
+        forward's K/V land in columns [offset, offset+T). Logits only for the last
+        `logits_last` columns (the LM head over every column is the biggest waste)."""
+        h = self.embed(ids)
+        cos, sin = rope(pos, self.config.head_dim, self.config.rope_theta, h.dtype)
+        for i, layer in enumerate(self.layers):
+            h = layer(h, cos, sin, mask, cache, i, offset)
+        if logits_last is not None:
+            h = h[:, -logits_last:]
+        h = self.norm(h)
+        logits = F.linear(h, self.embed.weight) if self.lm_head is None else self.lm_head(h)
+        return logits[..., : self.config.vocab_size]
+
+
+def build_model(cfg: ModelConfig, dtype: torch.dtype = torch.float32, device="cpu",
+                seed: Optional[int] = 0) -> DLLM:
+    """A randomly initialised model (tests, benchmarks); real weights come from load_model.
+    Weights ~ N(0, 1/fan_in) so that random logits are peaked enough for threshold
+    decoding to behave like a trained model (several tokens per step, some stops)."""
+    with torch.random.fork_rng(devices=[]):
+        if seed is not None:
+            torch.manual_seed(seed)
+        model = DLLM(cfg)
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if name.endswith("bias"):
+                    p.normal_(0.0, 0.02)
+                elif "norm" not in name:
+                    p.normal_(0.0, 1.0 if name.startswith("embed") else p.shape[1] ** -0.5)
+    return model.to(dtype=dtype, device=device).eval()

@@ -1,0 +1,135 @@
+"""Who runs in the next block cycle. `blockserve` is the block-grained continuous
+batcher; `static` (Fast-dLLM style fixed groups) and `sequential` are the baselines
+every benchmark compares against."""
+from __future__ import annotations
+
+import bisect
+import itertools
+from collections import deque
+from typing import List
+
+from .config import EngineConfig
+from .sequence import Request
+
+
+def batch_cost(rows: List[Request]) -> int:
+    """Padded area of a left-padded batch: |A| * max_i(p_i + (b_i+1) L)."""
+    return len(rows) * max((r.width for r in rows), default=0)
+
+
+class Scheduler:
+    def __init__(self, cfg: EngineConfig):
+        self.cfg = cfg
+        self.active: List[Request] = []
+        self._admitted = itertools.count()
+        self.preemptions = 0
+
+    def add(self, req: Request) -> None:
+        raise NotImplementedError
+
+    def schedule(self) -> List[Request]:
+        """Rows of the next cycle, in a stable order (admission order)."""
+        raise NotImplementedError
+
+    def finish(self, req: Request) -> None:
+        self.active.remove(req)
+
+    def num_pending(self) -> int:
+        raise NotImplementedError
+
+    def is_frozen(self, req: Request) -> bool:
+        """A finished row kept in the batch (only the static baseline does this)."""
+        return False
+
+    def has_work(self) -> bool:
+        return bool(self.active) or self.num_pending() > 0
+
+    def _admit(self, req: Request) -> None:
+        req.seq = next(self._admitted)
+        self.active.append(req)
+
+
+class BlockServeScheduler(Scheduler):
+    """Pending queue sorted by row width (= prompt length for new requests). Admission
+    keeps Cost(A) <= token_budget and prefers the widest candidate that fits inside the
+    current bounding box ("sand filling": it adds no padding). Rows grow by L each
+    cycle; if that growth breaks the budget, the latest-admitted rows go back to the
+    queue with their committed blocks (dLLM state is just tokens, so this is exact)."""
+
+    def __init__(self, cfg: EngineConfig, max_active: int | None = None):
+        super().__init__(cfg)
+        self.pending: list = []  # (width, arrival, request), sorted
+        self._arrival = itertools.count()
+        self.max_active = max_active or cfg.max_batch_size
+
+    def add(self, req: Request) -> None:
+        bisect.insort(self.pending, (req.width, next(self._arrival), req))
+
+    def num_pending(self) -> int:
+        return len(self.pending)
+
+    def schedule(self) -> List[Request]:
+        budget = self.cfg.token_budget
+        while len(self.active) > 1 and batch_cost(self.active) > budget:
+            victim = max(self.active, key=lambda r: r.seq)
+            self.active.remove(victim)
+            self.add(victim)
+            self.preemptions += 1
+        box = max((r.width for r in self.active), default=0)
+        while self.pending and len(self.active) < self.max_active:
+            i = bisect.bisect_right(self.pending, (box, float("inf"))) - 1
+            width, _, cand = self.pending[max(i, 0)]
+            new_box = max(box, width)
+            if (len(self.active) + 1) * new_box > budget:
+                break
+            self.pending.pop(max(i, 0))
+            self._admit(cand)
+            box = new_box
+        return list(self.active)
+
+
+class SequentialScheduler(BlockServeScheduler):
+    """One request at a time, in arrival order."""
+
+    def __init__(self, cfg: EngineConfig):
+        super().__init__(cfg, max_active=1)
+
+    def add(self, req: Request) -> None:
+        self.pending.append((req.width, next(self._arrival), req))  # FIFO, not sorted
+
+
+class StaticScheduler(Scheduler):
+    """Fast-dLLM style: fixed groups of B requests in arrival order, run in lock step
+    until the slowest finishes. Finished rows stay in the batch (computed, frozen) and
+    nothing is refilled until the whole group is done."""
+
+    def __init__(self, cfg: EngineConfig):
+        super().__init__(cfg)
+        self.pending: deque = deque()
+        self.done: set = set()
+
+    def add(self, req: Request) -> None:
+        self.pending.append(req)
+
+    def num_pending(self) -> int:
+        return len(self.pending)
+
+    def finish(self, req: Request) -> None:
+        self.done.add(req.request_id)
+        if all(r.request_id in self.done for r in self.active):
+            self.active.clear()
+            self.done.clear()
+
+    def is_frozen(self, req: Request) -> bool:
+        return req.request_id in self.done
+
+    def schedule(self) -> List[Request]:
+        if not self.active:
+            while self.pending and len(self.active) < self.cfg.max_batch_size:
+                self._admit(self.pending.popleft())
+        return list(self.active)
+
+
+def make_scheduler(cfg: EngineConfig) -> Scheduler:
+    return {"blockserve": BlockServeScheduler, "static": StaticScheduler,
+            "sequential": SequentialScheduler}[cfg.scheduler](cfg)

@@ -1,0 +1,58 @@
+"""A request's lifetime state (Request) and what the engine hands back (RequestOutput)."""
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Any, List, Optional
+
+from .config import SamplingParams
+
+
+@dataclass
+class RequestOutput:
+    request_id: Any
+    prompt_token_ids: List[int]
+    token_ids: List[int]
+    finish_reason: str  # "stop" | "length" | "error"
+    text: Optional[str] = None
+    error: Optional[str] = None
+    num_blocks: int = 0
+    num_steps: int = 0
+    latency_s: float = 0.0
+
+
+@dataclass
+class Request:
+    request_id: Any
+    prompt: List[int]
+    params: SamplingParams
+    block_length: int
+    stop_ids: List[int]
+    arrival: float = field(default_factory=time.perf_counter)
+    generated: List[int] = field(default_factory=list)  # committed blocks
+    num_steps: int = 0
+    seq: int = 0  # admission order, for LIFO preemption
+    error: Optional[str] = None
+    noise_seed: Optional[int] = None  # Gumbel seed when temperature > 0
+
+    @property
+    def prompt_len(self) -> int:
+        return len(self.prompt)
+
+    @property
+    def block_index(self) -> int:
+        return len(self.generated) // self.block_length
+
+    @property
+    def num_blocks_needed(self) -> int:
+        return math.ceil(self.params.max_new_tokens / self.block_length)
+
+    @property
+    def width(self) -> int:
+        """Row width while denoising the current block: prompt + committed + one block."""
+        return self.prompt_len + len(self.generated) + self.block_length
+
+    @property
+    def final_width(self) -> int:
+        return self.prompt_len + self.num_blocks_needed * self.block_length
