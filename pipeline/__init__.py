@@ -1,0 +1,37 @@
+"""blockray's data side: Parquet I/O on any fsspec URL, the tokenize/detokenize stages,
+the sorter and the processor API (`build_processor(config)(ds) -> ds`). No torch
+tensors here.
+
+Names are imported lazily so that `import pipeline.sorter` (pure numpy) does not pull in
+Ray or the engine.
+"""
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+_EXPORTS = {
+    "DLLMProcessorConfig": ".config",
+    "DLLMProcessor": ".processor",
+    "build_processor": ".processor",
+    "OUTPUT_COLUMNS": ".processor",
+    "read_prompts": ".reader",
+    "write_results": ".writer",
+    "run_offline": ".run",
+    "StorageOptions": ".storage",
+    "get_filesystem": ".storage",
+    "block_stats": ".summary",
+    "summarize": ".summary",
+    "EngineConfig": "engine.config",
+    "SamplingParams": "engine.config",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'pipeline' has no attribute {name!r}")
+    mod = _EXPORTS[name]
+    module = importlib.import_module(mod, __name__) if mod.startswith(".") else importlib.import_module(mod)
+    return getattr(module, name)
