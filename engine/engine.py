@@ -2,7 +2,13 @@
 out. One `step()` is one block cycle for every active request, whatever its block
 index: rows are left-padded to the batch's bounding box so that every current block
 is the last L columns, and S denoising steps run one forward each for the whole
-batch."""
+batch. With `advance="step"` a request whose block is complete commits it and starts
+the next one at the very next step, and requests join and leave at any step.
+
+Cache memory: with `cache` refresh or persistent, the K/V buffer holds one entry per
+cell of the batch box, so a token budget of N cells costs
+N * 2 * n_layers * n_kv_heads * head_dim * bytes_per_element bytes (LLaDA-8B in bf16:
+N * 512 KiB; a 65,536-cell budget is 32 GiB)."""
 from __future__ import annotations
 
 import itertools
@@ -16,8 +22,9 @@ import torch
 
 from .config import EngineConfig, SamplingParams
 from .decoding import RowParams, propose, select
-from .models import DLLM, KVCache
-from .scheduler import batch_cost, make_scheduler
+from .batch import Batch, relayout
+from .models import DLLM
+from .scheduler import make_scheduler
 from .sequence import Request, RequestOutput
 
 Prompt = Union[str, Sequence[int]]
@@ -70,6 +77,8 @@ class Engine:
         self._lock = threading.Lock()
         self._ids = itertools.count()
         self._in_flight = 0
+        self.batch: Optional[Batch] = None
+        self._grown: set = set()  # rows that committed a block and start their next one
 
     # --- requests -----------------------------------------------------------------
     def add_request(self, prompt: Prompt, params: SamplingParams = SamplingParams(),
@@ -140,7 +149,8 @@ class Engine:
 
     # --- the loop -----------------------------------------------------------------
     def step(self) -> List[RequestOutput]:
-        """One block cycle; returns the requests that finished (including bad ones)."""
+        """One block cycle (`advance="block"`) or one denoising step (`advance="step"`)
+        for every active request; returns the requests that finished, bad ones included."""
         t0 = time.perf_counter()
         with self._lock:
             intake, self._intake = self._intake, []
@@ -149,10 +159,14 @@ class Engine:
                 self._finish(req, "error")
             else:
                 self.scheduler.add(req)
-        rows = self.scheduler.schedule()
-        if rows:
-            self._run_cycle(rows)
-        self.stats.active = len(rows)
+        self._form_batch()
+        if self.batch is not None:
+            self.stats.cycles += 1
+            while True:
+                done = self._denoise()
+                if self.cfg.advance == "step" or bool(done.all()):
+                    break
+            self._commit(done)
         self.stats.pending = self.scheduler.num_pending()
         self.stats.busy_s += time.perf_counter() - t0
         out, self._finished = self._finished, []
@@ -160,104 +174,114 @@ class Engine:
             self._in_flight -= len(out)
         return out
 
-    def _run_cycle(self, rows: List[Request]) -> None:
-        L, S, dev = self.cfg.block_length, self.cfg.steps_per_block, self.device
-        mask_id, shift = self.mcfg.mask_token_id, int(self.mcfg.shift_logits)
-        frozen = [self.scheduler.is_frozen(r) for r in rows]
-        B, W = len(rows), max(r.width for r in rows)
-        self.stats.cycles += 1
-        self.stats.budget_used = batch_cost(rows)
+    def _form_batch(self) -> None:
+        """Admit/preempt, then lay the batch out again if its membership or widths changed."""
+        old = self.batch
+        mid_block = set()
+        if old is not None:
+            mid_block = {id(r) for r, s in zip(old.rows, old.step.tolist()) if s > 0 and id(r) not in self._grown}
+        rows = self.scheduler.schedule(can_preempt=lambda r: id(r) not in mid_block)
+        self.stats.active = len(rows)
+        if not rows:
+            self.batch = None
+            return
+        if old is None or self._grown or [id(r) for r in rows] != [id(r) for r in old.rows]:
+            self.batch = relayout(old, rows, self._grown, [self.scheduler.is_frozen(r) for r in rows],
+                                  mcfg=self.mcfg, block_length=self.cfg.block_length, cache_mode=self.cfg.cache,
+                                  dtype=self.model.dtype, device=self.device)
+            self._grown = set()
+        cost = len(rows) * self.batch.width
+        self.stats.budget_used = cost
         if self.batch_log is not None:
-            self.batch_log.append(BatchRecord([r.request_id for r in rows], W, batch_cost(rows)))
+            self.batch_log.append(BatchRecord([r.request_id for r in rows], self.batch.width, cost))
 
-        ids = torch.full((B, W), self.mcfg.pad_token_id, dtype=torch.long)
-        valid = torch.zeros((B, W), dtype=torch.bool)
-        for i, r in enumerate(rows):
-            block = [self.mcfg.pad_token_id] * L if frozen[i] else [mask_id] * L
-            row = r.prompt + r.generated + block
-            ids[i, W - len(row):] = torch.tensor(row)
-            valid[i, W - len(row):] = True
-        ids, valid = ids.to(dev), valid.to(dev)
-        pos = (valid.long().cumsum(1) - 1).clamp(min=0)
-        mask = self._attention_mask(valid, pos, torch.tensor([r.prompt_len for r in rows], device=dev))
-        rp = RowParams.build([r.params for r in rows], [getattr(r, "noise_seed", None) for r in rows], dev)
-        q = L + shift  # query columns of a block-only step (Dream reads block logits one column early)
-        n_pad = int((~valid).sum())
-        cache = None
-        step_idx = torch.zeros(B, dtype=torch.long, device=dev)
-        steps_taken = torch.zeros(B, dtype=torch.long, device=dev)
-        for s in range(S):
-            is_mask = ids[:, W - L:] == mask_id
-            busy = is_mask.any(1)
-            if not bool(busy.any()):
-                break
-            t0 = time.perf_counter()
-            with torch.inference_mode():
-                if self.cfg.cache == "none" or s == 0:
-                    if self.cfg.cache != "none":
-                        cache = KVCache.empty(self.mcfg, B, W, self.model.dtype, dev)
-                    logits = self.model(ids, pos, mask, cache, 0, logits_last=q)
-                    self._count_forward(B * W, n_pad)
-                else:
-                    logits = self.model(ids[:, -q:], pos[:, -q:], mask[:, :, -q:] if mask.shape[2] > 1 else mask,
-                                        cache, W - q, logits_last=q)
-                    self._count_forward(B * q, 0)
-                logits = logits[:, :L]
-                if dev.type == "cuda":
-                    torch.cuda.synchronize()
-            self.stats.forward_s += time.perf_counter() - t0
-            keys = [None if seed is None else hash((seed, len(r.generated), s)) & (2**62 - 1)
-                    for seed, r in zip(rp.seeds, rows)]
-            x0, conf = propose(logits, rp, keys)
-            sel = select(conf, is_mask, step_idx, rp, L, S)
-            ids[:, W - L:] = torch.where(sel, x0, ids[:, W - L:])
-            steps_taken += busy.long()
-            step_idx += 1
-            self.stats.steps += 1
-        self._commit(rows, frozen, ids[:, W - L:], steps_taken)
-
-    def _attention_mask(self, valid: torch.Tensor, pos: torch.Tensor, prompt_len: torch.Tensor) -> torch.Tensor:
-        """Pad keys are never attended. Block-causal models: the prompt attends to the
-        prompt, block j to the prompt, earlier blocks and itself."""
-        if not self.mcfg.block_causal:
-            return valid[:, None, None, :]
-        seg = torch.where(pos < prompt_len[:, None], 0,
-                          (pos - prompt_len[:, None]) // self.cfg.block_length + 1)
-        return (valid[:, None, :] & (seg[:, None, :] <= seg[:, :, None]))[:, None]
-
-    def _count_forward(self, cells: int, padded: int) -> None:
+    def _denoise(self) -> torch.Tensor:
+        """One forward for the whole batch and one decoding step; returns which rows'
+        current block is complete. With a cache, only columns whose K/V are not final
+        yet are computed and written; the other query columns are padding."""
+        b, L, S = self.batch, self.cfg.block_length, self.cfg.steps_per_block
+        mask_id, shift, W = self.mcfg.mask_token_id, int(self.mcfg.shift_logits), b.width
+        is_mask = b.ids[:, W - L:] == mask_id
+        busy = is_mask.any(1)
+        pos = b.positions()
+        col = torch.arange(W, device=self.device)[None]
+        start = b.start[:, None]
+        t0 = time.perf_counter()
+        with torch.inference_mode():
+            if self.cfg.cache == "none":
+                first, write = 0, col >= start
+                logits = self.model(b.ids, pos, b.mask, logits_last=L + shift)
+                real = write
+            else:
+                fresh = start + b.cached[:, None]  # first column whose K/V must be computed
+                need = torch.minimum(fresh, torch.full_like(fresh, W - L - shift))
+                first = int(need.min())
+                cols = col[:, first:]
+                write, real = cols >= fresh, (cols >= need) & (cols >= start)
+                ids = torch.where(real, b.ids[:, first:], self.mcfg.pad_token_id)
+                mask = b.mask[:, :, first:] if b.mask.shape[2] > 1 else b.mask
+                logits = self.model(ids, pos[:, first:], mask, b.cache, first, logits_last=L + shift,
+                                    write=None if bool(write.all()) else write)
+                b.cached = b.lens - L
+            if self.device.type == "cuda":
+                torch.cuda.synchronize()
+        self.stats.forward_s += time.perf_counter() - t0
+        cells = b.ids.shape[0] * (W - first)
+        n_real = int(real.sum())
         self.stats.forwards += 1
         self.stats.computed_cells += cells
-        self.stats.padded_cells += padded
-        self.stats.forward_tokens += cells
+        self.stats.padded_cells += cells - n_real
+        self.stats.forward_tokens += n_real
+        b.prompt_fwd += (write & (col[:, first:] - start < b.prompt_len[:, None])).sum(1)
 
-    def _commit(self, rows: List[Request], frozen: List[bool], blocks: torch.Tensor, steps_taken: torch.Tensor) -> None:
-        """Append each row's block; evict rows whose block holds a stop token or that
-        reached their last block. Runs once per cycle, not per step."""
-        L = self.cfg.block_length
-        stop_hit = torch.zeros_like(blocks, dtype=torch.bool)
+        rp = self._row_params()
+        keys = None
+        if any(s is not None for s in rp.seeds):
+            keys = [None if seed is None else hash((seed, len(r.generated), st)) & (2**62 - 1)
+                    for seed, r, st in zip(rp.seeds, b.rows, b.step.tolist())]
+        x0, conf = propose(logits[:, :L], rp, keys or [None] * len(b.rows))
+        sel = select(conf, is_mask, b.step, rp, L, S)
+        b.ids[:, W - L:] = torch.where(sel, x0, b.ids[:, W - L:])
+        b.step += 1
+        b.busy_steps += busy.long()
+        self.stats.steps += 1
+        return ~(b.ids[:, W - L:] == mask_id).any(1) | (b.step >= S)
+
+    def _row_params(self) -> RowParams:
+        """Per-row decoding parameters, rebuilt only when the batch is laid out anew."""
+        b = self.batch
+        if getattr(b, "row_params", None) is None:
+            b.row_params = RowParams.build([r.params for r in b.rows], [r.noise_seed for r in b.rows], self.device)
+        return b.row_params
+
+    def _commit(self, done: torch.Tensor) -> None:
+        """Append each completed block; a row whose block holds a stop token, or that
+        reached its last block, leaves. Once per block, not per step."""
+        b, L = self.batch, self.cfg.block_length
+        rows_i = torch.nonzero(done & ~b.frozen).flatten().tolist()
+        if not rows_i:
+            return
+        blocks = b.ids[rows_i, b.width - L:]
+        rows = [b.rows[i] for i in rows_i]
         stops = sorted({t for r in rows for t in r.stop_ids})
+        stop_hit = torch.zeros_like(blocks, dtype=torch.bool)
         if stops:
             table = torch.tensor(stops, device=blocks.device)
-            stop_hit = torch.isin(blocks, table)
-            if any(set(r.stop_ids) != set(stops) for r in rows):  # rows with their own stop sets
-                own = torch.zeros((len(rows), len(stops)), dtype=torch.bool)
-                for i, r in enumerate(rows):
-                    own[i] = torch.tensor([t in r.stop_ids for t in stops])
-                per = (blocks[:, :, None] == table[None, None, :]) & own.to(blocks.device)[:, None, :]
-                stop_hit = per.any(-1)
-        first_stop = torch.where(stop_hit.any(1), stop_hit.float().argmax(1), torch.full_like(blocks[:, 0], -1))
-        for r, fz, blk, fs, st in zip(rows, frozen, blocks.tolist(), first_stop.tolist(), steps_taken.tolist()):
-            if fz:
-                continue
-            r.num_steps += st
+            own = torch.tensor([[t in r.stop_ids for t in stops] for r in rows], device=blocks.device)
+            stop_hit = ((blocks[:, :, None] == table) & own[:, None, :]).any(-1)
+        first_stop = torch.where(stop_hit.any(1), stop_hit.float().argmax(1), -1)
+        for i, r, blk, fs in zip(rows_i, rows, blocks.tolist(), first_stop.tolist()):
+            r.num_steps += int(b.busy_steps[i])
+            r.prompt_forwarded = int(b.prompt_fwd[i])
             n_before = len(r.generated)
             r.generated.extend(blk)
             g = r.params.max_new_tokens
             if fs >= 0 and n_before + fs < g:
                 self._finish(r, "stop", n_before + fs)
             elif fs >= 0 or len(r.generated) >= r.num_blocks_needed * L:
-                self._finish(r, "length", min(g, n_before + fs if fs >= 0 else g))
+                self._finish(r, "length", g)
+            else:
+                self._grown.add(id(r))
 
     def _finish(self, req: Request, reason: str, n_tokens: int = 0) -> None:
         toks = req.generated[:n_tokens] if reason != "error" else []
@@ -271,4 +295,4 @@ class Engine:
         self._finished.append(RequestOutput(
             request_id=req.request_id, prompt_token_ids=req.prompt, token_ids=toks, finish_reason=reason,
             text=text, error=req.error, num_blocks=req.block_index, num_steps=req.num_steps,
-            latency_s=time.perf_counter() - req.arrival))
+            latency_s=time.perf_counter() - req.arrival, prompt_tokens_forwarded=req.prompt_forwarded))

@@ -6,7 +6,7 @@ from __future__ import annotations
 import bisect
 import itertools
 from collections import deque
-from typing import List
+from typing import Callable, List
 
 from .config import EngineConfig
 from .sequence import Request
@@ -27,8 +27,9 @@ class Scheduler:
     def add(self, req: Request) -> None:
         raise NotImplementedError
 
-    def schedule(self) -> List[Request]:
-        """Rows of the next cycle, in a stable order (admission order)."""
+    def schedule(self, can_preempt: Callable[[Request], bool] = lambda r: True) -> List[Request]:
+        """Rows of the next forward, in admission order. Only rows for which
+        `can_preempt` holds (those at a block boundary) may be sent back to the queue."""
         raise NotImplementedError
 
     def finish(self, req: Request) -> None:
@@ -68,10 +69,13 @@ class BlockServeScheduler(Scheduler):
     def num_pending(self) -> int:
         return len(self.pending)
 
-    def schedule(self) -> List[Request]:
+    def schedule(self, can_preempt: Callable[[Request], bool] = lambda r: True) -> List[Request]:
         budget = self.cfg.token_budget
         while len(self.active) > 1 and batch_cost(self.active) > budget:
-            victim = max(self.active, key=lambda r: r.seq)
+            movable = [r for r in self.active[1:] if can_preempt(r)]
+            if not movable:
+                break
+            victim = max(movable, key=lambda r: r.seq)
             self.active.remove(victim)
             self.add(victim)
             self.preemptions += 1
@@ -123,7 +127,7 @@ class StaticScheduler(Scheduler):
     def is_frozen(self, req: Request) -> bool:
         return req.request_id in self.done
 
-    def schedule(self) -> List[Request]:
+    def schedule(self, can_preempt: Callable[[Request], bool] = lambda r: True) -> List[Request]:
         if not self.active:
             while self.pending and len(self.active) < self.cfg.max_batch_size:
                 self._admit(self.pending.popleft())

@@ -20,6 +20,7 @@ class RequestOutput:
     num_blocks: int = 0
     num_steps: int = 0
     latency_s: float = 0.0
+    prompt_tokens_forwarded: int = 0  # how often the prompt was computed (cache accounting)
 
 
 @dataclass
@@ -35,6 +36,7 @@ class Request:
     seq: int = 0  # admission order, for LIFO preemption
     error: Optional[str] = None
     noise_seed: Optional[int] = None  # Gumbel seed when temperature > 0
+    prompt_forwarded: int = 0  # prompt tokens forwarded over the request's life (cache accounting)
 
     @property
     def prompt_len(self) -> int:

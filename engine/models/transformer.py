@@ -55,8 +55,9 @@ class KVCache:
     @classmethod
     def empty(cls, cfg: ModelConfig, batch: int, width: int, dtype: torch.dtype, device) -> "KVCache":
         shape = (batch, cfg.n_kv_heads, width, cfg.head_dim)
-        return cls([torch.empty(shape, dtype=dtype, device=device) for _ in range(cfg.n_layers)],
-                   [torch.empty(shape, dtype=dtype, device=device) for _ in range(cfg.n_layers)])
+        # zeros, not empty: masked-out pad keys must not hold NaN (NaN * 0 poisons attention)
+        return cls([torch.zeros(shape, dtype=dtype, device=device) for _ in range(cfg.n_layers)],
+                   [torch.zeros(shape, dtype=dtype, device=device) for _ in range(cfg.n_layers)])
 
     @property
     def width(self) -> int:
@@ -81,7 +82,8 @@ class Layer(nn.Module):
         self.up = nn.Linear(d, f, bias=b)
         self.down = nn.Linear(f, d, bias=b)
 
-    def forward(self, h, cos, sin, mask, cache: Optional[KVCache], idx: int, offset: int):
+    def forward(self, h, cos, sin, mask, cache: Optional[KVCache], idx: int, offset: int,
+                write: Optional[torch.Tensor] = None):
         B, T, _ = h.shape
         H, Hkv, D = self.cfg.n_heads, self.cfg.n_kv_heads, self.cfg.head_dim
         x = self.attn_norm(h)
@@ -91,8 +93,11 @@ class Layer(nn.Module):
         q = q * cos + _rotate_half(q) * sin
         k = k * cos + _rotate_half(k) * sin
         if cache is not None:
-            cache.k[idx][:, :, offset:offset + T] = k
-            cache.v[idx][:, :, offset:offset + T] = v
+            ck, cv = cache.k[idx][:, :, offset:offset + T], cache.v[idx][:, :, offset:offset + T]
+            if write is not None:  # columns not written keep the K/V already cached
+                k, v = torch.where(write, k, ck), torch.where(write, v, cv)
+            ck.copy_(k)
+            cv.copy_(v)
             k, v = cache.k[idx][:, :, :mask.shape[-1]], cache.v[idx][:, :, :mask.shape[-1]]
         a = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=Hkv != H)
         h = h + self.o(a.transpose(1, 2).reshape(B, T, H * D))
@@ -123,15 +128,18 @@ class DLLM(nn.Module):
 
     def forward(self, ids: torch.Tensor, pos: torch.Tensor, mask: torch.Tensor,
                 cache: Optional[KVCache] = None, offset: int = 0,
-                logits_last: Optional[int] = None) -> torch.Tensor:
+                logits_last: Optional[int] = None, write: Optional[torch.Tensor] = None) -> torch.Tensor:
         """ids/pos [B, T]; mask bool [B, 1, T, K] (True = may attend) where K = T without a
         cache, or the number of cache columns attended with one. With a cache, this
-        forward's K/V land in columns [offset, offset+T). Logits only for the last
+        forward's K/V land in columns [offset, offset+T), only where `write` [B, T] is
+        True when it is given (the other columns are padding or already cached). Logits only for the last
         `logits_last` columns (the LM head over every column is the biggest waste)."""
         h = self.embed(ids)
         cos, sin = rope(pos, self.config.head_dim, self.config.rope_theta, h.dtype)
+        if write is not None:
+            write = write[:, None, :, None]
         for i, layer in enumerate(self.layers):
-            h = layer(h, cos, sin, mask, cache, i, offset)
+            h = layer(h, cos, sin, mask, cache, i, offset, write)
         if logits_last is not None:
             h = h[:, -logits_last:]
         h = self.norm(h)

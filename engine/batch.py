@@ -1,0 +1,120 @@
+"""The mixed-state batch that lives between denoising steps, and its re-layout when
+requests join, leave or start a new block.
+
+Rows are left-padded to the bounding-box width W, so every row's current block is its
+last L columns and position ids count from the row's first real token. A row's K/V
+stay valid across re-layouts: kept rows are moved with one gather over the batch and
+position dimensions, never recomputed."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Dict, List, Optional
+
+import torch
+
+from .models import KVCache, ModelConfig
+from .sequence import Request
+
+
+@dataclass
+class Batch:
+    rows: List[Request]
+    ids: torch.Tensor  # [B, W]
+    lens: torch.Tensor  # [B] row length: prompt + committed + current block
+    prompt_len: torch.Tensor  # [B]
+    cached: torch.Tensor  # [B] leading real tokens whose K/V in `cache` are final
+    step: torch.Tensor  # [B] denoising steps spent on the current block
+    busy_steps: torch.Tensor  # [B] steps of the current block in which the row still had masks
+    prompt_fwd: torch.Tensor  # [B] prompt tokens forwarded so far (accounting)
+    frozen: torch.Tensor  # [B] finished rows a static batch keeps computing
+    cache: Optional[KVCache]
+    mask: torch.Tensor  # attention mask [B, 1, W|1, W]
+
+    @property
+    def width(self) -> int:
+        return self.ids.shape[1]
+
+    @property
+    def start(self) -> torch.Tensor:
+        return self.width - self.lens
+
+    def positions(self) -> torch.Tensor:
+        return (torch.arange(self.width, device=self.ids.device)[None] - self.start[:, None]).clamp(min=0)
+
+
+def attention_mask(lens: torch.Tensor, prompt_len: torch.Tensor, width: int, block_length: int,
+                   block_causal: bool) -> torch.Tensor:
+    """Pad keys are never attended. Block-causal models: the prompt attends to the
+    prompt, block j to the prompt, earlier blocks and itself."""
+    col = torch.arange(width, device=lens.device)[None]
+    valid = col >= (width - lens)[:, None]
+    if not block_causal:
+        return valid[:, None, None, :]
+    pos = (col - (width - lens)[:, None]).clamp(min=0)
+    seg = torch.where(pos < prompt_len[:, None], 0, (pos - prompt_len[:, None]) // block_length + 1)
+    return (valid[:, None, :] & (seg[:, None, :] <= seg[:, :, None]))[:, None]
+
+
+def relayout(old: Optional[Batch], rows: List[Request], grown: set, frozen: List[bool], *,
+             mcfg: ModelConfig, block_length: int, cache_mode: str, dtype: torch.dtype, device) -> Batch:
+    """The batch for `rows`: kept rows are gathered from `old` (shifted to the new box,
+    with their K/V), rows in `grown` committed a block and start the next one (L fresh
+    masks), new rows are built from their tokens. `refresh` recomputes a row's prefix
+    at every block start; `persistent` only ever computes the tokens it has not cached."""
+    L, dev = block_length, device
+    old_index: Dict[int, int] = {id(r): i for i, r in enumerate(old.rows)} if old is not None else {}
+    B = len(rows)
+    src = torch.tensor([old_index.get(id(r), -1) for r in rows], device=dev)
+    kept = src >= 0
+    grew = torch.tensor([id(r) in grown for r in rows], device=dev)
+    lens = torch.tensor([r.width for r in rows], device=dev)
+    if old is not None and bool(kept.any()):
+        s = src.clamp(min=0)
+        old_lens = torch.where(kept, old.lens[s], lens)
+        lens = torch.where(kept, old_lens + grew.long() * L, lens)
+    W = int(lens.max())
+    col = torch.arange(W, device=dev)[None]
+    start = W - lens
+    ids = torch.full((B, W), mcfg.pad_token_id, dtype=torch.long, device=dev)
+    cached = torch.zeros(B, dtype=torch.long, device=dev)
+    step = torch.zeros(B, dtype=torch.long, device=dev)
+    busy = torch.zeros(B, dtype=torch.long, device=dev)
+    fwd = torch.zeros(B, dtype=torch.long, device=dev)
+    src_col = None
+    if bool(kept.any()):
+        s = src.clamp(min=0)
+        # old column c of a kept row lands at c + (new start) - (old start)
+        src_col = (col - start[:, None] + (old.width - old_lens)[:, None]).clamp(0, old.width - 1)
+        moved = old.ids[s].gather(1, src_col)
+        ids = torch.where(kept[:, None] & (col >= start[:, None]), moved, ids)
+        ids[:, W - L:] = torch.where((kept & grew)[:, None], mcfg.mask_token_id, ids[:, W - L:])
+        keep_state = kept & ~grew
+        step = torch.where(keep_state, old.step[s], step)
+        busy = torch.where(keep_state, old.busy_steps[s], busy)
+        fwd = torch.where(kept, old.prompt_fwd[s], fwd)
+        if cache_mode != "none":
+            old_cached = old.cached[s]
+            cached = torch.where(kept & ~grew, old_cached, cached)
+            if cache_mode == "persistent":
+                cached = torch.where(kept & grew, old_cached, cached)
+    for i in torch.nonzero(~kept).flatten().tolist():
+        r = rows[i]
+        ids[i, W - r.width:] = torch.tensor(r.prompt + r.generated + [mcfg.mask_token_id] * L, device=dev)
+        fwd[i] = r.prompt_forwarded
+    frozen_t = torch.tensor(frozen, device=dev, dtype=torch.bool)
+    if bool(frozen_t.any()):  # a frozen row's block holds its last committed tokens: nothing to denoise
+        ids[:, W - L:] = torch.where(frozen_t[:, None] & (ids[:, W - L:] == mcfg.mask_token_id),
+                                     mcfg.pad_token_id, ids[:, W - L:])
+    cache = None
+    if cache_mode != "none":
+        cache = KVCache.empty(mcfg, B, W, dtype, dev)
+        if src_col is not None and bool((cached > 0).any()):
+            idx = src_col[:, None, :, None].expand(B, mcfg.n_kv_heads, W, mcfg.head_dim)
+            s = src.clamp(min=0)
+            for layer in range(mcfg.n_layers):
+                cache.k[layer].copy_(old.cache.k[layer][s].gather(2, idx))
+                cache.v[layer].copy_(old.cache.v[layer][s].gather(2, idx))
+    prompt_len = torch.tensor([r.prompt_len for r in rows], device=dev)
+    return Batch(rows=list(rows), ids=ids, lens=lens, prompt_len=prompt_len, cached=cached, step=step,
+                 busy_steps=busy, prompt_fwd=fwd, frozen=frozen_t, cache=cache,
+                 mask=attention_mask(lens, prompt_len, W, L, mcfg.block_causal))
