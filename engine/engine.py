@@ -159,14 +159,17 @@ class Engine:
                 self._finish(req, "error")
             else:
                 self.scheduler.add(req)
-        self._form_batch()
-        if self.batch is not None:
-            self.stats.cycles += 1
-            while True:
-                done = self._denoise()
-                if self.cfg.advance == "step" or bool(done.all()):
-                    break
-            self._commit(done)
+        try:
+            self._form_batch()
+            if self.batch is not None:
+                self.stats.cycles += 1
+                while True:
+                    done = self._denoise()
+                    if self.cfg.advance == "step" or bool(done.all()):
+                        break
+                self._commit(done)
+        except Exception as e:  # noqa: BLE001 - a failing forward fails its rows, not the engine
+            self._fail_active(e)
         self.stats.pending = self.scheduler.num_pending()
         self.stats.busy_s += time.perf_counter() - t0
         out, self._finished = self._finished, []
@@ -246,6 +249,16 @@ class Engine:
         b.busy_steps += busy.long()
         self.stats.steps += 1
         return ~(b.ids[:, W - L:] == mask_id).any(1) | (b.step >= S)
+
+    def _fail_active(self, exc: Exception) -> None:
+        """The requests being served when the loop raised finish with an error naming it;
+        queued requests are untouched and the engine keeps going."""
+        msg = f"engine failed while serving this request: {type(exc).__name__}: {exc}"
+        for r in list(self.scheduler.active):
+            self.scheduler.remove(r)
+            r.error = msg
+            self._finish(r, "error")
+        self.batch, self._grown = None, set()
 
     def _row_params(self) -> RowParams:
         """Per-row decoding parameters, rebuilt only when the batch is laid out anew."""

@@ -35,6 +35,10 @@ class Scheduler:
     def finish(self, req: Request) -> None:
         self.active.remove(req)
 
+    def remove(self, req: Request) -> None:
+        """Drop a row at once (the engine failed it), whatever the batching policy."""
+        self.active.remove(req)
+
     def num_pending(self) -> int:
         raise NotImplementedError
 
@@ -126,6 +130,12 @@ class StaticScheduler(Scheduler):
 
     def is_frozen(self, req: Request) -> bool:
         return req.request_id in self.done
+
+    def remove(self, req: Request) -> None:
+        self.active.remove(req)
+        self.done.discard(req.request_id)
+        if not self.active:
+            self.done.clear()
 
     def schedule(self, can_preempt: Callable[[Request], bool] = lambda r: True) -> List[Request]:
         if not self.active:

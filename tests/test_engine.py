@@ -230,3 +230,31 @@ def test_loader_sharded_and_errors(tmp_path):
         save_file({k: v for k, v in tensors.items() if k != key}, str(one / "model.safetensors"))
         with pytest.raises(KeyError, match=key.replace(".", r"\.")):
             load_model(one)
+
+
+class PoisonModel(torch.nn.Module):
+    """Raises when a row holds five 0 tokens (only the poison prompt does): stands for
+    any failure inside a forward."""
+
+    def __init__(self, inner):
+        super().__init__()
+        self.inner, self.config = inner, inner.config
+        self.dtype, self.device = inner.dtype, inner.device
+
+    def forward(self, ids, *args, **kw):
+        if bool(((ids == 0).sum(1) >= 5).any()):
+            raise RuntimeError("poisoned batch")
+        return self.inner(ids, *args, **kw)
+
+
+def test_engine_failure_fails_only_the_rows_it_was_serving(model):
+    prompts, params = workload(model.config.model_type, "threshold", n=8, seed=6)
+    cfg = EngineConfig(block_length=L, steps_per_block=L, cache="refresh", token_budget=10_000,
+                       scheduler="sequential")
+    eng = Engine(PoisonModel(model), cfg)
+    outs = eng.generate(prompts[:3] + [[4, 0, 0, 0, 0, 0, 4]] + prompts[3:], params[:3] + [params[0]] + params[3:])
+    assert outs[3].finish_reason == "error" and "poisoned batch" in outs[3].error
+    good = outs[:3] + outs[4:]
+    for o, p, sp in zip(good, prompts, params):
+        assert o.finish_reason != "error" and o.token_ids == alone(model, cfg, p, sp).token_ids
+    assert not eng.has_unfinished()
