@@ -23,7 +23,7 @@ import torch
 from .config import EngineConfig, SamplingParams
 from .decoding import RowParams, propose, select
 from .batch import Batch, relayout
-from .models import DLLM
+from .models import DLLM, KVCache
 from .scheduler import make_scheduler
 from .sequence import Request, RequestOutput
 
@@ -199,43 +199,19 @@ class Engine:
             self.batch_log.append(BatchRecord([r.request_id for r in rows], self.batch.width, cost))
 
     def _denoise(self) -> torch.Tensor:
-        """One forward for the whole batch and one decoding step; returns which rows'
-        current block is complete. With a cache, only columns whose K/V are not final
-        yet are computed and written; the other query columns are padding."""
+        """One denoising step for the whole batch; returns which rows' current block is
+        complete. Rows with a long uncached stretch (just admitted, or refreshing a long
+        prefix) are first brought up to date in a sub-batch of their own, so the batch's
+        forward stays about one block wide instead of padding every row to the longest."""
         b, L, S = self.batch, self.cfg.block_length, self.cfg.steps_per_block
         mask_id, shift, W = self.mcfg.mask_token_id, int(self.mcfg.shift_logits), b.width
         is_mask = b.ids[:, W - L:] == mask_id
         busy = is_mask.any(1)
-        pos = b.positions()
-        col = torch.arange(W, device=self.device)[None]
-        start = b.start[:, None]
-        t0 = time.perf_counter()
-        with torch.inference_mode():
-            if self.cfg.cache == "none":
-                first, write = 0, col >= start
-                logits = self.model(b.ids, pos, b.mask, logits_last=L + shift)
-                real = write
-            else:
-                fresh = start + b.cached[:, None]  # first column whose K/V must be computed
-                need = torch.minimum(fresh, torch.full_like(fresh, W - L - shift))
-                first = int(need.min())
-                cols = col[:, first:]
-                write, real = cols >= fresh, (cols >= need) & (cols >= start)
-                ids = torch.where(real, b.ids[:, first:], self.mcfg.pad_token_id)
-                mask = b.mask[:, :, first:] if b.mask.shape[2] > 1 else b.mask
-                logits = self.model(ids, pos[:, first:], mask, b.cache, first, logits_last=L + shift,
-                                    write=None if bool(write.all()) else write)
-                b.cached = b.lens - L
-            if self.device.type == "cuda":
-                torch.cuda.synchronize()
-        self.stats.forward_s += time.perf_counter() - t0
-        cells = b.ids.shape[0] * (W - first)
-        n_real = int(real.sum())
-        self.stats.forwards += 1
-        self.stats.computed_cells += cells
-        self.stats.padded_cells += cells - n_real
-        self.stats.forward_tokens += n_real
-        b.prompt_fwd += (write & (col[:, first:] - start < b.prompt_len[:, None])).sum(1)
+        if self.cfg.cache != "none":
+            long = b.start + b.cached < W - 2 * L - shift
+            if bool(long.any()) and not bool(long.all()):
+                self._forward(torch.nonzero(long).flatten())
+        logits = self._forward()
 
         rp = self._row_params()
         keys = None
@@ -249,6 +225,51 @@ class Engine:
         b.busy_steps += busy.long()
         self.stats.steps += 1
         return ~(b.ids[:, W - L:] == mask_id).any(1) | (b.step >= S)
+
+    def _forward(self, idx: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Block logits [n, L + shift, V] for the rows `idx` (all rows when None). With a
+        cache only the columns whose K/V are not final are computed and written; the
+        window's other query columns are padding."""
+        b, L, shift, W = self.batch, self.cfg.block_length, int(self.mcfg.shift_logits), self.batch.width
+        rows = (lambda t: t) if idx is None else (lambda t: t[idx])
+        start, ids, pos, mask = rows(b.start)[:, None], rows(b.ids), rows(b.positions()), rows(b.mask)
+        col = torch.arange(W, device=self.device)[None]
+        t0 = time.perf_counter()
+        with torch.inference_mode():
+            if self.cfg.cache == "none":
+                first, write = 0, col >= start
+                real = write
+                logits = self.model(ids, pos, mask, logits_last=L + shift)
+            else:
+                fresh = start + rows(b.cached)[:, None]  # first column whose K/V must be computed
+                need = torch.minimum(fresh, torch.full_like(fresh, W - L - shift))
+                first = int(need.min())
+                cols = col[:, first:]
+                write, real = cols >= fresh, (cols >= need) & (cols >= start)
+                cache = b.cache if idx is None else KVCache([k[idx] for k in b.cache.k], [v[idx] for v in b.cache.v])
+                logits = self.model(torch.where(real, ids[:, first:], self.mcfg.pad_token_id), pos[:, first:],
+                                    mask[:, :, first:] if mask.shape[2] > 1 else mask, cache, first,
+                                    logits_last=L + shift, write=None if bool(write.all()) else write)
+                if idx is None:
+                    b.cached = b.lens - L
+                else:
+                    for dst, src in zip(b.cache.k + b.cache.v, cache.k + cache.v):
+                        dst.index_copy_(0, idx, src)
+                    b.cached[idx] = b.lens[idx] - L
+            if self.device.type == "cuda":
+                torch.cuda.synchronize()
+        self.stats.forward_s += time.perf_counter() - t0
+        cells, n_real = ids.shape[0] * (W - first), int(real.sum())
+        self.stats.forwards += 1
+        self.stats.computed_cells += cells
+        self.stats.padded_cells += cells - n_real
+        self.stats.forward_tokens += n_real
+        fwd = (write & (col[:, first:] - start < rows(b.prompt_len)[:, None])).sum(1)
+        if idx is None:
+            b.prompt_fwd += fwd
+        else:
+            b.prompt_fwd.index_add_(0, idx, fwd)
+        return logits
 
     def _fail_active(self, exc: Exception) -> None:
         """The requests being served when the loop raised finish with an error naming it;

@@ -1,0 +1,115 @@
+"""A fault-injecting HTTP proxy on loopback, in front of a real S3 endpoint (moto_server):
+it forwards every request unchanged but answers a chosen share of them itself with the
+errors S3 really returns under load (500 InternalError, 503 SlowDown), and delays some.
+
+Deterministic: fault i is decided by a seeded RNG over the request count, so a failing
+test replays the same faults."""
+from __future__ import annotations
+
+import http.client
+import random
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Optional
+from urllib.parse import urlsplit
+
+_ERRORS = [(500, "InternalError", "We encountered an internal error. Please try again."),
+           (503, "SlowDown", "Please reduce your request rate.")]
+
+
+class FaultProxy:
+    def __init__(self, upstream: str, fail_rate: float = 0.2, delay_rate: float = 0.05, delay_s: float = 0.5,
+                 seed: int = 0, max_consecutive: int = 2):
+        u = urlsplit(upstream)
+        self.upstream = (u.hostname, u.port)
+        self.fail_rate, self.delay_rate, self.delay_s = fail_rate, delay_rate, delay_s
+        self.max_consecutive = max_consecutive  # so a client with a few retries always gets through
+        self.rng = random.Random(seed)
+        self.lock = threading.Lock()
+        self.requests = self.faults = self.delays = 0
+        self._streak = 0
+        self.enabled = True
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), self._handler())
+        self.server.daemon_threads = True
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        self._thread: Optional[threading.Thread] = None
+
+    def _decide(self):
+        with self.lock:
+            self.requests += 1
+            if not self.enabled:
+                return None, False
+            fail = self._streak < self.max_consecutive and self.rng.random() < self.fail_rate
+            self._streak = self._streak + 1 if fail else 0
+            delay = not fail and self.rng.random() < self.delay_rate
+            self.faults += fail
+            self.delays += delay
+            return (self.rng.choice(_ERRORS) if fail else None), delay
+
+    def _handler(self):
+        proxy = self
+
+        class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, *args):  # quiet
+                pass
+
+            def _body(self) -> bytes:
+                if self.headers.get("Transfer-Encoding", "").lower() == "chunked":
+                    out = b""
+                    while True:
+                        size = int(self.rfile.readline().strip().split(b";")[0], 16)
+                        if size == 0:
+                            self.rfile.readline()
+                            return out
+                        out += self.rfile.read(size)
+                        self.rfile.readline()
+                return self.rfile.read(int(self.headers.get("Content-Length") or 0))
+
+            def _serve(self):
+                body = self._body()
+                error, delay = proxy._decide()
+                if delay:
+                    time.sleep(proxy.delay_s)
+                if error is not None:
+                    status, code, msg = error
+                    payload = (f'<?xml version="1.0" encoding="UTF-8"?><Error><Code>{code}</Code>'
+                               f"<Message>{msg}</Message></Error>").encode()
+                    self.send_response(status)
+                    self.send_header("Content-Type", "application/xml")
+                    self.send_header("Content-Length", str(len(payload)))
+                    self.end_headers()
+                    if self.command != "HEAD":
+                        self.wfile.write(payload)
+                    return
+                conn = http.client.HTTPConnection(*proxy.upstream, timeout=60)
+                headers = {k: v for k, v in self.headers.items() if k.lower() != "transfer-encoding"}
+                if body or self.command in ("PUT", "POST"):
+                    headers["Content-Length"] = str(len(body))
+                conn.request(self.command, self.path, body=body or None, headers=headers)
+                resp = conn.getresponse()
+                data = resp.read()
+                self.send_response(resp.status)
+                for k, v in resp.getheaders():
+                    if k.lower() not in ("transfer-encoding", "content-length", "connection"):
+                        self.send_header(k, v)
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                if self.command != "HEAD":
+                    self.wfile.write(data)
+                conn.close()
+
+            do_GET = do_PUT = do_POST = do_DELETE = do_HEAD = _serve
+
+        return Handler
+
+    def __enter__(self) -> "FaultProxy":
+        self._thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.server.shutdown()
+        self.server.server_close()
