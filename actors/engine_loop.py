@@ -1,0 +1,106 @@
+"""Drive one Engine from a background thread and hand results back as futures.
+
+Why a thread: `Engine.step()` is a blocking torch call (one whole block cycle). Running
+it off the actor's asyncio loop lets every batch in flight keep adding requests while a
+cycle runs, so the engine's pending queue is refilled before it drains; each caller just
+awaits the futures of its own rows.
+"""
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+import threading
+import traceback
+from typing import Any, Callable, Dict, List, Optional, Sequence
+
+from engine import Engine, RequestOutput, SamplingParams
+
+logger = logging.getLogger(__name__)
+
+StepHook = Callable[[Engine, List[RequestOutput]], None]
+
+
+def error_output(request_id: Any, prompt: Sequence[int], message: str) -> RequestOutput:
+    """A RequestOutput for a request the engine never returned (it crashed or refused it)."""
+    return RequestOutput(request_id=request_id, prompt_token_ids=list(prompt), token_ids=[],
+                         finish_reason="error", error=message)
+
+
+class EngineLoop:
+    """Owns the engine thread. `submit` is thread-safe and returns a Future that always
+    resolves to a RequestOutput (never raises), so one bad row never fails a batch."""
+
+    def __init__(self, engine_factory: Callable[[], Engine], on_step: Optional[StepHook] = None,
+                 idle_wait_s: float = 0.5):
+        self._factory = engine_factory
+        self.engine = engine_factory()
+        self._on_step = on_step
+        self._idle_wait_s = idle_wait_s
+        self._futures: Dict[Any, concurrent.futures.Future] = {}
+        self._lock = threading.Lock()
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="dllm-engine-loop", daemon=True)
+        self._thread.start()
+
+    def submit(self, prompt: Sequence[int], params: SamplingParams, request_id: Any) -> concurrent.futures.Future:
+        fut: concurrent.futures.Future = concurrent.futures.Future()
+        with self._lock:
+            if request_id in self._futures:
+                raise ValueError(f"duplicate request id {request_id!r}")
+            self._futures[request_id] = fut
+            engine = self.engine
+        try:
+            engine.add_request(list(prompt), params, request_id=request_id)
+        except Exception as e:  # noqa: BLE001 - the contract says it never raises; be safe anyway
+            self._resolve(error_output(request_id, prompt, f"add_request failed: {type(e).__name__}: {e}"))
+        self._wake.set()
+        return fut
+
+    @property
+    def num_outstanding(self) -> int:
+        with self._lock:
+            return len(self._futures)
+
+    def _resolve(self, out: RequestOutput) -> None:
+        with self._lock:
+            fut = self._futures.pop(out.request_id, None)
+        if fut is not None and not fut.done():
+            fut.set_result(out)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self._wake.clear()
+            engine = self.engine
+            if not engine.has_unfinished():
+                self._wake.wait(self._idle_wait_s)
+                continue
+            try:
+                outs = engine.step()
+            except Exception as e:  # noqa: BLE001 - fail the rows in flight, keep serving
+                self._recover(e)
+                continue
+            for out in outs:
+                self._resolve(out)
+            if self._on_step is not None:
+                try:
+                    self._on_step(engine, outs)
+                except Exception:  # noqa: BLE001 - metrics must never stop generation
+                    logger.exception("engine step hook failed")
+
+    def _recover(self, error: Exception) -> None:
+        """A step raised: its batch state is unknown, so every request in flight gets the
+        error and a fresh engine (same model) takes over."""
+        logger.error("engine step failed; failing in-flight requests:\n%s", traceback.format_exc())
+        message = f"engine step failed: {type(error).__name__}: {error}"
+        with self._lock:
+            failed, self._futures = self._futures, {}
+            self.engine = self._factory()
+        for rid, fut in failed.items():
+            if not fut.done():
+                fut.set_result(error_output(rid, [], message))
+
+    def shutdown(self, timeout: float = 5.0) -> None:
+        self._stop.set()
+        self._wake.set()
+        self._thread.join(timeout)

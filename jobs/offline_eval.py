@@ -1,0 +1,135 @@
+"""Offline evaluation of a diffusion LM over a Parquet prompt set, on Ray.
+
+    # against a running cluster (token auth on: RAY_AUTH_MODE=token)
+    ray job submit --working-dir . -- python jobs/offline_eval.py --input s3://bucket/prompts/ --output s3://bucket/out/
+    # or directly (starts a local Ray unless RAY_ADDRESS / --address names a cluster)
+    python jobs/offline_eval.py                      # embedded tiny model on jobs/data/tiny_eval.parquet
+
+Prints Ray Data's progress while it runs, then one summary (rows, errors, generated
+tokens, tokens/s, wall time, exact match when the input has a reference column), also
+written as summary.json beside the outputs. All logic lives in pipeline/ (run_offline).
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:  # `python jobs/offline_eval.py` puts jobs/, not the repo root, on sys.path
+    sys.path.insert(0, ROOT)
+
+DEFAULT_MODEL = os.path.join(ROOT, "engine", "assets", "tiny-dllm")
+DEFAULT_INPUT = os.path.join(ROOT, "jobs", "data", "tiny_eval.parquet")
+DEFAULT_OUTPUT_ROOT = os.path.join(ROOT, "out", "offline_eval")
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    io = p.add_argument_group("data")
+    io.add_argument("--input", nargs="+", default=[DEFAULT_INPUT], help="Parquet file(s)/folder(s): local path, s3://, any fsspec URL")
+    io.add_argument("--output", default=None, help="output folder (local or s3://…); default out/offline_eval/<time>")
+    io.add_argument("--overwrite", action="store_true", help="replace results already at --output")
+    io.add_argument("--limit", type=int, default=None, help="first N rows of the input (file order)")
+    io.add_argument("--id-column", default="id")
+    io.add_argument("--prompt-column", default="prompt")
+    io.add_argument("--messages-column", default="messages")
+    io.add_argument("--reference-column", default="reference", help="scored by exact match when present")
+    io.add_argument("--apply-chat-template", action="store_true", help="render --messages-column with the tokenizer's template")
+    io.add_argument("--rows-per-file", type=int, default=256, help="rows bundled per output file (0: one file per batch)")
+    s3 = p.add_argument_group("object storage (default: AWS_* environment variables)")
+    s3.add_argument("--endpoint-url", default=None)
+    s3.add_argument("--region", default=None)
+    s3.add_argument("--access-key-id", default=None)
+    s3.add_argument("--secret-access-key", default=None)
+    m = p.add_argument_group("model and engines")
+    m.add_argument("--model", default=DEFAULT_MODEL, help="local HF-style model directory")
+    m.add_argument("--num-engines", type=int, default=None, help="engine actors (default: GPUs in the cluster, else 2)")
+    m.add_argument("--batch-size", type=int, default=16, help="rows per batch sent to an engine")
+    m.add_argument("--max-concurrent-batches", type=int, default=4, help="batches in flight per engine")
+    m.add_argument("--dtype", default="auto")
+    m.add_argument("--num-cpus-per-engine", type=float, default=None)
+    m.add_argument("--num-gpus-per-engine", type=float, default=None)
+    e = p.add_argument_group("engine (default: the model's blockray.json, else EngineConfig's)")
+    e.add_argument("--block-length", type=int)
+    e.add_argument("--steps-per-block", type=int)
+    e.add_argument("--cache", choices=["none", "refresh", "persistent"])
+    e.add_argument("--token-budget", type=int)
+    e.add_argument("--scheduler", choices=["blockserve", "static", "sequential"])
+    e.add_argument("--max-batch-size", type=int)
+    e.add_argument("--advance", choices=["block", "step"])
+    d = p.add_argument_group("sampling (default: the model's blockray.json, else SamplingParams')")
+    d.add_argument("--max-new-tokens", type=int)
+    d.add_argument("--policy", choices=["fixed", "threshold", "factor"])
+    d.add_argument("--threshold", type=float)
+    d.add_argument("--factor", type=float)
+    d.add_argument("--temperature", type=float)
+    d.add_argument("--seed", type=int)
+    r = p.add_argument_group("ray")
+    r.add_argument("--address", default=None, help="cluster to join (default: $RAY_ADDRESS, else start a local Ray)")
+    r.add_argument("--num-cpus", type=int, default=None, help="CPUs of a local Ray")
+    return p.parse_args(argv)
+
+
+def build_config(args: argparse.Namespace, num_gpus_in_cluster: float):
+    from pipeline.config import DLLMProcessorConfig, model_settings, split_settings
+    from engine.config import EngineConfig, SamplingParams
+
+    eng_kw, smp_kw = split_settings(model_settings(args.model))
+    for f in dataclasses.fields(EngineConfig):
+        if getattr(args, f.name, None) is not None:
+            eng_kw[f.name] = getattr(args, f.name)
+    for f in dataclasses.fields(SamplingParams):
+        if getattr(args, f.name, None) is not None:
+            smp_kw[f.name] = getattr(args, f.name)
+    num_engines = args.num_engines or (int(num_gpus_in_cluster) if num_gpus_in_cluster >= 1 else 2)
+    return DLLMProcessorConfig(
+        model=args.model, num_engines=num_engines, batch_size=args.batch_size,
+        max_concurrent_batches=args.max_concurrent_batches, engine=EngineConfig(**eng_kw),
+        sampling=SamplingParams(**smp_kw), prompt_column=args.prompt_column, messages_column=args.messages_column,
+        apply_chat_template=args.apply_chat_template, dtype=args.dtype,
+        num_cpus_per_engine=args.num_cpus_per_engine, num_gpus_per_engine=args.num_gpus_per_engine)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    import ray
+
+    from pipeline.run import run_offline
+    from pipeline.storage import StorageOptions
+    from pipeline.summary import format_summary
+
+    if not os.path.isfile(os.path.join(args.model, "config.json")):
+        print(f"error: no model at {args.model} (config.json missing); pass --model DIR", file=sys.stderr)
+        return 2
+    output = args.output or os.path.join(DEFAULT_OUTPUT_ROOT, time.strftime("%Y%m%d-%H%M%S"))
+    address = args.address or os.environ.get("RAY_ADDRESS")
+    if address:
+        ray.init(address=address)
+    else:  # address="local": never join a stale cluster left in /tmp/ray
+        ray.init(address="local", num_cpus=args.num_cpus, include_dashboard=False,
+                 runtime_env={"env_vars": {"PYTHONPATH": os.pathsep.join(
+                     [ROOT] + [x for x in os.environ.get("PYTHONPATH", "").split(os.pathsep) if x])}})
+    try:
+        config = build_config(args, ray.cluster_resources().get("GPU", 0))
+        storage = StorageOptions(endpoint_url=args.endpoint_url, region=args.region, key=args.access_key_id,
+                                 secret=args.secret_access_key)
+        print(f"blockray offline eval: model={args.model} engines={config.num_engines} "
+              f"engine={dataclasses.asdict(config.engine)} sampling={dataclasses.asdict(config.sampling)}", flush=True)
+        summary = run_offline(args.input if len(args.input) > 1 else args.input[0], output, config, storage=storage,
+                              limit=args.limit, id_column=args.id_column, reference_column=args.reference_column,
+                              overwrite=args.overwrite, rows_per_file=args.rows_per_file or None)
+    finally:
+        ray.shutdown()
+    print("\n=== summary ===")
+    print(format_summary(summary))
+    print("SUMMARY_JSON " + json.dumps({k: summary[k] for k in ("rows", "errors", "generated_tokens", "tokens_per_s",
+                                                              "wall_s", "exact_match", "summary_file")}), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

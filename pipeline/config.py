@@ -1,0 +1,105 @@
+"""DLLMProcessorConfig: everything `build_processor` needs, in one dataclass.
+
+Modelled on `ray.data.llm`'s processor configs: one object names the model, how many
+engines run it, how rows are batched and how each request is decoded; the stages are
+derived from it. Engine and decoding settings are the engine's own dataclasses so
+there is one source of truth for their fields and validation.
+"""
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from typing import Any, Dict, Optional
+
+from engine.config import EngineConfig, SamplingParams
+
+SORT_MODES = ("none", "blendserve")
+
+
+@dataclass
+class DLLMProcessorConfig:
+    """How a processor runs a dLLM over a Dataset.
+
+    Input rows need `prompt_column` (text), or `messages_column` (chat turns, with
+    `apply_chat_template=True`), or `prompt_token_ids_column` (pre-tokenized). A
+    `sampling_column` holding a dict per row overrides fields of `sampling` for that row.
+    """
+
+    model: str  # local Hugging Face style directory (config.json, *.safetensors, tokenizer files)
+    num_engines: int = 1  # engine actors; one GPU each when the cluster has GPUs
+    batch_size: int = 16  # rows per map_batches call into an engine actor
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    # Batches one engine actor works on at once; > 1 keeps its queue fed across batch
+    # boundaries (the engine admits rows of the next batch while the last one finishes).
+    max_concurrent_batches: int = 4
+    # Columns.
+    prompt_column: str = "prompt"
+    messages_column: str = "messages"
+    prompt_token_ids_column: str = "prompt_token_ids"
+    sampling_column: str = "sampling_params"
+    # Stages.
+    apply_chat_template: bool = False
+    chat_template: Optional[str] = None  # overrides the tokenizer's template
+    add_special_tokens: bool = False  # as Engine does for text prompts: the template carries BOS
+    detokenize: bool = True
+    skip_special_tokens: bool = True
+    # Resources. None: 1 GPU per engine when the cluster has GPUs, else CPU.
+    num_gpus_per_engine: Optional[float] = None
+    # None: 1 CPU with a GPU; 0.5 on CPU so that read/tokenize/write tasks still get a
+    # core on small machines (an actor holding every CPU starves the pipeline).
+    num_cpus_per_engine: Optional[float] = None
+    torch_threads: int = 1  # per CPU engine actor
+    dtype: str = "auto"  # "auto": bfloat16 on GPU, float32 on CPU
+    cpu_stage_num_cpus: float = 0.25  # per chat-template / tokenize / detokenize actor
+    cpu_stage_max_actors: int = 1  # each of those stages autoscales from 1 to this many actors
+    # Start sending rows only once every engine has loaded its model (0: as soon as the
+    # first is up). Otherwise the first engine ready takes the early batches and a small
+    # run may never reach the others.
+    wait_for_engines_s: int = 600
+    # Request ordering across engines. "blendserve" will use pipeline/sorter.shard once
+    # it lands; until then only "none" (arrival order) is available.
+    sort: str = "none"
+    # Observability.
+    enable_metrics: bool = True
+    record_batches: bool = False  # keep the engine's per-cycle batch log (tests, debugging)
+
+    def __post_init__(self) -> None:
+        if self.num_engines < 1:
+            raise ValueError("num_engines must be >= 1")
+        if self.batch_size < 1:
+            raise ValueError("batch_size must be >= 1")
+        if self.cpu_stage_max_actors < 1:
+            raise ValueError("cpu_stage_max_actors must be >= 1")
+        if self.max_concurrent_batches < 1:
+            raise ValueError("max_concurrent_batches must be >= 1")
+        if self.sort not in SORT_MODES:
+            raise ValueError(f"sort must be one of {SORT_MODES}, got {self.sort!r}")
+        err = self.sampling.validate()
+        if err:
+            raise ValueError(f"sampling: {err}")
+
+
+MODEL_SETTINGS_FILE = "blockray.json"
+
+
+def model_settings(model: str) -> Dict[str, Any]:
+    """Decoding settings shipped beside a checkpoint (`blockray.json`: block_length,
+    steps_per_block, cache, policy, threshold, max_new_tokens…), or {} when absent.
+    The settings a model was trained for are better defaults than generic ones."""
+    path = os.path.join(model, MODEL_SETTINGS_FILE)
+    if not os.path.isfile(path):
+        return {}
+    with open(path) as f:
+        return json.load(f)
+
+
+def split_settings(settings: Dict[str, Any]) -> "tuple[Dict[str, Any], Dict[str, Any]]":
+    """({EngineConfig fields}, {SamplingParams fields}) of a flat settings dict; other
+    keys are ignored."""
+    from dataclasses import fields
+
+    eng = {f.name for f in fields(EngineConfig)}
+    smp = {f.name for f in fields(SamplingParams)}
+    return ({k: v for k, v in settings.items() if k in eng}, {k: v for k, v in settings.items() if k in smp})

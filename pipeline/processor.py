@@ -1,0 +1,115 @@
+"""The user-facing processor: `build_processor(config, preprocess=…, postprocess=…)(ds) -> ds`.
+
+Modelled on `ray.data.llm.build_llm_processor`: a processor is a fixed chain of
+`map_batches` stages derived from one config, applied lazily to a Dataset, so it
+composes with whatever the user reads from or writes to. Stages:
+
+    preprocess (user, per row) → [chat template] → tokenize → engine (actor pool)
+    → detokenize → postprocess (user, per row)
+
+Every stage adds columns and keeps the rest, so user columns reach the output as they
+came in (unless postprocess chooses otherwise).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, Optional
+
+import ray
+import ray.data
+
+from .config import DLLMProcessorConfig
+from .stages import PRE_ERROR, TOKEN_IDS, ChatTemplateUDF, DetokenizeUDF, TokenizeUDF
+
+RowFn = Callable[[Dict[str, Any]], Dict[str, Any]]
+
+# Columns the processor adds to every row.
+OUTPUT_COLUMNS = ("generated_text", "generated_token_ids", "num_prompt_tokens", "num_generated_tokens",
+                  "num_blocks", "num_steps", "finish_reason", "error", "engine_rank", "latency_s")
+
+
+def _merge_preprocess(fn: RowFn) -> RowFn:
+    """Preprocess returns the fields it adds or changes; the rest of the row is kept."""
+    def apply(row: Dict[str, Any]) -> Dict[str, Any]:
+        return {**row, **fn(row)}
+
+    return apply
+
+
+def _cluster_has_gpus() -> bool:
+    return ray.is_initialized() and ray.cluster_resources().get("GPU", 0) > 0
+
+
+def _apply_sort(ds: ray.data.Dataset, config: DLLMProcessorConfig) -> ray.data.Dataset:
+    """Hook for the BlendServe-style sorter (pipeline/sorter.py, not integrated yet):
+    it will reorder and shard rows here, after tokenization-independent preprocessing."""
+    if config.sort == "none":
+        return ds
+    raise NotImplementedError(f"sort={config.sort!r} is not integrated yet; use sort='none'")
+
+
+@dataclass
+class DLLMProcessor:
+    config: DLLMProcessorConfig
+    preprocess: Optional[RowFn] = None
+    postprocess: Optional[RowFn] = None
+
+    def engine_resources(self) -> Dict[str, Any]:
+        """num_gpus / num_cpus / device of each engine actor, resolved against the cluster."""
+        cfg = self.config
+        gpus = cfg.num_gpus_per_engine if cfg.num_gpus_per_engine is not None else (
+            1.0 if _cluster_has_gpus() else 0.0)
+        cpus = cfg.num_cpus_per_engine if cfg.num_cpus_per_engine is not None else (1.0 if gpus else 0.5)
+        return {"num_gpus": gpus, "num_cpus": cpus, "device": "cuda" if gpus else "cpu"}
+
+    def __call__(self, ds: ray.data.Dataset) -> ray.data.Dataset:
+        from actors.engine_actor import DLLMEngineActor, new_rank_group  # torch lives in actors/
+
+        cfg = self.config
+        if self.preprocess is not None:
+            ds = ds.map(_merge_preprocess(self.preprocess), num_cpus=cfg.cpu_stage_num_cpus)
+        ds = _apply_sort(ds, cfg)
+        cpu_stage = dict(batch_format="pyarrow", batch_size=cfg.batch_size, num_cpus=cfg.cpu_stage_num_cpus,
+                         udf_modifying_row_count=False,
+                         compute=ray.data.ActorPoolStrategy(min_size=1, max_size=cfg.cpu_stage_max_actors))
+        if cfg.apply_chat_template:
+            ds = ds.map_batches(ChatTemplateUDF, fn_constructor_kwargs=dict(
+                model=cfg.model, messages_column=cfg.messages_column, chat_template=cfg.chat_template), **cpu_stage)
+        ds = ds.map_batches(TokenizeUDF, fn_constructor_kwargs=dict(
+            model=cfg.model, prompt_column=cfg.prompt_column, prompt_token_ids_column=cfg.prompt_token_ids_column,
+            add_special_tokens=cfg.add_special_tokens), **cpu_stage)
+
+        res = self.engine_resources()
+        k = cfg.max_concurrent_batches
+        if cfg.wait_for_engines_s > 0 and ds.context.wait_for_min_actors_s <= 0:
+            # Shared by this dataset's lineage only (not the global DataContext).
+            ds.context.wait_for_min_actors_s = cfg.wait_for_engines_s
+        ds = ds.map_batches(
+            DLLMEngineActor,
+            fn_constructor_kwargs=dict(
+                model=cfg.model, engine=cfg.engine, sampling=cfg.sampling, dtype=cfg.dtype, device=res["device"],
+                torch_threads=cfg.torch_threads, rank_group=new_rank_group(), enable_metrics=cfg.enable_metrics,
+                record_batches=cfg.record_batches, token_ids_column=TOKEN_IDS,
+                sampling_column=cfg.sampling_column, error_column=PRE_ERROR),
+            # k calls in flight per actor, all feeding its one engine (see actors/engine_actor.py).
+            compute=ray.data.ActorPoolStrategy(size=cfg.num_engines, max_tasks_in_flight_per_actor=k,
+                                               max_concurrent_calls_per_actor=k),
+            batch_size=cfg.batch_size, batch_format="pyarrow", num_cpus=res["num_cpus"],
+            num_gpus=res["num_gpus"] or None, udf_modifying_row_count=False,
+        )
+        ds = ds.map_batches(DetokenizeUDF, fn_constructor_kwargs=dict(
+            model=cfg.model, detokenize=cfg.detokenize, skip_special_tokens=cfg.skip_special_tokens), **cpu_stage)
+        if self.postprocess is not None:
+            ds = ds.map(self.postprocess, num_cpus=cfg.cpu_stage_num_cpus)
+        return ds
+
+
+def build_processor(config: DLLMProcessorConfig, preprocess: Optional[RowFn] = None,
+                    postprocess: Optional[RowFn] = None) -> DLLMProcessor:
+    """A callable that maps a Dataset of prompts to a Dataset of generations.
+
+    `preprocess(row) -> dict` runs first and its fields are merged into the row (e.g.
+    build `prompt` from other columns, or set a per-row `sampling_params` dict).
+    `postprocess(row) -> dict` runs last and its result *is* the output row.
+    """
+    return DLLMProcessor(config, preprocess, postprocess)

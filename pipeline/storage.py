@@ -1,0 +1,97 @@
+"""Where data lives: one fsspec filesystem for any URL (local path, file://, s3://, gs://…).
+
+Why explicit options instead of leaving it to botocore: the filesystem object is pickled
+to Ray read/write tasks on other nodes, so endpoint and credentials resolved once on the
+driver (from arguments, then the usual AWS_* environment variables) travel with it and
+every task talks to the same endpoint, whatever its own environment says.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Any, Dict, Mapping, Optional, Tuple
+
+import fsspec
+
+_S3_PROTOCOLS = ("s3", "s3a", "s3n")
+
+
+@dataclass
+class StorageOptions:
+    """Object-storage settings; None fields fall back to the environment
+    (AWS_ENDPOINT_URL_S3 / AWS_ENDPOINT_URL, AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY,
+    AWS_SESSION_TOKEN, AWS_DEFAULT_REGION / AWS_REGION). `extra` goes to the fsspec
+    filesystem constructor unchanged (e.g. gcsfs `token=`)."""
+
+    endpoint_url: Optional[str] = None
+    key: Optional[str] = None
+    secret: Optional[str] = None
+    token: Optional[str] = None
+    region: Optional[str] = None
+    anon: bool = False
+    extra: Dict[str, Any] = field(default_factory=dict)
+
+    def resolved(self, environ: Optional[Mapping[str, str]] = None) -> "StorageOptions":
+        """A copy with every unset field filled from the environment."""
+        env = os.environ if environ is None else environ
+        return StorageOptions(
+            endpoint_url=self.endpoint_url or env.get("AWS_ENDPOINT_URL_S3") or env.get("AWS_ENDPOINT_URL"),
+            key=self.key or env.get("AWS_ACCESS_KEY_ID"),
+            secret=self.secret or env.get("AWS_SECRET_ACCESS_KEY"),
+            token=self.token or env.get("AWS_SESSION_TOKEN"),
+            region=self.region or env.get("AWS_DEFAULT_REGION") or env.get("AWS_REGION"),
+            anon=self.anon,
+            extra=dict(self.extra),
+        )
+
+    def fsspec_kwargs(self, protocol: str) -> Dict[str, Any]:
+        """Constructor kwargs for the fsspec filesystem of `protocol`."""
+        if protocol not in _S3_PROTOCOLS:
+            return dict(self.extra)
+        opts = self.resolved()
+        kw: Dict[str, Any] = {}
+        if opts.anon:
+            kw["anon"] = True
+        else:
+            if opts.key:
+                kw["key"] = opts.key
+            if opts.secret:
+                kw["secret"] = opts.secret
+            if opts.token:
+                kw["token"] = opts.token
+        if opts.endpoint_url:
+            kw["endpoint_url"] = opts.endpoint_url
+        if opts.region:
+            kw["client_kwargs"] = {"region_name": opts.region}
+        kw.update(opts.extra)
+        return kw
+
+
+def protocol_of(url: str) -> str:
+    """'s3' for s3://bucket/key, 'file' for plain paths."""
+    return url.split("://", 1)[0] if "://" in url else "file"
+
+
+def get_filesystem(url: str, options: Optional[StorageOptions] = None) -> Tuple[fsspec.AbstractFileSystem, str]:
+    """(filesystem, path inside it) for `url`. Instances are not cached so that
+    a test which restarts its S3 endpoint never gets a stale client."""
+    options = options or StorageOptions()
+    protocol = protocol_of(url)
+    kwargs = options.fsspec_kwargs(protocol)
+    if protocol == "file":
+        url = os.path.abspath(url.split("://", 1)[-1])
+    fs, path = fsspec.core.url_to_fs(url, skip_instance_cache=True, **kwargs)
+    return fs, path
+
+
+def join(base: str, *parts: str) -> str:
+    """Join path parts with '/', the separator of every fsspec filesystem."""
+    out = base.rstrip("/")
+    for p in parts:
+        out = f"{out}/{p.strip('/')}"
+    return out
+
+
+def full_url(fs: fsspec.AbstractFileSystem, path: str) -> str:
+    """The URL a user would type for `path` on `fs` (for logs and summaries)."""
+    return fs.unstrip_protocol(path)

@@ -1,0 +1,157 @@
+"""Stream result blocks to Parquet files (local or any fsspec URL), each file complete or absent.
+
+Why a Datasink of our own: Ray's Parquet writer opens the final name and fills it, so
+a reader listing the folder mid-run (or after a crash) can see a truncated file. Here
+every write task writes its file under `<output>/_tmp/` (a prefix Parquet readers skip)
+and then moves it to `<output>/part-<run>-<task>.parquet`: a rename on local disks, a
+server-side copy of a fully uploaded object on S3. Write tasks run as blocks arrive,
+so results land while the engines are still generating.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import uuid
+from typing import Any, Callable, Dict, Iterable, List, Optional
+
+import fsspec
+import pyarrow as pa
+import pyarrow.parquet as pq
+from ray.data.block import Block, BlockAccessor
+from ray.data.datasource import Datasink
+from ray.data.datasource.datasink import WriteResult
+
+from .storage import StorageOptions, get_filesystem, join
+
+logger = logging.getLogger(__name__)
+
+TMP_DIR = "_tmp"
+StatsFn = Callable[[pa.Table], Dict[str, Any]]
+
+
+class OutputExistsError(FileExistsError):
+    """The output location already holds result files and overwrite was not asked for."""
+
+
+def atomic_write_bytes(fs: fsspec.AbstractFileSystem, path: str, data: bytes) -> None:
+    """Write `data` to `path` so that readers see all of it or nothing."""
+    parent = path.rsplit("/", 1)[0]
+    tmp_dir = join(parent, TMP_DIR)
+    fs.makedirs(tmp_dir, exist_ok=True)  # a real folder on local disks, a no-op on object stores
+    tmp = join(tmp_dir, f"{uuid.uuid4().hex}-{path.rsplit('/', 1)[-1]}")
+    with fs.open(tmp, "wb") as fh:
+        fh.write(data)
+    fs.mv(tmp, path)
+
+
+def atomic_write_table(fs: fsspec.AbstractFileSystem, path: str, table: pa.Table,
+                       compression: str = "zstd") -> None:
+    """Write `table` as one Parquet file at `path`, via a temporary name."""
+    sink = pa.BufferOutputStream()
+    pq.write_table(table, sink, compression=compression)
+    atomic_write_bytes(fs, path, sink.getvalue().to_pybytes())
+
+
+def prepare_output(fs: fsspec.AbstractFileSystem, path: str, overwrite: bool = False) -> None:
+    """Create the output location; refuse (or, with `overwrite`, remove) the result files
+    of an earlier run (`*.parquet` and summary.json directly in it, and `_tmp/`), so that
+    a folder never mixes two runs. Nothing else in it is touched."""
+    if fs.exists(path):
+        old = [p for p in fs.ls(path, detail=False)
+               if p.rstrip("/").endswith((".parquet", "/summary.json"))]
+        if old and not overwrite:
+            raise OutputExistsError(f"{fs.unstrip_protocol(path)} already holds {len(old)} result file(s); "
+                                    "pass overwrite=True (--overwrite) or choose another output")
+        if overwrite:
+            for p in old:
+                fs.rm(p)
+            tmp = join(path, TMP_DIR)
+            if fs.exists(tmp):
+                fs.rm(tmp, recursive=True)
+    try:
+        fs.makedirs(path, exist_ok=True)  # on S3 this creates the bucket when it is missing
+    except Exception as e:  # noqa: BLE001 - a bucket we may not create may still accept writes
+        logger.debug("makedirs(%s) failed: %s", path, e)
+
+
+class AtomicParquetDatasink(Datasink[Dict[str, Any]]):
+    """One Parquet file per write task; each task returns `stats_fn(table)` plus its file
+    name and row count, so the driver can summarise a run without reading outputs back."""
+
+    def __init__(self, fs: fsspec.AbstractFileSystem, path: str, *, stats_fn: Optional[StatsFn] = None,
+                 rows_per_file: Optional[int] = None, compression: str = "zstd"):
+        self.fs = fs
+        self.path = path.rstrip("/")
+        self.stats_fn = stats_fn
+        self.rows_per_file = rows_per_file
+        self.compression = compression
+        self.run_id = uuid.uuid4().hex[:8]
+        self.result: Optional[WriteResult] = None
+
+    def write(self, blocks: Iterable[Block], ctx) -> Dict[str, Any]:
+        tables = [BlockAccessor.for_block(b).to_arrow() for b in blocks]
+        tables = [t for t in tables if t.num_rows]
+        if not tables:
+            return {"file": None, "rows": 0}
+        table = pa.concat_tables(tables, promote_options="permissive")
+        name = f"part-{self.run_id}-{ctx.task_idx:06d}.parquet"
+        atomic_write_table(self.fs, join(self.path, name), table, self.compression)
+        out = {"file": name, "rows": table.num_rows}
+        if self.stats_fn is not None:
+            out.update(self.stats_fn(table))
+        return out
+
+    def on_write_complete(self, write_result: WriteResult) -> None:
+        self.result = write_result
+        remove_empty_tmp(self.fs, self.path)
+
+    def on_write_failed(self, error: Exception) -> None:
+        remove_empty_tmp(self.fs, self.path)
+
+    @property
+    def write_returns(self) -> List[Dict[str, Any]]:
+        return [r for r in (self.result.write_returns if self.result else []) if r.get("rows")]
+
+    @property
+    def min_rows_per_write(self) -> Optional[int]:
+        return self.rows_per_file
+
+
+def write_results(ds, output: str, *, storage: Optional[StorageOptions] = None, stats_fn: Optional[StatsFn] = None,
+                  rows_per_file: Optional[int] = None, overwrite: bool = False,
+                  num_cpus: float = 0.25) -> AtomicParquetDatasink:
+    """Execute `ds` and stream its rows to Parquet under `output`; returns the sink, whose
+    `write_returns` hold one stats dict per file written."""
+    fs, path = get_filesystem(output, storage)
+    prepare_output(fs, path, overwrite=overwrite)
+    sink = AtomicParquetDatasink(fs, path, stats_fn=stats_fn, rows_per_file=rows_per_file)
+    ds.write_datasink(sink, ray_remote_args={"num_cpus": num_cpus})
+    return sink
+
+
+def remove_empty_tmp(fs: fsspec.AbstractFileSystem, path: str) -> None:
+    """Drop `<path>/_tmp` once nothing writes there (local disks; object stores have no folders)."""
+    tmp = join(path, TMP_DIR)
+    try:
+        if fs.isdir(tmp) and not fs.find(tmp):
+            fs.rm(tmp, recursive=True)
+    except Exception as e:  # noqa: BLE001 - cleanup only
+        logger.debug("could not remove %s: %s", tmp, e)
+
+
+def _json_default(value: Any) -> Any:
+    """numpy scalars (Ray's counts) as plain numbers."""
+    if hasattr(value, "item"):
+        return value.item()
+    raise TypeError(f"{type(value).__name__} is not JSON serializable")
+
+
+def write_json(output: str, name: str, obj: Any, storage: Optional[StorageOptions] = None) -> str:
+    """Atomically write `obj` as JSON to `<output>/<name>`; returns its URL. Call it
+    after the run's writes have finished (it removes the shared `_tmp` folder)."""
+    fs, path = get_filesystem(output, storage)
+    target = join(path, name)
+    text = json.dumps(obj, indent=2, sort_keys=True, default=_json_default) + "\n"
+    atomic_write_bytes(fs, target, text.encode())
+    remove_empty_tmp(fs, path)
+    return fs.unstrip_protocol(target)

@@ -1,0 +1,110 @@
+"""Shared fixtures for the Ray-side tests: a random tiny checkpoint with the tiny char
+tokenizer, one in-process Ray for the session, and a real S3 endpoint on loopback.
+
+Why session scope: starting Ray or moto costs seconds on a 2-core machine; every test
+that needs them shares one instance, and each is torn down by the process that
+started it (never by process name).
+"""
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+S3_KEY, S3_SECRET, S3_REGION = "testing", "testing", "eu-west-1"  # us-east-1 rejects a LocationConstraint
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def write_tiny_model(path: str, seed: int = 0, **overrides) -> str:
+    """A random tiny LLaDA-style checkpoint (float32) plus the tiny char tokenizer, in the
+    HF layout that engine.load_model and the pipeline's tokenizer loader read."""
+    import torch
+
+    from engine import ModelConfig, build_model, save_model
+    from engine.tiny_tokenizer import save_tokenizer
+
+    ids = save_tokenizer(path)
+    cfg = ModelConfig.tiny("llada", vocab_size=ids["vocab_size"], mask_token_id=ids["mask"],
+                           eos_token_id=ids["eos"], pad_token_id=ids["pad"], **overrides)
+    save_model(build_model(cfg, dtype=torch.float32, seed=seed), path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory) -> str:
+    return write_tiny_model(str(tmp_path_factory.mktemp("tiny-dllm")))
+
+
+@pytest.fixture(scope="session")
+def metrics_port() -> int:
+    return free_port()
+
+
+@pytest.fixture(scope="session")
+def ray_local(metrics_port):
+    """An in-process local Ray (2 CPUs, no dashboard UI) shared by the session; metrics are
+    exported every second on `metrics_port` so the metrics test need not wait long."""
+    import ray
+
+    if ray.is_initialized():
+        ray.shutdown()
+    ctx = ray.init(address="local", num_cpus=2, include_dashboard=False, _metrics_export_port=metrics_port,
+                   _system_config={"metrics_report_interval_ms": 1000}, log_to_driver=False,
+                   runtime_env={"env_vars": {"PYTHONPATH": ROOT}})
+    ray.data.DataContext.get_current().enable_progress_bars = False
+    yield ctx
+    ray.shutdown()
+
+
+@pytest.fixture(scope="session")
+def s3_endpoint():
+    """A real S3 API on loopback: moto_server in a subprocess on a free port; yields
+    its endpoint URL. Terminated by its pid at the end of the session."""
+    port = free_port()
+    exe = os.path.join(os.path.dirname(sys.executable), "moto_server")
+    proc = subprocess.Popen([exe, "-H", "127.0.0.1", "-p", str(port)], stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.time() + 30
+    while True:
+        try:
+            urllib.request.urlopen(url, timeout=1)
+            break
+        except Exception:  # noqa: BLE001 - not up yet
+            if proc.poll() is not None or time.time() > deadline:
+                proc.kill()
+                raise RuntimeError("moto_server did not start")
+            time.sleep(0.2)
+    yield url
+    proc.terminate()
+    try:
+        proc.wait(10)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+
+
+@pytest.fixture
+def s3_storage(s3_endpoint):
+    """StorageOptions for the loopback endpoint."""
+    from pipeline.storage import StorageOptions
+
+    return StorageOptions(endpoint_url=s3_endpoint, key=S3_KEY, secret=S3_SECRET, region=S3_REGION)
+
+
+@pytest.fixture
+def s3fs_client(s3_endpoint):
+    import s3fs
+
+    return s3fs.S3FileSystem(key=S3_KEY, secret=S3_SECRET, endpoint_url=s3_endpoint,
+                             client_kwargs={"region_name": S3_REGION}, skip_instance_cache=True)
