@@ -316,6 +316,8 @@ class Engine:
                 self._finish(r, "length", g)
             else:
                 self._grown.add(id(r))
+                continue
+            b.frozen[i] = self.scheduler.is_frozen(r)  # a static batch keeps the finished row
 
     def _finish(self, req: Request, reason: str, n_tokens: int = 0) -> None:
         toks = req.generated[:n_tokens] if reason != "error" else []

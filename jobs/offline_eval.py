@@ -33,6 +33,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     io.add_argument("--input", nargs="+", default=[DEFAULT_INPUT], help="Parquet file(s)/folder(s): local path, s3://, any fsspec URL")
     io.add_argument("--output", default=None, help="output folder (local or s3://…); default out/offline_eval/<time>")
     io.add_argument("--overwrite", action="store_true", help="replace results already at --output")
+    io.add_argument("--resume", action=argparse.BooleanOptionalAction, default=True,
+                    help="keep results already at --output and process only the missing ids (default on)")
     io.add_argument("--limit", type=int, default=None, help="first N rows of the input (file order)")
     io.add_argument("--id-column", default="id")
     io.add_argument("--prompt-column", default="prompt")
@@ -71,6 +73,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     r = p.add_argument_group("ray")
     r.add_argument("--address", default=None, help="cluster to join (default: $RAY_ADDRESS, else start a local Ray)")
     r.add_argument("--num-cpus", type=int, default=None, help="CPUs of a local Ray")
+    r.add_argument("--temp-dir", default=None, help="session folder of a local Ray (default Ray's /tmp/ray)")
     return p.parse_args(argv)
 
 
@@ -98,7 +101,7 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     import ray
 
-    from pipeline.run import run_offline
+    from pipeline.run import JobError, preflight, run_offline
     from pipeline.storage import StorageOptions
     from pipeline.summary import format_summary
 
@@ -106,28 +109,40 @@ def main(argv=None) -> int:
         print(f"error: no model at {args.model} (config.json missing); pass --model DIR", file=sys.stderr)
         return 2
     output = args.output or os.path.join(DEFAULT_OUTPUT_ROOT, time.strftime("%Y%m%d-%H%M%S"))
+    storage = StorageOptions(endpoint_url=args.endpoint_url, region=args.region, key=args.access_key_id,
+                             secret=args.secret_access_key)
+    job_input = args.input if len(args.input) > 1 else args.input[0]
+    try:  # fail fast, before Ray or any engine starts: bad options, input, output or model
+        preflight(job_input, output, build_config(args, 0), storage=storage, limit=args.limit,
+                  id_column=args.id_column, overwrite=args.overwrite, resume=args.resume)
+    except (JobError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        return 2
     address = args.address or os.environ.get("RAY_ADDRESS")
     if address:
         ray.init(address=address)
     else:  # address="local": never join a stale cluster left in /tmp/ray
-        ray.init(address="local", num_cpus=args.num_cpus, include_dashboard=False,
+        ray.init(address="local", num_cpus=args.num_cpus, include_dashboard=False, _temp_dir=args.temp_dir,
                  runtime_env={"env_vars": {"PYTHONPATH": os.pathsep.join(
                      [ROOT] + [x for x in os.environ.get("PYTHONPATH", "").split(os.pathsep) if x])}})
     try:
         config = build_config(args, ray.cluster_resources().get("GPU", 0))
-        storage = StorageOptions(endpoint_url=args.endpoint_url, region=args.region, key=args.access_key_id,
-                                 secret=args.secret_access_key)
         print(f"blockray offline eval: model={args.model} engines={config.num_engines} "
               f"engine={dataclasses.asdict(config.engine)} sampling={dataclasses.asdict(config.sampling)}", flush=True)
-        summary = run_offline(args.input if len(args.input) > 1 else args.input[0], output, config, storage=storage,
+        summary = run_offline(job_input, output, config, storage=storage,
                               limit=args.limit, id_column=args.id_column, reference_column=args.reference_column,
-                              overwrite=args.overwrite, rows_per_file=args.rows_per_file or None)
+                              overwrite=args.overwrite, resume=args.resume,
+                              rows_per_file=args.rows_per_file or None)
+    except JobError as e:
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        return 2
     finally:
         ray.shutdown()
     print("\n=== summary ===")
     print(format_summary(summary))
     print("SUMMARY_JSON " + json.dumps({k: summary[k] for k in ("rows", "errors", "generated_tokens", "tokens_per_s",
-                                                              "wall_s", "exact_match", "summary_file")}), flush=True)
+                                                              "wall_s", "exact_match", "rows_skipped",
+                                                              "rows_processed", "summary_file")}), flush=True)
     return 0
 
 

@@ -58,9 +58,21 @@ class DLLMProcessorConfig:
     # first is up). Otherwise the first engine ready takes the early batches and a small
     # run may never reach the others.
     wait_for_engines_s: int = 600
-    # Request ordering across engines. "blendserve" will use pipeline/sorter.shard once
-    # it lands; until then only "none" (arrival order) is available.
+    # Request ordering across engines. "none": arrival order, rows stream from the reader
+    # to whichever engine is free. "blendserve": tokenize everything first, plan with
+    # pipeline/sorter.shard (balanced estimated cost per engine, each shard ordered by
+    # prompt length) and send each engine its own shard in order (pipeline/sharding.py);
+    # output rows then also carry `shard_rank` and `shard_order`. Not the default: it
+    # materializes the tokenized input before generation starts (no streaming).
     sort: str = "none"
+    # sort="blendserve" only: fit the cost model's cycle constants from the engine's own
+    # timings on `calibration_samples` prompts (an in-process engine on the driver)
+    # instead of the roofline estimate.
+    calibrate: bool = False
+    calibration_samples: int = 16
+    # Engines post their stats (busy_s, padded_cells, ...) per rank after every batch;
+    # read them with `processor.engine_stats()` (tests, benches).
+    collect_engine_stats: bool = False
     # Observability.
     enable_metrics: bool = True
     record_batches: bool = False  # keep the engine's per-cycle batch log (tests, debugging)

@@ -41,11 +41,9 @@ def _cluster_has_gpus() -> bool:
 
 
 def _apply_sort(ds: ray.data.Dataset, config: DLLMProcessorConfig) -> ray.data.Dataset:
-    """Hook for the BlendServe-style sorter (pipeline/sorter.py, not integrated yet):
-    it will reorder and shard rows here, after tokenization-independent preprocessing."""
-    if config.sort == "none":
-        return ds
-    raise NotImplementedError(f"sort={config.sort!r} is not integrated yet; use sort='none'")
+    """Row order before tokenization: unchanged in every mode. sort="blendserve" needs
+    token counts, so it plans and shards after tokenization (`DLLMProcessor.__call__`, pipeline/sharding.py)."""
+    return ds
 
 
 @dataclass
@@ -61,6 +59,11 @@ class DLLMProcessor:
             1.0 if _cluster_has_gpus() else 0.0)
         cpus = cfg.num_cpus_per_engine if cfg.num_cpus_per_engine is not None else (1.0 if gpus else 0.5)
         return {"num_gpus": gpus, "num_cpus": cpus, "device": "cuda" if gpus else "cpu"}
+
+    def engine_stats(self) -> Dict[int, Dict[str, Any]]:
+        """{rank: engine stats} as last posted (config.collect_engine_stats), else {}."""
+        sink = getattr(self, "_stats_sink", None)
+        return ray.get(sink.get.remote()) if sink is not None else {}
 
     def __call__(self, ds: ray.data.Dataset) -> ray.data.Dataset:
         from actors.engine_actor import DLLMEngineActor, new_rank_group  # torch lives in actors/
@@ -81,22 +84,42 @@ class DLLMProcessor:
 
         res = self.engine_resources()
         k = cfg.max_concurrent_batches
-        if cfg.wait_for_engines_s > 0 and ds.context.wait_for_min_actors_s <= 0:
-            # Shared by this dataset's lineage only (not the global DataContext).
-            ds.context.wait_for_min_actors_s = cfg.wait_for_engines_s
-        ds = ds.map_batches(
-            DLLMEngineActor,
-            fn_constructor_kwargs=dict(
-                model=cfg.model, engine=cfg.engine, sampling=cfg.sampling, dtype=cfg.dtype, device=res["device"],
-                torch_threads=cfg.torch_threads, rank_group=new_rank_group(), enable_metrics=cfg.enable_metrics,
-                record_batches=cfg.record_batches, token_ids_column=TOKEN_IDS,
-                sampling_column=cfg.sampling_column, error_column=PRE_ERROR),
-            # k calls in flight per actor, all feeding its one engine (see actors/engine_actor.py).
-            compute=ray.data.ActorPoolStrategy(size=cfg.num_engines, max_tasks_in_flight_per_actor=k,
-                                               max_concurrent_calls_per_actor=k),
-            batch_size=cfg.batch_size, batch_format="pyarrow", num_cpus=res["num_cpus"],
-            num_gpus=res["num_gpus"] or None, udf_modifying_row_count=False,
-        )
+        actor_cls, ctor = DLLMEngineActor, dict(
+            model=cfg.model, engine=cfg.engine, sampling=cfg.sampling, dtype=cfg.dtype, device=res["device"],
+            torch_threads=cfg.torch_threads, enable_metrics=cfg.enable_metrics,
+            record_batches=cfg.record_batches, token_ids_column=TOKEN_IDS,
+            sampling_column=cfg.sampling_column, error_column=PRE_ERROR)
+        if cfg.collect_engine_stats:
+            from .sharding import EngineStatsSink, stats_engine_actor_class
+
+            self._stats_sink = EngineStatsSink.remote()
+            actor_cls, ctor = stats_engine_actor_class(), dict(ctor, stats_sink=self._stats_sink)
+
+        def engines(ds: ray.data.Dataset, size: int, **rank: Any) -> ray.data.Dataset:
+            if cfg.wait_for_engines_s > 0 and ds.context.wait_for_min_actors_s <= 0:
+                # Shared by this dataset's lineage only (not the global DataContext).
+                ds.context.wait_for_min_actors_s = cfg.wait_for_engines_s
+            return ds.map_batches(
+                actor_cls, fn_constructor_kwargs=dict(ctor, **rank),
+                # k calls in flight per actor, all feeding its one engine (see actors/engine_actor.py).
+                compute=ray.data.ActorPoolStrategy(size=size, max_tasks_in_flight_per_actor=k,
+                                                   max_concurrent_calls_per_actor=k),
+                batch_size=cfg.batch_size, batch_format="pyarrow", num_cpus=res["num_cpus"],
+                num_gpus=res["num_gpus"] or None, udf_modifying_row_count=False,
+            )
+
+        if cfg.sort == "blendserve":
+            from .sharding import shard_dataset
+
+            # Eager: materializes the tokenized input and plans (see pipeline/sharding.py).
+            self.sharded = shard_dataset(ds, cfg, res["device"])
+            parts = [engines(rds, 1, rank=r) for r, rds in enumerate(self.sharded.rank_datasets) if rds is not None]
+            if parts:
+                ds = parts[0].union(*parts[1:]) if len(parts) > 1 else parts[0]
+            else:  # empty input: nothing to plan
+                ds = engines(ds, cfg.num_engines, rank_group=new_rank_group())
+        else:
+            ds = engines(ds, cfg.num_engines, rank_group=new_rank_group())
         ds = ds.map_batches(DetokenizeUDF, fn_constructor_kwargs=dict(
             model=cfg.model, detokenize=cfg.detokenize, skip_special_tokens=cfg.skip_special_tokens), **cpu_stage)
         if self.postprocess is not None:

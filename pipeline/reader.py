@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import posixpath
 from dataclasses import dataclass
-from typing import Iterable, List, Optional, Sequence, Tuple, Union
+from typing import FrozenSet, Iterable, List, Optional, Sequence, Tuple, Union
 
 import fsspec
 import pyarrow as pa
@@ -22,6 +22,10 @@ from ray.data.datasource import Datasource, ReadTask
 from .storage import StorageOptions, get_filesystem
 
 PathLike = Union[str, Sequence[str]]
+
+
+class InputError(ValueError):
+    """The input cannot be read (missing, not Parquet, no access): the job fails before any engine work."""
 
 
 def _is_hidden(path: str) -> bool:
@@ -52,11 +56,18 @@ class _FileRef:
     name: str  # relative name, the prefix of derived ids
     size: int
     num_rows: int  # rows to read (all, or fewer when a limit stops inside this file)
+    rows_out: int = -1  # rows it yields: num_rows less the excluded ids
+
+    def __post_init__(self) -> None:
+        if self.rows_out < 0:
+            self.rows_out = self.num_rows
 
 
 def _read_file(fs: fsspec.AbstractFileSystem, ref: _FileRef, id_column: str,
-               columns: Optional[List[str]], rows_per_batch: int) -> Iterable[pa.Table]:
-    """Stream one file's first `ref.num_rows` rows, adding ids when absent."""
+               columns: Optional[List[str]], rows_per_batch: int,
+               exclude_ids: Optional[FrozenSet[str]] = None) -> Iterable[pa.Table]:
+    """Stream one file's first `ref.num_rows` rows, adding ids when absent and dropping
+    rows whose id is in `exclude_ids` (resume: already in the output)."""
     with fs.open(ref.path, "rb") as fh:
         pf = pq.ParquetFile(fh)
         names = pf.schema_arrow.names
@@ -72,6 +83,9 @@ def _read_file(fs: fsspec.AbstractFileSystem, ref: _FileRef, id_column: str,
                 ids = pa.array([f"{ref.name}:{row + i}" for i in range(table.num_rows)], pa.string())
                 table = table.append_column(id_column, ids)
             row += table.num_rows
+            if exclude_ids:
+                keep = pa.array([str(v) not in exclude_ids for v in table.column(id_column).to_pylist()])
+                table = table.filter(keep)
             yield table
             if row >= ref.num_rows:
                 return
@@ -83,29 +97,53 @@ class PromptParquetDatasource(Datasource):
     the reader can cut blocks of a chosen number of rows)."""
 
     def __init__(self, paths: PathLike, storage: Optional[StorageOptions] = None, id_column: str = "id",
-                 columns: Optional[List[str]] = None, limit: Optional[int] = None):
+                 columns: Optional[List[str]] = None, limit: Optional[int] = None,
+                 exclude_ids: Optional[Iterable[str]] = None):
         super().__init__()
         self._fs = None
         self._files: List[_FileRef] = []
+        self.schema: Optional[pa.Schema] = None  # of the first file (job-level column checks)
+        self._exclude = frozenset(str(i) for i in exclude_ids) if exclude_ids else None
+        self.num_excluded = 0
         left = limit
         for url in [paths] if isinstance(paths, str) else list(paths):
-            fs, path = get_filesystem(url, storage)
+            try:
+                fs, path = get_filesystem(url, storage)
+                found = list_parquet_files(fs, path)
+            except Exception as e:  # noqa: BLE001 - one clear message for any unreadable input
+                raise InputError(f"input {url} is not readable: {type(e).__name__}: {e}") from e
             self._fs = self._fs or fs  # one filesystem for all paths (same scheme expected)
-            for p, rel, size in list_parquet_files(fs, path):
+            for p, rel, size in found:
                 if left is not None and left <= 0:
                     break
-                with fs.open(p, "rb") as fh:
-                    n = pq.ParquetFile(fh).metadata.num_rows
-                n = n if left is None else min(n, left)
+                try:
+                    with fs.open(p, "rb") as fh:
+                        pf = pq.ParquetFile(fh)
+                        n = pf.metadata.num_rows
+                        self.schema = self.schema or pf.schema_arrow
+                        n = n if left is None else min(n, left)
+                        skipped = self._count_excluded(pf, rel, n, id_column) if self._exclude else 0
+                except Exception as e:  # noqa: BLE001
+                    raise InputError(f"input file {fs.unstrip_protocol(p)} is not readable Parquet: "
+                                     f"{type(e).__name__}: {e}") from e
                 left = None if left is None else left - n
-                if n:
-                    self._files.append(_FileRef(p, rel, size, n))
+                self.num_excluded += skipped
+                if n - skipped:
+                    self._files.append(_FileRef(p, rel, size, n, n - skipped))
         self._id_column = id_column
         self._columns = columns
 
+    def _count_excluded(self, pf: pq.ParquetFile, rel: str, n: int, id_column: str) -> int:
+        """How many of the first `n` rows of this file have an excluded id."""
+        if id_column in pf.schema_arrow.names:
+            ids = pf.read(columns=[id_column]).column(id_column).to_pylist()[:n]
+            return sum(1 for v in ids if str(v) in self._exclude)
+        return sum(1 for i in range(n) if f"{rel}:{i}" in self._exclude)
+
     @property
     def num_rows(self) -> int:
-        return sum(f.num_rows for f in self._files)
+        """Rows this source yields (after exclusions)."""
+        return sum(f.rows_out for f in self._files)
 
     def estimate_inmemory_data_size(self) -> Optional[int]:
         return sum(f.size for f in self._files) or None
@@ -116,14 +154,14 @@ class PromptParquetDatasource(Datasource):
             return []
         n = max(1, min(parallelism if parallelism > 0 else len(self._files), len(self._files)))
         groups = [self._files[i::n] for i in range(n)]
-        fs, id_column, columns = self._fs, self._id_column, self._columns
+        fs, id_column, columns, exclude = self._fs, self._id_column, self._columns, self._exclude
         tasks = []
         for group in groups:
             def read_fn(group=group) -> Iterable[pa.Table]:
                 for ref in group:
-                    yield from _read_file(fs, ref, id_column, columns, 4096)
+                    yield from _read_file(fs, ref, id_column, columns, 4096, exclude)
 
-            meta = BlockMetadata(num_rows=sum(f.num_rows for f in group), size_bytes=sum(f.size for f in group) or None,
+            meta = BlockMetadata(num_rows=sum(f.rows_out for f in group), size_bytes=sum(f.size for f in group) or None,
                                  exec_stats=None, input_files=[f.path for f in group])
             tasks.append(ReadTask(read_fn, meta, per_task_row_limit=per_task_row_limit))
         return tasks
@@ -134,7 +172,9 @@ MAX_BLOCKS = 10_000
 
 def read_prompts(paths: PathLike, *, storage: Optional[StorageOptions] = None, id_column: str = "id",
                  columns: Optional[List[str]] = None, limit: Optional[int] = None,
-                 rows_per_block: Optional[int] = None, num_cpus: float = 0.25) -> ray.data.Dataset:
+                 rows_per_block: Optional[int] = None, num_cpus: float = 0.25,
+                 exclude_ids: Optional[Iterable[str]] = None,
+                 source: Optional[PromptParquetDatasource] = None) -> ray.data.Dataset:
     """A Dataset of the rows of the Parquet files at `paths` (file or folder URLs), every
     row carrying `id_column` (from the data, or '<file>:<row>'). `limit` keeps the first
     rows in file order.
@@ -144,8 +184,13 @@ def read_prompts(paths: PathLike, *, storage: Optional[StorageOptions] = None, i
     to one engine at a time, so batch-sized blocks spread rows over every engine and let
     results reach storage batch by batch. (Ray's `repartition(target_num_rows_per_block=)`
     would do it too, but as 1-CPU tasks that starve next to engine actors on small nodes.)
+
+    `exclude_ids`: ids to leave out (resume). `source`: a datasource already opened with
+    PromptParquetDatasource (its checks done); `paths` and the options above are then ignored.
     """
-    source = PromptParquetDatasource(paths, storage, id_column=id_column, columns=columns, limit=limit)
+    if source is None:
+        source = PromptParquetDatasource(paths, storage, id_column=id_column, columns=columns, limit=limit,
+                                         exclude_ids=exclude_ids)
     blocks = None
     if rows_per_block:
         blocks = max(1, min(MAX_BLOCKS, -(-source.num_rows // rows_per_block)))

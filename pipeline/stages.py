@@ -104,13 +104,27 @@ def tokenize_stage(batch: pa.Table, *, model: str, prompt_column: str, prompt_to
                 continue
             if text is None:
                 errors[i] = f"{source!r} is null"
+            elif not isinstance(text, str):
+                errors[i] = f"{source!r} is not a string (got {type(text).__name__})"
+            elif not text:
+                errors[i] = "empty prompt"
+            elif not text.strip():
+                errors[i] = f"empty prompt ({source!r} is only whitespace)"
             elif tok is None:
                 errors[i] = f"model {model} has no tokenizer; give {prompt_token_ids_column!r} instead of text"
             else:
                 try:
                     ids[i] = list(tok(text, add_special_tokens=add_special_tokens)["input_ids"])
                 except Exception as e:  # noqa: BLE001 - per-row error
-                    errors[i] = f"tokenization failed: {type(e).__name__}: {e}"
+                    errors[i] = f"{source!r} does not tokenize: {type(e).__name__}: {e}"
+                    continue
+                unk = getattr(tok, "unk_token_id", None)
+                if not ids[i]:
+                    errors[i], ids[i] = f"{source!r} does not tokenize: it gives no tokens", None
+                elif unk is not None and unk in ids[i]:
+                    n = sum(1 for t in ids[i] if t == unk)
+                    errors[i], ids[i] = (f"{source!r} does not tokenize: {n} of {len(ids[i])} tokens are the "
+                                         f"unknown token {tok.unk_token!r} (characters the tokenizer lacks)"), None
     for i, v in enumerate(ids):
         if v is None and not errors[i]:
             errors[i] = f"{prompt_token_ids_column!r} is null"

@@ -14,6 +14,9 @@ from typing import Any, Dict, Mapping, Optional, Tuple
 import fsspec
 
 _S3_PROTOCOLS = ("s3", "s3a", "s3n")
+# botocore retries every S3 call on throttling and 5xx errors with exponential backoff
+# and jitter; 10 attempts ride out a burst of 500/503s. `extra={"config_kwargs": …}` overrides.
+S3_RETRIES = {"max_attempts": 10, "mode": "standard"}
 
 
 @dataclass
@@ -30,6 +33,19 @@ class StorageOptions:
     region: Optional[str] = None
     anon: bool = False
     extra: Dict[str, Any] = field(default_factory=dict)
+
+    def __repr__(self) -> str:
+        """Credentials never reach logs or error messages: only whether they are set."""
+        def hide(v: Optional[str]) -> Optional[str]:
+            return None if v is None else "***"
+
+        extra = {k: ("***" if any(w in k.lower() for w in ("secret", "token", "key", "password", "cred")) else v)
+                 for k, v in self.extra.items()}
+        return (f"StorageOptions(endpoint_url={self.endpoint_url!r}, key={hide(self.key)!r}, "
+                f"secret={hide(self.secret)!r}, token={hide(self.token)!r}, region={self.region!r}, "
+                f"anon={self.anon!r}, extra={extra!r})")
+
+    __str__ = __repr__
 
     def resolved(self, environ: Optional[Mapping[str, str]] = None) -> "StorageOptions":
         """A copy with every unset field filled from the environment."""
@@ -63,6 +79,7 @@ class StorageOptions:
             kw["endpoint_url"] = opts.endpoint_url
         if opts.region:
             kw["client_kwargs"] = {"region_name": opts.region}
+        kw["config_kwargs"] = {"retries": dict(S3_RETRIES)}
         kw.update(opts.extra)
         return kw
 

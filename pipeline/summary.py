@@ -86,6 +86,8 @@ def format_summary(summary: Dict[str, Any]) -> str:
     ]
     if em is not None:
         lines.append(f"exact match        {em:.3f} ({summary['exact_matches']}/{summary['scored_rows']})")
+    if summary.get("rows_skipped"):
+        lines.append(f"resumed            {summary['rows_skipped']} rows already in the output skipped")
     if summary.get("output"):
         lines.append(f"output             {summary['output']}")
     return "\n".join(lines)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import logging
+import time
 import uuid
 from typing import Any, Callable, Dict, Iterable, List, Optional
 
@@ -33,15 +34,54 @@ class OutputExistsError(FileExistsError):
     """The output location already holds result files and overwrite was not asked for."""
 
 
+COMMIT_ATTEMPTS = 4  # on top of botocore's own retries (see storage.S3_RETRIES)
+
+
+def _retry(what: str, fn: Callable[[], Any], attempts: int = COMMIT_ATTEMPTS, base_s: float = 0.5) -> Any:
+    """Run `fn`, retrying with exponential backoff; permission and missing-path errors
+    are permanent and raised at once."""
+    for i in range(attempts):
+        try:
+            return fn()
+        except (PermissionError, FileNotFoundError, NotADirectoryError, IsADirectoryError):
+            raise
+        except Exception as e:  # noqa: BLE001 - transient storage errors
+            if i == attempts - 1:
+                raise
+            logger.warning("%s failed (%s: %s); retry %d/%d", what, type(e).__name__, e, i + 1, attempts - 1)
+            time.sleep(base_s * 2 ** i)
+
+
 def atomic_write_bytes(fs: fsspec.AbstractFileSystem, path: str, data: bytes) -> None:
-    """Write `data` to `path` so that readers see all of it or nothing."""
+    """Write `data` to `path` so that readers see all of it or nothing: upload to a
+    temporary name under `_tmp/`, then commit with a rename (server-side copy on S3).
+    Both steps are retried; a commit whose copy landed but whose cleanup failed counts
+    as done (the target is complete)."""
     parent = path.rsplit("/", 1)[0]
     tmp_dir = join(parent, TMP_DIR)
     fs.makedirs(tmp_dir, exist_ok=True)  # a real folder on local disks, a no-op on object stores
     tmp = join(tmp_dir, f"{uuid.uuid4().hex}-{path.rsplit('/', 1)[-1]}")
-    with fs.open(tmp, "wb") as fh:
-        fh.write(data)
-    fs.mv(tmp, path)
+
+    def upload() -> None:
+        with fs.open(tmp, "wb") as fh:
+            fh.write(data)
+
+    def commit() -> None:
+        try:
+            fs.mv(tmp, path)
+        except Exception:
+            fs.invalidate_cache()
+            if fs.exists(path) and fs.size(path) == len(data):
+                try:
+                    if fs.exists(tmp):
+                        fs.rm(tmp)
+                except Exception as e:  # noqa: BLE001 - the target is complete; a stray temp is harmless
+                    logger.debug("could not remove %s: %s", tmp, e)
+                return
+            raise
+
+    _retry(f"upload of {path}", upload)
+    _retry(f"commit of {path}", commit)
 
 
 def atomic_write_table(fs: fsspec.AbstractFileSystem, path: str, table: pa.Table,
@@ -52,26 +92,63 @@ def atomic_write_table(fs: fsspec.AbstractFileSystem, path: str, table: pa.Table
     atomic_write_bytes(fs, path, sink.getvalue().to_pybytes())
 
 
-def prepare_output(fs: fsspec.AbstractFileSystem, path: str, overwrite: bool = False) -> None:
-    """Create the output location; refuse (or, with `overwrite`, remove) the result files
-    of an earlier run (`*.parquet` and summary.json directly in it, and `_tmp/`), so that
-    a folder never mixes two runs. Nothing else in it is touched."""
+class OutputNotWritableError(PermissionError):
+    """The output location does not accept writes: the job fails before any engine work."""
+
+
+def prepare_output(fs: fsspec.AbstractFileSystem, path: str, overwrite: bool = False, resume: bool = False,
+                   check_writable: bool = True) -> None:
+    """Create the output location and make sure it accepts writes. Result files of an
+    earlier run (`*.parquet` and summary.json directly in it, and `_tmp/`) are refused,
+    or removed with `overwrite`, so that a folder never mixes two runs; with `resume`
+    they are kept (the caller skips their ids: see `completed_ids`) and only the earlier
+    run's temporaries and summary are dropped. Nothing else in it is touched."""
+    fs.invalidate_cache()
     if fs.exists(path):
         old = [p for p in fs.ls(path, detail=False)
                if p.rstrip("/").endswith((".parquet", "/summary.json"))]
-        if old and not overwrite:
+        if old and not (overwrite or resume):
             raise OutputExistsError(f"{fs.unstrip_protocol(path)} already holds {len(old)} result file(s); "
-                                    "pass overwrite=True (--overwrite) or choose another output")
-        if overwrite:
-            for p in old:
+                                    "pass overwrite=True (--overwrite), resume=True (--resume) "
+                                    "or choose another output")
+        for p in old:
+            if overwrite or p.rstrip("/").endswith("/summary.json"):
                 fs.rm(p)
-            tmp = join(path, TMP_DIR)
-            if fs.exists(tmp):
-                fs.rm(tmp, recursive=True)
+        tmp = join(path, TMP_DIR)
+        if (overwrite or resume) and fs.exists(tmp):
+            fs.rm(tmp, recursive=True)  # partial uploads of a run that died
     try:
         fs.makedirs(path, exist_ok=True)  # on S3 this creates the bucket when it is missing
     except Exception as e:  # noqa: BLE001 - a bucket we may not create may still accept writes
         logger.debug("makedirs(%s) failed: %s", path, e)
+    if check_writable:
+        probe = join(path, TMP_DIR, f"write-probe-{uuid.uuid4().hex}")
+        try:
+            fs.makedirs(join(path, TMP_DIR), exist_ok=True)
+            with fs.open(probe, "wb") as fh:
+                fh.write(b"ok")
+            fs.rm(probe)
+        except Exception as e:  # noqa: BLE001
+            raise OutputNotWritableError(f"output {fs.unstrip_protocol(path)} is not writable: "
+                                         f"{type(e).__name__}: {e}") from e
+        remove_empty_tmp(fs, path)
+
+
+def completed_ids(fs: fsspec.AbstractFileSystem, path: str, id_column: str = "id") -> List[str]:
+    """Ids in the complete result files at `path` (`part-*.parquet` directly in it;
+    temporaries under `_tmp/` are never complete). Empty when nothing is there."""
+    fs.invalidate_cache()
+    if not fs.exists(path):
+        return []
+    ids: List[str] = []
+    for p in sorted(fs.ls(path, detail=False)):
+        name = p.rstrip("/").rsplit("/", 1)[-1]
+        if not (name.startswith("part-") and name.endswith(".parquet")):
+            continue
+        with fs.open(p, "rb") as fh:
+            table = pq.read_table(fh, columns=[id_column])
+        ids.extend(str(v) for v in table.column(id_column).to_pylist())
+    return ids
 
 
 class AtomicParquetDatasink(Datasink[Dict[str, Any]]):
@@ -118,12 +195,15 @@ class AtomicParquetDatasink(Datasink[Dict[str, Any]]):
 
 
 def write_results(ds, output: str, *, storage: Optional[StorageOptions] = None, stats_fn: Optional[StatsFn] = None,
-                  rows_per_file: Optional[int] = None, overwrite: bool = False,
-                  num_cpus: float = 0.25) -> AtomicParquetDatasink:
+                  rows_per_file: Optional[int] = None, overwrite: bool = False, resume: bool = False,
+                  prepared: bool = False, num_cpus: float = 0.25) -> AtomicParquetDatasink:
     """Execute `ds` and stream its rows to Parquet under `output`; returns the sink, whose
-    `write_returns` hold one stats dict per file written."""
+    `write_returns` hold one stats dict per file written. `resume` keeps earlier part
+    files (the caller must have left their ids out of `ds`); `prepared`: the caller
+    already ran `prepare_output`."""
     fs, path = get_filesystem(output, storage)
-    prepare_output(fs, path, overwrite=overwrite)
+    if not prepared:
+        prepare_output(fs, path, overwrite=overwrite, resume=resume)
     sink = AtomicParquetDatasink(fs, path, stats_fn=stats_fn, rows_per_file=rows_per_file)
     ds.write_datasink(sink, ray_remote_args={"num_cpus": num_cpus})
     return sink

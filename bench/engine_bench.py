@@ -1,0 +1,363 @@
+"""BlockServe vs Fast-dLLM-style static batching vs one-at-a-time, in one run.
+
+    python bench/engine_bench.py --workload skewed --out bench/results/cpu_skewed.json
+    python bench/engine_bench.py --workload tiny-eval --out bench/results/cpu_tiny_eval.json
+    python bench/engine_bench.py --workload skewed --smoke --out /tmp/smoke.json   # seconds
+
+Why this shape: a speedup claim is only meaningful against the baselines the papers
+beat (static batches of B run in lock step until the slowest finishes; sequential),
+on the same model, requests and decoding, in the same process, at equal memory. So:
+every scheduler serves the same `Workload`; blockserve's token budget is the peak
+padded area |B| x width that static-B actually used (equal K/V and activation
+memory); runs alternate (round r runs the list forwards when r is even, backwards
+when odd, ABBA style) so that drift in a shared machine's load hits all schedulers;
+the headline numbers are same-run ratios. Writes one JSON (the exact command, the
+machine, the workload, every run, medians, ratios, targets) and a PNG next to it.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import hashlib
+import json
+import os
+import platform
+import shlex
+import subprocess
+import sys
+from dataclasses import dataclass
+from typing import Dict, List, Optional
+
+if __package__ in (None, ""):  # run as a script: make the repo root importable
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch  # noqa: E402
+
+from bench.runner import RunResult, RunSpec, _widest, run, warmup  # noqa: E402
+from bench.workloads import (SMOKE_SKEWED, SkewedSpec, TinyEvalSpec, Workload, skewed,  # noqa: E402
+                             tiny_eval)
+
+TARGETS = {
+    "skewed": {"blockserve_over_static": 2.0, "blockserve_over_sequential": 8.0,
+               "blockserve_padding_max": 0.15, "blockserve_host_overhead_max": 0.15},
+    "tiny-eval": {"blockserve_over_static": 1.5},
+}
+
+
+@dataclass
+class Plan:
+    """Which runs a benchmark makes; `static_sizes` pairs each static-B with a blockserve
+    run at the budget static-B used; `variants` adds blockserve runs at the middle budget
+    with another advance/cache mode (e.g. "step", "persistent")."""
+
+    static_sizes: List[int]
+    sequential_requests: Optional[int]
+    variants: List[str]
+    cache: str = "refresh"
+    repeats: int = 1
+
+
+def machine_info(threads: int) -> Dict[str, object]:
+    return {"platform": platform.platform(), "processor": platform.processor() or platform.machine(),
+            "python": platform.python_version(), "torch": torch.__version__, "cpu_count": os.cpu_count(),
+            "torch_threads": threads, "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None}
+
+
+def git_state() -> Dict[str, object]:
+    """Which engine made the numbers: HEAD, whether tracked engine files differ from it,
+    and a hash of engine/*.py as they were read (the engine changes often)."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    try:
+        sha = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no", "engine"], cwd=root,
+                               capture_output=True, text=True).stdout.strip()
+        h = hashlib.sha256()
+        for dirpath, _, files in sorted(os.walk(os.path.join(root, "engine"))):
+            for f in sorted(files):
+                if f.endswith(".py"):
+                    with open(os.path.join(dirpath, f), "rb") as fh:
+                        h.update(f.encode() + fh.read())
+        return {"commit": sha or None, "engine_dirty": bool(dirty), "engine_py_sha256": h.hexdigest()[:16]}
+    except OSError:
+        return {"commit": None, "engine_dirty": None}
+
+
+def build_workload(args) -> Workload:
+    if args.workload == "skewed":
+        spec = SMOKE_SKEWED if args.smoke else SkewedSpec()
+        if args.n_requests:
+            spec = SkewedSpec(**{**spec.__dict__, "n_requests": args.n_requests})
+        return skewed(spec)
+    spec = TinyEvalSpec(n_requests=args.n_requests or (16 if args.smoke else None))
+    if args.model_dir:
+        spec.model_dir = args.model_dir
+    return tiny_eval(spec)
+
+
+def variant_spec(kind: str, budget: int, cache: str, label_budget: str) -> RunSpec:
+    """`kind` is "+"-joined: a cache mode (none, refresh, persistent) and/or "step"."""
+    parts = kind.split("+")
+    bad = [p for p in parts if p not in ("none", "refresh", "persistent", "step")]
+    if bad or not parts:
+        raise ValueError(f"unknown variant {kind!r}: join cache modes (none, refresh, persistent) and step with +")
+    caches = [p for p in parts if p != "step"]
+    return RunSpec(f"blockserve+{kind}@{label_budget}", "blockserve", budget, cache=caches[0] if caches else cache,
+                   advance="step" if "step" in parts else "block")
+
+
+def run_plan(w: Workload, plan: Plan, log=print) -> List[RunResult]:
+    """Every run of the plan, `plan.repeats` rounds, alternating direction."""
+    widest = _widest(w)
+    budgets: Dict[int, int] = {}  # static B -> peak padded area static-B used
+    results: List[RunResult] = []
+
+    def order() -> List[tuple]:
+        items: List[tuple] = []
+        if plan.sequential_requests != 0:
+            items.append(("sequential", None))
+        for b in plan.static_sizes:
+            items += [("static", b), ("blockserve", b)]
+        mid = plan.static_sizes[len(plan.static_sizes) // 2]
+        items += [("variant", (v, mid)) for v in plan.variants]
+        return items
+
+    for r in range(plan.repeats):
+        items = order() if r % 2 == 0 else order()[::-1]
+        if r % 2 == 1:  # blockserve first needs the budgets of round 0
+            assert all(b in budgets for b in plan.static_sizes)
+        for kind, arg in items:
+            if kind == "sequential":
+                spec = RunSpec("sequential", "sequential", widest, max_batch_size=1, cache=plan.cache,
+                               n_requests=plan.sequential_requests)
+            elif kind == "static":
+                spec = RunSpec(f"static-B{arg}", "static", widest, max_batch_size=arg, cache=plan.cache)
+            elif kind == "blockserve":
+                spec = RunSpec(f"blockserve@B{arg}", "blockserve", budgets[arg], cache=plan.cache)
+            else:
+                v, b = arg
+                spec = variant_spec(v, budgets[b], plan.cache, f"B{b}")
+            res = run(w, spec)
+            if kind == "static":
+                budgets.setdefault(arg, max(res.peak_cost, widest))
+            results.append(res)
+            log(f"[round {r}] {res.label:30s} {res.tokens_per_s:8.1f} tok/s {res.tokens_per_cpu_s:8.1f} tok/cpu-s  "
+                f"wall {res.wall_s:6.1f}s  "
+                f"pad {res.padding_fraction:5.1%}  host {res.host_overhead:5.1%}  rows {res.mean_rows:5.1f}  "
+                f"p50 {res.latency_p50_s:6.2f}s" + (f"  acc {res.accuracy:.3f}" if res.accuracy is not None else "")
+                + (f"  ERROR {res.error}" if res.error else ""))
+    return results
+
+
+def _median(xs: List[float]) -> float:
+    s = sorted(xs)
+    n = len(s)
+    return s[n // 2] if n % 2 else 0.5 * (s[n // 2 - 1] + s[n // 2])
+
+
+def summarize(results: List[RunResult]) -> Dict[str, Dict[str, object]]:
+    """Per label: the median run by tokens/s (its fields), plus every round's tokens/s."""
+    by: Dict[str, List[RunResult]] = {}
+    for r in results:
+        by.setdefault(r.label, []).append(r)
+    out = {}
+    for label, rs in by.items():
+        med = _median([r.tokens_per_s for r in rs])
+        pick = min(rs, key=lambda r: abs(r.tokens_per_s - med))
+        out[label] = {**pick.summary(), "tokens_per_s": med, "tokens_per_s_rounds": [r.tokens_per_s for r in rs],
+                      "tokens_per_cpu_s_rounds": [r.tokens_per_cpu_s for r in rs],
+                      "requests_per_s_rounds": [r.requests_per_s for r in rs],
+                      "latencies_s_sorted": [round(t, 4) for t in sorted(pick.latencies_s)]}
+    return out
+
+
+def ratios(summary: Dict[str, Dict[str, object]], sizes: List[int], key: str = "tokens_per_s_rounds"
+           ) -> Dict[str, float]:
+    """Same-run throughput ratios: blockserve@B / static-B and blockserve@B / sequential
+    (median over rounds of the per-round ratio); `key` picks wall-clock or CPU-time rates."""
+    def r(a, b):
+        return _median([x / y for x, y in zip(a[key], b[key])])
+
+    out: Dict[str, float] = {}
+    seq = summary.get("sequential")
+    for b in sizes:
+        bs, st = summary.get(f"blockserve@B{b}"), summary.get(f"static-B{b}")
+        if bs and st:
+            out[f"blockserve/static@B{b}"] = r(bs, st)
+        if bs and seq:
+            out[f"blockserve@B{b}/sequential"] = r(bs, seq)
+    for label, s in summary.items():
+        if label.startswith("blockserve+"):
+            if seq:
+                out[f"{label}/sequential"] = r(s, seq)
+            st = summary.get(f"static-B{label.split('@B')[-1]}")
+            if st:
+                out[f"{label}/static"] = r(s, st)
+    return out
+
+
+def check_targets(workload: str, summary, rat, sizes) -> Dict[str, object]:
+    t = TARGETS[workload]
+    out: Dict[str, object] = {"targets": t}
+    over_static = {b: rat.get(f"blockserve/static@B{b}") for b in sizes}
+    out["blockserve_over_static_met"] = {f"B{b}": (v is not None and v >= t["blockserve_over_static"])
+                                         for b, v in over_static.items()}
+    if "blockserve_over_sequential" in t:
+        out["blockserve_over_sequential_met"] = {
+            f"B{b}": (rat.get(f"blockserve@B{b}/sequential") or 0) >= t["blockserve_over_sequential"] for b in sizes}
+    bs = [summary[f"blockserve@B{b}"] for b in sizes if f"blockserve@B{b}" in summary]
+    if "blockserve_padding_max" in t:
+        out["blockserve_padding_met"] = {s["label"]: s["padding_fraction"] <= t["blockserve_padding_max"] for s in bs}
+    if "blockserve_host_overhead_max" in t:
+        out["blockserve_host_overhead_met"] = {s["label"]: s["host_overhead"] <= t["blockserve_host_overhead_max"]
+                                               for s in bs}
+    accs = {label: s["accuracy"] for label, s in summary.items() if s.get("accuracy") is not None}
+    if accs:
+        full = {label: a for label, a in accs.items() if summary[label]["requests"] == max(
+            summary[x]["requests"] for x in accs)}
+        out["accuracy"] = accs
+        out["same_accuracy"] = len(set(round(a, 9) for a in full.values())) == 1
+    return out
+
+
+def outputs_agree(results: List[RunResult]) -> bool:
+    """Every run generated exactly the same tokens for every request it served (a
+    scheduler must not change what is generated)."""
+    ref = max(results, key=lambda r: len(r.output_digests)).output_digests
+    return all(r.output_digests == ref[: len(r.output_digests)] for r in results if r.error is None)
+
+
+def plot(path: str, report: Dict[str, object]) -> None:
+    """Throughput bars, where the compute went (padding and idle rows), latency CDFs;
+    drawn from the report alone, so `--replot` redraws a committed JSON."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    summary = report["schedulers"]
+    labels = list(summary)
+    n_all = report["workload"]["n_requests"]
+    names = [f"{x}\n(first {summary[x]['requests']})" if summary[x]["requests"] < n_all else x for x in labels]
+    colors = {"sequential": "#888888", "static": "#d95f02", "blockserve": "#1b9e77"}
+    fig, (ax1, ax2, ax3) = plt.subplots(1, 3, figsize=(17, 5.2), gridspec_kw={"width_ratios": [1.2, 1.2, 1]})
+    x = range(len(labels))
+    tps = [summary[k]["tokens_per_s"] for k in labels]
+    cps = [summary[k].get("tokens_per_cpu_s", 0.0) for k in labels]
+    w = 0.4
+    cols = [colors.get(summary[k]["scheduler"], "#7570b3") for k in labels]
+    bars = ax1.bar([i - w / 2 for i in x], tps, w, color=cols, label="per wall-clock second")
+    bars2 = ax1.bar([i + w / 2 for i in x], cps, w, color=cols, alpha=0.45, hatch="//",
+                    label="per CPU-second of this process")
+    for b, v in list(zip(bars, tps)) + list(zip(bars2, cps)):
+        ax1.text(b.get_x() + b.get_width() / 2, v, f"{v:.0f}", ha="center", va="bottom", fontsize=6)
+    ax1.set_ylabel("generated tokens / s")
+    ax1.set_title("throughput")
+    ax1.legend(fontsize=7)
+    pad = [summary[k]["padding_fraction"] for k in labels]
+    idle = [summary[k].get("idle_row_fraction") or 0.0 for k in labels]
+    ax2.bar([i - w / 2 for i in x], pad, w, label="padding (pad cells / computed cells)", color="#e7298a")
+    ax2.bar([i + w / 2 for i in x], idle, w, label="idle rows (row had nothing left to unmask)", color="#66a61e")
+    ax2.axhline(0.15, color="k", lw=0.8, ls=":")
+    ax2.set_ylim(0, 1)
+    ax2.set_title("wasted forward columns")
+    ax2.legend(fontsize=7, loc="upper left")
+    for ax in (ax1, ax2):
+        ax.set_xticks(list(x))
+        ax.set_xticklabels(names, rotation=35, ha="right", fontsize=7)
+    for k, name in zip(labels, names):
+        xs = summary[k].get("latencies_s_sorted") or []
+        if xs:
+            ax3.step(xs, [(i + 1) / len(xs) for i in range(len(xs))], where="post", label=name.replace("\n", " "),
+                     linestyle="--" if summary[k]["scheduler"] == "static" else "-")
+    ax3.set_xscale("log")
+    ax3.set_xlabel("request latency, s (all requests arrive at t=0)")
+    ax3.set_ylabel("fraction of requests done")
+    ax3.set_title("latency CDF")
+    ax3.legend(fontsize=6)
+    m, rat = report["machine"], report["ratios"]
+    head = "wall: " + ", ".join(f"{k} {v:.2f}x" for k, v in rat.items() if "+" not in k)
+    if report.get("ratios_cpu_time"):
+        head += "\nCPU time: " + ", ".join(f"{k} {v:.2f}x" for k, v in report["ratios_cpu_time"].items()
+                                            if "+" not in k)
+    fig.suptitle(f"{report['workload']['name']}: {n_all} requests; {m['processor']}, {m['cpu_count']} CPUs, "
+                 f"torch {m['torch']} ({m['torch_threads']} threads); cache {report['decoding']['cache']}\n{head}",
+                 fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--workload", choices=["skewed", "tiny-eval"])
+    ap.add_argument("--out", help="JSON path; the PNG goes next to it")
+    ap.add_argument("--replot", default=None, help="redraw the PNG of an existing results JSON and exit")
+    ap.add_argument("--static-batch-sizes", default=None, help="comma list, default 8,16,32 (smoke: 2,4)")
+    ap.add_argument("--sequential-requests", type=int, default=None,
+                    help="sequential serves only the first N requests (default: skewed 48, tiny-eval all; 0 = skip)")
+    ap.add_argument("--n-requests", type=int, default=None)
+    ap.add_argument("--variants", default="",
+                    help="extra blockserve runs at the middle budget, e.g. step,persistent,persistent+step")
+    ap.add_argument("--cache", default="refresh", choices=["none", "refresh", "persistent"])
+    ap.add_argument("--repeats", type=int, default=1, help="rounds; odd rounds run the list backwards")
+    ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    ap.add_argument("--model-dir", default=None, help="tiny-eval: model directory (default engine/assets/tiny-dllm)")
+    ap.add_argument("--smoke", action="store_true", help="a tiny config that runs in seconds (CI)")
+    args = ap.parse_args(argv)
+    if not args.replot and not (args.workload and args.out):
+        ap.error("--workload and --out are required (or --replot JSON)")
+    return args
+
+
+def main(argv=None) -> Dict[str, object]:
+    args = parse_args(argv)
+    if args.replot:
+        with open(args.replot) as f:
+            report = json.load(f)
+        plot(os.path.splitext(args.replot)[0] + ".png", report)
+        return report
+    argv_used = sys.argv[1:] if argv is None else list(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    sizes = [int(x) for x in (args.static_batch_sizes or ("2,4" if args.smoke else "8,16,32")).split(",")]
+    seq_n = args.sequential_requests
+    if seq_n is None:
+        seq_n = (4 if args.smoke else 48) if args.workload == "skewed" else None
+    plan = Plan(sizes, seq_n, [v for v in args.variants.split(",") if v], cache=args.cache, repeats=args.repeats)
+    git = git_state()  # before the runs: the engine files may change on disk while they go
+    w = build_workload(args)
+    print(f"workload {w.name}: {len(w.prompts)} requests; plan {plan}", flush=True)
+    warmup(w)
+    results = run_plan(w, plan, log=lambda s: print(s, flush=True))
+    summary = summarize(results)
+    rat = ratios(summary, sizes)
+    report = {
+        "command": "python bench/engine_bench.py " + " ".join(shlex.quote(a) for a in argv_used),
+        "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        "git": git,
+        "machine": machine_info(torch.get_num_threads()),
+        "workload": {"name": w.name, "n_requests": len(w.prompts), **w.info},
+        "decoding": {"block_length": w.block_length, "steps_per_block": w.steps_per_block,
+                     "policy": w.params[0].policy, "threshold": w.params[0].threshold,
+                     "max_new_tokens": w.params[0].max_new_tokens, "cache": plan.cache},
+        "plan": plan.__dict__,
+        "schedulers": summary,
+        "ratios": rat,
+        "ratios_cpu_time": ratios(summary, sizes, key="tokens_per_cpu_s_rounds"),
+        "targets": check_targets(w.name, summary, rat, sizes),
+        "outputs_agree": outputs_agree(results),
+        "runs": [r.summary() for r in results],
+    }
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump(report, f, indent=2)
+    png = os.path.splitext(args.out)[0] + ".png"
+    plot(png, report)
+    print(json.dumps({"ratios": rat, "ratios_cpu_time": report["ratios_cpu_time"], "targets": report["targets"],
+                      "outputs_agree": report["outputs_agree"]}, indent=2))
+    print(f"wrote {args.out} and {png}")
+    return report
+
+
+if __name__ == "__main__":
+    main()

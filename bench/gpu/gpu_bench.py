@@ -1,0 +1,285 @@
+"""The skewed benchmark on one GPU with a LLaDA-8B-shaped model, in under 8 minutes.
+
+    bash bench/gpu/run.sh                                   # on an H200; JSON under $OUT (default ./out)
+    python bench/gpu/gpu_bench.py --smoke --out /tmp/out    # CPU, tiny shape: checks it runs (CI)
+
+Why random weights: the claim is about the serving loop, not the checkpoint; an 8B
+model with LLaDA's exact shape (d_model 4096, 32 layers, 32 heads, MLP 12288, vocab
+126464) costs what LLaDA-8B costs per forward, and `PlantedStops` gives it a skewed
+difficulty mix and realistic tokens per step. Nothing is downloaded; the model is built
+on the 'meta' device and materialised on the GPU (seconds, not the minutes of a CPU
+init). Needs only torch (no Ray): it imports engine/ and bench/ only.
+
+Measures per run: tokens/s, requests/s, p50/p99 latency, padding, host overhead
+(1 - forward time / wall), peak GPU memory, and model FLOP/s as a fraction of the
+bf16 matmul peak measured here (a big bf16 matmul timed in this process). Runs go in
+priority order under one deadline (default 430 s after start, for an 8-minute slot):
+a run that would overrun is cut and marked; runs that cannot start are listed as
+skipped. The JSON is rewritten after every run, so a killed job still leaves results.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import json
+import os
+import platform
+import sys
+import time
+from typing import Any, Dict, List, Optional
+
+T_START = time.perf_counter()
+
+if __package__ in (None, ""):  # run as a script: make the repo root importable
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+
+import torch  # noqa: E402
+
+from engine import Engine, EngineConfig, ModelConfig, SamplingParams, build_model  # noqa: E402
+from engine.budget import plan_token_budget, weight_bytes  # noqa: E402
+from engine.models import DLLM  # noqa: E402
+from bench.engine_bench import git_state  # noqa: E402
+from bench.runner import RunSpec, _widest, run, warmup  # noqa: E402
+from bench.workloads import SkewedSpec, skewed  # noqa: E402
+
+LLADA_8B = dict(model_type="llada", vocab_size=126464, hidden_size=4096, n_layers=32, n_heads=32, n_kv_heads=32,
+                intermediate_size=12288, mask_token_id=126336, eos_token_id=126081, eot_token_id=126348,
+                rope_theta=500000.0, max_seq_len=4096)
+SMOKE_SHAPE = dict(model_type="llada", vocab_size=2048, hidden_size=64, n_layers=2, n_heads=4, n_kv_heads=4,
+                   intermediate_size=192, mask_token_id=2047, eos_token_id=1, max_seq_len=1024)
+
+
+def build_on_device(cfg: ModelConfig, dtype: torch.dtype, device: str, seed: int = 0) -> DLLM:
+    """Random N(0, 1/fan_in) weights (embedding N(0, 1), norms 1) created in place on
+    `device`: construct on 'meta' (no memory), `to_empty`, then fill; same distribution
+    as engine.build_model, without a CPU copy of 16 GB."""
+    with torch.device("meta"):
+        model = DLLM(cfg).to(dtype)  # meta tensors: no memory, no init
+    model = model.to_empty(device=device)
+    gen = torch.Generator(device=device).manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.fill_(1.0)
+            elif name.endswith("bias"):
+                p.normal_(0.0, 0.02, generator=gen)
+            else:
+                p.normal_(0.0, 1.0 if name.startswith("embed") else p.shape[1] ** -0.5, generator=gen)
+    return model.eval()
+
+
+def matmul_peak(device: str, dtype: torch.dtype, n: int, iters: int = 20) -> Dict[str, float]:
+    """FLOP/s of an n x n x n matmul in `dtype`: the attainable dense peak of this chip."""
+    a = torch.randn(n, n, device=device, dtype=dtype)
+    b = torch.randn(n, n, device=device, dtype=dtype)
+    for _ in range(3):
+        a @ b
+    sync(device)
+    t = time.perf_counter()
+    for _ in range(iters):
+        a @ b
+    sync(device)
+    dt = (time.perf_counter() - t) / iters
+    return {"n": n, "seconds_per_matmul": dt, "flops_per_s": 2.0 * n ** 3 / dt}
+
+
+def sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def supports(cache: str, advance: str) -> Optional[str]:
+    """None if this engine serves `cache`/`advance` with the same tokens as refresh/block
+    on a tiny float64 block-causal model (where the persistent cache is exact); else the
+    reason (an older engine without the mode, or one that gets it wrong, is skipped)."""
+    try:
+        m = build_model(ModelConfig.tiny("llada", dllm_attention="block_causal"), dtype=torch.float64, seed=0)
+        prompts = [[5, 6, 7, 8, 9], [10, 11, 12], [13] * 9]
+        sp = SamplingParams(max_new_tokens=12, threshold=0.3, stop_token_ids=[12])
+
+        def gen(c, a):
+            eng = Engine(m, EngineConfig(block_length=4, steps_per_block=4, cache=c, token_budget=200, advance=a))
+            return [(o.token_ids, o.finish_reason, o.error) for o in eng.generate(prompts, sp)]
+
+        got, want = gen(cache, advance), gen("refresh", "block")
+        return None if got == want else f"cache={cache} advance={advance} changes the generated tokens"
+    except Exception as e:  # noqa: BLE001 - an engine without the mode
+        return f"{type(e).__name__}: {e}"
+
+
+class Report:
+    """The JSON under $OUT, rewritten after every step so a killed job keeps its results."""
+
+    def __init__(self, path: str, data: Dict[str, Any]):
+        self.path, self.data = path, data
+        self.data.setdefault("runs", [])
+        self.data.setdefault("skipped", [])
+        self.save()
+
+    def save(self) -> None:
+        self.data["elapsed_s"] = time.perf_counter() - T_START
+        tmp = self.path + ".tmp"
+        with open(tmp, "w") as f:
+            json.dump(self.data, f, indent=2)
+        os.replace(tmp, self.path)
+
+
+def run_one(w, spec: RunSpec, peak: float, deadline: float, rep: Report) -> Optional[Dict[str, Any]]:
+    left = deadline - time.perf_counter()
+    if left < 15:
+        rep.data["skipped"].append({"label": spec.label, "why": f"only {left:.0f} s left before the deadline"})
+        rep.save()
+        return None
+    try:  # no single run may take more than 40% of what is left (static at large B is the slow one)
+        res = run(w, spec, deadline_s=min(left, max(45.0, 0.4 * left)))
+    except torch.cuda.OutOfMemoryError as e:  # report it, keep going with the other runs
+        torch.cuda.empty_cache()
+        rep.data["skipped"].append({"label": spec.label, "why": f"out of memory: {e}"[:300]})
+        rep.save()
+        return None
+    d = res.summary()
+    d["latencies_s_sorted"] = sorted(res.latencies_s)
+    d["mfu_forward"] = res.model_flops / res.forward_s / peak if res.forward_s else None
+    d["mfu_wall"] = res.model_flops / res.wall_s / peak
+    d["model_flops_per_s"] = res.model_flops / res.wall_s
+    d["seconds_per_request"] = res.wall_s / max(1, res.requests)
+    rep.data["runs"].append(d)
+    rep.save()
+    mem = f"{(res.max_memory_bytes or 0) / 2**30:6.1f} GiB" if res.max_memory_bytes else ""
+    print(f"{res.label:32s} {res.tokens_per_s:9.1f} tok/s {res.requests_per_s:7.2f} req/s  wall {res.wall_s:6.1f}s  "
+          f"MFU {d['mfu_wall']:5.1%}  host {res.host_overhead:5.1%}  pad {res.padding_fraction:5.1%} {mem}"
+          + (f"  [{res.error}]" if res.error else ""), flush=True)
+    return d
+
+
+def ratios(runs: List[Dict[str, Any]]) -> Dict[str, float]:
+    by = {r["label"]: r for r in runs if r.get("requests")}
+    out = {}
+    seq = by.get("sequential")
+    for label, r in by.items():
+        if not label.startswith("blockserve"):
+            continue
+        if seq:
+            out[f"{label}/sequential"] = r["tokens_per_s"] / seq["tokens_per_s"]
+        b = label.split("@B")[-1] if "@B" in label else None
+        if b and f"static-B{b}" in by:
+            out[f"{label}/static-B{b}"] = r["tokens_per_s"] / by[f"static-B{b}"]["tokens_per_s"]
+    return out
+
+
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", default=os.environ.get("OUT", "./out"), help="output folder (default $OUT or ./out)")
+    ap.add_argument("--smoke", action="store_true", help="CPU, tiny shape, a few requests: checks the script runs")
+    ap.add_argument("--deadline-s", type=float, default=None, help="stop starting runs this long after start")
+    ap.add_argument("--n-requests", type=int, default=None)
+    ap.add_argument("--sequential-requests", type=int, default=None)
+    ap.add_argument("--static-batch-sizes", default=None, help="comma list (default 32,8; smoke 2)")
+    ap.add_argument("--max-rows", type=int, default=None, help="blockserve's cap on active rows (logits memory)")
+    return ap.parse_args(argv)
+
+
+def main(argv=None) -> Dict[str, Any]:
+    args = parse_args(argv)
+    smoke = args.smoke
+    device = "cpu" if smoke else "cuda"
+    if not smoke and not torch.cuda.is_available():
+        raise SystemExit("no CUDA device: run with --smoke for the CPU check")
+    dtype = torch.float32 if smoke else torch.bfloat16
+    deadline = T_START + (args.deadline_s if args.deadline_s is not None else (60.0 if smoke else 430.0))
+    sizes = [int(x) for x in (args.static_batch_sizes or ("2" if smoke else "32,8")).split(",")]
+    n_req = args.n_requests or (8 if smoke else 160)
+    n_seq = args.sequential_requests if args.sequential_requests is not None else (2 if smoke else 16)
+    max_rows = args.max_rows or (64 if smoke else 128)
+    os.makedirs(args.out, exist_ok=True)
+    rep = Report(os.path.join(args.out, "gpu_bench.json"), {
+        "command": "bash bench/gpu/run.sh" if os.environ.get("BLOCKRAY_RUN_SH") else
+        "python bench/gpu/gpu_bench.py " + " ".join(sys.argv[1:] if argv is None else argv),
+        "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        "git": git_state(),
+        "machine": {"platform": platform.platform(), "python": platform.python_version(), "torch": torch.__version__,
+                    "cpu_count": os.cpu_count(),
+                    "gpu": torch.cuda.get_device_name(0) if device == "cuda" else None,
+                    "gpu_total_bytes": torch.cuda.get_device_properties(0).total_memory if device == "cuda" else None},
+        "smoke": smoke})
+
+    t = time.perf_counter()
+    peak = matmul_peak(device, dtype, 512 if smoke else 8192)
+    rep.data["matmul_peak"] = peak
+    cfg = ModelConfig(**(SMOKE_SHAPE if smoke else LLADA_8B))
+    model = build_on_device(cfg, dtype, device)
+    sync(device)
+    rep.data["model"] = {"config": cfg.to_hf(), "params": cfg.num_params(), "dtype": str(dtype),
+                         "build_s": time.perf_counter() - t}
+    print(f"peak {peak['flops_per_s'] / 1e12:.1f} TFLOP/s; model {cfg.num_params() / 1e9:.2f}B params built in "
+          f"{rep.data['model']['build_s']:.1f}s", flush=True)
+
+    spec = SkewedSpec(n_requests=n_req)
+    if smoke:
+        spec = SkewedSpec(n_requests=n_req, block_length=8, steps_per_block=8, difficulty=(0.4, 0.3, 0.2, 0.1),
+                          prompt_median=12, prompt_sigma=0.6, prompt_min=3, prompt_max=40)
+    w = skewed(spec, model=model)
+    rep.data["workload"] = {"name": w.name, "n_requests": len(w.prompts), **w.info}
+    rep.data["decoding"] = {"block_length": w.block_length, "steps_per_block": w.steps_per_block,
+                            "policy": "threshold", "threshold": spec.threshold,
+                            "max_new_tokens": w.params[0].max_new_tokens}
+    free = torch.cuda.mem_get_info()[0] if device == "cuda" else 64 << 30
+    plan = plan_token_budget(free, cfg, dtype, "refresh", w.block_length, weights_loaded=True,
+                             min_prompt_len=spec.prompt_min, max_batch_size=max_rows)
+    rep.data["auto_budget"] = plan.as_dict()
+    modes = {"persistent": supports("persistent", "block"), "persistent+step": supports("persistent", "step"),
+             "step": supports("refresh", "step")}
+    rep.data["modes_unsupported"] = {k: v for k, v in modes.items() if v}
+    warmup(w, n=2)
+    rep.save()
+
+    widest = _widest(w)
+    pk = peak["flops_per_s"]
+    budgets: Dict[int, int] = {}
+    main_b = sizes[0]
+    queue: List[tuple] = [("static", main_b), ("blockserve", main_b), ("sequential", None)]
+    queue += [("variant", v) for v in ("persistent", "persistent+step") if not modes[v]]
+    for b in sizes[1:]:
+        queue += [("static", b), ("blockserve", b)]
+    if not modes["step"]:
+        queue.append(("variant", "step"))
+    queue.append(("auto", None))
+    for kind, arg in queue:
+        if kind == "static":
+            spec_r = RunSpec(f"static-B{arg}", "static", widest, max_batch_size=arg)
+        elif kind == "blockserve":
+            if arg not in budgets:
+                rep.data["skipped"].append({"label": f"blockserve@B{arg}", "why": "static run did not finish"})
+                continue
+            spec_r = RunSpec(f"blockserve@B{arg}", "blockserve", budgets[arg], max_batch_size=max_rows)
+        elif kind == "sequential":
+            spec_r = RunSpec("sequential", "sequential", widest, max_batch_size=1, n_requests=n_seq)
+        elif kind == "variant":
+            if main_b not in budgets:
+                continue
+            cache = "persistent" if "persistent" in arg else "refresh"
+            spec_r = RunSpec(f"blockserve+{arg}@B{main_b}", "blockserve", budgets[main_b], max_batch_size=max_rows,
+                             cache=cache, advance="step" if "step" in arg else "block")
+        else:
+            if plan.token_budget < widest:
+                rep.data["skipped"].append({"label": "blockserve@auto", "why": "auto budget below the widest request"})
+                continue
+            spec_r = RunSpec("blockserve@auto", "blockserve", plan.token_budget, max_batch_size=max_rows)
+        d = run_one(w, spec_r, pk, deadline, rep)
+        if d and kind == "static":  # a static run cut by its deadline still saw its widest groups' area
+            budgets[arg] = max(d["peak_cost"], widest)
+        if d and kind == "auto":
+            rep.data["auto_budget"]["predicted_bytes_incl_weights"] = (
+                plan.bytes_for(plan.token_budget) - plan.margin_bytes + weight_bytes(cfg, dtype))
+            rep.data["auto_budget"]["measured_max_memory_bytes"] = d.get("max_memory_bytes")
+        rep.data["ratios"] = ratios(rep.data["runs"])
+        rep.save()
+    rep.data["done"] = True
+    rep.save()
+    print(json.dumps(rep.data["ratios"], indent=2))
+    print(f"wrote {rep.path} in {time.perf_counter() - T_START:.0f} s")
+    return rep.data
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,142 @@
+"""Token-budget auto-sizer: the largest `EngineConfig.token_budget` that fits in free
+accelerator memory.
+
+Why: the budget bounds the padded batch area A = |rows| * width of every forward, and
+the memory that grows with the batch grows with A (K/V cache, one layer's activations)
+or with the number of rows (each row's L block columns of logits, which the decoding
+policy turns into a float64 softmax over the whole vocabulary). Picked by hand it either
+leaves most of an H200 idle or fails on the first wide batch. The model is simple and
+deliberately conservative (every term is an upper bound on what the engine allocates):
+
+    weights + A * (kv + activations) + rows * L * logit_cell + margin  <=  free
+    kv          = copies * 2 * n_layers * n_kv_heads * head_dim * bytes
+    copies      = 2 with a cache (refresh, persistent), 0 with none: a re-layout builds
+                  the new buffer while the old one is alive, and a sub-batch forward
+                  works on a gathered copy of its rows' K/V
+    activations = one layer's transients: (4 f + 12 d + 6 kv_dim) * bytes + 8 d (float32 norms)
+    logit_cell  = embedding_size * bytes (LM head out) + vocab * 24 (float64 copy, softmax, temp)
+    rows       <= min(max_batch_size, A / (min_prompt_len + L))
+    margin      = max(reserve_bytes, margin_frac * free)
+
+`min_prompt_len` matters: with a big vocabulary (LLaDA: 126464) a row of one block of
+32 columns needs ~100 MB of float64 logits workspace, more than its K/V, so a budget for
+1-token prompts is much smaller than one for chat-length prompts. Attention is assumed
+to run in a fused kernel (no [T, W] score matrix); block-causal models add their
+boolean [W, W] mask per row (A * max_width bytes).
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Optional
+
+import torch
+
+from .models import ModelConfig
+
+KV_COPIES = {"none": 0, "refresh": 2, "persistent": 2}  # live K/V buffers at the peak (see module doc)
+
+
+def dtype_bytes(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+def weight_bytes(cfg: ModelConfig, dtype: torch.dtype) -> int:
+    """Parameters (including norm weights and biases, which are few) in `dtype`."""
+    return cfg.num_params() * dtype_bytes(dtype)
+
+
+def kv_bytes_per_token(cfg: ModelConfig, dtype: torch.dtype) -> int:
+    """K and V of every layer for one column of batch area (one buffer)."""
+    return 2 * cfg.n_layers * cfg.n_kv_heads * cfg.head_dim * dtype_bytes(dtype)
+
+
+def kv_peak_bytes_per_token(cfg: ModelConfig, dtype: torch.dtype, cache: str = "refresh") -> int:
+    """K/V bytes per column of batch area at the engine's peak (KV_COPIES buffers)."""
+    if cache not in KV_COPIES:
+        raise ValueError(f"cache must be one of {sorted(KV_COPIES)}, got {cache!r}")
+    return KV_COPIES[cache] * kv_bytes_per_token(cfg, dtype)
+
+
+def activation_bytes_per_token(cfg: ModelConfig, dtype: torch.dtype, max_width: Optional[int] = None) -> int:
+    """Transients of one layer's forward (inference mode frees the previous layer's):
+    norm temporaries in float32, q/k/v and their RoPE temporaries, the MLP's gate, up,
+    silu and product, residuals; plus the block-causal mask's row of `max_width` bools."""
+    b, d, f = dtype_bytes(dtype), cfg.hidden_size, cfg.intermediate_size
+    kv_dim = cfg.n_kv_heads * cfg.head_dim
+    per = (4 * f + 12 * d + 6 * kv_dim) * b + 8 * d
+    if cfg.block_causal:
+        per += max_width if max_width is not None else cfg.max_seq_len
+    return per
+
+
+def logits_bytes_per_row(cfg: ModelConfig, dtype: torch.dtype, block_length: int) -> int:
+    """The L block columns' logits: the LM head output in `dtype` over the (padded)
+    embedding rows, then float64 copy, float64 softmax and one float64 temporary."""
+    return block_length * (cfg.embedding_size * dtype_bytes(dtype) + cfg.vocab_size * 24)
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    """The terms of the estimate and the budget they allow (all in bytes / tokens)."""
+
+    token_budget: int
+    free_bytes: int
+    weights_bytes: int
+    margin_bytes: int
+    kv_per_token: int
+    activations_per_token: int
+    logits_per_row: int
+    min_row_width: int
+    max_rows: Optional[int]
+
+    def rows_for(self, area: int) -> int:
+        rows = area // self.min_row_width
+        return rows if self.max_rows is None else min(rows, self.max_rows)
+
+    def bytes_for(self, area: int) -> int:
+        """Estimated peak bytes of a batch of padded area `area` (weights and margin included)."""
+        return (self.weights_bytes + self.margin_bytes + area * (self.kv_per_token + self.activations_per_token)
+                + self.rows_for(area) * self.logits_per_row)
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def plan_token_budget(free_bytes: int, cfg: ModelConfig, dtype: torch.dtype = torch.bfloat16,
+                      cache: str = "refresh", block_length: int = 32, *, weights_loaded: bool = False,
+                      min_prompt_len: int = 1, max_batch_size: Optional[int] = None,
+                      max_width: Optional[int] = None, margin_frac: float = 0.10,
+                      reserve_bytes: int = 512 << 20) -> MemoryPlan:
+    """The largest token budget A with `bytes_for(A) <= free_bytes`.
+
+    `free_bytes` is what the device reports free (torch.cuda.mem_get_info()[0]); pass
+    `weights_loaded=True` when the model is already resident (then weights are not
+    subtracted again). Returns budget 0 when not even one block fits."""
+    if free_bytes < 0 or block_length < 1 or min_prompt_len < 1:
+        raise ValueError("free_bytes must be >= 0, block_length and min_prompt_len >= 1")
+    weights = 0 if weights_loaded else weight_bytes(cfg, dtype)
+    margin = max(int(reserve_bytes), int(margin_frac * free_bytes))
+    plan = MemoryPlan(token_budget=0, free_bytes=free_bytes, weights_bytes=weights, margin_bytes=margin,
+                      kv_per_token=kv_peak_bytes_per_token(cfg, dtype, cache),
+                      activations_per_token=activation_bytes_per_token(cfg, dtype, max_width),
+                      logits_per_row=logits_bytes_per_row(cfg, dtype, block_length),
+                      min_row_width=min_prompt_len + block_length, max_rows=max_batch_size)
+    per_token, per_row, width = plan.kv_per_token + plan.activations_per_token, plan.logits_per_row, plan.min_row_width
+    avail = free_bytes - weights - margin
+    # rows = A / width while that stays under max_batch_size: A * (per_token + per_row / width) <= avail
+    area = max(0, int(avail // (per_token + per_row / width))) if avail > 0 else 0
+    if max_batch_size is not None and area // width > max_batch_size:
+        area = max(0, int((avail - max_batch_size * per_row) // per_token))  # the row cap binds
+    while area > 0 and plan.bytes_for(area) > free_bytes:  # float rounding
+        area -= 1
+    while area > 0 and plan.bytes_for(area + 1) <= free_bytes:  # rows are floored: the last partial row is free
+        area += 1
+    if area <= block_length:
+        area = 0
+    return MemoryPlan(**{**plan.as_dict(), "token_budget": area})
+
+
+def auto_token_budget(free_bytes: int, cfg: ModelConfig, dtype: torch.dtype = torch.bfloat16,
+                      cache: str = "refresh", block_length: int = 32, **kw) -> int:
+    """Just the budget of `plan_token_budget` (same arguments)."""
+    return plan_token_budget(free_bytes, cfg, dtype, cache, block_length, **kw).token_budget

@@ -1,0 +1,298 @@
+"""sort="blendserve": plan with pipeline/sorter.shard, then feed each rank's shard, in
+order, to that rank's engine actor.
+
+Why offline: the sorter needs every prompt's token count up front. So the tokenized
+dataset is materialized once, its small features (row key, prompt tokens, budget) are
+brought to the driver, `shard` computes the plan, and the rows are gathered per rank in
+plan order (one remote gather task per rank, blocks of `batch_size` rows). Each rank's
+dataset then runs through its own actor pool of size 1 whose engine carries that
+rank; the R branches are unioned. Every input row goes to exactly one rank, once.
+
+Costs of this path: generation starts only after tokenization of the whole input has
+finished (no streaming from read to engine), and the tokenized rows are held in the
+object store until their rank consumes them.
+
+Calibration (optional): `calibrate_cost_model` runs an Engine in-process on a sample of
+prompts, records (batch cells, seconds) per block cycle and fits
+`sorter.fit_cycle_time`, so `shard` balances on measured time instead of the roofline.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+import time
+import uuid
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+import numpy as np
+import pyarrow as pa
+import ray
+import ray.data
+
+from .config import DLLMProcessorConfig
+from .sorter import CPU, H200, CostModel, ModelProfile, RequestFeatures, ShardPlan, fit_cycle_time, shard
+from .stages import PRE_ERROR, TOKEN_IDS
+
+logger = logging.getLogger(__name__)
+
+ROW_KEY = "__row_key"
+SHARD_RANK = "shard_rank"  # output columns in sort="blendserve" mode
+SHARD_ORDER = "shard_order"
+
+
+def _add_row_key(batch: pa.Table) -> pa.Table:
+    """A unique key per row (fixed once the dataset is materialized)."""
+    keys = [uuid.uuid4().hex for _ in range(batch.num_rows)]
+    if ROW_KEY in batch.column_names:
+        batch = batch.drop_columns([ROW_KEY])
+    return batch.append_column(ROW_KEY, pa.array(keys, pa.string()))
+
+
+def _features_batch(batch: pa.Table, *, default_max_new: int, sampling_column: str) -> pa.Table:
+    n = batch.num_rows
+    names = batch.column_names
+    ids = batch.column(TOKEN_IDS).to_pylist() if TOKEN_IDS in names else [None] * n
+    over = batch.column(sampling_column).to_pylist() if sampling_column in names else [None] * n
+    plen, gen = [], []
+    for t, o in zip(ids, over):
+        plen.append(len(t) if t else 0)
+        g = default_max_new
+        if isinstance(o, dict) and o.get("max_new_tokens"):
+            try:
+                g = max(1, int(o["max_new_tokens"]))
+            except (TypeError, ValueError):
+                pass
+        gen.append(g)
+    return pa.table({ROW_KEY: batch.column(ROW_KEY), "p": pa.array(plen, pa.int64()), "g": pa.array(gen, pa.int64())})
+
+
+def model_profile(model: str) -> ModelProfile:
+    with open(os.path.join(model, "config.json")) as f:
+        return ModelProfile.from_config(json.load(f))
+
+
+def plan_shards(keys: Sequence[str], prompt_lens: Sequence[int], max_new: Sequence[int], cfg: DLLMProcessorConfig,
+                device: str, cost_model: Optional[CostModel] = None, prefixes: Optional[Sequence[Any]] = None
+                ) -> ShardPlan:
+    feats = [RequestFeatures(prompt_len=int(p), max_new_tokens=int(g),
+                             prefix=(tuple(prefixes[i]) if prefixes is not None and prefixes[i] else None))
+             for i, (p, g) in enumerate(zip(prompt_lens, max_new))]
+    return shard(feats, num_ranks=cfg.num_engines, model=model_profile(cfg.model),
+                 device=H200 if device == "cuda" else CPU, block_length=cfg.engine.block_length,
+                 steps_per_block=cfg.engine.steps_per_block, batch_size=cfg.batch_size,
+                 cost_model=cost_model)
+
+
+@ray.remote(num_cpus=0.25)
+def _gather(refs_and_idx: List[Tuple[int, List[int]]], *blocks: pa.Table) -> pa.Table:
+    """The rows [(block position in `blocks`, [rows in block])...] of the given blocks,
+    in that order, as one table (block schemas unified)."""
+    tables = [b for b in blocks]
+    parts = []
+    for bi, group in refs_and_idx:
+        parts.append(tables[bi].take(pa.array(group, pa.int64())))
+    if not parts:
+        return tables[0].slice(0, 0) if tables else pa.table({})
+    # refs_and_idx keeps plan order (consecutive runs of one block).
+    return pa.concat_tables(parts, promote_options="default")
+
+
+def _runs(order: List[Tuple[int, int]]) -> List[Tuple[int, List[int]]]:
+    """Consecutive runs of rows from the same block: [(block, [rows...]), ...]."""
+    out: List[Tuple[int, List[int]]] = []
+    for b, r in order:
+        if out and out[-1][0] == b:
+            out[-1][1].append(r)
+        else:
+            out.append((b, [r]))
+    return out
+
+
+class ShardedInput:
+    """The materialized, planned input: one ordered dataset per rank."""
+
+    def __init__(self, rank_datasets: List[Optional[ray.data.Dataset]], plan: ShardPlan, keys: List[str],
+                 cost_model: Optional[CostModel], calibration: Optional[Dict[str, Any]] = None):
+        self.rank_datasets = rank_datasets
+        self.plan = plan
+        self.keys = keys
+        self.cost_model = cost_model
+        self.calibration = calibration
+
+    def assignment(self) -> Dict[str, Tuple[int, int]]:
+        """row key -> (rank, position in that rank's shard)."""
+        return {self.keys[i]: (r, j) for r, idx in enumerate(self.plan.ranks) for j, i in enumerate(idx)}
+
+
+def shard_dataset(ds: ray.data.Dataset, cfg: DLLMProcessorConfig, device: str,
+                  cost_model: Optional[CostModel] = None) -> ShardedInput:
+    """Materialize the tokenized `ds`, plan, and cut it into per-rank ordered datasets.
+    With `cfg.calibrate` (and no `cost_model`), fit one on a sample of the input first."""
+    small = dict(batch_format="pyarrow", num_cpus=cfg.cpu_stage_num_cpus, udf_modifying_row_count=False)
+    t0 = time.perf_counter()
+    mat = ds.map_batches(_add_row_key, **small).materialize()
+    timings = {"materialize_s": time.perf_counter() - t0}
+    calibration = None
+    if cfg.calibrate and cost_model is None:
+        t1 = time.perf_counter()
+        cost_model, calibration = calibrate_cost_model(cfg, sample_prompts(mat, cfg.calibration_samples))
+        timings["calibrate_s"] = time.perf_counter() - t1
+    t2 = time.perf_counter()
+    refs = mat.to_arrow_refs()
+    metas = ray.get([_features_remote.remote(r, cfg.sampling.max_new_tokens, cfg.sampling_column) for r in refs])
+    keys: List[str] = []
+    lens: List[int] = []
+    gens: List[int] = []
+    loc: List[Tuple[int, int]] = []
+    for bi, t in enumerate(metas):
+        k = t.column(ROW_KEY).to_pylist()
+        keys += k
+        lens += t.column("p").to_pylist()
+        gens += t.column("g").to_pylist()
+        loc += [(bi, j) for j in range(len(k))]
+    plan = plan_shards(keys, lens, gens, cfg, device, cost_model=cost_model)
+    rank_datasets = []
+    for r, idx in enumerate(plan.ranks):
+        order = [loc[i] for i in idx]
+        used = sorted({b for b, _ in order})
+        remap = {b: n for n, b in enumerate(used)}
+        runs = [(remap[b], rows) for b, rows in _runs(order)]
+        if not order:
+            rank_datasets.append(None)
+            continue
+        table_ref = _gather.remote(runs, *[refs[b] for b in used])
+        # Blocks of one batch each, in plan order, so the engine gets the shard in order.
+        rank_datasets.append(_to_dataset(table_ref, len(order), cfg.batch_size, r))
+    timings["plan_and_gather_s"] = time.perf_counter() - t2
+    out = ShardedInput(rank_datasets, plan, keys, cost_model, calibration)
+    out.timings = timings
+    return out
+
+
+@ray.remote(num_cpus=0.25)
+def _features_remote(block: pa.Table, default_max_new: int, sampling_column: str) -> pa.Table:
+    return _features_batch(block, default_max_new=default_max_new, sampling_column=sampling_column)
+
+
+@ray.remote(num_cpus=0.25)
+def _split_rows(table: pa.Table, rows_per_block: int, rank: int):
+    n = table.num_rows
+    table = table.drop_columns([c for c in (ROW_KEY, SHARD_RANK, SHARD_ORDER) if c in table.column_names])
+    table = table.append_column(SHARD_RANK, pa.array([rank] * n, pa.int64()))
+    table = table.append_column(SHARD_ORDER, pa.array(list(range(n)), pa.int64()))
+    parts = [table.slice(s, rows_per_block) for s in range(0, n, rows_per_block)]
+    return parts[0] if len(parts) == 1 else tuple(parts)
+
+
+def _to_dataset(table_ref, n: int, rows_per_block: int, rank: int) -> ray.data.Dataset:
+    """Blocks of `rows_per_block` rows in shard order (one engine call each)."""
+    k = max(1, -(-n // rows_per_block))
+    refs = _split_rows.options(num_returns=k).remote(table_ref, rows_per_block, rank)
+    return ray.data.from_arrow_refs([refs] if k == 1 else list(refs))
+
+
+# --------------------------------------------------------------------------- calibration
+
+
+def calibrate_cost_model(cfg: DLLMProcessorConfig, prompts: Sequence[Sequence[int]], *,
+                         max_new_tokens: Optional[int] = None, concurrency: Optional[float] = None
+                         ) -> Tuple[CostModel, Dict[str, Any]]:
+    """Fit the cycle-time constants from the engine's own timings on `prompts`.
+
+    Runs an Engine in-process (CPU, `cfg.torch_threads` threads) on the sample, in
+    waves of growing batch size so the fit sees several batch widths, and records
+    (batch cells, seconds) of every block cycle. Returns the CostModel and a report.
+    """
+    import torch
+
+    from engine import Engine, load_model
+
+    if len(prompts) < 2:
+        raise ValueError("calibration needs at least 2 prompts")
+    threads = torch.get_num_threads()
+    torch.set_num_threads(max(1, cfg.torch_threads))
+    try:
+        model, _ = load_model(cfg.model, dtype=torch.float32, device=torch.device("cpu"), tokenizer=False)
+        params = cfg.sampling if max_new_tokens is None else dataclasses.replace(cfg.sampling,
+                                                                                max_new_tokens=max_new_tokens)
+        samples: List[Tuple[float, float]] = []
+        # warm-up on a throwaway engine
+        Engine(model, cfg.engine).generate([list(prompts[0])], params)
+        sizes = sorted({1, max(1, len(prompts) // 4), max(1, len(prompts) // 2), len(prompts)})
+        start = 0
+        for size in sizes:
+            wave = [list(p) for p in prompts[start:start + size]] or [list(p) for p in prompts[:size]]
+            start = (start + size) % len(prompts)
+            eng = Engine(model, cfg.engine, record_batches=True)
+            for p in wave:
+                eng.add_request(p, params)
+            while eng.has_unfinished():
+                t0 = time.perf_counter()
+                n_log = len(eng.batch_log)
+                eng.step()
+                dt = time.perf_counter() - t0
+                if len(eng.batch_log) > n_log:
+                    samples.append((float(eng.batch_log[-1].cost), dt))
+    finally:
+        torch.set_num_threads(threads)
+    fit = fit_cycle_time(samples)
+    conc = concurrency if concurrency is not None else float(min(cfg.batch_size, len(prompts)))
+    # A tiny model's cycles are overhead-bound and noisy: the fitted slope can come out
+    # <= 0 (or the intercept < 0). Neither is physical; clamp so costs stay positive and
+    # still grow with width (report the raw fit).
+    a = max(fit.a, 0.0)
+    b = fit.b if fit.b > 0 else max(float(np.mean([t for _, t in samples])) / max(
+        float(np.mean([c for c, _ in samples])), 1.0) * 1e-3, 1e-12)
+    cm = CostModel(a=a, b=b, block_length=cfg.engine.block_length, concurrency=conc)
+    return cm, {"a": fit.a, "b": fit.b, "rmse": fit.rmse, "n": fit.n, "concurrency": conc,
+                "clamped": (a != fit.a) or (b != fit.b), "used_a": a, "used_b": b}
+
+
+def sample_prompts(ds: ray.data.Dataset, n: int) -> List[List[int]]:
+    rows = ds.select_columns([TOKEN_IDS]).take(n)
+    return [list(r[TOKEN_IDS]) for r in rows if r.get(TOKEN_IDS)]
+
+
+__all__ = ["shard_dataset", "plan_shards", "calibrate_cost_model", "ShardedInput", "ROW_KEY", "SHARD_RANK",
+           "SHARD_ORDER", "sample_prompts"]
+
+
+# --------------------------------------------------------------------------- engine stats
+
+
+@ray.remote(num_cpus=0)
+class EngineStatsSink:
+    """Latest engine stats per rank, posted by the engine actors after every batch."""
+
+    def __init__(self) -> None:
+        self._stats: Dict[int, Dict[str, Any]] = {}
+
+    def put(self, rank: int, stats: Dict[str, Any]) -> None:
+        self._stats[int(rank)] = stats
+
+    def get(self) -> Dict[int, Dict[str, Any]]:
+        return dict(self._stats)
+
+
+def stats_engine_actor_class():
+    """DLLMEngineActor that posts its engine's stats to a sink after each batch (tests,
+    benches: Ray Data's pool does not expose its actors)."""
+    from actors.engine_actor import DLLMEngineActor
+
+    class StatsEngineActor(DLLMEngineActor):
+        def __init__(self, *args: Any, stats_sink: Any = None, **kwargs: Any):
+            super().__init__(*args, **kwargs)
+            self._sink = stats_sink
+
+        async def run_batch(self, batch):  # type: ignore[override]
+            out = await super().run_batch(batch)
+            if self._sink is not None:
+                try:  # awaited: the pool may be torn down as soon as the last batch returns
+                    await self._sink.put.remote(self.rank, self.engine_stats())
+                except Exception:  # noqa: BLE001 - stats are best effort
+                    logger.warning("engine stats not posted", exc_info=True)
+            return out
+
+    return StatsEngineActor

@@ -1,0 +1,149 @@
+"""Benchmark plumbing: the planted-stop wrapper really ends each request after its
+planted number of blocks (through the Engine, every cache mode and scheduler), the
+token-budget sizer's arithmetic, and both benchmark scripts run end to end on a tiny
+config and write the JSON they promise. No wall-clock thresholds: timings are noise here."""
+import json
+
+import pytest
+import torch
+
+from bench import engine_bench
+from bench.gpu import gpu_bench
+from bench.planted import Markers, PlantedStops
+from bench.workloads import SMOKE_SKEWED, skewed
+from engine import Engine, EngineConfig, ModelConfig, SamplingParams, build_model
+from engine.budget import (activation_bytes_per_token, kv_bytes_per_token, kv_peak_bytes_per_token,
+                           logits_bytes_per_row, plan_token_budget, weight_bytes)
+
+torch.set_num_threads(1)
+
+
+@pytest.fixture(scope="module")
+def work():
+    return skewed(SMOKE_SKEWED)
+
+
+def serve(w, **cfg):
+    eng = Engine(w.model, EngineConfig(block_length=w.block_length, steps_per_block=w.steps_per_block,
+                                       token_budget=400, max_batch_size=4, **cfg))
+    return eng.generate(w.prompts, w.params)
+
+
+def planted_tokens(w, prompt):
+    """Tokens before the planted EOS: T - p, with T decoded from the marker."""
+    return prompt[0] - w.model.markers.marker_base - len(prompt)
+
+
+@pytest.mark.parametrize("cache", ["none", "refresh", "persistent"])
+@pytest.mark.parametrize("scheduler,advance", [("blockserve", "block"), ("static", "block"), ("sequential", "block"),
+                                               ("blockserve", "step"),
+                                               ("static", "step")])
+def test_planted_stops_end_requests_at_planted_block(work, cache, scheduler, advance):
+    outs = serve(work, cache=cache, scheduler=scheduler, advance=advance)
+    assert [o.error for o in outs] == [None] * len(outs)
+    assert [o.num_blocks for o in outs] == work.planted_blocks
+    assert all(o.finish_reason == "stop" for o in outs)
+    for o, p, k in zip(outs, work.prompts, work.planted_blocks):
+        n = planted_tokens(work, p)
+        assert (k - 1) * work.block_length < n < k * work.block_length
+        assert len(o.token_ids) == n
+    assert len(set(work.planted_blocks)) > 2  # a real mix of difficulties
+
+
+def test_planted_marker_is_read_back_from_the_cache(work):
+    """Cached block-only steps do not carry the prompt: the marker comes from layer-0 V."""
+    work.model._v_table.clear()
+    serve(work, cache="refresh", scheduler="blockserve")
+    assert work.model._v_table  # the V-matching path ran (and its answers gave the planted blocks above)
+
+
+def test_planted_tokens_per_step_speed_up_blocks(work):
+    outs = serve(work, cache="refresh", scheduler="sequential")
+    steps_per_block = [o.num_steps / o.num_blocks for o in outs]
+    assert min(steps_per_block) < work.block_length  # several tokens per step, not the flat model's one
+    assert sum(len(o.token_ids) for o in outs) / sum(o.num_steps for o in outs) > 1.5
+
+
+def test_planted_rejects_unmarked_prompts():
+    cfg = ModelConfig.tiny("llada", vocab_size=256, mask_token_id=255)
+    model = PlantedStops(build_model(cfg, seed=0), Markers(marker_base=128, n_markers=100), block_length=4)
+    eng = Engine(model, EngineConfig(block_length=4, steps_per_block=4, token_budget=200))
+    out = eng.generate([[5, 6, 7]], SamplingParams(max_new_tokens=8))[0]
+    assert out.finish_reason == "error" and "marker" in out.error
+    with pytest.raises(ValueError, match="mask or stop"):
+        PlantedStops(build_model(cfg, seed=0), Markers(marker_base=200, n_markers=56), block_length=4)
+
+
+def test_budget_arithmetic():
+    llada = ModelConfig(model_type="llada", vocab_size=126464, hidden_size=4096, n_layers=32, n_heads=32,
+                        n_kv_heads=32, intermediate_size=12288, mask_token_id=126336, eos_token_id=126081)
+    bf16 = torch.bfloat16
+    assert kv_bytes_per_token(llada, bf16) == 2 * 32 * 32 * 128 * 2 == 512 * 1024  # K and V, 32 layers
+    assert kv_bytes_per_token(ModelConfig.tiny("Dream"), torch.float32) == 2 * 2 * 2 * 8 * 4  # GQA: 2 kv heads
+    # the peak holds two buffers (re-layout and sub-batch copies), none holds no cache
+    assert kv_peak_bytes_per_token(llada, bf16, "refresh") == kv_peak_bytes_per_token(llada, bf16, "persistent") \
+        == 2 * 512 * 1024
+    assert kv_peak_bytes_per_token(llada, bf16, "none") == 0
+    assert weight_bytes(llada, bf16) == 2 * llada.num_params()
+    assert activation_bytes_per_token(llada, bf16) == (4 * 12288 + 12 * 4096 + 6 * 4096) * 2 + 8 * 4096
+    assert logits_bytes_per_row(llada, bf16, 32) == 32 * (126464 * 2 + 126464 * 24)
+    with pytest.raises(ValueError):
+        kv_peak_bytes_per_token(llada, bf16, "bogus")
+
+    free = 140 * 2**30
+    plan = plan_token_budget(free, llada, bf16, "refresh", 32, min_prompt_len=96)
+    per_token = plan.kv_per_token + plan.activations_per_token
+    avail = free - plan.weights_bytes - plan.margin_bytes
+    assert plan.weights_bytes == weight_bytes(llada, bf16) and plan.margin_bytes == int(0.10 * free)
+    assert plan.min_row_width == 128
+    # the largest area whose estimate fits: A * per_token + floor(A / 128) * logits_per_row <= avail
+    A = plan.token_budget
+    assert A * per_token + (A // 128) * plan.logits_per_row <= avail
+    assert (A + 1) * per_token + ((A + 1) // 128) * plan.logits_per_row > avail
+    assert plan.bytes_for(A) <= free < plan.bytes_for(A + 1)
+    assert 30_000 < A < 200_000  # an H200 holds tens of thousands of cells of LLaDA-8B
+
+    # less memory per token -> more tokens; weights already resident -> more tokens
+    assert plan_token_budget(free, llada, bf16, "none", 32, min_prompt_len=96).token_budget > A
+    assert plan_token_budget(free, llada, bf16, "persistent", 32, min_prompt_len=96).token_budget == A
+    assert plan_token_budget(free, llada, bf16, "refresh", 32, min_prompt_len=96,
+                             weights_loaded=True).token_budget > A
+    # short prompts: more rows per token of area, so more logits workspace, so a smaller budget
+    assert plan_token_budget(free, llada, bf16, "refresh", 32, min_prompt_len=1).token_budget < A
+    # a row cap makes the logits a constant: A = (avail - R * logits_per_row) // per_token
+    capped = plan_token_budget(free, llada, bf16, "refresh", 32, min_prompt_len=1, max_batch_size=64)
+    assert capped.token_budget == (avail - 64 * capped.logits_per_row) // per_token
+    # nothing fits: budget 0
+    assert plan_token_budget(10 * 2**30, llada, bf16).token_budget == 0
+
+
+EXPECTED_RUN_KEYS = {"tokens_per_s", "requests_per_s", "wall_s", "padding_fraction", "forward_fraction",
+                     "host_overhead", "latency_p50_s", "latency_p99_s", "scheduler", "token_budget"}
+
+
+def test_engine_bench_smoke_writes_json(tmp_path):
+    out = tmp_path / "smoke.json"
+    engine_bench.main(["--workload", "skewed", "--smoke", "--out", str(out), "--threads", "1"])
+    d = json.loads(out.read_text())
+    assert d["command"].startswith("python bench/engine_bench.py --workload skewed --smoke")
+    assert {"cpu_count", "platform", "torch"} <= set(d["machine"])
+    assert d["workload"]["name"] == "skewed" and d["decoding"]["policy"] == "threshold"
+    assert set(d["schedulers"]) == {"sequential", "static-B2", "blockserve@B2", "static-B4", "blockserve@B4"}
+    for s in d["schedulers"].values():
+        assert EXPECTED_RUN_KEYS <= set(s) and s["tokens_per_s"] > 0 and s["error"] is None
+    # equal memory: blockserve's budget is the padded area static-B used
+    assert d["schedulers"]["blockserve@B4"]["token_budget"] == d["schedulers"]["static-B4"]["peak_cost"]
+    assert {"blockserve/static@B2", "blockserve@B4/sequential"} <= set(d["ratios"])
+    assert d["outputs_agree"] is True
+    assert (tmp_path / "smoke.png").stat().st_size > 0
+
+
+def test_gpu_bench_smoke_runs_on_cpu(tmp_path):
+    d = gpu_bench.main(["--smoke", "--out", str(tmp_path), "--n-requests", "6", "--deadline-s", "120"])
+    saved = json.loads((tmp_path / "gpu_bench.json").read_text())
+    assert saved["done"] is True and saved["smoke"] is True
+    labels = {r["label"] for r in saved["runs"]}
+    assert {"static-B2", "blockserve@B2", "sequential"} <= labels
+    assert all(r["mfu_wall"] > 0 and r["tokens_per_s"] > 0 for r in saved["runs"])
+    assert "blockserve@B2/static-B2" in saved["ratios"] and saved["auto_budget"]["token_budget"] > 0
+    assert d["model"]["params"] == saved["model"]["params"]
