@@ -254,9 +254,11 @@ def plot(path: str, report: Dict[str, object]) -> None:
     ax1.set_title("throughput")
     ax1.legend(fontsize=7)
     pad = [summary[k]["padding_fraction"] for k in labels]
-    idle = [summary[k].get("idle_row_fraction") or 0.0 for k in labels]
+    idle = [summary[k].get("idle_row_fraction") for k in labels]  # None: not measured (no planted wrapper)
     ax2.bar([i - w / 2 for i in x], pad, w, label="padding (pad cells / computed cells)", color="#e7298a")
-    ax2.bar([i + w / 2 for i in x], idle, w, label="idle rows (row had nothing left to unmask)", color="#66a61e")
+    if any(v is not None for v in idle):
+        ax2.bar([i + w / 2 for i in x], [v or 0.0 for v in idle], w, label="idle rows (row had nothing left to unmask)",
+                color="#66a61e")
     ax2.axhline(0.15, color="k", lw=0.8, ls=":")
     ax2.set_ylim(0, 1)
     ax2.set_title("wasted forward columns")

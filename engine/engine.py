@@ -218,7 +218,7 @@ class Engine:
         if any(s is not None for s in rp.seeds):
             keys = [None if seed is None else hash((seed, len(r.generated), st)) & (2**62 - 1)
                     for seed, r, st in zip(rp.seeds, b.rows, b.step.tolist())]
-        x0, conf = propose(logits[:, :L], rp, keys or [None] * len(b.rows))
+        x0, conf = propose(logits[:, :L], rp, keys or [None] * len(b.rows), need=is_mask)
         sel = select(conf, is_mask, b.step, rp, L, S)
         b.ids[:, W - L:] = torch.where(sel, x0, b.ids[:, W - L:])
         b.step += 1

@@ -19,17 +19,19 @@ unweighted cross-entropy on masked positions, averaged over them.
 
 Samples are packed first-fit into rows of 160 tokens (positions restart at 0 and the
 attention mask is block-diagonal per sample; the tail of a row is pad, masked out of
-attention and loss). Packing i.i.d. samples matters: length-bucketed batches (one task
-and length per batch) learned ~10x slower in a probe (copy 0% after 3000 steps vs 100%).
+attention and loss). Packing i.i.d. samples matters: in a probe, length-bucketed
+batches (one task and length per batch) were at loss 1.35 and copy 0% after ~6M
+training tokens, packed mixed batches at loss 0.21 and 47% exact match overall.
 
     python -m engine.train_tiny --out engine/assets/tiny-dllm            # train (fixed steps, seed 0)
     python -m engine.train_tiny --eval engine/assets/tiny-dllm           # per-task accuracy via the Engine
     python -m engine.train_tiny --eval engine/assets/tiny-dllm --schedulers blockserve static sequential
 
 Training is a fixed number of optimizer steps (the LR schedule depends on it), so the
-same seed gives the same data, masks and initial weights; thread scheduling may make
-the result not bit-exact. `--minutes` is only a safety cap: when hit, training stops
-early and saves what it has (and says so).
+same seed gives the same data, masks and initial weights; with the default --threads 1
+a rerun on the same machine and torch build is expected to be bit-exact (more threads
+may change float reduction order, not the accuracy). `--minutes` is only a safety cap:
+when hit, training stops early and saves what it has (and says so).
 """
 from __future__ import annotations
 
@@ -205,7 +207,7 @@ def save_dir(model: DLLM, out: str) -> None:
         json.dump(ENGINE_SETTINGS, f, indent=2)
 
 
-def train(out: str, steps: int = 4000, seed: int = 0, minutes: Optional[float] = None, d_model: int = 128,
+def train(out: str, steps: int = 3000, seed: int = 0, minutes: Optional[float] = None, d_model: int = 128,
           n_layers: int = 4, n_heads: int = 4, ffn: int = 384, tokens_per_batch: int = 4000,
           lr: float = 3e-3, warmup: int = 200, weight_decay: float = 0.01, threads: int = 1,
           log_every: int = 50, eval_every: int = 0) -> DLLM:
@@ -261,7 +263,7 @@ def train(out: str, steps: int = 4000, seed: int = 0, minutes: Optional[float] =
     took = time.perf_counter() - t0
     meta = {"seed": seed, "steps": steps, "steps_done": step + 1, "stopped_early": stopped_early,
             "train_minutes": round(took / 60, 1), "params": n_params, "d_model": d_model, "n_layers": n_layers,
-            "n_heads": n_heads, "ffn": ffn, "tokens_per_batch": tokens_per_batch, "lr": lr, "warmup": warmup}
+            "n_heads": n_heads, "ffn": ffn, "tokens_per_batch": tokens_per_batch, "lr": lr, "warmup": warmup, "threads": threads}
     print(f"trained in {took / 60:.1f} min; wrote {out}: {json.dumps(meta)}", flush=True)
     with open(os.path.join(out, "train_meta.json"), "w") as f:
         json.dump(meta, f, indent=2)
