@@ -12,6 +12,7 @@ from typing import Dict, List, Optional
 
 import torch
 
+from .decoding import RowParams
 from .models import KVCache, ModelConfig
 from .sequence import Request
 
@@ -29,6 +30,7 @@ class Batch:
     frozen: torch.Tensor  # [B] finished rows a static batch keeps computing
     cache: Optional[KVCache]
     mask: torch.Tensor  # attention mask [B, 1, W|1, W]
+    row_params: RowParams  # per-row decoding parameters, built once per layout
 
     @property
     def width(self) -> int:
@@ -117,4 +119,5 @@ def relayout(old: Optional[Batch], rows: List[Request], grown: set, frozen: List
     prompt_len = torch.tensor([r.prompt_len for r in rows], device=dev)
     return Batch(rows=list(rows), ids=ids, lens=lens, prompt_len=prompt_len, cached=cached, step=step,
                  busy_steps=busy, prompt_fwd=fwd, frozen=frozen_t, cache=cache,
-                 mask=attention_mask(lens, prompt_len, W, L, mcfg.block_causal))
+                 mask=attention_mask(lens, prompt_len, W, L, mcfg.block_causal),
+                 row_params=RowParams.build([r.params for r in rows], [r.noise_seed for r in rows], dev))

@@ -21,7 +21,7 @@ from typing import Any, Dict, List, Optional, Sequence, Union
 import torch
 
 from .config import EngineConfig, SamplingParams
-from .decoding import RowParams, propose, select
+from .decoding import propose, select
 from .batch import Batch, relayout
 from .models import DLLM, KVCache
 from .scheduler import make_scheduler
@@ -38,7 +38,6 @@ class EngineStats:
     steps: int = 0
     forwards: int = 0
     generated_tokens: int = 0
-    forward_tokens: int = 0  # query columns forwarded
     padded_cells: int = 0  # pad query columns forwarded
     computed_cells: int = 0
     forward_s: float = 0.0
@@ -48,6 +47,11 @@ class EngineStats:
     budget_used: int = 0
     token_budget: int = 0
     finished: Dict[str, int] = field(default_factory=dict)
+
+    @property
+    def forward_tokens(self) -> int:
+        """Real (non-pad) query columns forwarded."""
+        return self.computed_cells - self.padded_cells
 
     @property
     def padding_fraction(self) -> float:
@@ -213,7 +217,7 @@ class Engine:
                 self._forward(torch.nonzero(long).flatten())
         logits = self._forward()
 
-        rp = self._row_params()
+        rp = b.row_params
         keys = None
         if any(s is not None for s in rp.seeds):
             keys = [None if seed is None else hash((seed, len(r.generated), st)) & (2**62 - 1)
@@ -263,7 +267,6 @@ class Engine:
         self.stats.forwards += 1
         self.stats.computed_cells += cells
         self.stats.padded_cells += cells - n_real
-        self.stats.forward_tokens += n_real
         fwd = (write & (col[:, first:] - start < rows(b.prompt_len)[:, None])).sum(1)
         if idx is None:
             b.prompt_fwd += fwd
@@ -280,13 +283,6 @@ class Engine:
             r.error = msg
             self._finish(r, "error")
         self.batch, self._grown = None, set()
-
-    def _row_params(self) -> RowParams:
-        """Per-row decoding parameters, rebuilt only when the batch is laid out anew."""
-        b = self.batch
-        if getattr(b, "row_params", None) is None:
-            b.row_params = RowParams.build([r.params for r in b.rows], [r.noise_seed for r in b.rows], self.device)
-        return b.row_params
 
     def _commit(self, done: torch.Tensor) -> None:
         """Append each completed block; a row whose block holds a stop token, or that

@@ -33,7 +33,7 @@ import ray.data
 
 from .config import DLLMProcessorConfig
 from .sorter import CPU, H200, CostModel, ModelProfile, RequestFeatures, ShardPlan, fit_cycle_time, shard
-from .stages import PRE_ERROR, TOKEN_IDS
+from .stages import TOKEN_IDS
 
 logger = logging.getLogger(__name__)
 
