@@ -55,6 +55,7 @@ class Plan:
     variants: List[str]
     cache: str = "refresh"
     repeats: int = 1
+    advance: str = "block"  # blockserve's advance mode (the baselines run in lock step either way)
 
 
 def machine_info(threads: int) -> Dict[str, object]:
@@ -95,12 +96,14 @@ def build_workload(args) -> Workload:
 
 
 def variant_spec(kind: str, budget: int, cache: str, label_budget: str) -> RunSpec:
-    """`kind` is "+"-joined: a cache mode (none, refresh, persistent) and/or "step"."""
+    """`kind` is "+"-joined: a cache mode (none, refresh, persistent) and/or an advance
+    mode (block, step)."""
     parts = kind.split("+")
-    bad = [p for p in parts if p not in ("none", "refresh", "persistent", "step")]
+    bad = [p for p in parts if p not in ("none", "refresh", "persistent", "step", "block")]
     if bad or not parts:
-        raise ValueError(f"unknown variant {kind!r}: join cache modes (none, refresh, persistent) and step with +")
-    caches = [p for p in parts if p != "step"]
+        raise ValueError(f"unknown variant {kind!r}: join a cache mode (none, refresh, persistent) and/or an "
+                         "advance mode (block, step) with +")
+    caches = [p for p in parts if p not in ("step", "block")]
     return RunSpec(f"blockserve+{kind}@{label_budget}", "blockserve", budget, cache=caches[0] if caches else cache,
                    advance="step" if "step" in parts else "block")
 
@@ -132,7 +135,8 @@ def run_plan(w: Workload, plan: Plan, log=print) -> List[RunResult]:
             elif kind == "static":
                 spec = RunSpec(f"static-B{arg}", "static", widest, max_batch_size=arg, cache=plan.cache)
             elif kind == "blockserve":
-                spec = RunSpec(f"blockserve@B{arg}", "blockserve", budgets[arg], cache=plan.cache)
+                spec = RunSpec(f"blockserve@B{arg}", "blockserve", budgets[arg], cache=plan.cache,
+                               advance=plan.advance)
             else:
                 v, b = arg
                 spec = variant_spec(v, budgets[b], plan.cache, f"B{b}")
@@ -301,6 +305,7 @@ def parse_args(argv=None):
     ap.add_argument("--variants", default="",
                     help="extra blockserve runs at the middle budget, e.g. step,persistent,persistent+step")
     ap.add_argument("--cache", default="refresh", choices=["none", "refresh", "persistent"])
+    ap.add_argument("--advance", default="block", choices=["block", "step"], help="blockserve's advance mode")
     ap.add_argument("--repeats", type=int, default=1, help="rounds; odd rounds run the list backwards")
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     ap.add_argument("--model-dir", default=None, help="tiny-eval: model directory (default engine/assets/tiny-dllm)")
@@ -325,7 +330,8 @@ def main(argv=None) -> Dict[str, object]:
     seq_n = args.sequential_requests
     if seq_n is None:
         seq_n = (4 if args.smoke else 48) if args.workload == "skewed" else None
-    plan = Plan(sizes, seq_n, [v for v in args.variants.split(",") if v], cache=args.cache, repeats=args.repeats)
+    plan = Plan(sizes, seq_n, [v for v in args.variants.split(",") if v], cache=args.cache, repeats=args.repeats,
+                advance=args.advance)
     git = git_state()  # before the runs: the engine files may change on disk while they go
     w = build_workload(args)
     print(f"workload {w.name}: {len(w.prompts)} requests; plan {plan}", flush=True)
@@ -341,7 +347,8 @@ def main(argv=None) -> Dict[str, object]:
         "workload": {"name": w.name, "n_requests": len(w.prompts), **w.info},
         "decoding": {"block_length": w.block_length, "steps_per_block": w.steps_per_block,
                      "policy": w.params[0].policy, "threshold": w.params[0].threshold,
-                     "max_new_tokens": w.params[0].max_new_tokens, "cache": plan.cache},
+                     "max_new_tokens": w.params[0].max_new_tokens, "cache": plan.cache,
+                     "blockserve_advance": plan.advance},
         "plan": plan.__dict__,
         "schedulers": summary,
         "ratios": rat,

@@ -57,6 +57,31 @@ def attention_mask(lens: torch.Tensor, prompt_len: torch.Tensor, width: int, blo
     return (valid[:, None, :] & (seg[:, None, :] <= seg[:, :, None]))[:, None]
 
 
+def grow_in_place(old: Batch, grown: set, *, block_length: int, cache_mode: str, mask_token_id: int,
+                  block_causal: bool) -> bool:
+    """The common step-advance case, done without copying the batch: the same rows in
+    the same order, some of them starting their next block, and the box keeps its width.
+    A grown row shifts left by L inside its own row (its K/V too with `persistent`;
+    `refresh` recomputes its prefix anyway). False when the case does not apply."""
+    L, W = block_length, old.width
+    grew = torch.tensor([id(r) in grown for r in old.rows], device=old.ids.device)
+    lens = old.lens + grew.long() * L
+    if int(lens.max()) != W or bool(old.frozen.any()):
+        return False
+    g = torch.nonzero(grew).flatten()
+    old.ids[g, : W - L] = old.ids[g, L:]
+    old.ids[g, W - L:] = mask_token_id
+    if old.cache is not None and cache_mode == "persistent":
+        for t in old.cache.k + old.cache.v:
+            t[g, :, : W - L] = t[g, :, L:]
+    elif old.cache is not None:
+        old.cached = torch.where(grew, 0, old.cached)
+    # new tensors, not in-place writes: `cached` may have been set under inference_mode
+    old.lens, old.step, old.busy_steps = lens, torch.where(grew, 0, old.step), torch.where(grew, 0, old.busy_steps)
+    old.mask = attention_mask(lens, old.prompt_len, W, L, block_causal)
+    return True
+
+
 def relayout(old: Optional[Batch], rows: List[Request], grown: set, frozen: List[bool], *,
              mcfg: ModelConfig, block_length: int, cache_mode: str, dtype: torch.dtype, device) -> Batch:
     """The batch for `rows`: kept rows are gathered from `old` (shifted to the new box,
@@ -108,14 +133,14 @@ def relayout(old: Optional[Batch], rows: List[Request], grown: set, frozen: List
         ids[:, W - L:] = torch.where(frozen_t[:, None] & (ids[:, W - L:] == mcfg.mask_token_id),
                                      mcfg.pad_token_id, ids[:, W - L:])
     cache = None
-    if cache_mode != "none":
+    if cache_mode != "none" and src_col is not None and bool((cached > 0).any()):
+        # One indexed read per tensor builds the new box. Columns of rows without
+        # cache hold some old row's finite K/V: overwritten before use or masked out.
+        bi, hi = src.clamp(min=0)[:, None, None], torch.arange(mcfg.n_kv_heads, device=dev)[None, :, None]
+        ci = src_col[:, None, :]
+        cache = KVCache([k[bi, hi, ci] for k in old.cache.k], [v[bi, hi, ci] for v in old.cache.v])
+    elif cache_mode != "none":
         cache = KVCache.empty(mcfg, B, W, dtype, dev)
-        if src_col is not None and bool((cached > 0).any()):
-            idx = src_col[:, None, :, None].expand(B, mcfg.n_kv_heads, W, mcfg.head_dim)
-            s = src.clamp(min=0)
-            for layer in range(mcfg.n_layers):
-                cache.k[layer].copy_(old.cache.k[layer][s].gather(2, idx))
-                cache.v[layer].copy_(old.cache.v[layer][s].gather(2, idx))
     prompt_len = torch.tensor([r.prompt_len for r in rows], device=dev)
     return Batch(rows=list(rows), ids=ids, lens=lens, prompt_len=prompt_len, cached=cached, step=step,
                  busy_steps=busy, prompt_fwd=fwd, frozen=frozen_t, cache=cache,

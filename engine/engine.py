@@ -22,7 +22,7 @@ import torch
 
 from .config import EngineConfig, SamplingParams
 from .decoding import propose, select
-from .batch import Batch, relayout
+from .batch import Batch, grow_in_place, relayout
 from .models import DLLM, KVCache
 from .scheduler import make_scheduler
 from .sequence import Request, RequestOutput
@@ -56,6 +56,40 @@ class EngineStats:
     @property
     def padding_fraction(self) -> float:
         return self.padded_cells / self.computed_cells if self.computed_cells else 0.0
+
+
+# What one more forward costs, in query cells, beyond the cells it computes (kernel
+# launches, per-layer host work); it keeps catch-up from splitting into tiny groups.
+FORWARD_OVERHEAD_CELLS = 256
+
+
+def catch_up_groups(need: List[int], floor: int) -> List[List[int]]:
+    """Rows to bring up to date before the batch's forward, grouped by similar stretch.
+
+    `need[i]` is how many trailing columns row i must compute (at least `floor`, its
+    current block). One forward over rows with different needs pads each to the
+    largest, so rows with a long uncached stretch (just admitted, refreshing a
+    prefix, or with a committed block to cache) are forwarded first in sub-batches of
+    similar need, after which the batch's forward is `floor` wide for them. Picks the
+    split with the fewest computed cells (dynamic programming over rows sorted by need,
+    FORWARD_OVERHEAD_CELLS per extra forward); [] when one forward is cheapest."""
+    n = len(need)
+    order = sorted((i for i in range(n) if need[i] > floor), key=lambda i: -need[i])
+    d = [need[i] for i in order] + [floor]
+    m = len(order)
+    # best[k]: fewest cells for rows order[:k] in sub-batches; cut[k]: where its last group starts
+    best, cut = [0.0] + [float("inf")] * m, [0] * (m + 1)
+    for k in range(1, m + 1):
+        for j in range(k):  # last group = order[j:k], padded to d[j]
+            c = best[j] + (k - j) * d[j] + FORWARD_OVERHEAD_CELLS
+            if c < best[k]:
+                best[k], cut[k] = c, j
+    k = min(range(m + 1), key=lambda k: best[k] + n * d[k])  # the rest join the batch forward at width d[k]
+    groups = []
+    while k > 0:
+        groups.append([order[i] for i in range(cut[k], k)])
+        k = cut[k]
+    return groups[::-1]
 
 
 @dataclass
@@ -192,7 +226,12 @@ class Engine:
         if not rows:
             self.batch = None
             return
-        if old is None or self._grown or [id(r) for r in rows] != [id(r) for r in old.rows]:
+        same_rows = old is not None and [id(r) for r in rows] == [id(r) for r in old.rows]
+        if same_rows and self._grown and grow_in_place(
+                old, self._grown, block_length=self.cfg.block_length, cache_mode=self.cfg.cache,
+                mask_token_id=self.mcfg.mask_token_id, block_causal=self.mcfg.block_causal):
+            self._grown = set()
+        elif not same_rows or self._grown:
             self.batch = relayout(old, rows, self._grown, [self.scheduler.is_frozen(r) for r in rows],
                                   mcfg=self.mcfg, block_length=self.cfg.block_length, cache_mode=self.cfg.cache,
                                   dtype=self.model.dtype, device=self.device)
@@ -212,9 +251,10 @@ class Engine:
         is_mask = b.ids[:, W - L:] == mask_id
         busy = is_mask.any(1)
         if self.cfg.cache != "none":
-            long = b.start + b.cached < W - 2 * L - shift
-            if bool(long.any()) and not bool(long.all()):
-                self._forward(torch.nonzero(long).flatten())
+            need = (W - b.start - b.cached).clamp(min=L + shift)
+            if int(need.max()) > L + shift:
+                for group in catch_up_groups(need.tolist(), L + shift):
+                    self._forward(torch.tensor(group, device=self.device))
         logits = self._forward()
 
         rp = b.row_params

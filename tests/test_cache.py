@@ -90,3 +90,26 @@ def test_step_advance_saves_forwards_when_blocks_finish_unevenly(models):
     by_step, eng_s = run(model, prompts, params, advance="step", **kw)
     assert [o.token_ids for o in by_block] == [o.token_ids for o in by_step]
     assert eng_s.stats.steps < eng_b.stats.steps
+
+
+@pytest.mark.parametrize("name,cache", [("llada-block-causal", "persistent"), ("Dream", "refresh")])
+def test_rows_growing_inside_the_box_stay_exact(models, name, cache, monkeypatch):
+    """Step advance: a short row that starts its next block inside the batch's box is
+    shifted in place (engine.batch.grow_in_place), K/V included with `persistent`; the
+    tokens stay those of decoding alone with the same cache."""
+    import engine.engine as engine_mod
+
+    in_place = []
+    real = engine_mod.grow_in_place
+    monkeypatch.setattr(engine_mod, "grow_in_place", lambda *a, **k: in_place.append(real(*a, **k)) or in_place[-1])
+    rng = random.Random(4)
+    # one wide row that needs all S steps per block; short rows finish a block in 1-2 steps
+    prompts = [[rng.randrange(3, 60) for _ in range(60)]] + [[rng.randrange(3, 60) for _ in range(rng.randint(3, 12))]
+                                                               for _ in range(7)]
+    params = [SamplingParams(max_new_tokens=6 * L, threshold=0.999 if i == 0 else [0.01, 0.2][i % 2],
+                             stop_token_ids=[]) for i in range(8)]
+    ref, _ = run(models[name], prompts, params, cache=cache, scheduler="sequential")
+    outs, _ = run(models[name], prompts, params, cache=cache, advance="step", token_budget=10_000)
+    assert sum(in_place) >= 3
+    for o, r in zip(outs, ref):
+        assert (o.token_ids, o.finish_reason, o.num_blocks) == (r.token_ids, r.finish_reason, r.num_blocks)

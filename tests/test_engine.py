@@ -258,3 +258,35 @@ def test_engine_failure_fails_only_the_rows_it_was_serving(model):
     for o, p, sp in zip(good, prompts, params):
         assert o.finish_reason != "error" and o.token_ids == alone(model, cfg, p, sp).token_ids
     assert not eng.has_unfinished()
+
+
+def test_catch_up_groups_pick_the_fewest_cells():
+    """Rows with a long uncached stretch are forwarded first in groups of similar
+    stretch only when that computes fewer cells than padding the whole batch."""
+    import itertools
+
+    from engine.engine import FORWARD_OVERHEAD_CELLS as C, catch_up_groups
+
+    def cells(need, floor, groups):
+        caught = {i for g in groups for i in g}
+        rest = max([need[i] for i in range(len(need)) if i not in caught] + [floor])
+        return sum(len(g) * max(need[i] for i in g) + C for g in groups) + len(need) * rest
+
+    assert catch_up_groups([8] * 10, 8) == []  # nothing to catch up
+    assert catch_up_groups([600, 590, 580, 570], 8) == []  # all wide alike: one forward pads little
+    assert catch_up_groups([8] * 30 + [900], 8) == [[30]]  # one newcomer among block-wide rows
+    groups = catch_up_groups([8] * 30 + [1000, 990, 300, 290], 8)
+    assert sorted(map(sorted, groups)) == [[30, 31], [32, 33]]  # two groups of similar stretch
+    rng = random.Random(0)
+    for _ in range(200):  # optimal over every way of catching up a by-need prefix in contiguous groups
+        need = [rng.choice([8, 8, 8, rng.randint(8, 1200)]) for _ in range(rng.randint(1, 7))]
+        got = cells(need, 8, catch_up_groups(need, 8))
+        order = sorted(range(len(need)), key=lambda i: -need[i])
+        best = cells(need, 8, [])
+        for k in range(1, len(need) + 1):
+            for cuts in itertools.product([0, 1], repeat=k - 1):
+                groups, cur = [], [order[0]]
+                for i, c in zip(order[1:k], cuts):
+                    groups, cur = (groups + [cur], [i]) if c else (groups, cur + [i])
+                best = min(best, cells(need, 8, groups + [cur]))
+        assert got == best
