@@ -1,22 +1,27 @@
 """Acceptance 2/3 of the sorter on CPU: sort="blendserve" vs sort="none" through the
 processor on a skewed workload with 2 engine actors and a random tiny model.
 
-Workload: `--rows` prompts, 20% of them 8x longer than the rest, in adversarial order
-(every long prompt first). Reports, from one run of each mode:
+Workload: `--rows` prompts, 20% of them 8x longer than the rest, in each of `--orders`:
+`long_first` (every long prompt first: adversarial for a contiguous split, and already
+grouped by length) and `random` (what the sorter's length ordering should beat on
+padding). Reports, per order, from one run of each mode:
   * estimated imbalance (max/mean estimated rank cost) of the sorter's plan vs the
     naive contiguous split (sorter.shard's report);
-  * measured per-engine busy time (engine stats busy_s per rank) and its spread
-    (max - min) / max;
+  * measured per-engine busy time (engine stats busy_s per rank: wall time inside
+    the engine's steps) and its spread (max - min) / max; the same for busy_cpu_s (CPU
+    time of the stepping thread), which co-tenants' load on a shared machine does not
+    inflate;
   * engine padding fraction (padded_cells / computed_cells over both engines);
   * end-to-end wall time of each mode and blendserve/none as a ratio.
 
-    python bench/sorter_bench.py                       # writes bench/results/sorter_cpu.json
+    python bench/sorter_bench.py --calibrate           # writes bench/results/sorter_cpu.json
 """
 from __future__ import annotations
 
 import argparse
 import json
 import os
+import random
 import sys
 import tempfile
 import time
@@ -30,11 +35,36 @@ def skewed_rows(n: int, long_share: float = 0.2, short_len: int = 8, factor: int
     every = max(1, n // max(n_long, 1))
     rows = []
     for i in range(n):
-        is_long = i < n_long if order == "long_first" else (i % every == 0 and i // every < n_long)
+        is_long = i < n_long if order in ("long_first", "random") else (i % every == 0 and i // every < n_long)
         length = short_len * factor if is_long else short_len
         word = "".join("abcdefghijklmnopqrstuvwxyz"[(i * 7 + j) % 26] for j in range(length))
         rows.append({"id": f"r{i:04d}", "prompt": word})
+    if order == "random":
+        random.Random(0).shuffle(rows)
     return rows
+
+
+def _spread(x):
+    """(max - min) / max over ranks."""
+    return (max(x.values()) - min(x.values())) / max(x.values()) if x else None
+
+
+def _summary(none, blend):
+    return {
+        "est_imbalance_sorter": blend["plan"]["imbalance"],
+        "est_imbalance_naive": blend["plan"]["naive_imbalance"],
+        "busy_spread_sorter": blend["busy_spread"],
+        "busy_spread_none": none["busy_spread"],
+        "busy_cpu_spread_sorter": blend["busy_cpu_spread"],
+        "busy_cpu_spread_none": none["busy_cpu_spread"],
+        "wall_ratio_blendserve_over_none": blend["wall_s"] / none["wall_s"],
+        "padding_sorter": blend["padding_fraction"],
+        "padding_none": none["padding_fraction"],
+        "targets": {"est_imbalance_sorter<=1.05": blend["plan"]["imbalance"] <= 1.05,
+                    "busy_spread_sorter<=0.15": (blend["busy_spread"] or 1) <= 0.15,
+                    "busy_cpu_spread_sorter<=0.15": (blend["busy_cpu_spread"] or 1) <= 0.15,
+                    "padding_sorter<padding_none": blend["padding_fraction"] < none["padding_fraction"]},
+    }
 
 
 def run_mode(model: str, sort: str, rows, args):
@@ -58,6 +88,7 @@ def run_mode(model: str, sort: str, rows, args):
     wall = time.perf_counter() - t0
     stats = proc.engine_stats()
     busy = {r: s["busy_s"] for r, s in sorted(stats.items())}
+    busy_cpu = {r: s["busy_cpu_s"] for r, s in sorted(stats.items())}
     padded = sum(s["padded_cells"] for s in stats.values())
     computed = sum(s["computed_cells"] for s in stats.values())
     res = {
@@ -66,7 +97,9 @@ def run_mode(model: str, sort: str, rows, args):
         "ids_exactly_once": sorted(r["id"] for r in out) == sorted(r["id"] for r in rows),
         "errors": sum(1 for r in out if r["error"]),
         "busy_s": busy,
-        "busy_spread": (max(busy.values()) - min(busy.values())) / max(busy.values()) if busy else None,
+        "busy_spread": _spread(busy),
+        "busy_cpu_s": busy_cpu,  # CPU time of each engine's stepping thread (1 torch thread)
+        "busy_cpu_spread": _spread(busy_cpu),
         "padding_fraction": padded / computed if computed else None,
         "padding_per_rank": {r: s["padded_cells"] / s["computed_cells"] for r, s in stats.items()
                              if s["computed_cells"]},
@@ -92,7 +125,9 @@ def main(argv=None):
     ap.add_argument("--hidden-size", type=int, default=256)
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--calibrate", action="store_true")
-    ap.add_argument("--order", default="long_first", choices=["long_first", "interleaved"])
+    ap.add_argument("--orders", default="long_first,random",
+                    help="input orders to run, comma list of long_first (adversarial for a contiguous split), "
+                         "random, interleaved")
     ap.add_argument("--out", default=os.path.join(ROOT, "bench", "results", "sorter_cpu.json"))
     args = ap.parse_args(argv)
 
@@ -107,38 +142,27 @@ def main(argv=None):
     ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False,
              runtime_env={"env_vars": {"PYTHONPATH": ROOT}})
     ray.data.DataContext.get_current().enable_progress_bars = False
-    rows = skewed_rows(args.rows, short_len=args.short_len, order=args.order)
-    try:
-        none = run_mode(model, "none", rows, args)
-        blend = run_mode(model, "blendserve", rows, args)
-    finally:
-        ray.shutdown()
     result = {
-        "workload": {"rows": args.rows, "long_share": 0.2, "long_factor": 8, "order": args.order,
-                     "short_prompt_tokens": args.short_len, "long_prompt_tokens": 8 * args.short_len,
-                     "calibrate": args.calibrate, "hidden_size": args.hidden_size, "layers": args.layers, "max_new_tokens": args.max_new_tokens,
+        "command": "python bench/sorter_bench.py " + " ".join(sys.argv[1:] if argv is None else argv),
+        "workload": {"rows": args.rows, "long_share": 0.2, "long_factor": 8, "short_prompt_tokens": args.short_len,
+                     "long_prompt_tokens": 8 * args.short_len, "calibrate": args.calibrate,
+                     "hidden_size": args.hidden_size, "layers": args.layers, "max_new_tokens": args.max_new_tokens,
                      "block_length": 8, "steps_per_block": args.steps_per_block, "batch_size": args.batch_size,
                      "max_batch_size": args.max_batch_size, "engines": 2, "device": "cpu (2 cores, shared)",
                      "model": "random tiny LLaDA-style (tests/conftest.write_tiny_model)"},
-        "none": none,
-        "blendserve": blend,
-        "summary": {
-            "est_imbalance_sorter": blend["plan"]["imbalance"],
-            "est_imbalance_naive": blend["plan"]["naive_imbalance"],
-            "busy_spread_sorter": blend["busy_spread"],
-            "busy_spread_none": none["busy_spread"],
-            "wall_ratio_blendserve_over_none": blend["wall_s"] / none["wall_s"],
-            "padding_sorter": blend["padding_fraction"],
-            "padding_none": none["padding_fraction"],
-            "targets": {"est_imbalance_sorter<=1.05": blend["plan"]["imbalance"] <= 1.05,
-                        "busy_spread_sorter<=0.15": (blend["busy_spread"] or 1) <= 0.15,
-                        "padding_sorter<padding_none": blend["padding_fraction"] < none["padding_fraction"]},
-        },
     }
+    try:
+        for order in args.orders.split(","):
+            rows = skewed_rows(args.rows, short_len=args.short_len, order=order)
+            none = run_mode(model, "none", rows, args)
+            blend = run_mode(model, "blendserve", rows, args)
+            result[order] = {"none": none, "blendserve": blend, "summary": _summary(none, blend)}
+            print(order, json.dumps(result[order]["summary"], indent=2), flush=True)
+    finally:
+        ray.shutdown()
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump(result, f, indent=2, default=str)
-    print(json.dumps(result["summary"], indent=2))
     return result
 
 

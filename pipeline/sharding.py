@@ -2,7 +2,7 @@
 order, to that rank's engine actor.
 
 Why offline: the sorter needs every prompt's token count up front. So the tokenized
-dataset is materialized once, its small features (row key, prompt tokens, budget) are
+dataset is materialized once, its small features (prompt tokens, budget per row) are
 brought to the driver, `shard` computes the plan, and the rows are gathered per rank in
 plan order (one remote gather task per rank, blocks of `batch_size` rows). Each rank's
 dataset then runs through its own actor pool of size 1 whose engine carries that
@@ -13,7 +13,7 @@ finished (no streaming from read to engine), and the tokenized rows are held in 
 object store until their rank consumes them.
 
 Calibration (optional): `calibrate_cost_model` runs an Engine in-process on a sample of
-prompts, records (batch cells, seconds) per block cycle and fits
+prompts, records (cells forwarded, seconds) per block cycle and fits
 `sorter.fit_cycle_time`, so `shard` balances on measured time instead of the roofline.
 """
 from __future__ import annotations
@@ -23,7 +23,6 @@ import json
 import logging
 import os
 import time
-import uuid
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
@@ -37,17 +36,8 @@ from .stages import TOKEN_IDS
 
 logger = logging.getLogger(__name__)
 
-ROW_KEY = "__row_key"
 SHARD_RANK = "shard_rank"  # output columns in sort="blendserve" mode
 SHARD_ORDER = "shard_order"
-
-
-def _add_row_key(batch: pa.Table) -> pa.Table:
-    """A unique key per row (fixed once the dataset is materialized)."""
-    keys = [uuid.uuid4().hex for _ in range(batch.num_rows)]
-    if ROW_KEY in batch.column_names:
-        batch = batch.drop_columns([ROW_KEY])
-    return batch.append_column(ROW_KEY, pa.array(keys, pa.string()))
 
 
 def _features_batch(batch: pa.Table, *, default_max_new: int, sampling_column: str) -> pa.Table:
@@ -65,7 +55,7 @@ def _features_batch(batch: pa.Table, *, default_max_new: int, sampling_column: s
             except (TypeError, ValueError):
                 pass
         gen.append(g)
-    return pa.table({ROW_KEY: batch.column(ROW_KEY), "p": pa.array(plen, pa.int64()), "g": pa.array(gen, pa.int64())})
+    return pa.table({"p": pa.array(plen, pa.int64()), "g": pa.array(gen, pa.int64())})
 
 
 def model_profile(model: str) -> ModelProfile:
@@ -73,7 +63,7 @@ def model_profile(model: str) -> ModelProfile:
         return ModelProfile.from_config(json.load(f))
 
 
-def plan_shards(keys: Sequence[str], prompt_lens: Sequence[int], max_new: Sequence[int], cfg: DLLMProcessorConfig,
+def plan_shards(prompt_lens: Sequence[int], max_new: Sequence[int], cfg: DLLMProcessorConfig,
                 device: str, cost_model: Optional[CostModel] = None, prefixes: Optional[Sequence[Any]] = None
                 ) -> ShardPlan:
     feats = [RequestFeatures(prompt_len=int(p), max_new_tokens=int(g),
@@ -113,26 +103,22 @@ def _runs(order: List[Tuple[int, int]]) -> List[Tuple[int, List[int]]]:
 class ShardedInput:
     """The materialized, planned input: one ordered dataset per rank."""
 
-    def __init__(self, rank_datasets: List[Optional[ray.data.Dataset]], plan: ShardPlan, keys: List[str],
-                 cost_model: Optional[CostModel], calibration: Optional[Dict[str, Any]] = None):
+    def __init__(self, rank_datasets: List[Optional[ray.data.Dataset]], plan: ShardPlan,
+                 cost_model: Optional[CostModel], calibration: Optional[Dict[str, Any]] = None,
+                 timings: Optional[Dict[str, float]] = None):
         self.rank_datasets = rank_datasets
         self.plan = plan
-        self.keys = keys
         self.cost_model = cost_model
         self.calibration = calibration
-
-    def assignment(self) -> Dict[str, Tuple[int, int]]:
-        """row key -> (rank, position in that rank's shard)."""
-        return {self.keys[i]: (r, j) for r, idx in enumerate(self.plan.ranks) for j, i in enumerate(idx)}
+        self.timings = timings or {}
 
 
 def shard_dataset(ds: ray.data.Dataset, cfg: DLLMProcessorConfig, device: str,
                   cost_model: Optional[CostModel] = None) -> ShardedInput:
     """Materialize the tokenized `ds`, plan, and cut it into per-rank ordered datasets.
     With `cfg.calibrate` (and no `cost_model`), fit one on a sample of the input first."""
-    small = dict(batch_format="pyarrow", num_cpus=cfg.cpu_stage_num_cpus, udf_modifying_row_count=False)
     t0 = time.perf_counter()
-    mat = ds.map_batches(_add_row_key, **small).materialize()
+    mat = ds.materialize()
     timings = {"materialize_s": time.perf_counter() - t0}
     calibration = None
     if cfg.calibrate and cost_model is None:
@@ -141,18 +127,15 @@ def shard_dataset(ds: ray.data.Dataset, cfg: DLLMProcessorConfig, device: str,
         timings["calibrate_s"] = time.perf_counter() - t1
     t2 = time.perf_counter()
     refs = mat.to_arrow_refs()
-    metas = ray.get([_features_remote.remote(r, cfg.sampling.max_new_tokens, cfg.sampling_column) for r in refs])
-    keys: List[str] = []
-    lens: List[int] = []
-    gens: List[int] = []
-    loc: List[Tuple[int, int]] = []
-    for bi, t in enumerate(metas):
-        k = t.column(ROW_KEY).to_pylist()
-        keys += k
-        lens += t.column("p").to_pylist()
-        gens += t.column("g").to_pylist()
-        loc += [(bi, j) for j in range(len(k))]
-    plan = plan_shards(keys, lens, gens, cfg, device, cost_model=cost_model)
+    # A few tasks over many blocks each: every task may need a fresh worker process,
+    # which on a busy node costs far more than reading token counts.
+    chunks = np.array_split(np.arange(len(refs)), min(len(refs), FEATURE_TASKS)) if refs else []
+    metas = ray.get([_features_remote.remote(cfg.sampling.max_new_tokens, cfg.sampling_column,
+                                             *[refs[i] for i in c]) for c in chunks])
+    lens = [x for p, _, _ in metas for x in p]
+    gens = [x for _, g, _ in metas for x in g]
+    loc = [(bi, j) for bi, n in enumerate(n for _, _, rows in metas for n in rows) for j in range(n)]
+    plan = plan_shards(lens, gens, cfg, device, cost_model=cost_model)
     rank_datasets = []
     for r, idx in enumerate(plan.ranks):
         order = [loc[i] for i in idx]
@@ -166,20 +149,24 @@ def shard_dataset(ds: ray.data.Dataset, cfg: DLLMProcessorConfig, device: str,
         # Blocks of one batch each, in plan order, so the engine gets the shard in order.
         rank_datasets.append(_to_dataset(table_ref, len(order), cfg.batch_size, r))
     timings["plan_and_gather_s"] = time.perf_counter() - t2
-    out = ShardedInput(rank_datasets, plan, keys, cost_model, calibration)
-    out.timings = timings
-    return out
+    return ShardedInput(rank_datasets, plan, cost_model, calibration, timings)
+
+
+FEATURE_TASKS = 4
 
 
 @ray.remote(num_cpus=0.25)
-def _features_remote(block: pa.Table, default_max_new: int, sampling_column: str) -> pa.Table:
-    return _features_batch(block, default_max_new=default_max_new, sampling_column=sampling_column)
+def _features_remote(default_max_new: int, sampling_column: str, *blocks: pa.Table):
+    """(prompt tokens per row, budget per row, rows per block) of `blocks`, in order."""
+    feats = [_features_batch(b, default_max_new=default_max_new, sampling_column=sampling_column) for b in blocks]
+    return ([x for f in feats for x in f.column("p").to_pylist()], [x for f in feats for x in f.column("g").to_pylist()],
+            [b.num_rows for b in blocks])
 
 
 @ray.remote(num_cpus=0.25)
 def _split_rows(table: pa.Table, rows_per_block: int, rank: int):
     n = table.num_rows
-    table = table.drop_columns([c for c in (ROW_KEY, SHARD_RANK, SHARD_ORDER) if c in table.column_names])
+    table = table.drop_columns([c for c in (SHARD_RANK, SHARD_ORDER) if c in table.column_names])
     table = table.append_column(SHARD_RANK, pa.array([rank] * n, pa.int64()))
     table = table.append_column(SHARD_ORDER, pa.array(list(range(n)), pa.int64()))
     parts = [table.slice(s, rows_per_block) for s in range(0, n, rows_per_block)]
@@ -203,7 +190,7 @@ def calibrate_cost_model(cfg: DLLMProcessorConfig, prompts: Sequence[Sequence[in
 
     Runs an Engine in-process (CPU, `cfg.torch_threads` threads) on the sample, in
     waves of growing batch size so the fit sees several batch widths, and records
-    (batch cells, seconds) of every block cycle. Returns the CostModel and a report.
+    (cells forwarded, seconds) of every block cycle. Returns the CostModel and a report.
     """
     import torch
 
@@ -225,27 +212,29 @@ def calibrate_cost_model(cfg: DLLMProcessorConfig, prompts: Sequence[Sequence[in
         for size in sizes:
             wave = [list(p) for p in prompts[start:start + size]] or [list(p) for p in prompts[:size]]
             start = (start + size) % len(prompts)
-            eng = Engine(model, cfg.engine, record_batches=True)
+            eng = Engine(model, cfg.engine)
             for p in wave:
                 eng.add_request(p, params)
             while eng.has_unfinished():
-                t0 = time.perf_counter()
-                n_log = len(eng.batch_log)
+                t0, cells = time.perf_counter(), eng.stats.computed_cells
                 eng.step()
                 dt = time.perf_counter() - t0
-                if len(eng.batch_log) > n_log:
-                    samples.append((float(eng.batch_log[-1].cost), dt))
+                if eng.stats.computed_cells > cells:
+                    samples.append((float(eng.stats.computed_cells - cells), dt))
     finally:
         torch.set_num_threads(threads)
     fit = fit_cycle_time(samples)
-    conc = concurrency if concurrency is not None else float(min(cfg.batch_size, len(prompts)))
+    # rows sharing a cycle in the pipeline: what the engine admits of the batches in flight
+    conc = concurrency if concurrency is not None else float(
+        min(cfg.engine.max_batch_size, cfg.batch_size * cfg.max_concurrent_batches))
     # A tiny model's cycles are overhead-bound and noisy: the fitted slope can come out
     # <= 0 (or the intercept < 0). Neither is physical; clamp so costs stay positive and
     # still grow with width (report the raw fit).
     a = max(fit.a, 0.0)
     b = fit.b if fit.b > 0 else max(float(np.mean([t for _, t in samples])) / max(
         float(np.mean([c for c, _ in samples])), 1.0) * 1e-3, 1e-12)
-    cm = CostModel(a=a, b=b, block_length=cfg.engine.block_length, concurrency=conc)
+    cm = CostModel(a=a, b=b, block_length=cfg.engine.block_length, concurrency=conc,
+                   steps_per_block=cfg.engine.steps_per_block, cache=cfg.engine.cache)
     return cm, {"a": fit.a, "b": fit.b, "rmse": fit.rmse, "n": fit.n, "concurrency": conc,
                 "clamped": (a != fit.a) or (b != fit.b), "used_a": a, "used_b": b}
 
@@ -255,7 +244,7 @@ def sample_prompts(ds: ray.data.Dataset, n: int) -> List[List[int]]:
     return [list(r[TOKEN_IDS]) for r in rows if r.get(TOKEN_IDS)]
 
 
-__all__ = ["shard_dataset", "plan_shards", "calibrate_cost_model", "ShardedInput", "ROW_KEY", "SHARD_RANK",
+__all__ = ["shard_dataset", "plan_shards", "calibrate_cost_model", "ShardedInput", "SHARD_RANK",
            "SHARD_ORDER", "sample_prompts"]
 
 

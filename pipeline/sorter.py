@@ -298,9 +298,9 @@ def estimate(
 class CycleFit:
     """Fitted ``seconds per block cycle = a + b * batch_cells`` (least squares).
 
-    ``batch_cells`` is the padded batch area ``|A| * max width`` of the cycle
-    (the engine's admission cost), so ``a`` is the fixed per-cycle overhead
-    (launches, weight reads) and ``b`` the marginal seconds per cell.
+    ``batch_cells`` is the query cells the cycle forwarded (the engine's
+    ``computed_cells``, padding included), so ``a`` is the fixed per-cycle overhead
+    (launches, weight reads, host work) and ``b`` the marginal seconds per cell.
     """
 
     a: float
@@ -309,7 +309,7 @@ class CycleFit:
     n: int
 
     def predict(self, batch_cells: Union[float, np.ndarray]) -> Union[float, np.ndarray]:
-        """Predicted seconds of a block cycle over ``batch_cells`` padded cells."""
+        """Predicted seconds of a block cycle that forwards ``batch_cells`` cells."""
         return self.a + self.b * batch_cells
 
 
@@ -336,28 +336,43 @@ def fit_cycle_time(samples: Iterable[Tuple[float, float]]) -> CycleFit:
 class CostModel:
     """Per-request time from fitted cycle constants, used instead of the roofline.
 
-    A request in cycle b contributes its row's ``w_b = p + (b+1) L`` cells, so its
-    share of the cycle time is ``b * w_b`` plus ``a / concurrency`` (the fixed
-    overhead is split among the ``concurrency`` requests expected to share a
-    cycle; 1 charges it fully, which over-weights short requests).
+    A request's share of engine time is ``a / concurrency`` per block cycle (the fixed
+    overhead, split among the ``concurrency`` requests expected to share a cycle) plus
+    ``b`` per query cell it forwards over its life. Those cells depend on the cache:
+    with ``refresh`` the first step of block b runs the row's ``w_b = p + (b+1) L``
+    columns and the other S-1 steps its L block columns; ``none`` runs the whole row
+    on every step; ``persistent`` computes each token's K/V once (prompt, then every
+    block) besides the S block steps.
     """
 
     a: float
     b: float
     block_length: int
     concurrency: float = 1.0
+    steps_per_block: int = 1
+    cache: str = "refresh"
 
     @classmethod
-    def from_fit(cls, fit: CycleFit, block_length: int, concurrency: float = 1.0) -> "CostModel":
-        return cls(a=fit.a, b=fit.b, block_length=block_length, concurrency=concurrency)
+    def from_fit(cls, fit: CycleFit, block_length: int, concurrency: float = 1.0, steps_per_block: int = 1,
+                 cache: str = "refresh") -> "CostModel":
+        return cls(a=fit.a, b=fit.b, block_length=block_length, concurrency=concurrency,
+                   steps_per_block=steps_per_block, cache=cache)
+
+    def cells(self, prompt_len: np.ndarray, blocks: np.ndarray) -> np.ndarray:
+        """Query cells forwarded over a request's life (vectorised)."""
+        p, K = np.asarray(prompt_len, dtype=np.float64), np.asarray(blocks, dtype=np.float64)
+        L, S = float(self.block_length), float(self.steps_per_block)
+        sum_w = K * p + L * K * (K + 1) / 2.0
+        if self.cache == "none":
+            return S * sum_w
+        if self.cache == "persistent":
+            return p + L + 2 * L * (K - 1) + K * (S - 1) * L
+        return sum_w + K * (S - 1) * L
 
     def times(self, prompt_len: np.ndarray, max_new_tokens: np.ndarray, calibration: float = 1.0) -> np.ndarray:
         """Vectorised ``time_for`` over arrays of prompt lengths and budgets."""
-        p = np.asarray(prompt_len, dtype=np.float64)
-        L = float(self.block_length)
         K = _blocks(max_new_tokens, self.block_length, calibration)
-        sum_w = K * p + L * K * (K + 1) / 2.0
-        return K * self.a / max(self.concurrency, 1e-12) + self.b * sum_w
+        return K * self.a / max(self.concurrency, 1e-12) + self.b * self.cells(prompt_len, K)
 
     def time_for(self, request: RequestFeatures, calibration: float = 1.0) -> float:
         """Estimated seconds of engine time this request accounts for."""

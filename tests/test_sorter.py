@@ -309,6 +309,10 @@ def test_cost_model_feeds_back_into_shard():
     cm = CostModel.from_fit(fit, block_length=32, concurrency=4)
     f = RequestFeatures(100, 64)  # 2 blocks, widths 132 and 164
     assert cm.time_for(f) == pytest.approx(2 * 0.01 / 4 + 1e-6 * (132 + 164))
+    # cells the engine forwards per request with S = 8 steps per block, per cache mode
+    cells = {c: float(CostModel(0.0, 1.0, 32, steps_per_block=8, cache=c).cells(100, 2))
+             for c in ("none", "refresh", "persistent")}
+    assert cells == {"none": 8 * (132 + 164), "refresh": 132 + 164 + 2 * 7 * 32, "persistent": 100 + 32 + 32 * 2 + 2 * 7 * 32}
     feats = _skewed(seed=3, n=60)
     plan = shard(feats, num_ranks=3, model=LLADA, block_length=32, steps_per_block=8, cost_model=cm)
     assert plan.costs == pytest.approx([cm.time_for(x) for x in feats])
