@@ -55,6 +55,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     m.add_argument("--dtype", default="auto")
     m.add_argument("--num-cpus-per-engine", type=float, default=None)
     m.add_argument("--num-gpus-per-engine", type=float, default=None)
+    m.add_argument("--engine-resource", action="append", default=[], metavar="NAME=AMOUNT",
+                   help="custom Ray resource each engine needs (repeatable), e.g. engine_slot=1 to place "
+                        "engines on the nodes started with --resources '{\"engine_slot\": N}'")
     e = p.add_argument_group("engine (default: the model's blockray.json, else EngineConfig's)")
     e.add_argument("--block-length", type=int)
     e.add_argument("--steps-per-block", type=int)
@@ -94,7 +97,22 @@ def build_config(args: argparse.Namespace, num_gpus_in_cluster: float):
         max_concurrent_batches=args.max_concurrent_batches, engine=EngineConfig(**eng_kw),
         sampling=SamplingParams(**smp_kw), prompt_column=args.prompt_column, messages_column=args.messages_column,
         apply_chat_template=args.apply_chat_template, dtype=args.dtype,
+        resources_per_engine=parse_resources(args.engine_resource),
         num_cpus_per_engine=args.num_cpus_per_engine, num_gpus_per_engine=args.num_gpus_per_engine)
+
+
+def parse_resources(items) -> "dict | None":
+    """{"engine_slot": 1.0} from ["engine_slot=1"]; None when empty."""
+    out = {}
+    for item in items or []:
+        name, sep, amount = item.partition("=")
+        try:
+            out[name.strip()] = float(amount) if sep else 1.0
+        except ValueError:
+            raise ValueError(f"--engine-resource {item!r}: expected NAME=AMOUNT") from None
+        if not name.strip() or out[name.strip()] <= 0:
+            raise ValueError(f"--engine-resource {item!r}: expected NAME=AMOUNT with AMOUNT > 0")
+    return out or None
 
 
 def main(argv=None) -> int:

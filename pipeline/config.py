@@ -50,6 +50,10 @@ class DLLMProcessorConfig:
     # None: 1 CPU with a GPU; 0.5 on CPU so that read/tokenize/write tasks still get a
     # core on small machines (an actor holding every CPU starves the pipeline).
     num_cpus_per_engine: Optional[float] = None
+    # Custom resources each engine actor needs, e.g. {"engine_slot": 1} on a cluster whose
+    # engine nodes declare `--resources '{"engine_slot": N}'`: places engines on those nodes
+    # (a restarted engine waits for a node with a free slot).
+    resources_per_engine: Optional[Dict[str, float]] = None
     torch_threads: int = 1  # per CPU engine actor
     dtype: str = "auto"  # "auto": bfloat16 on GPU, float32 on CPU
     cpu_stage_num_cpus: float = 0.25  # per chat-template / tokenize / detokenize actor

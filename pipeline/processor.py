@@ -106,6 +106,7 @@ class DLLMProcessor:
                                                    max_concurrent_calls_per_actor=k),
                 batch_size=cfg.batch_size, batch_format="pyarrow", num_cpus=res["num_cpus"],
                 num_gpus=res["num_gpus"] or None, udf_modifying_row_count=False,
+                **({"resources": dict(cfg.resources_per_engine)} if cfg.resources_per_engine else {}),
             )
 
         if cfg.sort == "blendserve":

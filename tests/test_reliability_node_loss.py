@@ -1,0 +1,244 @@
+"""Issue 7, A6: a worker node is lost mid-job on a 3-node cluster; no row is lost.
+
+`ray.cluster_utils.Cluster` starts a head (2 CPUs, no engine slot) and two worker nodes
+(1 CPU and `engine_slot: 1` each), every node its own raylet and object store. The job
+(`run_offline`, two engines asking for `resources_per_engine={"engine_slot": 1}`) runs
+one engine on each worker. Every row carries a 120 kB pass-through column, so blocks are
+larger than Ray's inline limit and live in the object store of the node that made them,
+as real blocks do. Once output part files exist and the engine on worker 2 is running a
+batch, worker 2 is removed without a graceful shutdown (its raylet, object store and
+every worker process on it are killed). The job must complete with every id exactly
+once, rows intact and no error rows.
+
+What happens (Ray Data actor pools: max_restarts=-1, max_task_retries=-1): the batches the
+lost engine held are resubmitted to the same logical actor, which Ray restarts as soon as
+a node has a free `engine_slot`; blocks lost with the node's object store are rebuilt
+from lineage. Here no spare slot exists: the lost engine's batches wait until the
+surviving engine has drained its input and Ray Data releases it; its slot frees, the
+lost engine restarts on worker 1 and runs them. A spare slot or a replacement node would
+let it restart at once. The report (printed with -s) counts the engine batches
+resubmitted and the objects rebuilt. BR_NODE_LOSS_SORT=none|blendserve picks the sort
+mode (default: the processor's).
+
+Why a subprocess: the cluster needs a driver of its own, while the session's `ray_local`
+fixture may hold this process's Ray. The script part of this file runs the cluster under
+a private RAY_TMPDIR, so Cluster's `ray_current_cluster` marker (written and deleted by
+`Cluster`) never touches /tmp/ray; its nodes are its children and the test stops the
+process group it leads if it overruns.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+N = 48  # rows; enough that the removal lands while both engines still have work
+BATCH = 2
+PAYLOAD = 40_000  # x 3 bytes: 120 kB per row
+ENGINE_SLOT = "engine_slot"
+
+
+def test_worker_node_lost_mid_job(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    ray_tmp = tempfile.mkdtemp(prefix="brnl-", dir="/tmp")  # short: Ray's unix sockets live under it
+    env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "RAY_TMPDIR")}
+    env.update(RAY_TMPDIR=ray_tmp, PYTHONPATH=os.pathsep.join([ROOT, os.path.join(ROOT, "tests")]))
+    log_path = tmp_path / "run.log"
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen([sys.executable, os.path.abspath(__file__), str(tmp_path)], cwd=ROOT, env=env,
+                                stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            proc.wait(timeout=420)
+        except subprocess.TimeoutExpired:
+            _stop_group(proc)
+        finally:
+            shutil.rmtree(ray_tmp, ignore_errors=True)
+    out_log = open(log_path, errors="replace").read()
+    report_path = tmp_path / "report.json"
+    assert proc.returncode == 0 and report_path.exists(), out_log[-6000:]
+    report = json.load(open(report_path))
+    print(json.dumps(report, indent=1))
+
+    # the node really held an engine, and was lost mid-job
+    assert "t_removed_s" in report, f"the run ended before worker 2 could be removed mid-batch: {report}"
+    assert report["engines_at_removal"] == {"worker1": 1, "worker2": 1}, report
+    assert report["parts_before_removal"] >= 1 and report["rows_before_removal"] < N, report
+    assert report["alive_nodes_after"] == 2, report
+    # the lost engine's batches were resubmitted (Ray core logs each resubmission of an actor task)
+    assert report["engine_batches_resubmitted"] >= 1, report
+
+    files = sorted(p for p in os.listdir(tmp_path / "out") if p.startswith("part-") and p.endswith(".parquet"))
+    table = pa.concat_tables([pq.read_table(tmp_path / "out" / f) for f in files])
+    assert sorted(table.column("id").to_pylist()) == [f"n{i:03d}" for i in range(N)]  # every id exactly once
+    assert not [e for e in table.column("error").to_pylist() if e]  # the loss caused no error rows
+    assert all(p == i[1:] * PAYLOAD for i, p in zip(table.column("id").to_pylist(),
+                                                    table.column("payload").to_pylist()))  # rows intact
+    assert report["summary"]["rows"] == N and report["summary"]["errors"] == 0
+    assert not os.path.exists(tmp_path / "out" / "_tmp")
+
+
+def test_engine_resource_option(tiny_model_dir):
+    """`jobs/offline_eval.py --engine-resource engine_slot=1` reaches the processor config
+    (`resources_per_engine`), which asks Ray for it on every engine actor."""
+    import importlib.util
+
+    import pytest
+
+    spec = importlib.util.spec_from_file_location("offline_eval", os.path.join(ROOT, "jobs", "offline_eval.py"))
+    job = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(job)
+    args = job.parse_args(["--model", tiny_model_dir, "--engine-resource", "engine_slot=1",
+                           "--engine-resource", "nvme=0.5"])
+    assert job.build_config(args, 0).resources_per_engine == {"engine_slot": 1.0, "nvme": 0.5}
+    assert job.build_config(job.parse_args(["--model", tiny_model_dir]), 0).resources_per_engine is None
+    for bad in ("engine_slot=x", "=1", "engine_slot=0"):
+        with pytest.raises(ValueError, match="--engine-resource"):
+            job.build_config(job.parse_args(["--model", tiny_model_dir, "--engine-resource", bad]), 0)
+
+
+def _stop_group(proc: subprocess.Popen) -> None:
+    """SIGTERM, then SIGKILL, to the process group the script leads (its cluster's nodes;
+    their reapers clean up after them), and nothing else."""
+    for sig, grace in ((signal.SIGTERM, 15.0), (signal.SIGKILL, 5.0)):
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            return
+        end = time.time() + grace
+        while time.time() < end and proc.poll() is None:
+            time.sleep(0.2)
+
+
+# --- the script: one cluster, one job, one node lost ------------------------------------------
+
+def _children(pid: int):
+    out = []
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            try:
+                stat = open(f"/proc/{d}/stat").read()
+            except OSError:
+                continue
+            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
+                out.append(int(d))
+    return out
+
+
+def _titles(node) -> list:
+    """Process titles of the workers of one node (children of its raylet): an engine actor
+    is `ray::MapWorker(MapBatches(DLLMEngineActor))`, with `.submit` while it runs a batch."""
+    from ray._private import ray_constants
+
+    raylet = node.all_processes[ray_constants.PROCESS_TYPE_RAYLET][0].process.pid
+    titles = []
+    for pid in _children(raylet):
+        try:
+            titles.append(open(f"/proc/{pid}/cmdline", "rb").read().decode(errors="replace").split("\0")[0])
+        except OSError:
+            pass
+    return titles
+
+
+def _engine_titles(node) -> list:
+    return [t for t in _titles(node) if "DLLMEngineActor" in t]
+
+
+def _driver_log_counts(session_dir: str) -> dict:
+    """From this driver's core-worker log: distinct engine batches (actor tasks) it
+    resubmitted, and objects it rebuilt from lineage."""
+    ids, recovered = set(), 0
+    logs = os.path.join(session_dir, "logs")
+    for name in os.listdir(logs):
+        if name.startswith("python-core-driver-") and name.endswith(f"_{os.getpid()}.log"):
+            for line in open(os.path.join(logs, name), errors="replace"):
+                if "Will resubmit task" in line and "task_name=MapWorker(MapBatches(DLLMEngineActor))" in line:
+                    m = re.search(r"task_id=([0-9a-f]+)", line)
+                    if m:
+                        ids.add(m.group(1))
+                recovered += "Recovery complete for object" in line
+    return {"engine_batches_resubmitted": len(ids), "objects_rebuilt": recovered}
+
+
+def main(work: str) -> None:
+    import glob
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    import ray
+    from ray.cluster_utils import Cluster
+
+    from conftest import write_tiny_model
+    from engine import EngineConfig, SamplingParams
+    from pipeline import DLLMProcessorConfig
+    from pipeline.run import run_offline
+
+    model = write_tiny_model(os.path.join(work, "model"))
+    inp, out = os.path.join(work, "in.parquet"), os.path.join(work, "out")
+    # `payload` (passed through to the output) makes every block larger than Ray's 100 KiB
+    # inline limit, so blocks live in the object store of the node that made them, as real
+    # blocks do, and losing the node loses the blocks it held.
+    pq.write_table(pa.table({"id": [f"n{i:03d}" for i in range(N)],
+                             "prompt": [f"copy: {'abcdefgh'[: i % 8 + 1]}" for i in range(N)],
+                             "payload": [f"{i:03d}" * PAYLOAD for i in range(N)]}), inp)
+
+    t0 = time.perf_counter()
+    cluster = Cluster(initialize_head=True, head_node_args=dict(num_cpus=2, include_dashboard=False))
+    try:
+        workers = {f"worker{i}": cluster.add_node(num_cpus=1, resources={ENGINE_SLOT: 1}) for i in (1, 2)}
+        cluster.wait_for_nodes()
+        ray.init(address=cluster.address, log_to_driver=False,
+                 runtime_env={"env_vars": {"PYTHONPATH": os.environ["PYTHONPATH"]}})
+        ray.data.DataContext.get_current().enable_progress_bars = False
+        config = DLLMProcessorConfig(model=model, num_engines=2, batch_size=BATCH, max_concurrent_batches=2,
+                                     engine=EngineConfig(block_length=4, steps_per_block=4, token_budget=1024),
+                                     sampling=SamplingParams(max_new_tokens=16, policy="fixed"),
+                                     resources_per_engine={ENGINE_SLOT: 1},
+                                     **({"sort": os.environ["BR_NODE_LOSS_SORT"]} if os.environ.get("BR_NODE_LOSS_SORT") else {}))
+        report: dict = {"t_cluster_up_s": round(time.perf_counter() - t0, 1)}
+        done = threading.Event()
+
+        def remover() -> None:
+            victim = workers["worker2"]
+            while not done.is_set():
+                parts = glob.glob(os.path.join(out, "part-*.parquet"))
+                busy = any(t.endswith(".submit") for t in _engine_titles(victim))
+                if parts and busy and _engine_titles(workers["worker1"]):
+                    report["engines_at_removal"] = {k: len(_engine_titles(n)) for k, n in workers.items()}
+                    report["parts_before_removal"] = len(parts)
+                    report["rows_before_removal"] = sum(pq.read_metadata(p).num_rows for p in parts)
+                    cluster.remove_node(victim, allow_graceful=False)
+                    report["t_removed_s"] = round(time.perf_counter() - t0, 1)
+                    return
+                time.sleep(0.05)
+
+        thread = threading.Thread(target=remover, daemon=True)
+        thread.start()
+        try:
+            summary = run_offline(inp, out, config, rows_per_file=None)
+        finally:
+            done.set()
+            thread.join(60)
+        report["t_done_s"] = round(time.perf_counter() - t0, 1)
+        report["summary"] = {k: summary[k] for k in ("rows", "errors", "rows_processed")}
+        report["alive_nodes_after"] = sum(1 for n in ray.nodes() if n["Alive"])
+        report.update(_driver_log_counts(cluster.head_node.get_session_dir_path()))
+        with open(os.path.join(work, "report.json"), "w") as f:
+            json.dump(report, f)
+    finally:
+        ray.shutdown()
+        cluster.shutdown()
+
+
+if __name__ == "__main__":
+    sys.path[:0] = [ROOT, os.path.join(ROOT, "tests")]
+    main(sys.argv[1])
