@@ -121,10 +121,9 @@ def run_offline(input: Union[str, List[str]], output: str, config: DLLMProcessor
             sink = write_results(ds, output, storage=storage, rows_per_file=rows_per_file, stats_fn=stats_fn,
                                  prepared=True)
         except Exception as e:  # noqa: BLE001
-            msg = str(e)
-            raise JobError(f"run failed, no summary written (part files already in "
-                           f"{out_fs.unstrip_protocol(out_path)} are complete: rerun with the same --output "
-                           f"to resume): {type(e).__name__}: {msg[:2000]}") from e
+            raise JobError(f"run failed, no summary written: {describe_error(e)}. Part files already in "
+                           f"{out_fs.unstrip_protocol(out_path)} are complete (temporaries stay under _tmp/): "
+                           f"once the cause is fixed, rerun with the same --output to resume") from e
         write_returns = sink.write_returns
     wall_s = time.perf_counter() - t0
     processed = sum(r["rows"] for r in write_returns)
@@ -145,10 +144,34 @@ def run_offline(input: Union[str, List[str]], output: str, config: DLLMProcessor
     return summary
 
 
+def describe_error(e: BaseException, limit: int = 1500) -> str:
+    """One line for an error raised inside Ray: the chain of causes under Ray's wrappers
+    (RayTaskError.cause, then __cause__), each as `Type: first line`, outermost first, e.g.
+    `PermissionError: Access Denied <- AccessDenied: An error occurred (AccessDenied) when
+    calling the CopyObject operation: Access Denied`. Ray's own frames and tracebacks are
+    left out (Ray Data logs them)."""
+    parts: List[str] = []
+    seen = set()
+    cur: Optional[BaseException] = e
+    while cur is not None and id(cur) not in seen:
+        seen.add(id(cur))
+        inner = getattr(cur, "cause", None)
+        if isinstance(inner, BaseException) and type(cur).__module__.startswith("ray"):
+            cur = inner  # RayTaskError(X) -> X
+            continue
+        first = next((line.strip() for line in str(cur).splitlines() if line.strip()), "")
+        name = type(cur).__name__
+        text = f"{name}: {first}" if first else name
+        if not parts or parts[-1] != text:
+            parts.append(text)
+        cur = cur.__cause__
+    return " <- ".join(parts)[:limit]
+
+
 def build_processor_for(config: DLLMProcessorConfig):
     from .processor import build_processor
 
     return build_processor(config)
 
 
-__all__ = ["run_offline", "preflight", "SUMMARY_FILE", "JobError", "check_model", "check_columns"]
+__all__ = ["run_offline", "preflight", "SUMMARY_FILE", "JobError", "check_model", "check_columns", "describe_error"]

@@ -37,6 +37,21 @@ class OutputExistsError(FileExistsError):
 COMMIT_ATTEMPTS = 4  # on top of botocore's own retries (see storage.S3_RETRIES)
 
 
+class StorageWriteError(OSError):
+    """A write to the output failed for good (after retries, or at once for a permission or
+    missing-bucket error): the message names the step, the file and the store's answer."""
+
+
+def _describe(e: BaseException) -> str:
+    """`Type: message`, with the error it was raised from (e.g. botocore's AccessDenied on
+    PutObject under s3fs's PermissionError) in parentheses."""
+    text = f"{type(e).__name__}: {e}"
+    cause = e.__cause__
+    if cause is not None and str(cause) and str(cause) not in text:
+        text += f" ({type(cause).__name__}: {cause})"
+    return text
+
+
 def _retry(what: str, fn: Callable[[], Any], attempts: int = COMMIT_ATTEMPTS, base_s: float = 0.5) -> Any:
     """Run `fn`, retrying with exponential backoff; permission and missing-path errors
     are permanent and raised at once."""
@@ -80,8 +95,12 @@ def atomic_write_bytes(fs: fsspec.AbstractFileSystem, path: str, data: bytes) ->
                 return
             raise
 
-    _retry(f"upload of {path}", upload)
-    _retry(f"commit of {path}", commit)
+    for step, fn in (("upload", upload), ("commit", commit)):
+        try:
+            _retry(f"{step} of {path}", fn)
+        except Exception as e:  # noqa: BLE001
+            where = fs.unstrip_protocol(path)
+            raise StorageWriteError(f"{step} of {where} failed: {_describe(e)}") from e
 
 
 def atomic_write_table(fs: fsspec.AbstractFileSystem, path: str, table: pa.Table,

@@ -3,7 +3,12 @@ it forwards every request unchanged but answers a chosen share of them itself wi
 errors S3 really returns under load (500 InternalError, 503 SlowDown), and delays some.
 
 Deterministic: fault i is decided by a seeded RNG over the request count, so a failing
-test replays the same faults."""
+test replays the same faults.
+
+Permanent faults: with `write_prefix` (e.g. "/bucket/out/"), writes under it (PUT, POST,
+DELETE) succeed `allow_writes` times and are then refused forever with `write_error`
+(default 403 AccessDenied, as after a revoked policy; (404, "NoSuchBucket", ...) for a
+deleted bucket, (500, "InternalError", ...) for a store that never recovers)."""
 from __future__ import annotations
 
 import http.client
@@ -11,16 +16,18 @@ import random
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Optional
+from typing import Optional, Tuple
 from urllib.parse import urlsplit
 
 _ERRORS = [(500, "InternalError", "We encountered an internal error. Please try again."),
            (503, "SlowDown", "Please reduce your request rate.")]
+ACCESS_DENIED = (403, "AccessDenied", "Access Denied")
 
 
 class FaultProxy:
     def __init__(self, upstream: str, fail_rate: float = 0.2, delay_rate: float = 0.05, delay_s: float = 0.5,
-                 seed: int = 0, max_consecutive: int = 2):
+                 seed: int = 0, max_consecutive: int = 2, write_prefix: Optional[str] = None,
+                 allow_writes: int = 0, write_error: Tuple[int, str, str] = ACCESS_DENIED):
         u = urlsplit(upstream)
         self.upstream = (u.hostname, u.port)
         self.fail_rate, self.delay_rate, self.delay_s = fail_rate, delay_rate, delay_s
@@ -30,16 +37,24 @@ class FaultProxy:
         self.requests = self.faults = self.delays = 0
         self._streak = 0
         self.enabled = True
+        self.write_prefix, self.allow_writes, self.write_error = write_prefix, allow_writes, write_error
+        self.writes = self.write_faults = 0
         self.server = ThreadingHTTPServer(("127.0.0.1", 0), self._handler())
         self.server.daemon_threads = True
         self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
         self._thread: Optional[threading.Thread] = None
 
-    def _decide(self):
+    def _decide(self, method: str = "GET", path: str = ""):
         with self.lock:
             self.requests += 1
             if not self.enabled:
                 return None, False
+            if self.write_prefix is not None and method in ("PUT", "POST", "DELETE") \
+                    and path.startswith(self.write_prefix):
+                if self.writes >= self.allow_writes:
+                    self.write_faults += 1
+                    return self.write_error, False
+                self.writes += 1
             fail = self._streak < self.max_consecutive and self.rng.random() < self.fail_rate
             self._streak = self._streak + 1 if fail else 0
             delay = not fail and self.rng.random() < self.delay_rate
@@ -70,7 +85,7 @@ class FaultProxy:
 
             def _serve(self):
                 body = self._body()
-                error, delay = proxy._decide()
+                error, delay = proxy._decide(self.command, self.path)
                 if delay:
                     time.sleep(proxy.delay_s)
                 if error is not None:

@@ -17,7 +17,9 @@ from conftest import S3_KEY, S3_REGION
 from engine import EngineConfig, SamplingParams
 from pipeline import DLLMProcessorConfig, StorageOptions
 from pipeline.run import JobError, run_offline
-from s3_fault_proxy import FaultProxy
+from pipeline.storage import get_filesystem
+from pipeline.writer import StorageWriteError, atomic_write_table
+from s3_fault_proxy import ACCESS_DENIED, FaultProxy
 
 SECRET = "zQ9-DISTINCTIVE-S3-SECRET-7f3a"  # moto accepts any secret
 N = 16
@@ -73,3 +75,68 @@ def test_permanent_s3_error_fails_clearly(tiny_model_dir, s3_endpoint, s3_prompt
     assert "output" in msg and "s3://faults/never" in msg and "--output" in msg, msg
     assert SECRET not in msg and SECRET not in repr(info.value.__cause__)
     assert not s3fs_client.exists("faults/never/summary.json")
+
+
+def test_permanent_write_error_mid_run(tiny_model_dir, ray_local, s3_endpoint, s3_prompts, s3fs_client):
+    """Writes to the output are refused for good (403 AccessDenied, as after a policy change)
+    once a few have gone through: the run fails with a JobError naming the output, the file
+    and S3's answer; it leaves complete part files only (no summary; temporaries under
+    _tmp/), and a rerun once the store accepts writes again resumes from them: every id
+    exactly once."""
+    out, key = "s3://faults/perm", "faults/perm"
+    # 2 writes for the output probe (PUT, DELETE), then 3 per part file (upload, copy, delete
+    # of the temporary): about two of the four part files get through.
+    with FaultProxy(s3_endpoint, fail_rate=0.0, delay_rate=0.0, write_prefix=f"/{key}/", allow_writes=8,
+                    write_error=ACCESS_DENIED) as proxy:
+        storage = StorageOptions(endpoint_url=proxy.url, key=S3_KEY, secret=SECRET, region=S3_REGION)
+        with pytest.raises(JobError) as info:
+            run_offline(s3_prompts, out, _config(tiny_model_dir), storage=storage, rows_per_file=None)
+    msg = str(info.value)
+    assert proxy.write_faults >= 1
+    assert f"{out}/part-" in msg and "AccessDenied" in msg and "rerun with the same --output" in msg, msg
+    assert "Traceback" not in msg and len(msg) < 2000, msg
+    assert SECRET not in msg and SECRET not in repr(info.value.__cause__)
+
+    s3fs_client.invalidate_cache()
+    assert not s3fs_client.exists(f"{key}/summary.json")  # not presented as a finished run
+    committed = []
+    for p in s3fs_client.ls(key):  # every part file is a whole Parquet file of finished rows
+        if p.rsplit("/", 1)[-1].startswith("part-"):
+            t = pq.read_table(p, filesystem=s3fs_client)
+            assert t.num_rows and not [e for e in t.column("error").to_pylist() if e]
+            committed += t.column("id").to_pylist()
+    assert len(committed) == len(set(committed)) < N, committed
+
+    # the store accepts writes again: the rerun skips the committed ids and writes the rest
+    healthy = StorageOptions(endpoint_url=s3_endpoint, key=S3_KEY, secret=SECRET, region=S3_REGION)
+    summary = run_offline(s3_prompts, out, _config(tiny_model_dir), storage=healthy, rows_per_file=None)
+    assert summary["rows_skipped"] == len(committed) and summary["rows_processed"] == N - len(committed)
+    s3fs_client.invalidate_cache()
+    files = [p for p in s3fs_client.ls(key) if p.endswith(".parquet")]
+    table = pa.concat_tables([pq.read_table(p, filesystem=s3fs_client) for p in files])
+    assert sorted(table.column("id").to_pylist()) == [f"s{i:02d}" for i in range(N)]  # exactly once
+    assert not s3fs_client.exists(f"{key}/_tmp")
+
+
+@pytest.mark.parametrize("error", [(500, "InternalError", "We encountered an internal error. Please try again."),
+                                   (404, "NoSuchBucket", "The specified bucket does not exist")],
+                         ids=["500-forever", "bucket-gone"])
+def test_writer_gives_up_on_permanent_errors(s3_endpoint, s3fs_client, error):
+    """The part-file writer against a store that never recovers (500 after all of botocore's
+    and the writer's retries) or whose bucket is gone (404 NoSuchBucket, not retried): a
+    StorageWriteError naming the file and the S3 error, and nothing at the final name."""
+    if not s3fs_client.exists("faults"):
+        s3fs_client.mkdir("faults")
+    with FaultProxy(s3_endpoint, fail_rate=0.0, delay_rate=0.0, write_prefix="/faults/gone/",
+                    write_error=error) as proxy:
+        storage = StorageOptions(endpoint_url=proxy.url, key=S3_KEY, secret=SECRET, region=S3_REGION,
+                                 extra={"config_kwargs": {"retries": {"max_attempts": 2, "mode": "standard"}}})
+        fs, path = get_filesystem("s3://faults/gone", storage)
+        with pytest.raises(StorageWriteError) as info:
+            atomic_write_table(fs, f"{path}/part-x.parquet", pa.table({"id": ["a", "b"]}))
+    msg = str(info.value)
+    assert "upload of s3://faults/gone/part-x.parquet failed" in msg and error[1] in msg, msg
+    assert SECRET not in msg
+    assert proxy.write_faults >= 1
+    s3fs_client.invalidate_cache()
+    assert not s3fs_client.exists("faults/gone/part-x.parquet")
