@@ -42,11 +42,15 @@ def parse_args(argv=None) -> argparse.Namespace:
     io.add_argument("--reference-column", default="reference", help="scored by exact match when present")
     io.add_argument("--apply-chat-template", action="store_true", help="render --messages-column with the tokenizer's template")
     io.add_argument("--rows-per-file", type=int, default=256, help="rows bundled per output file (0: one file per batch)")
-    s3 = p.add_argument_group("object storage (default: AWS_* environment variables)")
-    s3.add_argument("--endpoint-url", default=None)
-    s3.add_argument("--region", default=None)
-    s3.add_argument("--access-key-id", default=None)
-    s3.add_argument("--secret-access-key", default=None)
+    s3 = p.add_argument_group(
+        "object storage", "Credentials come from the cluster's environment (AWS_ACCESS_KEY_ID, "
+        "AWS_SECRET_ACCESS_KEY, AWS_SESSION_TOKEN, AWS_PROFILE, instance roles), never from this command "
+        "line: `ray job list` and the dashboard show a job's entrypoint (and its --runtime-env-json).")
+    s3.add_argument("--endpoint-url", default=None, help="default: AWS_ENDPOINT_URL_S3 / AWS_ENDPOINT_URL")
+    s3.add_argument("--region", default=None, help="default: AWS_DEFAULT_REGION / AWS_REGION")
+    s3.add_argument("--access-key-id", default=None, help="default: AWS_ACCESS_KEY_ID")
+    # Refused (see main): kept only so that a caller still passing it gets a clear message.
+    s3.add_argument("--secret-access-key", default=None, help=argparse.SUPPRESS)
     m = p.add_argument_group("model and engines")
     m.add_argument("--model", default=DEFAULT_MODEL, help="local HF-style model directory")
     m.add_argument("--num-engines", type=int, default=None, help="engine actors (default: GPUs in the cluster, else 2)")
@@ -123,12 +127,17 @@ def main(argv=None) -> int:
     from pipeline.storage import StorageOptions
     from pipeline.summary import format_summary
 
+    if args.secret_access_key is not None:  # never echo the value
+        print("error: --secret-access-key is no longer accepted: a job's command line is shown by `ray job list` "
+              "and the dashboard. Give the cluster the credentials instead (AWS_SECRET_ACCESS_KEY and "
+              "AWS_ACCESS_KEY_ID in the nodes' environment, AWS_PROFILE with a credentials file on the nodes, "
+              "or an instance role).", file=sys.stderr)
+        return 2
     if not os.path.isfile(os.path.join(args.model, "config.json")):
         print(f"error: no model at {args.model} (config.json missing); pass --model DIR", file=sys.stderr)
         return 2
     output = args.output or os.path.join(DEFAULT_OUTPUT_ROOT, time.strftime("%Y%m%d-%H%M%S"))
-    storage = StorageOptions(endpoint_url=args.endpoint_url, region=args.region, key=args.access_key_id,
-                             secret=args.secret_access_key)
+    storage = StorageOptions(endpoint_url=args.endpoint_url, region=args.region, key=args.access_key_id)
     job_input = args.input if len(args.input) > 1 else args.input[0]
     try:  # fail fast, before Ray or any engine starts: bad options, input, output or model
         preflight(job_input, output, build_config(args, 0), storage=storage, limit=args.limit,

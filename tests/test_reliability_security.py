@@ -1,7 +1,8 @@
-"""Issue 7, A5 (authentication): against a head node with token authentication on
-(tests/test_job.py's head: its own process group and temp dir), a job submitted
-without the token is refused, and the job REST API answers 401 without it. Nothing is
-run: the refused submission must not create a job."""
+"""Issue 7, A5 (authentication and credentials): against a head node with token
+authentication on (tests/test_job.py's head: its own process group and temp dir), a job
+submitted without the token is refused, and the job REST API answers 401 without it.
+Nothing is run: the refused submission must not create a job. And the job never takes
+an S3 secret on its command line (which `ray job list` shows)."""
 from __future__ import annotations
 
 import json
@@ -55,3 +56,21 @@ def test_unauthenticated_submit_is_refused(head_node):  # noqa: F811
     for r in (res, res2, res3):  # refused for authentication, not for some other reason
         assert "token" in (r.stdout + r.stderr).lower(), r.stdout + r.stderr
     os.rmdir(home)
+
+
+def test_secret_is_refused_on_the_job_command_line():
+    """A job's entrypoint is shown by `ray job list` and the dashboard (and so is its
+    --runtime-env-json): the job takes S3 credentials from the cluster's environment only.
+    `--secret-access-key` is refused with a pointer to AWS_SECRET_ACCESS_KEY, without
+    echoing the value, before anything runs; --help does not offer it."""
+    secret = "zQ9-COMMAND-LINE-SECRET-41c2"
+    res = subprocess.run([sys.executable, "jobs/offline_eval.py", "--secret-access-key", secret,
+                          "--output", os.path.join(tempfile.gettempdir(), "never-written")],
+                         cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert res.returncode == 2, res.stdout + res.stderr
+    assert "AWS_SECRET_ACCESS_KEY" in res.stderr and "--secret-access-key" in res.stderr, res.stderr
+    assert secret not in res.stdout + res.stderr
+    assert not os.path.exists(os.path.join(tempfile.gettempdir(), "never-written"))
+    helptext = subprocess.run([sys.executable, "jobs/offline_eval.py", "--help"], cwd=ROOT, capture_output=True,
+                              text=True, timeout=120).stdout
+    assert "--secret-access-key" not in helptext and "AWS_SECRET_ACCESS_KEY" in helptext, helptext
