@@ -21,9 +21,15 @@ class _RankCounter:
         return rank
 
 
+def rank_counter(group: str) -> "ray.actor.ActorHandle":
+    """The counter of `group`, created if absent. Its creator owns it: the processor
+    creates it on the driver, so an engine that dies (and is restarted) cannot take the
+    counter with it and hand out rank 0 again."""
+    return _RankCounter.options(name=f"blockray-ranks-{group}", get_if_exists=True).remote()
+
+
 def assign_rank(group: str) -> Tuple[int, "ray.actor.ActorHandle"]:
-    """(the next free rank of `group`, the counter's handle). The first caller creates
-    and owns the counter; callers keep the handle, since Ray removes an actor once no
-    handle to it is left, and nothing of it outlives the run's engines."""
-    counter = _RankCounter.options(name=f"blockray-ranks-{group}", get_if_exists=True).remote()
+    """(the next free rank of `group`, the counter's handle). Callers keep the handle,
+    since Ray removes an actor once no handle to it is left."""
+    counter = rank_counter(group)
     return ray.get(counter.next.remote()), counter

@@ -286,7 +286,8 @@ def plot(path: str, report: Dict[str, object]) -> None:
         head += "\nCPU time: " + ", ".join(f"{k} {v:.2f}x" for k, v in report["ratios_cpu_time"].items()
                                             if "+" not in k)
     fig.suptitle(f"{report['workload']['name']}: {n_all} requests; {m['processor']}, {m['cpu_count']} CPUs, "
-                 f"torch {m['torch']} ({m['torch_threads']} threads); cache {report['decoding']['cache']}\n{head}",
+                 f"torch {m['torch']} ({m['torch_threads']} threads); cache {report['decoding']['cache']}; "
+                 f"blockserve advance {report['decoding'].get('blockserve_advance', 'block')}\n{head}",
                  fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=110)

@@ -62,6 +62,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     m.add_argument("--engine-resource", action="append", default=[], metavar="NAME=AMOUNT",
                    help="custom Ray resource each engine needs (repeatable), e.g. engine_slot=1 to place "
                         "engines on the nodes started with --resources '{\"engine_slot\": N}'")
+    m.add_argument("--sort", choices=["blendserve", "none"], default="blendserve",
+                   help="blendserve: cost-balanced, length-ordered shard per engine (tokenizes the whole input "
+                        "first); none: stream rows to whichever engine is free")
     e = p.add_argument_group("engine (default: the model's blockray.json, else EngineConfig's)")
     e.add_argument("--block-length", type=int)
     e.add_argument("--steps-per-block", type=int)
@@ -102,7 +105,7 @@ def build_config(args: argparse.Namespace, num_gpus_in_cluster: float):
         sampling=SamplingParams(**smp_kw), prompt_column=args.prompt_column, messages_column=args.messages_column,
         apply_chat_template=args.apply_chat_template, dtype=args.dtype,
         resources_per_engine=parse_resources(args.engine_resource),
-        num_cpus_per_engine=args.num_cpus_per_engine, num_gpus_per_engine=args.num_gpus_per_engine)
+        num_cpus_per_engine=args.num_cpus_per_engine, num_gpus_per_engine=args.num_gpus_per_engine, sort=args.sort)
 
 
 def parse_resources(items) -> "dict | None":

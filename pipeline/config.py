@@ -62,13 +62,14 @@ class DLLMProcessorConfig:
     # first is up). Otherwise the first engine ready takes the early batches and a small
     # run may never reach the others.
     wait_for_engines_s: int = 600
-    # Request ordering across engines. "none": arrival order, rows stream from the reader
-    # to whichever engine is free. "blendserve": tokenize everything first, plan with
+    # Request ordering across engines. "blendserve": tokenize everything first, plan with
     # pipeline/sorter.shard (balanced estimated cost per engine, each shard ordered by
-    # prompt length) and send each engine its own shard in order (pipeline/sharding.py);
-    # output rows then also carry `shard_rank` and `shard_order`. Not the default: it
-    # materializes the tokenized input before generation starts (no streaming).
-    sort: str = "none"
+    # prompt length, shared prefixes kept together) and send each engine its own shard
+    # in order (pipeline/sharding.py); output rows then also carry `shard_rank` and
+    # `shard_order`. The tokenized input is materialized (object store, spilling to
+    # disk) before generation starts. "none": arrival order, rows stream from the
+    # reader to whichever engine is free (no look-ahead, nothing materialized).
+    sort: str = "blendserve"
     # sort="blendserve" only: fit the cost model's cycle constants from the engine's own
     # timings on `calibration_samples` prompts (an in-process engine on the driver)
     # instead of the roofline estimate.

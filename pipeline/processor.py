@@ -40,12 +40,6 @@ def _cluster_has_gpus() -> bool:
     return ray.is_initialized() and ray.cluster_resources().get("GPU", 0) > 0
 
 
-def _apply_sort(ds: ray.data.Dataset, config: DLLMProcessorConfig) -> ray.data.Dataset:
-    """Row order before tokenization: unchanged in every mode. sort="blendserve" needs
-    token counts, so it plans and shards after tokenization (`DLLMProcessor.__call__`, pipeline/sharding.py)."""
-    return ds
-
-
 @dataclass
 class DLLMProcessor:
     config: DLLMProcessorConfig
@@ -67,11 +61,11 @@ class DLLMProcessor:
 
     def __call__(self, ds: ray.data.Dataset) -> ray.data.Dataset:
         from actors.engine_actor import DLLMEngineActor, new_rank_group  # torch lives in actors/
+        from actors.rank import rank_counter
 
         cfg = self.config
         if self.preprocess is not None:
             ds = ds.map(_merge_preprocess(self.preprocess), num_cpus=cfg.cpu_stage_num_cpus)
-        ds = _apply_sort(ds, cfg)
         cpu_stage = dict(batch_format="pyarrow", batch_size=cfg.batch_size, num_cpus=cfg.cpu_stage_num_cpus,
                          udf_modifying_row_count=False,
                          compute=ray.data.ActorPoolStrategy(min_size=1, max_size=cfg.cpu_stage_max_actors))
@@ -109,6 +103,13 @@ class DLLMProcessor:
                 **({"resources": dict(cfg.resources_per_engine)} if cfg.resources_per_engine else {}),
             )
 
+        def pool(ds: ray.data.Dataset) -> ray.data.Dataset:
+            """One pool of num_engines engines that number themselves from a counter the
+            driver owns, so a restarted engine still gets a rank of its own."""
+            group = new_rank_group()
+            self._rank_counter = rank_counter(group)
+            return engines(ds, cfg.num_engines, rank_group=group)
+
         if cfg.sort == "blendserve":
             from .sharding import shard_dataset
 
@@ -118,9 +119,9 @@ class DLLMProcessor:
             if parts:
                 ds = parts[0].union(*parts[1:]) if len(parts) > 1 else parts[0]
             else:  # empty input: nothing to plan
-                ds = engines(ds, cfg.num_engines, rank_group=new_rank_group())
+                ds = pool(ds)
         else:
-            ds = engines(ds, cfg.num_engines, rank_group=new_rank_group())
+            ds = pool(ds)
         ds = ds.map_batches(DetokenizeUDF, fn_constructor_kwargs=dict(
             model=cfg.model, detokenize=cfg.detokenize, skip_special_tokens=cfg.skip_special_tokens), **cpu_stage)
         if self.postprocess is not None:
