@@ -18,27 +18,15 @@ import pyarrow.parquet as pq
 from engine import EngineConfig, SamplingParams
 from pipeline import DLLMProcessorConfig
 from pipeline.run import run_offline
+from procs import children
 
 N = 24
 
 
-def _children(pid: int):
-    out = []
-    for d in os.listdir("/proc"):
-        if d.isdigit():
-            try:
-                stat = open(f"/proc/{d}/stat").read()
-            except OSError:
-                continue
-            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
-                out.append(int(d))
-    return out
-
-
 def _engine_pids():
     pids = []
-    for raylet in _children(os.getpid()):
-        for w in _children(raylet):
+    for raylet in children(os.getpid()):
+        for w in children(raylet):
             try:
                 cmd = open(f"/proc/{w}/cmdline", "rb").read().decode(errors="replace")
             except OSError:

@@ -39,6 +39,8 @@ import tempfile
 import threading
 import time
 
+from procs import children
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 N = 48  # rows; enough that the removal lands while both engines still have work
 BATCH = 2
@@ -121,19 +123,6 @@ def _stop_group(proc: subprocess.Popen) -> None:
 
 # --- the script: one cluster, one job, one node lost ------------------------------------------
 
-def _children(pid: int):
-    out = []
-    for d in os.listdir("/proc"):
-        if d.isdigit():
-            try:
-                stat = open(f"/proc/{d}/stat").read()
-            except OSError:
-                continue
-            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
-                out.append(int(d))
-    return out
-
-
 def _titles(node) -> list:
     """Process titles of the workers of one node (children of its raylet): an engine actor
     is `ray::MapWorker(MapBatches(DLLMEngineActor))`, with `.submit` while it runs a batch."""
@@ -141,7 +130,7 @@ def _titles(node) -> list:
 
     raylet = node.all_processes[ray_constants.PROCESS_TYPE_RAYLET][0].process.pid
     titles = []
-    for pid in _children(raylet):
+    for pid in children(raylet):
         try:
             titles.append(open(f"/proc/{pid}/cmdline", "rb").read().decode(errors="replace").split("\0")[0])
         except OSError:
