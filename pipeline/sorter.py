@@ -617,13 +617,16 @@ def _repair(assign: List[List[int]], item_cost: np.ndarray, max_iter: int) -> No
 
 
 def _order_shard(reqs: List[int], gid: np.ndarray, lens: np.ndarray) -> List[int]:
-    """Ascending prompt length, with each prefix group kept contiguous (placed at
-    its shortest member, members ascending) so the engine's queue pads little."""
+    """Longest prompt first, each prefix group kept contiguous (placed at its longest
+    member, members descending). Similar lengths stay adjacent, so the engine pads
+    little; and the long requests start first, so a rank does not end with a few long
+    requests running alone (LPT's argument, inside one rank) and the rows that join late
+    are short ones, which the engine's catch-up forward keeps apart from wide rows."""
     units: Dict[int, List[int]] = {}
     for i in reqs:
         units.setdefault(int(gid[i]), []).append(i)
-    blocks = [sorted(m, key=lambda i: (lens[i], i)) for m in units.values()]
-    blocks.sort(key=lambda m: (lens[m[0]], m[0]))
+    blocks = [sorted(m, key=lambda i: (-lens[i], i)) for m in units.values()]
+    blocks.sort(key=lambda m: (-lens[m[0]], m[0]))
     return [i for m in blocks for i in m]
 
 

@@ -135,9 +135,9 @@ def test_shards_sorted_by_length_with_groups_contiguous(wl):
         assert len(keys) == len(set(keys)), "a prefix group is not contiguous on its rank"
         for u in units:
             lens = [feats[i].prompt_len for i in u]
-            assert lens == sorted(lens)
+            assert lens == sorted(lens, reverse=True)
         firsts = [feats[u[0]].prompt_len for u in units]
-        assert firsts == sorted(firsts)
+        assert firsts == sorted(firsts, reverse=True)
 
 
 # --------------------------------------------------------------------------- skewed workload

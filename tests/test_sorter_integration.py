@@ -66,7 +66,7 @@ def test_blendserve_matches_none_and_follows_plan(tiny_model_dir, ray_local):
         mine = sorted((r for r in out if r["shard_rank"] == rank), key=lambda r: r["shard_order"])
         assert [r["shard_order"] for r in mine] == list(range(len(idx)))
         lens = [r["num_prompt_tokens"] for r in mine]
-        assert lens == sorted(lens)  # each shard ordered by prompt length
+        assert lens == sorted(lens, reverse=True)  # each shard ordered by prompt length, longest first
     assert plan.report["imbalance"] <= plan.report["naive_imbalance"]
     assert proc.sharded.calibration is not None and plan.report["cost_unit"].startswith("s (fitted")
 
