@@ -246,8 +246,9 @@ class Engine:
     def _denoise(self) -> torch.Tensor:
         """One denoising step for the whole batch; returns which rows' current block is
         complete. Rows with a long uncached stretch (just admitted, or refreshing a long
-        prefix) are first brought up to date in a sub-batch of their own, so the batch's
-        forward stays about one block wide instead of padding every row to the longest."""
+        prefix) are first brought up to date in sub-batches of similar stretch
+        (`catch_up_groups`), so the batch's forward stays about one block wide instead
+        of padding every row to the longest."""
         b, L, S = self.batch, self.cfg.block_length, self.cfg.steps_per_block
         mask_id, shift, W = self.mcfg.mask_token_id, int(self.mcfg.shift_logits), b.width
         is_mask = b.ids[:, W - L:] == mask_id
