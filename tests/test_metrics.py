@@ -57,10 +57,11 @@ def test_metrics_exported_with_nonzero_values(tiny_model_dir, ray_local, metrics
     import ray
 
     assert ray.nodes()[0]["MetricsExportPort"] == metrics_port
-    # One engine, at most 2 requests per cycle and prompts of different lengths: requests
-    # queue (pending > 0), rows get padded, batches overlap, for a few export periods.
+    # One engine, at most 2 requests per cycle and prompts of different lengths in arrival
+    # order (sort="none": the sorter would pair equal lengths): requests queue (pending > 0),
+    # rows get padded, batches overlap, for a few export periods.
     config = DLLMProcessorConfig(
-        model=tiny_model_dir, num_engines=1, batch_size=8, max_concurrent_batches=4,
+        model=tiny_model_dir, num_engines=1, batch_size=8, max_concurrent_batches=4, sort="none",
         engine=EngineConfig(block_length=4, steps_per_block=8, token_budget=1024, max_batch_size=2),
         sampling=SamplingParams(max_new_tokens=48, policy="fixed", stop_token_ids=[]))
     items = [{"prompt": "copy: " + "abcdefghijklmnop"[: 1 + i % 16]} for i in range(64)] + [{"prompt": ""}]
