@@ -32,8 +32,9 @@ def skewed_rows(n: int = 18, long_share: float = 0.25, short_len: int = 3, facto
 
 
 def _run(model: str, sort: str, rows, **kw):
-    cfg = DLLMProcessorConfig(model=model, num_engines=2, batch_size=3, max_concurrent_batches=2, engine=ENGINE,
-                              sampling=SAMPLING, dtype="float64", sort=sort, collect_engine_stats=True, **kw)
+    kw = {"batch_size": 3, "max_concurrent_batches": 2, **kw}
+    cfg = DLLMProcessorConfig(model=model, num_engines=2, engine=ENGINE, sampling=SAMPLING, dtype="float64",
+                              sort=sort, collect_engine_stats=True, **kw)
     proc = build_processor(cfg)
     out = proc(ray.data.from_items(rows, override_num_blocks=len(rows) // cfg.batch_size)).take_all()
     return proc, out, proc.engine_stats()
@@ -47,9 +48,13 @@ def _padding(stats):
 
 def test_blendserve_matches_none_and_follows_plan(tiny_model_dir, ray_local):
     rows = skewed_rows()
-    _, base, base_stats = _run(tiny_model_dir, "none", rows)
+    # One batch of 2 at a time per engine: which rows share a forward is then fixed by the
+    # order each engine receives them in, not by when batches happen to arrive.
+    one_at_a_time = dict(batch_size=2, max_concurrent_batches=1)
+    _, base, base_stats = _run(tiny_model_dir, "none", rows, **one_at_a_time)
     # With calibration on: the cost model is fitted from in-process engine timings first.
-    proc, out, stats = _run(tiny_model_dir, "blendserve", rows, calibrate=True, calibration_samples=6)
+    proc, out, stats = _run(tiny_model_dir, "blendserve", rows, calibrate=True, calibration_samples=6,
+                            **one_at_a_time)
 
     ids = sorted(r["id"] for r in out)
     assert ids == sorted(r["id"] for r in rows)  # exactly once
