@@ -57,11 +57,6 @@ class EngineLoop:
         self._wake.set()
         return fut
 
-    @property
-    def num_outstanding(self) -> int:
-        with self._lock:
-            return len(self._futures)
-
     def _resolve(self, out: RequestOutput) -> None:
         with self._lock:
             fut = self._futures.pop(out.request_id, None)

@@ -390,8 +390,8 @@ def explain(result: Dict[str, Any]) -> List[str]:
         f"({rf['ratios']['persistent_over_refresh']['tokens_per_cpu_s']}x CPU): persistent forwards "
         f"{rf['runs']['persistent']['forward_tokens_per_token']} real tokens per token but computes "
         f"{rf['runs']['persistent']['computed_cells_per_token']} cells (padding "
-        f"{rf['runs']['persistent']['padding_fraction']}): a cycle in which one row is admitted runs every row "
-        f"from that row's first column (Engine._denoise takes first = need.min() over the batch).")
+        f"{rf['runs']['persistent']['padding_fraction']}): what remains is what the catch-up sub-batches "
+        f"(engine.engine.catch_up_groups) pad, and the admitted rows' block computed twice.")
     a = result["advance"]
     for cm in ("persistent", "refresh"):
         r, b, s_ = a["ratios"][f"{cm}_step_over_block"], a["runs"][f"{cm}/block"], a["runs"][f"{cm}/step"]

@@ -26,7 +26,7 @@ boolean [W, W] mask per row (A * max_width bytes).
 """
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Optional
 
 import torch
@@ -37,7 +37,7 @@ KV_COPIES = {"none": 0, "refresh": 2, "persistent": 2}  # live K/V buffers at th
 
 
 def dtype_bytes(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()
+    return dtype.itemsize
 
 
 def weight_bytes(cfg: ModelConfig, dtype: torch.dtype) -> int:
@@ -133,10 +133,4 @@ def plan_token_budget(free_bytes: int, cfg: ModelConfig, dtype: torch.dtype = to
         area += 1
     if area <= block_length:
         area = 0
-    return MemoryPlan(**{**plan.as_dict(), "token_budget": area})
-
-
-def auto_token_budget(free_bytes: int, cfg: ModelConfig, dtype: torch.dtype = torch.bfloat16,
-                      cache: str = "refresh", block_length: int = 32, **kw) -> int:
-    """Just the budget of `plan_token_budget` (same arguments)."""
-    return plan_token_budget(free_bytes, cfg, dtype, cache, block_length, **kw).token_budget
+    return replace(plan, token_budget=area)

@@ -47,23 +47,22 @@ def _ranks(conf: torch.Tensor) -> torch.Tensor:
     return torch.empty_like(order).scatter_(1, order, ar)
 
 
-def propose(logits: torch.Tensor, rp: RowParams, noise_keys: Sequence[Optional[int]],
-            need: Optional[torch.Tensor] = None):
+def propose(logits: torch.Tensor, rp: RowParams, noise_keys: Optional[Sequence[Optional[int]]],
+            need: torch.Tensor):
     """Candidate tokens x0 [B, L] and their float64 softmax confidence [B, L] (0 where
     `need` is False: only masked positions are ever selected, and the float64 softmax
     over the vocabulary is the biggest host cost of a step). Rows at temperature > 0
     take x0 from Gumbel-perturbed logits in float64 (as LLaDA's reference does), seeded
-    per row so a request's tokens do not depend on its batch."""
+    per row (`noise_keys`, None when no row samples) so a request's tokens do not depend
+    on its batch."""
     x0 = logits.argmax(-1)  # float -> float64 is exact, so this is the float64 argmax
-    for i, key in enumerate(noise_keys):
+    for i, key in enumerate(noise_keys or ()):
         if key is None:
             continue
         lg = logits[i].to(torch.float64)
         g = torch.Generator(device=lg.device).manual_seed(key)
         noise = torch.rand(lg.shape, generator=g, dtype=torch.float64, device=lg.device)
         x0[i] = (lg - rp.temperature[i] * torch.log(-torch.log(noise))).argmax(-1)
-    if need is None:
-        need = torch.ones_like(x0, dtype=torch.bool)
     idx = need.nonzero(as_tuple=True)
     conf = torch.zeros(x0.shape, dtype=torch.float64, device=x0.device)
     conf[idx] = torch.softmax(logits[idx].to(torch.float64), dim=-1).gather(-1, x0[idx][:, None]).squeeze(-1)

@@ -229,14 +229,13 @@ class Engine:
             self.batch = None
             return
         same_rows = old is not None and [id(r) for r in rows] == [id(r) for r in old.rows]
-        if same_rows and self._grown and grow_in_place(
-                old, self._grown, block_length=self.cfg.block_length, cache_mode=self.cfg.cache,
-                mask_token_id=self.mcfg.mask_token_id, block_causal=self.mcfg.block_causal):
-            self._grown = set()
-        elif not same_rows or self._grown:
-            self.batch = relayout(old, rows, self._grown, [self.scheduler.is_frozen(r) for r in rows],
-                                  mcfg=self.mcfg, block_length=self.cfg.block_length, cache_mode=self.cfg.cache,
-                                  dtype=self.model.dtype, device=self.device)
+        if not same_rows or self._grown:
+            if not (same_rows and grow_in_place(
+                    old, self._grown, block_length=self.cfg.block_length, cache_mode=self.cfg.cache,
+                    mask_token_id=self.mcfg.mask_token_id, block_causal=self.mcfg.block_causal)):
+                self.batch = relayout(old, rows, self._grown, [self.scheduler.is_frozen(r) for r in rows],
+                                      mcfg=self.mcfg, block_length=self.cfg.block_length,
+                                      cache_mode=self.cfg.cache, dtype=self.model.dtype, device=self.device)
             self._grown = set()
         cost = len(rows) * self.batch.width
         self.stats.budget_used = cost
@@ -253,11 +252,9 @@ class Engine:
         mask_id, shift, W = self.mcfg.mask_token_id, int(self.mcfg.shift_logits), b.width
         is_mask = b.ids[:, W - L:] == mask_id
         busy = is_mask.any(1)
-        if self.cfg.cache != "none":
-            need = (W - b.start - b.cached).clamp(min=L + shift)
-            if int(need.max()) > L + shift:
-                for group in catch_up_groups(need.tolist(), L + shift):
-                    self._forward(torch.tensor(group, device=self.device))
+        if self.cfg.cache != "none":  # columns each row must compute: lens - cached
+            for group in catch_up_groups((b.lens - b.cached).tolist(), L + shift):
+                self._forward(torch.tensor(group, device=self.device))
         logits = self._forward()
 
         rp = b.row_params
@@ -265,7 +262,7 @@ class Engine:
         if any(s is not None for s in rp.seeds):
             keys = [None if seed is None else hash((seed, len(r.generated), st)) & (2**62 - 1)
                     for seed, r, st in zip(rp.seeds, b.rows, b.step.tolist())]
-        x0, conf = propose(logits[:, :L], rp, keys or [None] * len(b.rows), need=is_mask)
+        x0, conf = propose(logits[:, :L], rp, keys, is_mask)
         sel = select(conf, is_mask, b.step, rp, L, S)
         b.ids[:, W - L:] = torch.where(sel, x0, b.ids[:, W - L:])
         b.step += 1

@@ -136,15 +136,12 @@ def main(argv=None) -> int:
               "AWS_ACCESS_KEY_ID in the nodes' environment, AWS_PROFILE with a credentials file on the nodes, "
               "or an instance role).", file=sys.stderr)
         return 2
-    if not os.path.isfile(os.path.join(args.model, "config.json")):
-        print(f"error: no model at {args.model} (config.json missing); pass --model DIR", file=sys.stderr)
-        return 2
     output = args.output or os.path.join(DEFAULT_OUTPUT_ROOT, time.strftime("%Y%m%d-%H%M%S"))
     storage = StorageOptions(endpoint_url=args.endpoint_url, region=args.region, key=args.access_key_id)
     job_input = args.input if len(args.input) > 1 else args.input[0]
     try:  # fail fast, before Ray or any engine starts: bad options, input, output or model
-        preflight(job_input, output, build_config(args, 0), storage=storage, limit=args.limit,
-                  id_column=args.id_column, overwrite=args.overwrite, resume=args.resume)
+        checked = preflight(job_input, output, build_config(args, 0), storage=storage, limit=args.limit,
+                            id_column=args.id_column, overwrite=args.overwrite, resume=args.resume)
     except (JobError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr, flush=True)
         return 2
@@ -162,7 +159,7 @@ def main(argv=None) -> int:
         summary = run_offline(job_input, output, config, storage=storage,
                               limit=args.limit, id_column=args.id_column, reference_column=args.reference_column,
                               overwrite=args.overwrite, resume=args.resume,
-                              rows_per_file=args.rows_per_file or None)
+                              rows_per_file=args.rows_per_file or None, preflighted=checked)
     except JobError as e:
         print(f"error: {e}", file=sys.stderr, flush=True)
         return 2

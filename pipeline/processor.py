@@ -18,14 +18,16 @@ from typing import Any, Callable, Dict, Optional
 import ray
 import ray.data
 
+from actors.engine_actor import OUTPUT_SCHEMA, DLLMEngineActor, new_rank_group
+from actors.rank import rank_counter
+
 from .config import DLLMProcessorConfig
 from .stages import PRE_ERROR, TOKEN_IDS, ChatTemplateUDF, DetokenizeUDF, TokenizeUDF
 
 RowFn = Callable[[Dict[str, Any]], Dict[str, Any]]
 
 # Columns the processor adds to every row.
-OUTPUT_COLUMNS = ("generated_text", "generated_token_ids", "num_prompt_tokens", "num_generated_tokens",
-                  "num_blocks", "num_steps", "finish_reason", "error", "engine_rank", "latency_s")
+OUTPUT_COLUMNS = ("generated_text", *OUTPUT_SCHEMA.names)
 
 
 def _merge_preprocess(fn: RowFn) -> RowFn:
@@ -60,9 +62,6 @@ class DLLMProcessor:
         return ray.get(sink.get.remote()) if sink is not None else {}
 
     def __call__(self, ds: ray.data.Dataset) -> ray.data.Dataset:
-        from actors.engine_actor import DLLMEngineActor, new_rank_group  # torch lives in actors/
-        from actors.rank import rank_counter
-
         cfg = self.config
         if self.preprocess is not None:
             ds = ds.map(_merge_preprocess(self.preprocess), num_cpus=cfg.cpu_stage_num_cpus)

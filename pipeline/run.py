@@ -50,7 +50,7 @@ def check_model(model: str, needs_tokenizer: bool) -> None:
             json.load(f)
     except Exception as e:  # noqa: BLE001
         raise JobError(f"model: {cfg} is not valid JSON: {e}") from e
-    if not any(n.endswith((".safetensors", ".bin", ".pt")) for n in os.listdir(model)):
+    if not any(n.endswith(".safetensors") for n in os.listdir(model)):  # all engine.loader reads
         raise JobError(f"model: {model} holds no weights (*.safetensors) (--model)")
     if needs_tokenizer and not any(os.path.exists(os.path.join(model, f)) for f in _TOKENIZER_FILES):
         raise JobError(f"model: {model} has no tokenizer files, needed for text prompts (--model)")
@@ -79,15 +79,13 @@ def preflight(input: Union[str, List[str]], output: str, config: DLLMProcessorCo
     input readable with a prompt column, model loadable. Returns (input datasource with
     the ids already in the output left out, those ids, output fs, output path); raises
     JobError naming the option to fix."""
-    storage = (storage or StorageOptions()).resolved()
+    resume = resume and not overwrite
     try:
         out_fs, out_path = get_filesystem(output, storage)
-        prepare_output(out_fs, out_path, overwrite=overwrite, resume=resume and not overwrite)
+        prepare_output(out_fs, out_path, overwrite=overwrite, resume=resume)
     except Exception as e:  # noqa: BLE001
-        if isinstance(e, JobError):
-            raise
         raise JobError(f"output {output} cannot be used: {type(e).__name__}: {e} (--output)") from e
-    done = completed_ids(out_fs, out_path, id_column) if resume and not overwrite else []
+    done = completed_ids(out_fs, out_path, id_column) if resume else []
     if len(done) != len(set(done)):
         raise JobError(f"output {out_fs.unstrip_protocol(out_path)} already holds duplicate ids; "
                        "rerun with --overwrite")
@@ -103,14 +101,14 @@ def preflight(input: Union[str, List[str]], output: str, config: DLLMProcessorCo
 def run_offline(input: Union[str, List[str]], output: str, config: DLLMProcessorConfig, *,
                 storage: Optional[StorageOptions] = None, limit: Optional[int] = None, id_column: str = "id",
                 reference_column: Optional[str] = "reference", overwrite: bool = False, resume: bool = True,
-                rows_per_file: Optional[int] = 256) -> Dict[str, Any]:
+                rows_per_file: Optional[int] = 256, preflighted: Optional[tuple] = None) -> Dict[str, Any]:
     """Read prompts, generate, stream results to `output`, write `summary.json` beside
     them and return the summary. With `resume` (default) ids already in `output`'s part
-    files are skipped; `overwrite` starts from scratch instead."""
-    storage = (storage or StorageOptions()).resolved()
+    files are skipped; `overwrite` starts from scratch instead. `preflighted`: what
+    `preflight` returned for these same arguments, when the caller already ran it."""
     t0 = time.perf_counter()
-    source, done, out_fs, out_path = preflight(input, output, config, storage=storage, limit=limit,
-                                               id_column=id_column, overwrite=overwrite, resume=resume)
+    source, done, out_fs, out_path = preflighted or preflight(
+        input, output, config, storage=storage, limit=limit, id_column=id_column, overwrite=overwrite, resume=resume)
 
     # --- run ------------------------------------------------------------------------------
     stats_fn = functools.partial(block_stats, reference_column=reference_column)

@@ -19,6 +19,7 @@ prompts, records (cells forwarded, seconds) per block cycle and fits
 from __future__ import annotations
 
 import dataclasses
+from dataclasses import dataclass, field
 import json
 import logging
 import os
@@ -27,6 +28,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 import ray
 import ray.data
 
@@ -40,22 +42,13 @@ SHARD_RANK = "shard_rank"  # output columns in sort="blendserve" mode
 SHARD_ORDER = "shard_order"
 
 
-def _features_batch(batch: pa.Table, *, default_max_new: int, sampling_column: str) -> pa.Table:
-    n = batch.num_rows
-    names = batch.column_names
-    ids = batch.column(TOKEN_IDS).to_pylist() if TOKEN_IDS in names else [None] * n
-    over = batch.column(sampling_column).to_pylist() if sampling_column in names else [None] * n
-    plen, gen = [], []
-    for t, o in zip(ids, over):
-        plen.append(len(t) if t else 0)
-        g = default_max_new
-        if isinstance(o, dict) and o.get("max_new_tokens"):
-            try:
-                g = max(1, int(o["max_new_tokens"]))
-            except (TypeError, ValueError):
-                pass
-        gen.append(g)
-    return pa.table({"p": pa.array(plen, pa.int64()), "g": pa.array(gen, pa.int64())})
+def _budget(override: Any, default: int) -> int:
+    """A row's generation budget: its override's max_new_tokens when usable, else the
+    default (a bad override is the engine's to report, as an error row)."""
+    try:
+        return max(1, int(override["max_new_tokens"])) if override["max_new_tokens"] else default
+    except (TypeError, KeyError, ValueError):
+        return default
 
 
 def model_profile(model: str) -> ModelProfile:
@@ -64,11 +57,8 @@ def model_profile(model: str) -> ModelProfile:
 
 
 def plan_shards(prompt_lens: Sequence[int], max_new: Sequence[int], cfg: DLLMProcessorConfig,
-                device: str, cost_model: Optional[CostModel] = None, prefixes: Optional[Sequence[Any]] = None
-                ) -> ShardPlan:
-    feats = [RequestFeatures(prompt_len=int(p), max_new_tokens=int(g),
-                             prefix=(tuple(prefixes[i]) if prefixes is not None and prefixes[i] else None))
-             for i, (p, g) in enumerate(zip(prompt_lens, max_new))]
+                device: str, cost_model: Optional[CostModel] = None) -> ShardPlan:
+    feats = [RequestFeatures(prompt_len=int(p), max_new_tokens=int(g)) for p, g in zip(prompt_lens, max_new)]
     return shard(feats, num_ranks=cfg.num_engines, model=model_profile(cfg.model),
                  device=H200 if device == "cuda" else CPU, block_length=cfg.engine.block_length,
                  steps_per_block=cfg.engine.steps_per_block, batch_size=cfg.batch_size,
@@ -76,17 +66,11 @@ def plan_shards(prompt_lens: Sequence[int], max_new: Sequence[int], cfg: DLLMPro
 
 
 @ray.remote(num_cpus=0.25)
-def _gather(refs_and_idx: List[Tuple[int, List[int]]], *blocks: pa.Table) -> pa.Table:
+def _gather(runs: List[Tuple[int, List[int]]], *blocks: pa.Table) -> pa.Table:
     """The rows [(block position in `blocks`, [rows in block])...] of the given blocks,
-    in that order, as one table (block schemas unified)."""
-    tables = [b for b in blocks]
-    parts = []
-    for bi, group in refs_and_idx:
-        parts.append(tables[bi].take(pa.array(group, pa.int64())))
-    if not parts:
-        return tables[0].slice(0, 0) if tables else pa.table({})
-    # refs_and_idx keeps plan order (consecutive runs of one block).
-    return pa.concat_tables(parts, promote_options="default")
+    in that order (plan order: consecutive runs of one block), as one table."""
+    return pa.concat_tables([blocks[bi].take(pa.array(rows, pa.int64())) for bi, rows in runs],
+                            promote_options="default")
 
 
 def _runs(order: List[Tuple[int, int]]) -> List[Tuple[int, List[int]]]:
@@ -100,17 +84,15 @@ def _runs(order: List[Tuple[int, int]]) -> List[Tuple[int, List[int]]]:
     return out
 
 
+@dataclass
 class ShardedInput:
-    """The materialized, planned input: one ordered dataset per rank."""
+    """The materialized, planned input: one ordered dataset per rank (None: no rows)."""
 
-    def __init__(self, rank_datasets: List[Optional[ray.data.Dataset]], plan: ShardPlan,
-                 cost_model: Optional[CostModel], calibration: Optional[Dict[str, Any]] = None,
-                 timings: Optional[Dict[str, float]] = None):
-        self.rank_datasets = rank_datasets
-        self.plan = plan
-        self.cost_model = cost_model
-        self.calibration = calibration
-        self.timings = timings or {}
+    rank_datasets: List[Optional[ray.data.Dataset]]
+    plan: ShardPlan
+    cost_model: Optional[CostModel]
+    calibration: Optional[Dict[str, Any]] = None
+    timings: Dict[str, float] = field(default_factory=dict)
 
 
 def shard_dataset(ds: ray.data.Dataset, cfg: DLLMProcessorConfig, device: str,
@@ -138,13 +120,13 @@ def shard_dataset(ds: ray.data.Dataset, cfg: DLLMProcessorConfig, device: str,
     plan = plan_shards(lens, gens, cfg, device, cost_model=cost_model)
     rank_datasets = []
     for r, idx in enumerate(plan.ranks):
+        if not idx:
+            rank_datasets.append(None)
+            continue
         order = [loc[i] for i in idx]
         used = sorted({b for b, _ in order})
         remap = {b: n for n, b in enumerate(used)}
         runs = [(remap[b], rows) for b, rows in _runs(order)]
-        if not order:
-            rank_datasets.append(None)
-            continue
         table_ref = _gather.remote(runs, *[refs[b] for b in used])
         # Blocks of one batch each, in plan order, so the engine gets the shard in order.
         rank_datasets.append(_to_dataset(table_ref, len(order), cfg.batch_size, r))
@@ -157,10 +139,17 @@ FEATURE_TASKS = 4
 
 @ray.remote(num_cpus=0.25)
 def _features_remote(default_max_new: int, sampling_column: str, *blocks: pa.Table):
-    """(prompt tokens per row, budget per row, rows per block) of `blocks`, in order."""
-    feats = [_features_batch(b, default_max_new=default_max_new, sampling_column=sampling_column) for b in blocks]
-    return ([x for f in feats for x in f.column("p").to_pylist()], [x for f in feats for x in f.column("g").to_pylist()],
-            [b.num_rows for b in blocks])
+    """(prompt tokens per row, budget per row, rows per block) of `blocks`, in order.
+    Token counts come from the list lengths; the token ids never become Python objects."""
+    lens: List[int] = []
+    gens: List[int] = []
+    for b in blocks:
+        names = b.column_names
+        lens += (pc.fill_null(pc.list_value_length(b.column(TOKEN_IDS)), 0).to_pylist() if TOKEN_IDS in names
+                 else [0] * b.num_rows)
+        over = b.column(sampling_column).to_pylist() if sampling_column in names else [None] * b.num_rows
+        gens += [_budget(o, default_max_new) if isinstance(o, dict) else default_max_new for o in over]
+    return lens, gens, [b.num_rows for b in blocks]
 
 
 @ray.remote(num_cpus=0.25)

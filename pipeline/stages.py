@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import functools
 import os
-from typing import Any, List, Optional
+from typing import Any, Callable, List, Optional
 
 import pyarrow as pa
 
@@ -147,29 +147,28 @@ def detokenize_stage(batch: pa.Table, *, model: str, detokenize: bool = True,
     return _set(batch, "generated_text", texts, pa.string())
 
 
-class ChatTemplateUDF:
-    def __init__(self, **kwargs: Any):
-        self.kwargs = kwargs
-        load_tokenizer(kwargs["model"])
+class _StageUDF:
+    """A Ray Data callable class around one stage function: the actor loads the
+    tokenizer once (cached by load_tokenizer), then every batch reuses it."""
 
-    def __call__(self, batch: pa.Table) -> pa.Table:
-        return chat_template_stage(batch, **self.kwargs)
+    stage: Callable[..., pa.Table]
 
-
-class TokenizeUDF:
-    def __init__(self, **kwargs: Any):
-        self.kwargs = kwargs
-        load_tokenizer(kwargs["model"])
-
-    def __call__(self, batch: pa.Table) -> pa.Table:
-        return tokenize_stage(batch, **self.kwargs)
-
-
-class DetokenizeUDF:
     def __init__(self, **kwargs: Any):
         self.kwargs = kwargs
         if kwargs.get("detokenize", True):
             load_tokenizer(kwargs["model"])
 
     def __call__(self, batch: pa.Table) -> pa.Table:
-        return detokenize_stage(batch, **self.kwargs)
+        return self.stage(batch, **self.kwargs)
+
+
+class ChatTemplateUDF(_StageUDF):
+    stage = staticmethod(chat_template_stage)
+
+
+class TokenizeUDF(_StageUDF):
+    stage = staticmethod(tokenize_stage)
+
+
+class DetokenizeUDF(_StageUDF):
+    stage = staticmethod(detokenize_stage)

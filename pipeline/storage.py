@@ -107,8 +107,3 @@ def join(base: str, *parts: str) -> str:
     for p in parts:
         out = f"{out}/{p.strip('/')}"
     return out
-
-
-def full_url(fs: fsspec.AbstractFileSystem, path: str) -> str:
-    """The URL a user would type for `path` on `fs` (for logs and summaries)."""
-    return fs.unstrip_protocol(path)

@@ -115,8 +115,7 @@ class OutputNotWritableError(PermissionError):
     """The output location does not accept writes: the job fails before any engine work."""
 
 
-def prepare_output(fs: fsspec.AbstractFileSystem, path: str, overwrite: bool = False, resume: bool = False,
-                   check_writable: bool = True) -> None:
+def prepare_output(fs: fsspec.AbstractFileSystem, path: str, overwrite: bool = False, resume: bool = False) -> None:
     """Create the output location and make sure it accepts writes. Result files of an
     earlier run (`*.parquet` and summary.json directly in it, and `_tmp/`) are refused,
     or removed with `overwrite`, so that a folder never mixes two runs; with `resume`
@@ -140,17 +139,16 @@ def prepare_output(fs: fsspec.AbstractFileSystem, path: str, overwrite: bool = F
         fs.makedirs(path, exist_ok=True)  # on S3 this creates the bucket when it is missing
     except Exception as e:  # noqa: BLE001 - a bucket we may not create may still accept writes
         logger.debug("makedirs(%s) failed: %s", path, e)
-    if check_writable:
-        probe = join(path, TMP_DIR, f"write-probe-{uuid.uuid4().hex}")
-        try:
-            fs.makedirs(join(path, TMP_DIR), exist_ok=True)
-            with fs.open(probe, "wb") as fh:
-                fh.write(b"ok")
-            fs.rm(probe)
-        except Exception as e:  # noqa: BLE001
-            raise OutputNotWritableError(f"output {fs.unstrip_protocol(path)} is not writable: "
-                                         f"{type(e).__name__}: {e}") from e
-        remove_empty_tmp(fs, path)
+    probe = join(path, TMP_DIR, f"write-probe-{uuid.uuid4().hex}")
+    try:
+        fs.makedirs(join(path, TMP_DIR), exist_ok=True)
+        with fs.open(probe, "wb") as fh:
+            fh.write(b"ok")
+        fs.rm(probe)
+    except Exception as e:  # noqa: BLE001
+        raise OutputNotWritableError(f"output {fs.unstrip_protocol(path)} is not writable: "
+                                     f"{type(e).__name__}: {e}") from e
+    remove_empty_tmp(fs, path)
 
 
 def completed_ids(fs: fsspec.AbstractFileSystem, path: str, id_column: str = "id") -> List[str]:

@@ -12,6 +12,9 @@ import socket
 import subprocess
 import sys
 import time
+import shutil
+import tempfile
+import urllib.error
 import urllib.request
 
 import pytest
@@ -108,3 +111,56 @@ def s3fs_client(s3_endpoint):
 
     return s3fs.S3FileSystem(key=S3_KEY, secret=S3_SECRET, endpoint_url=s3_endpoint,
                              client_kwargs={"region_name": S3_REGION}, skip_instance_cache=True)
+
+
+# --- a real head node (ray start) for the job CLI tests --------------------------------
+
+from procs import stop_group  # noqa: E402
+
+BIN = os.path.dirname(sys.executable)
+RAY = os.path.join(BIN, "ray")
+
+
+def ray_env() -> dict:
+    """The environment for `ray` CLI calls: token auth on, this venv first, no RAY_ADDRESS."""
+    env = dict(os.environ)
+    env["RAY_AUTH_MODE"] = "token"  # keep authentication on; the CLI then sends ~/.ray/auth_token
+    env["PATH"] = BIN + os.pathsep + env.get("PATH", "")  # the job's `python` is this venv's
+    env.pop("RAY_ADDRESS", None)
+    return env
+
+
+@pytest.fixture
+def head_node():
+    """A head node on loopback with 2 CPUs and the dashboard (job API) on free ports.
+    Stopped through the process group `ray start --block` leads, never `ray stop` (which
+    kills every Ray process on the machine); its --temp-dir keeps the cluster marker out
+    of /tmp/ray."""
+    temp_dir = tempfile.mkdtemp(prefix="br-", dir="/tmp")  # short: Ray's unix sockets live under it
+    gcs, dash = free_port(), free_port()
+    cmd = [RAY, "start", "--head", "--block", "--node-ip-address", "127.0.0.1", "--port", str(gcs),
+           "--num-cpus", "2", "--disable-usage-stats", "--include-dashboard", "true",
+           "--dashboard-host", "127.0.0.1", "--dashboard-port", str(dash),
+           "--dashboard-agent-listen-port", str(free_port()), "--dashboard-agent-grpc-port", str(free_port()),
+           "--runtime-env-agent-port", str(free_port()), "--metrics-export-port", str(free_port()),
+           "--ray-client-server-port", str(free_port()), "--temp-dir", temp_dir]
+    log = open(os.path.join(temp_dir, "ray-start.log"), "w")
+    proc = subprocess.Popen(cmd, env=ray_env(), stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    address = f"http://127.0.0.1:{dash}"
+    try:
+        deadline = time.time() + 90
+        while True:
+            try:
+                urllib.request.urlopen(address + "/api/version", timeout=2)
+                break
+            except urllib.error.HTTPError:  # 401 without a token: the server is up
+                break
+            except Exception:  # noqa: BLE001 - not up yet
+                if proc.poll() is not None or time.time() > deadline:
+                    raise RuntimeError("ray head did not start:\n" + open(log.name).read()[-3000:])
+                time.sleep(0.5)
+        yield address
+    finally:
+        stop_group(proc, 10.0)  # `ray stop` waits 16 s; SIGTERM reaches raylet, GCS, dashboard, workers
+        log.close()
+        shutil.rmtree(temp_dir, ignore_errors=True)

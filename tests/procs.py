@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import os
+import signal
+import subprocess
+import time
 from typing import List
 
 
@@ -18,3 +21,25 @@ def children(pid: int) -> List[int]:
             if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
                 out.append(int(d))
     return out
+
+
+def stop_group(proc: subprocess.Popen, term_grace: float) -> None:
+    """Stop the process group `proc` leads (started with start_new_session) and nothing
+    else: SIGTERM, then SIGKILL for whatever is left after `term_grace` seconds."""
+    for sig, grace in ((signal.SIGTERM, term_grace), (signal.SIGKILL, 5.0)):
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            break
+        end = time.time() + grace
+        while time.time() < end:
+            proc.poll()  # reap the leader: an unreaped zombie keeps killpg(pgid, 0) succeeding
+            try:
+                os.killpg(proc.pid, 0)
+            except ProcessLookupError:
+                break
+            time.sleep(0.2)
+    try:
+        proc.wait(5)
+    except subprocess.TimeoutExpired:
+        pass

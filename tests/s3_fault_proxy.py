@@ -34,21 +34,17 @@ class FaultProxy:
         self.max_consecutive = max_consecutive  # so a client with a few retries always gets through
         self.rng = random.Random(seed)
         self.lock = threading.Lock()
-        self.requests = self.faults = self.delays = 0
+        self.requests = self.faults = 0
         self._streak = 0
-        self.enabled = True
         self.write_prefix, self.allow_writes, self.write_error = write_prefix, allow_writes, write_error
         self.writes = self.write_faults = 0
         self.server = ThreadingHTTPServer(("127.0.0.1", 0), self._handler())
         self.server.daemon_threads = True
         self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
-        self._thread: Optional[threading.Thread] = None
 
-    def _decide(self, method: str = "GET", path: str = ""):
+    def _decide(self, method: str, path: str):
         with self.lock:
             self.requests += 1
-            if not self.enabled:
-                return None, False
             if self.write_prefix is not None and method in ("PUT", "POST", "DELETE") \
                     and path.startswith(self.write_prefix):
                 if self.writes >= self.allow_writes:
@@ -59,7 +55,6 @@ class FaultProxy:
             self._streak = self._streak + 1 if fail else 0
             delay = not fail and self.rng.random() < self.delay_rate
             self.faults += fail
-            self.delays += delay
             return (self.rng.choice(_ERRORS) if fail else None), delay
 
     def _handler(self):
@@ -123,8 +118,7 @@ class FaultProxy:
         return Handler
 
     def __enter__(self) -> "FaultProxy":
-        self._thread = threading.Thread(target=self.server.serve_forever, daemon=True)
-        self._thread.start()
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
         return self
 
     def __exit__(self, *exc) -> None:

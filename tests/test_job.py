@@ -14,87 +14,14 @@ from __future__ import annotations
 import glob
 import json
 import os
-import shutil
-import signal
 import subprocess
 import sys
-import tempfile
-import time
-import urllib.request
 import uuid
 
 import pyarrow as pa
 import pyarrow.parquet as pq
-import pytest
 
-from conftest import ROOT, free_port, write_tiny_model
-
-BIN = os.path.dirname(sys.executable)
-RAY = os.path.join(BIN, "ray")
-
-
-def _env() -> dict:
-    env = dict(os.environ)
-    env["RAY_AUTH_MODE"] = "token"  # keep authentication on; the CLI then sends ~/.ray/auth_token
-    env["PATH"] = BIN + os.pathsep + env.get("PATH", "")  # the job's `python` is this venv's
-    env.pop("RAY_ADDRESS", None)
-    return env
-
-
-@pytest.fixture
-def head_node():
-    """A head node on loopback with 2 CPUs and the dashboard (job API) on free ports."""
-    temp_dir = tempfile.mkdtemp(prefix="br-", dir="/tmp")  # short: Ray's unix sockets live under it
-    gcs, dash = free_port(), free_port()
-    cmd = [RAY, "start", "--head", "--block", "--node-ip-address", "127.0.0.1", "--port", str(gcs),
-           "--num-cpus", "2", "--disable-usage-stats", "--include-dashboard", "true",
-           "--dashboard-host", "127.0.0.1", "--dashboard-port", str(dash),
-           "--dashboard-agent-listen-port", str(free_port()), "--dashboard-agent-grpc-port", str(free_port()),
-           "--runtime-env-agent-port", str(free_port()), "--metrics-export-port", str(free_port()),
-           "--ray-client-server-port", str(free_port()), "--temp-dir", temp_dir]
-    log = open(os.path.join(temp_dir, "ray-start.log"), "w")
-    proc = subprocess.Popen(cmd, env=_env(), stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    address = f"http://127.0.0.1:{dash}"
-    try:
-        deadline = time.time() + 90
-        while True:
-            try:
-                urllib.request.urlopen(address + "/api/version", timeout=2)
-                break
-            except urllib.error.HTTPError:  # 401 without a token: the server is up
-                break
-            except Exception:  # noqa: BLE001 - not up yet
-                if proc.poll() is not None or time.time() > deadline:
-                    raise RuntimeError("ray head did not start:\n" + open(log.name).read()[-3000:])
-                time.sleep(0.5)
-        yield address
-    finally:
-        _stop_node(proc)
-        log.close()
-        shutil.rmtree(temp_dir, ignore_errors=True)
-
-
-def _stop_node(proc: subprocess.Popen) -> None:
-    """Stop this node and nothing else: SIGTERM to the process group that
-    `ray start --block` leads (start_new_session: its raylet, GCS, dashboard, agents and
-    workers, nothing outside it), as `ray stop` would send to every Ray process on the
-    machine; SIGKILL for whatever is left after a grace period."""
-    for sig, grace in ((signal.SIGTERM, 10.0), (signal.SIGKILL, 5.0)):  # `ray stop` waits 16 s
-        try:
-            os.killpg(proc.pid, sig)
-        except ProcessLookupError:
-            break
-        end = time.time() + grace
-        while time.time() < end:
-            try:
-                os.killpg(proc.pid, 0)
-            except ProcessLookupError:
-                break
-            time.sleep(0.2)
-    try:
-        proc.wait(5)
-    except subprocess.TimeoutExpired:
-        pass
+from conftest import RAY, ROOT, ray_env, write_tiny_model
 
 
 def _input(tmp_path, n: int = 10) -> str:
@@ -113,11 +40,11 @@ def test_ray_job_submit(tmp_path, head_node):
            "python", "jobs/offline_eval.py", "--model", model, "--input", inp, "--output", out, "--limit", "8",
            "--num-engines", "2", "--batch-size", "2", "--block-length", "4", "--steps-per-block", "4",
            "--max-new-tokens", "8", "--token-budget", "1024"]
-    res = subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=400)
+    res = subprocess.run(cmd, cwd=ROOT, env=ray_env(), capture_output=True, text=True, timeout=400)
     logs = res.stdout + res.stderr
     probe = ("import sys; from ray.job_submission import JobSubmissionClient as C; "
              "print(C(sys.argv[1]).get_job_status(sys.argv[2]).value)")
-    status = subprocess.run([sys.executable, "-c", probe, head_node, job_id], env=_env(),
+    status = subprocess.run([sys.executable, "-c", probe, head_node, job_id], env=ray_env(),
                             capture_output=True, text=True, timeout=60)
     print(logs)
     assert status.stdout.strip().endswith("SUCCEEDED"), logs[-4000:] + status.stdout + status.stderr

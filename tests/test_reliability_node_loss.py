@@ -32,14 +32,13 @@ import json
 import os
 import re
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
 import threading
 import time
 
-from procs import children
+from procs import children, stop_group
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 N = 48  # rows; enough that the removal lands while both engines still have work
@@ -62,7 +61,7 @@ def test_worker_node_lost_mid_job(tmp_path):
         try:
             proc.wait(timeout=420)
         except subprocess.TimeoutExpired:
-            _stop_group(proc)
+            stop_group(proc, 15.0)  # its cluster's nodes; their reapers clean up after them
         finally:
             shutil.rmtree(ray_tmp, ignore_errors=True)
     out_log = open(log_path, errors="replace").read()
@@ -106,19 +105,6 @@ def test_engine_resource_option(tiny_model_dir):
     for bad in ("engine_slot=x", "=1", "engine_slot=0"):
         with pytest.raises(ValueError, match="--engine-resource"):
             job.build_config(job.parse_args(["--model", tiny_model_dir, "--engine-resource", bad]), 0)
-
-
-def _stop_group(proc: subprocess.Popen) -> None:
-    """SIGTERM, then SIGKILL, to the process group the script leads (its cluster's nodes;
-    their reapers clean up after them), and nothing else."""
-    for sig, grace in ((signal.SIGTERM, 15.0), (signal.SIGKILL, 5.0)):
-        try:
-            os.killpg(proc.pid, sig)
-        except ProcessLookupError:
-            return
-        end = time.time() + grace
-        while time.time() < end and proc.poll() is None:
-            time.sleep(0.2)
 
 
 # --- the script: one cluster, one job, one node lost ------------------------------------------

@@ -1,5 +1,5 @@
 """Issue 7, A5 (authentication and credentials): against a head node with token
-authentication on (tests/test_job.py's head: its own process group and temp dir), a job
+authentication on (the `head_node` fixture of tests/conftest.py: its own process group and temp dir), a job
 submitted without the token is refused, and the job REST API answers 401 without it.
 Nothing is run: the refused submission must not create a job. And the job never takes
 an S3 secret on its command line (which `ray job list` shows)."""
@@ -13,8 +13,7 @@ import tempfile
 import urllib.error
 import urllib.request
 
-from conftest import ROOT
-from test_job import RAY, _env, head_node  # noqa: F401 - head_node is a fixture
+from conftest import RAY, ROOT, ray_env
 
 
 def _submit(address: str, env: dict) -> subprocess.CompletedProcess:
@@ -22,21 +21,21 @@ def _submit(address: str, env: dict) -> subprocess.CompletedProcess:
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
 
 
-def test_unauthenticated_submit_is_refused(head_node):  # noqa: F811
+def test_unauthenticated_submit_is_refused(head_node):
     # 1. no RAY_AUTH_MODE=token: the CLI sends no token
-    env = _env()
+    env = ray_env()
     env.pop("RAY_AUTH_MODE", None)
     env.pop("RAY_AUTH_TOKEN", None)
     res = _submit(head_node, env)
     assert res.returncode != 0, res.stdout + res.stderr
     # 2. token mode but no token to send (empty HOME, so no ~/.ray/auth_token)
     home = tempfile.mkdtemp(prefix="br-home-")
-    env = {**_env(), "HOME": home}
+    env = {**ray_env(), "HOME": home}
     env.pop("RAY_AUTH_TOKEN", None)
     res2 = _submit(head_node, env)
     assert res2.returncode != 0, res2.stdout + res2.stderr
     # 3. a wrong token
-    env = {**_env(), "HOME": home, "RAY_AUTH_TOKEN": "not-the-token"}
+    env = {**ray_env(), "HOME": home, "RAY_AUTH_TOKEN": "not-the-token"}
     res3 = _submit(head_node, env)
     assert res3.returncode != 0, res3.stdout + res3.stderr
     # 4. the REST API itself, no token
@@ -49,7 +48,7 @@ def test_unauthenticated_submit_is_refused(head_node):  # noqa: F811
     # and nothing ran: the authenticated client sees no job
     probe = ("import sys, json; from ray.job_submission import JobSubmissionClient as C; "
              "print(json.dumps([j.entrypoint for j in C(sys.argv[1]).list_jobs()]))")
-    listed = subprocess.run([sys.executable, "-c", probe, head_node], env=_env(), capture_output=True, text=True,
+    listed = subprocess.run([sys.executable, "-c", probe, head_node], env=ray_env(), capture_output=True, text=True,
                             timeout=60)
     assert listed.returncode == 0, listed.stderr
     assert "pwned" not in "".join(json.loads(listed.stdout.strip().splitlines()[-1]))

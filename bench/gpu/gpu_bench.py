@@ -20,6 +20,7 @@ skipped. The JSON is rewritten after every run, so a killed job still leaves res
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime as _dt
 import json
 import os
@@ -38,8 +39,8 @@ import torch  # noqa: E402
 from engine import Engine, EngineConfig, ModelConfig, SamplingParams, build_model  # noqa: E402
 from engine.budget import plan_token_budget, weight_bytes  # noqa: E402
 from engine.models import DLLM  # noqa: E402
-from bench.engine_bench import git_state  # noqa: E402
-from bench.runner import RunSpec, _widest, run, warmup  # noqa: E402
+from bench.engine_bench import git_state, variant_spec  # noqa: E402
+from bench.runner import RunSpec, _sync as sync, _widest, run, warmup  # noqa: E402
 from bench.workloads import SkewedSpec, skewed  # noqa: E402
 
 LLADA_8B = dict(model_type="llada", vocab_size=126464, hidden_size=4096, n_layers=32, n_heads=32, n_kv_heads=32,
@@ -81,11 +82,6 @@ def matmul_peak(device: str, dtype: torch.dtype, n: int, iters: int = 20) -> Dic
     sync(device)
     dt = (time.perf_counter() - t) / iters
     return {"n": n, "seconds_per_matmul": dt, "flops_per_s": 2.0 * n ** 3 / dt}
-
-
-def sync(device: str) -> None:
-    if device == "cuda":
-        torch.cuda.synchronize()
 
 
 def supports(cache: str, advance: str) -> Optional[str]:
@@ -256,9 +252,8 @@ def main(argv=None) -> Dict[str, Any]:
         elif kind == "variant":
             if main_b not in budgets:
                 continue
-            cache = "persistent" if "persistent" in arg else "refresh"
-            spec_r = RunSpec(f"blockserve+{arg}@B{main_b}", "blockserve", budgets[main_b], max_batch_size=max_rows,
-                             cache=cache, advance="step" if "step" in arg else "block")
+            spec_r = dataclasses.replace(variant_spec(arg, budgets[main_b], "refresh", f"B{main_b}"),
+                                         max_batch_size=max_rows)
         else:
             if plan.token_budget < widest:
                 rep.data["skipped"].append({"label": "blockserve@auto", "why": "auto budget below the widest request"})
