@@ -70,6 +70,10 @@ class DLLMProcessorConfig:
     # disk) before generation starts. "none": arrival order, rows stream from the
     # reader to whichever engine is free (no look-ahead, nothing materialized).
     sort: str = "blendserve"
+    # sort="blendserve" only: prompts sharing at least this many leading tokens (compared
+    # in pieces of 16, over the first 512) stay on one engine, next to each other, so a
+    # shared few-shot preamble is not spread over every rank. 0: no prefix grouping.
+    sort_min_prefix: int = 32
     # sort="blendserve" only: fit the cost model's cycle constants from the engine's own
     # timings on `calibration_samples` prompts (an in-process engine on the driver)
     # instead of the roofline estimate.
@@ -91,6 +95,8 @@ class DLLMProcessorConfig:
             raise ValueError("cpu_stage_max_actors must be >= 1")
         if self.max_concurrent_batches < 1:
             raise ValueError("max_concurrent_batches must be >= 1")
+        if self.sort_min_prefix < 0:
+            raise ValueError(f"sort_min_prefix must be >= 0, got {self.sort_min_prefix!r}")
         if self.sort not in SORT_MODES:
             raise ValueError(f"sort must be one of {SORT_MODES}, got {self.sort!r}")
         err = self.sampling.validate()

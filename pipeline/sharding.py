@@ -2,8 +2,8 @@
 order, to that rank's engine actor.
 
 Why offline: the sorter needs every prompt's token count up front. So the tokenized
-dataset is materialized once, its small features (prompt tokens, budget per row) are
-brought to the driver, `shard` computes the plan, and the rows are gathered per rank in
+dataset is materialized once, its small features (prompt tokens, budget and a hash
+chain of the leading tokens per row, `prefix_key`) are brought to the driver, `shard` computes the plan, and the rows are gathered per rank in
 plan order (one remote gather task per rank, blocks of `batch_size` rows). Each rank's
 dataset then runs through its own actor pool of size 1 whose engine carries that
 rank; the R branches are unioned. Every input row goes to exactly one rank, once.
@@ -56,13 +56,40 @@ def model_profile(model: str) -> ModelProfile:
         return ModelProfile.from_config(json.load(f))
 
 
+# Shared prompt prefixes are compared in pieces of PREFIX_CHUNK tokens, over at most the
+# first PREFIX_TOKENS tokens: the driver holds one hash per piece, not the token ids.
+PREFIX_CHUNK = 16
+PREFIX_TOKENS = 512
+
+
+def prefix_key(ids: Sequence[int], chunk: int = PREFIX_CHUNK) -> Tuple[int, ...]:
+    """Chained hashes of the whole `chunk`-token pieces of `ids`: two prompts share their
+    first k elements iff they share their first k * chunk tokens (barring a 64-bit hash
+    collision). The sorter's prefix trie runs on these as it would on token ids.
+    Deterministic across processes (int tuples are not salted by PYTHONHASHSEED)."""
+    out, h = [], 0
+    for s in range(0, len(ids) - chunk + 1, chunk):
+        h = hash((h, tuple(ids[s:s + chunk])))
+        out.append(h)
+    return tuple(out)
+
+
 def plan_shards(prompt_lens: Sequence[int], max_new: Sequence[int], cfg: DLLMProcessorConfig,
-                device: str, cost_model: Optional[CostModel] = None) -> ShardPlan:
-    feats = [RequestFeatures(prompt_len=int(p), max_new_tokens=int(g)) for p, g in zip(prompt_lens, max_new)]
+                device: str, cost_model: Optional[CostModel] = None,
+                prefixes: Optional[Sequence[Optional[Tuple[int, ...]]]] = None) -> ShardPlan:
+    """`prefixes`: per row, its `prefix_key` (None: never grouped)."""
+    prefixes = prefixes if prefixes is not None else [None] * len(prompt_lens)
+    feats = [RequestFeatures(prompt_len=int(p), max_new_tokens=int(g), prefix=k)
+             for p, g, k in zip(prompt_lens, max_new, prefixes)]
     return shard(feats, num_ranks=cfg.num_engines, model=model_profile(cfg.model),
                  device=H200 if device == "cuda" else CPU, block_length=cfg.engine.block_length,
                  steps_per_block=cfg.engine.steps_per_block, batch_size=cfg.batch_size,
-                 cost_model=cost_model)
+                 cost_model=cost_model, min_prefix=_min_chunks(cfg.sort_min_prefix))
+
+
+def _min_chunks(min_prefix_tokens: int) -> int:
+    """The sorter's min_prefix in prefix_key pieces (0: no grouping)."""
+    return -(-min_prefix_tokens // PREFIX_CHUNK) if min_prefix_tokens > 0 else 0
 
 
 @ray.remote(num_cpus=0.25)
@@ -113,11 +140,11 @@ def shard_dataset(ds: ray.data.Dataset, cfg: DLLMProcessorConfig, device: str,
     # which on a busy node costs far more than reading token counts.
     chunks = np.array_split(np.arange(len(refs)), min(len(refs), FEATURE_TASKS)) if refs else []
     metas = ray.get([_features_remote.remote(cfg.sampling.max_new_tokens, cfg.sampling_column,
-                                             *[refs[i] for i in c]) for c in chunks])
-    lens = [x for p, _, _ in metas for x in p]
-    gens = [x for _, g, _ in metas for x in g]
-    loc = [(bi, j) for bi, n in enumerate(n for _, _, rows in metas for n in rows) for j in range(n)]
-    plan = plan_shards(lens, gens, cfg, device, cost_model=cost_model)
+                                             _min_chunks(cfg.sort_min_prefix), *[refs[i] for i in c])
+                     for c in chunks])
+    lens, gens, prefixes, rows_per_block = ([x for m in metas for x in m[k]] for k in range(4))
+    loc = [(bi, j) for bi, n in enumerate(rows_per_block) for j in range(n)]
+    plan = plan_shards(lens, gens, cfg, device, cost_model=cost_model, prefixes=prefixes)
     rank_datasets = []
     for r, idx in enumerate(plan.ranks):
         if not idx:
@@ -138,18 +165,25 @@ FEATURE_TASKS = 4
 
 
 @ray.remote(num_cpus=0.25)
-def _features_remote(default_max_new: int, sampling_column: str, *blocks: pa.Table):
-    """(prompt tokens per row, budget per row, rows per block) of `blocks`, in order.
-    Token counts come from the list lengths; the token ids never become Python objects."""
+def _features_remote(default_max_new: int, sampling_column: str, min_chunks: int, *blocks: pa.Table):
+    """(prompt tokens, budget, prefix_key or None) per row, and rows per block, of
+    `blocks` in order. Token counts come from the list lengths; only the first
+    PREFIX_TOKENS ids of a row become Python objects, and only when grouping is on."""
     lens: List[int] = []
     gens: List[int] = []
+    keys: List[Optional[Tuple[int, ...]]] = []
     for b in blocks:
-        names = b.column_names
-        lens += (pc.fill_null(pc.list_value_length(b.column(TOKEN_IDS)), 0).to_pylist() if TOKEN_IDS in names
-                 else [0] * b.num_rows)
-        over = b.column(sampling_column).to_pylist() if sampling_column in names else [None] * b.num_rows
+        names, n = b.column_names, b.num_rows
+        ids = b.column(TOKEN_IDS) if TOKEN_IDS in names else None
+        lens += pc.fill_null(pc.list_value_length(ids), 0).to_pylist() if ids is not None else [0] * n
+        over = b.column(sampling_column).to_pylist() if sampling_column in names else [None] * n
         gens += [_budget(o, default_max_new) if isinstance(o, dict) else default_max_new for o in over]
-    return lens, gens, [b.num_rows for b in blocks]
+        if min_chunks and ids is not None:
+            heads = pc.list_slice(ids, 0, PREFIX_TOKENS).to_pylist()
+            keys += [k if len(k) >= min_chunks else None for k in (prefix_key(h or ()) for h in heads)]
+        else:
+            keys += [None] * n
+    return lens, gens, keys, [b.num_rows for b in blocks]
 
 
 @ray.remote(num_cpus=0.25)
@@ -233,7 +267,7 @@ def sample_prompts(ds: ray.data.Dataset, n: int) -> List[List[int]]:
     return [list(r[TOKEN_IDS]) for r in rows if r.get(TOKEN_IDS)]
 
 
-__all__ = ["shard_dataset", "plan_shards", "calibrate_cost_model", "ShardedInput", "SHARD_RANK",
+__all__ = ["shard_dataset", "plan_shards", "prefix_key", "calibrate_cost_model", "ShardedInput", "SHARD_RANK",
            "SHARD_ORDER", "sample_prompts"]
 
 

@@ -4,12 +4,15 @@ plan order, the engines pad less than with arrival order, and the optional calib
 fits the cost model from engine timings."""
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import ray
 
 from engine import EngineConfig, SamplingParams
 from pipeline import DLLMProcessorConfig, build_processor
-from pipeline.sharding import calibrate_cost_model
+from pipeline.sharding import PREFIX_CHUNK, calibrate_cost_model, prefix_key, shard_dataset
+from pipeline.stages import TOKEN_IDS
 
 ENGINE = EngineConfig(block_length=4, steps_per_block=2, cache="refresh", token_budget=4096, max_batch_size=8)
 SAMPLING = SamplingParams(max_new_tokens=8, policy="threshold", threshold=0.3)
@@ -79,6 +82,38 @@ def test_blendserve_matches_none_and_follows_plan(tiny_model_dir, ray_local):
     # (sort="none" may hand every batch to one engine: Ray Data's pool does not balance.)
     assert set(stats) == {0, 1} and base_stats
     assert _padding(stats) < _padding(base_stats), (_padding(stats), _padding(base_stats))
+
+
+def test_prefix_key_compares_whole_chunks():
+    a = list(range(3 * PREFIX_CHUNK + 5))
+    b = a[:2 * PREFIX_CHUNK] + [999] + a[2 * PREFIX_CHUNK + 1:]
+    ka, kb = prefix_key(a), prefix_key(b)
+    assert len(ka) == 3 and ka[:2] == kb[:2] and ka[2] != kb[2]
+    assert prefix_key(a[:PREFIX_CHUNK - 1]) == ()
+
+
+def test_shared_prefixes_stay_on_one_engine_and_adjacent(tiny_model_dir, ray_local):
+    """Three few-shot templates (48 shared tokens) among singletons: each template's rows
+    land on one rank, next to each other in its shard; prefixes under sort_min_prefix
+    are not grouped. Every row is in exactly one shard."""
+    rows = []
+    for t in range(3):
+        head = [7 + t] * 48
+        rows += [{"id": f"t{t}-{i}", TOKEN_IDS: head + [20 + i] * (2 + i)} for i in range(5)]
+    rows += [{"id": f"s{i}", TOKEN_IDS: [30 + i] * (4 + 5 * i)} for i in range(9)]
+    rows += [{"id": f"short{i}", TOKEN_IDS: [40] * 16 + [41 + i] * 20} for i in range(2)]  # 16 shared < 32
+    cfg = DLLMProcessorConfig(model=tiny_model_dir, num_engines=2, batch_size=4, engine=ENGINE, sampling=SAMPLING)
+    sharded = shard_dataset(ray.data.from_items(rows, override_num_blocks=5), cfg, "cpu")
+    assert sharded.plan.report["num_groups"] == 3
+    shards = [[r["id"] for r in ds.take_all()] if ds is not None else [] for ds in sharded.rank_datasets]
+    assert sorted(i for s in shards for i in s) == sorted(r["id"] for r in rows)
+    for t in range(3):
+        where = [(k, pos) for k, s in enumerate(shards) for pos, i in enumerate(s) if i.startswith(f"t{t}-")]
+        assert len({k for k, _ in where}) == 1, where
+        pos = sorted(p for _, p in where)
+        assert pos == list(range(pos[0], pos[0] + 5)), where
+    off = dataclasses.replace(cfg, sort_min_prefix=0)
+    assert shard_dataset(ray.data.from_items(rows), off, "cpu").plan.report["num_groups"] == 0
 
 
 def test_calibration_fits_cost_model(tiny_model_dir, ray_local):
