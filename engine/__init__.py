@@ -1,10 +1,31 @@
 """blockray's engine: pure torch, no Ray. Models (LLaDA, Dream), decoding policies and
-the BlockServe block-grained continuous-batching loop."""
-from .config import EngineConfig, SamplingParams
-from .engine import BatchRecord, Engine, EngineStats
-from .loader import load_model, save_model
-from .models import ModelConfig, build_model
-from .sequence import RequestOutput
+the BlockServe block-grained continuous-batching loop.
 
-__all__ = ["Engine", "EngineConfig", "EngineStats", "BatchRecord", "SamplingParams", "RequestOutput",
-           "ModelConfig", "build_model", "load_model", "save_model"]
+Names are imported lazily: the data side imports `engine.config` (dataclasses only) in
+every CPU worker, and must not pay for importing torch there.
+"""
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+_EXPORTS = {
+    "EngineConfig": ".config",
+    "SamplingParams": ".config",
+    "Engine": ".engine",
+    "EngineStats": ".engine",
+    "BatchRecord": ".engine",
+    "load_model": ".loader",
+    "save_model": ".loader",
+    "ModelConfig": ".models",
+    "build_model": ".models",
+    "RequestOutput": ".sequence",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'engine' has no attribute {name!r}")
+    return getattr(importlib.import_module(_EXPORTS[name], __name__), name)

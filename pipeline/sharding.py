@@ -93,11 +93,18 @@ def _min_chunks(min_prefix_tokens: int) -> int:
 
 
 @ray.remote(num_cpus=0.25)
-def _gather(runs: List[Tuple[int, List[int]]], *blocks: pa.Table) -> pa.Table:
+def _gather(runs: List[Tuple[int, List[int]]], rows_per_block: int, rank: int, *blocks: pa.Table):
     """The rows [(block position in `blocks`, [rows in block])...] of the given blocks,
-    in that order (plan order: consecutive runs of one block), as one table."""
-    return pa.concat_tables([blocks[bi].take(pa.array(rows, pa.int64())) for bi, rows in runs],
-                            promote_options="default")
+    in that order (plan order: consecutive runs of one block), tagged with `rank` and
+    their position, cut into blocks of `rows_per_block` rows (one engine call each)."""
+    table = pa.concat_tables([blocks[bi].take(pa.array(rows, pa.int64())) for bi, rows in runs],
+                             promote_options="default")
+    n = table.num_rows
+    table = table.drop_columns([c for c in (SHARD_RANK, SHARD_ORDER) if c in table.column_names])
+    table = table.append_column(SHARD_RANK, pa.array([rank] * n, pa.int64()))
+    table = table.append_column(SHARD_ORDER, pa.array(range(n), pa.int64()))
+    parts = [table.slice(s, rows_per_block) for s in range(0, n, rows_per_block)]
+    return parts[0] if len(parts) == 1 else tuple(parts)
 
 
 def _runs(order: List[Tuple[int, int]]) -> List[Tuple[int, List[int]]]:
@@ -122,6 +129,9 @@ class ShardedInput:
     timings: Dict[str, float] = field(default_factory=dict)
 
 
+FEATURE_TASKS = 16  # at most this many feature tasks (and no more than the cluster's CPUs)
+
+
 def shard_dataset(ds: ray.data.Dataset, cfg: DLLMProcessorConfig, device: str,
                   cost_model: Optional[CostModel] = None) -> ShardedInput:
     """Materialize the tokenized `ds`, plan, and cut it into per-rank ordered datasets.
@@ -138,14 +148,15 @@ def shard_dataset(ds: ray.data.Dataset, cfg: DLLMProcessorConfig, device: str,
     refs = mat.to_arrow_refs()
     # A few tasks over many blocks each: every task may need a fresh worker process,
     # which on a busy node costs far more than reading token counts.
-    chunks = np.array_split(np.arange(len(refs)), min(len(refs), FEATURE_TASKS)) if refs else []
+    tasks = min(len(refs), FEATURE_TASKS, max(1, int(ray.cluster_resources().get("CPU", 1))))
+    chunks = np.array_split(np.arange(len(refs)), tasks) if refs else []
     metas = ray.get([_features_remote.remote(cfg.sampling.max_new_tokens, cfg.sampling_column,
                                              _min_chunks(cfg.sort_min_prefix), *[refs[i] for i in c])
                      for c in chunks])
     lens, gens, prefixes, rows_per_block = ([x for m in metas for x in m[k]] for k in range(4))
     loc = [(bi, j) for bi, n in enumerate(rows_per_block) for j in range(n)]
     plan = plan_shards(lens, gens, cfg, device, cost_model=cost_model, prefixes=prefixes)
-    rank_datasets = []
+    rank_datasets: List[Optional[ray.data.Dataset]] = []
     for r, idx in enumerate(plan.ranks):
         if not idx:
             rank_datasets.append(None)
@@ -154,14 +165,12 @@ def shard_dataset(ds: ray.data.Dataset, cfg: DLLMProcessorConfig, device: str,
         used = sorted({b for b, _ in order})
         remap = {b: n for n, b in enumerate(used)}
         runs = [(remap[b], rows) for b, rows in _runs(order)]
-        table_ref = _gather.remote(runs, *[refs[b] for b in used])
         # Blocks of one batch each, in plan order, so the engine gets the shard in order.
-        rank_datasets.append(_to_dataset(table_ref, len(order), cfg.batch_size, r))
+        k = -(-len(order) // cfg.batch_size)
+        parts = _gather.options(num_returns=k).remote(runs, cfg.batch_size, r, *[refs[b] for b in used])
+        rank_datasets.append(ray.data.from_arrow_refs([parts] if k == 1 else list(parts)))
     timings["plan_and_gather_s"] = time.perf_counter() - t2
     return ShardedInput(rank_datasets, plan, cost_model, calibration, timings)
-
-
-FEATURE_TASKS = 4
 
 
 @ray.remote(num_cpus=0.25)
@@ -184,23 +193,6 @@ def _features_remote(default_max_new: int, sampling_column: str, min_chunks: int
         else:
             keys += [None] * n
     return lens, gens, keys, [b.num_rows for b in blocks]
-
-
-@ray.remote(num_cpus=0.25)
-def _split_rows(table: pa.Table, rows_per_block: int, rank: int):
-    n = table.num_rows
-    table = table.drop_columns([c for c in (SHARD_RANK, SHARD_ORDER) if c in table.column_names])
-    table = table.append_column(SHARD_RANK, pa.array([rank] * n, pa.int64()))
-    table = table.append_column(SHARD_ORDER, pa.array(list(range(n)), pa.int64()))
-    parts = [table.slice(s, rows_per_block) for s in range(0, n, rows_per_block)]
-    return parts[0] if len(parts) == 1 else tuple(parts)
-
-
-def _to_dataset(table_ref, n: int, rows_per_block: int, rank: int) -> ray.data.Dataset:
-    """Blocks of `rows_per_block` rows in shard order (one engine call each)."""
-    k = max(1, -(-n // rows_per_block))
-    refs = _split_rows.options(num_returns=k).remote(table_ref, rows_per_block, rank)
-    return ray.data.from_arrow_refs([refs] if k == 1 else list(refs))
 
 
 # --------------------------------------------------------------------------- calibration
