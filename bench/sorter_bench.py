@@ -2,9 +2,10 @@
 processor on a skewed workload with 2 engine actors and a random tiny model.
 
 Workload: `--rows` prompts, 20% of them 8x longer than the rest, in each of `--orders`:
-`long_first` (every long prompt first: adversarial for a contiguous split, and already
-grouped by length) and `random` (what the sorter's length ordering should beat on
-padding). Reports, per order, from one run of each mode:
+`long_first` (every long prompt first: adversarial for a contiguous split, but already
+grouped by length, so arrival order pads little), `front_loaded` (every long prompt in
+the first 40% of the input, alternating with short ones: adversarial for a contiguous
+split and for padding) and `random`. Reports, per order, from one run of each mode:
   * estimated imbalance (max/mean estimated rank cost) of the sorter's plan vs the
     naive contiguous split (sorter.shard's report);
   * measured per-engine busy time (engine stats busy_s per rank: wall time inside
@@ -35,7 +36,12 @@ def skewed_rows(n: int, long_share: float = 0.2, short_len: int = 8, factor: int
     every = max(1, n // max(n_long, 1))
     rows = []
     for i in range(n):
-        is_long = i < n_long if order in ("long_first", "random") else (i % every == 0 and i // every < n_long)
+        if order in ("long_first", "random"):
+            is_long = i < n_long
+        elif order == "front_loaded":
+            is_long = i % 2 == 0 and i // 2 < n_long
+        else:  # interleaved
+            is_long = i % every == 0 and i // every < n_long
         length = short_len * factor if is_long else short_len
         word = "".join("abcdefghijklmnopqrstuvwxyz"[(i * 7 + j) % 26] for j in range(length))
         rows.append({"id": f"r{i:04d}", "prompt": word})
@@ -125,9 +131,9 @@ def main(argv=None):
     ap.add_argument("--hidden-size", type=int, default=256)
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--calibrate", action="store_true")
-    ap.add_argument("--orders", default="long_first,random",
-                    help="input orders to run, comma list of long_first (adversarial for a contiguous split), "
-                         "random, interleaved")
+    ap.add_argument("--orders", default="long_first,front_loaded,random",
+                    help="input orders to run, comma list of long_first, front_loaded (both adversarial for a "
+                         "contiguous split), random, interleaved")
     ap.add_argument("--out", default=os.path.join(ROOT, "bench", "results", "sorter_cpu.json"))
     args = ap.parse_args(argv)
 
@@ -135,7 +141,7 @@ def main(argv=None):
     import torch
 
     torch.set_num_threads(1)
-    from tests.conftest import write_tiny_model
+    from bench.workloads import write_tiny_model
 
     model = write_tiny_model(tempfile.mkdtemp(prefix="tiny-dllm-"), hidden_size=args.hidden_size,
                              n_layers=args.layers, n_heads=8, n_kv_heads=8, intermediate_size=4 * args.hidden_size)
@@ -149,7 +155,7 @@ def main(argv=None):
                      "hidden_size": args.hidden_size, "layers": args.layers, "max_new_tokens": args.max_new_tokens,
                      "block_length": 8, "steps_per_block": args.steps_per_block, "batch_size": args.batch_size,
                      "max_batch_size": args.max_batch_size, "engines": 2, "device": "cpu (2 cores, shared)",
-                     "model": "random tiny LLaDA-style (tests/conftest.write_tiny_model)"},
+                     "model": "random tiny LLaDA-style (bench/workloads.write_tiny_model)"},
     }
     try:
         for order in args.orders.split(","):

@@ -22,7 +22,7 @@ from typing import Any, Dict, List, Optional, Sequence
 
 import torch
 
-from engine import ModelConfig, SamplingParams, build_model, load_model
+from engine import ModelConfig, SamplingParams, build_model, load_model, save_model
 
 from .planted import Markers, PlantedStops
 
@@ -94,6 +94,18 @@ class SkewedSpec:
 SMOKE_SKEWED = SkewedSpec(n_requests=12, block_length=8, steps_per_block=8, difficulty=(0.4, 0.3, 0.2, 0.1),
                           prompt_median=12, prompt_sigma=0.6, prompt_min=3, prompt_max=40, hidden_size=32,
                           n_layers=2, n_heads=4, intermediate_size=64, vocab_size=512)
+
+
+def write_tiny_model(path: str, seed: int = 0, **overrides) -> str:
+    """A random tiny LLaDA-style checkpoint (float32) plus the tiny char tokenizer, in the
+    HF layout that engine.load_model and the pipeline's tokenizer loader read."""
+    from engine.tiny_tokenizer import save_tokenizer
+
+    ids = save_tokenizer(path)
+    cfg = ModelConfig.tiny("llada", vocab_size=ids["vocab_size"], mask_token_id=ids["mask"],
+                           eos_token_id=ids["eos"], pad_token_id=ids["pad"], **overrides)
+    save_model(build_model(cfg, dtype=torch.float32, seed=seed), path)
+    return path
 
 
 def markers_for(cfg: ModelConfig, n_markers: int) -> Markers:

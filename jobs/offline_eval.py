@@ -65,6 +65,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     m.add_argument("--sort", choices=["blendserve", "none"], default="blendserve",
                    help="blendserve: cost-balanced, length-ordered shard per engine (tokenizes the whole input "
                         "first); none: stream rows to whichever engine is free")
+    m.add_argument("--sort-min-prefix", type=int, default=32,
+                   help="blendserve: prompts sharing at least this many leading tokens stay on one engine, "
+                        "adjacent (0: no prefix grouping)")
     e = p.add_argument_group("engine (default: the model's blockray.json, else EngineConfig's)")
     e.add_argument("--block-length", type=int)
     e.add_argument("--steps-per-block", type=int)
@@ -105,7 +108,8 @@ def build_config(args: argparse.Namespace, num_gpus_in_cluster: float):
         sampling=SamplingParams(**smp_kw), prompt_column=args.prompt_column, messages_column=args.messages_column,
         apply_chat_template=args.apply_chat_template, dtype=args.dtype,
         resources_per_engine=parse_resources(args.engine_resource),
-        num_cpus_per_engine=args.num_cpus_per_engine, num_gpus_per_engine=args.num_gpus_per_engine, sort=args.sort)
+        num_cpus_per_engine=args.num_cpus_per_engine, num_gpus_per_engine=args.num_gpus_per_engine, sort=args.sort,
+        sort_min_prefix=args.sort_min_prefix)
 
 
 def parse_resources(items) -> "dict | None":

@@ -19,6 +19,8 @@ import urllib.request
 
 import pytest
 
+from bench.workloads import write_tiny_model  # noqa: F401 - tests import it from here
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 S3_KEY, S3_SECRET, S3_REGION = "testing", "testing", "eu-west-1"  # us-east-1 rejects a LocationConstraint
 
@@ -27,21 +29,6 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def write_tiny_model(path: str, seed: int = 0, **overrides) -> str:
-    """A random tiny LLaDA-style checkpoint (float32) plus the tiny char tokenizer, in the
-    HF layout that engine.load_model and the pipeline's tokenizer loader read."""
-    import torch
-
-    from engine import ModelConfig, build_model, save_model
-    from engine.tiny_tokenizer import save_tokenizer
-
-    ids = save_tokenizer(path)
-    cfg = ModelConfig.tiny("llada", vocab_size=ids["vocab_size"], mask_token_id=ids["mask"],
-                           eos_token_id=ids["eos"], pad_token_id=ids["pad"], **overrides)
-    save_model(build_model(cfg, dtype=torch.float32, seed=seed), path)
-    return path
 
 
 @pytest.fixture(scope="session")

@@ -21,7 +21,8 @@ import uuid
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from conftest import RAY, ROOT, ray_env, write_tiny_model
+from bench.workloads import write_tiny_model
+from conftest import RAY, ROOT, ray_env
 
 
 def _input(tmp_path, n: int = 10) -> str:

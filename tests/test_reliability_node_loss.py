@@ -152,7 +152,7 @@ def main(work: str) -> None:
     import ray
     from ray.cluster_utils import Cluster
 
-    from conftest import write_tiny_model
+    from bench.workloads import write_tiny_model
     from engine import EngineConfig, SamplingParams
     from pipeline import DLLMProcessorConfig
     from pipeline.run import run_offline

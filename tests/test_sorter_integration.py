@@ -5,10 +5,15 @@ fits the cost model from engine timings."""
 from __future__ import annotations
 
 import dataclasses
+import json
+import os
+import subprocess
+import sys
 
 import pytest
 import ray
 
+from conftest import ROOT, ray_env
 from engine import EngineConfig, SamplingParams
 from pipeline import DLLMProcessorConfig, build_processor
 from pipeline.sharding import PREFIX_CHUNK, calibrate_cost_model, prefix_key, shard_dataset
@@ -129,3 +134,17 @@ def test_calibration_fits_cost_model(tiny_model_dir, ray_local):
 def test_sort_modes_validated(tiny_model_dir):
     with pytest.raises(ValueError):
         DLLMProcessorConfig(model=tiny_model_dir, sort="bogus")
+
+
+def test_sorter_bench_smoke_writes_json(tmp_path):
+    """bench/sorter_bench.py runs end to end (its own local Ray, both modes) and reports
+    every row once, per mode."""
+    out = tmp_path / "sorter.json"
+    subprocess.run([sys.executable, os.path.join(ROOT, "bench", "sorter_bench.py"), "--rows", "10",
+                    "--orders", "front_loaded", "--hidden-size", "32", "--layers", "1", "--out", str(out)],
+                   cwd=ROOT, env=ray_env(), check=True, timeout=600, capture_output=True)
+    res = json.loads(out.read_text())["front_loaded"]
+    for mode in ("none", "blendserve"):
+        assert res[mode]["rows_out"] == 10 and res[mode]["ids_exactly_once"] and res[mode]["errors"] == 0
+    assert set(res["summary"]["targets"]) == {"est_imbalance_sorter<=1.05", "busy_spread_sorter<=0.15",
+                                              "busy_cpu_spread_sorter<=0.15", "padding_sorter<padding_none"}
