@@ -3,10 +3,10 @@ order, to that rank's engine actor.
 
 Why offline: the sorter needs every prompt's token count up front. So the tokenized
 dataset is materialized once, its small features (prompt tokens, budget and a hash
-chain of the leading tokens per row, `prefix_key`) are brought to the driver, `shard` computes the plan, and the rows are gathered per rank in
-plan order (one remote gather task per rank, blocks of `batch_size` rows). Each rank's
-dataset then runs through its own actor pool of size 1 whose engine carries that
-rank; the R branches are unioned. Every input row goes to exactly one rank, once.
+chain of the leading tokens per row, `prefix_key`) are brought to the driver, `shard`
+computes the plan, and the rows are gathered per rank in plan order (one remote gather
+task per rank, blocks of `batch_size` rows). Each rank's dataset then runs through its
+own actor pool of size 1 whose engine carries that rank; the R branches are unioned. Every input row goes to exactly one rank, once.
 
 Costs of this path: generation starts only after tokenization of the whole input has
 finished (no streaming from read to engine), and the tokenized rows are held in the

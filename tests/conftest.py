@@ -19,7 +19,7 @@ import urllib.request
 
 import pytest
 
-from bench.workloads import write_tiny_model  # noqa: F401 - tests import it from here
+from bench.workloads import write_tiny_model
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 S3_KEY, S3_SECRET, S3_REGION = "testing", "testing", "eu-west-1"  # us-east-1 rejects a LocationConstraint
