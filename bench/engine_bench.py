@@ -25,7 +25,9 @@ import platform
 import shlex
 import subprocess
 import sys
+import dataclasses
 from dataclasses import dataclass
+from statistics import median
 from typing import Dict, List, Optional
 
 if __package__ in (None, ""):  # run as a script: make the repo root importable
@@ -87,7 +89,7 @@ def build_workload(args) -> Workload:
     if args.workload == "skewed":
         spec = SMOKE_SKEWED if args.smoke else SkewedSpec()
         if args.n_requests:
-            spec = SkewedSpec(**{**spec.__dict__, "n_requests": args.n_requests})
+            spec = dataclasses.replace(spec, n_requests=args.n_requests)
         return skewed(spec)
     spec = TinyEvalSpec(n_requests=args.n_requests or (16 if args.smoke else None))
     if args.model_dir:
@@ -152,12 +154,6 @@ def run_plan(w: Workload, plan: Plan, log=print) -> List[RunResult]:
     return results
 
 
-def _median(xs: List[float]) -> float:
-    s = sorted(xs)
-    n = len(s)
-    return s[n // 2] if n % 2 else 0.5 * (s[n // 2 - 1] + s[n // 2])
-
-
 def summarize(results: List[RunResult]) -> Dict[str, Dict[str, object]]:
     """Per label: the median run by tokens/s (its fields), plus every round's tokens/s."""
     by: Dict[str, List[RunResult]] = {}
@@ -165,7 +161,7 @@ def summarize(results: List[RunResult]) -> Dict[str, Dict[str, object]]:
         by.setdefault(r.label, []).append(r)
     out = {}
     for label, rs in by.items():
-        med = _median([r.tokens_per_s for r in rs])
+        med = median([r.tokens_per_s for r in rs])
         pick = min(rs, key=lambda r: abs(r.tokens_per_s - med))
         out[label] = {**pick.summary(), "tokens_per_s": med, "tokens_per_s_rounds": [r.tokens_per_s for r in rs],
                       "tokens_per_cpu_s_rounds": [r.tokens_per_cpu_s for r in rs],
@@ -179,7 +175,7 @@ def ratios(summary: Dict[str, Dict[str, object]], sizes: List[int], key: str = "
     """Same-run throughput ratios: blockserve@B / static-B and blockserve@B / sequential
     (median over rounds of the per-round ratio); `key` picks wall-clock or CPU-time rates."""
     def r(a, b):
-        return _median([x / y for x, y in zip(a[key], b[key])])
+        return median([x / y for x, y in zip(a[key], b[key])])
 
     out: Dict[str, float] = {}
     seq = summary.get("sequential")

@@ -15,6 +15,7 @@ the same one. Two kinds:
 from __future__ import annotations
 
 import math
+from collections import Counter
 import os
 import random
 from dataclasses import asdict, dataclass, field
@@ -197,7 +198,4 @@ def _hist(ks: List[int], n: int) -> List[int]:
 
 
 def _count(items) -> Dict[str, int]:
-    out: Dict[str, int] = {}
-    for x in items:
-        out[x] = out.get(x, 0) + 1
-    return out
+    return dict(Counter(items))

@@ -57,6 +57,16 @@ def attention_mask(lens: torch.Tensor, prompt_len: torch.Tensor, width: int, blo
     return (valid[:, None, :] & (seg[:, None, :] <= seg[:, :, None]))[:, None]
 
 
+def start_next_block(lens: torch.Tensor, step: torch.Tensor, busy: torch.Tensor, cached: torch.Tensor,
+                     grew: torch.Tensor, block_length: int, cache_mode: str):
+    """(lens, step, busy_steps, cached) once the rows in `grew` committed a block and
+    start the next: L more columns and a fresh step count; `refresh` recomputes the
+    row's prefix (nothing cached), `persistent` keeps its cache."""
+    if cache_mode != "persistent":
+        cached = torch.where(grew, 0, cached)
+    return lens + grew.long() * block_length, torch.where(grew, 0, step), torch.where(grew, 0, busy), cached
+
+
 def grow_in_place(old: Batch, grown: set, *, block_length: int, cache_mode: str, mask_token_id: int,
                   block_causal: bool) -> bool:
     """The common step-advance case, done without copying the batch: the same rows in
@@ -65,8 +75,7 @@ def grow_in_place(old: Batch, grown: set, *, block_length: int, cache_mode: str,
     `refresh` recomputes its prefix anyway). False when the case does not apply."""
     L, W = block_length, old.width
     grew = torch.tensor([id(r) in grown for r in old.rows], device=old.ids.device)
-    lens = old.lens + grew.long() * L
-    if int(lens.max()) != W or bool(old.frozen.any()):
+    if int((old.lens + grew.long() * L).max()) != W or bool(old.frozen.any()):
         return False
     g = torch.nonzero(grew).flatten()
     old.ids[g, : W - L] = old.ids[g, L:]
@@ -74,63 +83,58 @@ def grow_in_place(old: Batch, grown: set, *, block_length: int, cache_mode: str,
     if old.cache is not None and cache_mode == "persistent":
         for t in old.cache.k + old.cache.v:
             t[g, :, : W - L] = t[g, :, L:]
-    elif old.cache is not None:
-        old.cached = torch.where(grew, 0, old.cached)
     # new tensors, not in-place writes: `cached` may have been set under inference_mode
-    old.lens, old.step, old.busy_steps = lens, torch.where(grew, 0, old.step), torch.where(grew, 0, old.busy_steps)
-    old.mask = attention_mask(lens, old.prompt_len, W, L, block_causal)
+    old.lens, old.step, old.busy_steps, old.cached = start_next_block(
+        old.lens, old.step, old.busy_steps, old.cached, grew, L, cache_mode)
+    old.mask = attention_mask(old.lens, old.prompt_len, W, L, block_causal)
     return True
 
 
-def relayout(old: Optional[Batch], rows: List[Request], grown: set, frozen: List[bool], *,
+def relayout(old: Optional[Batch], rows: List[Request], grown: set, *,
              mcfg: ModelConfig, block_length: int, cache_mode: str, dtype: torch.dtype, device) -> Batch:
     """The batch for `rows`: kept rows are gathered from `old` (shifted to the new box,
-    with their K/V), rows in `grown` committed a block and start the next one (L fresh
-    masks), new rows are built from their tokens. `refresh` recomputes a row's prefix
-    at every block start; `persistent` only ever computes the tokens it has not cached."""
+    with their K/V, and frozen if they were), rows in `grown` committed a block and
+    start the next one (L fresh masks), new rows are built from their tokens. `refresh`
+    recomputes a row's prefix at every block start; `persistent` only ever computes the
+    tokens it has not cached."""
     L, dev = block_length, device
     old_index: Dict[int, int] = {id(r): i for i, r in enumerate(old.rows)} if old is not None else {}
     B = len(rows)
     src = torch.tensor([old_index.get(id(r), -1) for r in rows], device=dev)
     kept = src >= 0
-    grew = torch.tensor([id(r) in grown for r in rows], device=dev)
     lens = torch.tensor([r.width for r in rows], device=dev)
-    if old is not None and bool(kept.any()):
+    # separate tensors: the engine updates step and busy_steps in place
+    cached, step, busy, fwd = (torch.zeros(B, dtype=torch.long, device=dev) for _ in range(4))
+    frozen = torch.zeros(B, dtype=torch.bool, device=dev)
+    any_kept = bool(kept.any())
+    if any_kept:
         s = src.clamp(min=0)
-        old_lens = torch.where(kept, old.lens[s], lens)
-        lens = torch.where(kept, old_lens + grew.long() * L, lens)
+        old_lens = old.lens[s]
+        grew = torch.tensor([id(r) in grown for r in rows], device=dev) & kept
+        k_lens, k_step, k_busy, k_cached = start_next_block(old_lens, old.step[s], old.busy_steps[s], old.cached[s],
+                                                            grew, L, cache_mode)
+        lens, step, busy = torch.where(kept, k_lens, lens), torch.where(kept, k_step, 0), torch.where(kept, k_busy, 0)
+        if cache_mode != "none":
+            cached = torch.where(kept, k_cached, 0)
+        fwd = torch.where(kept, old.prompt_fwd[s], 0)
+        frozen = kept & old.frozen[s]
     W = int(lens.max())
     col = torch.arange(W, device=dev)[None]
     start = W - lens
     ids = torch.full((B, W), mcfg.pad_token_id, dtype=torch.long, device=dev)
-    cached = torch.zeros(B, dtype=torch.long, device=dev)
-    step = torch.zeros(B, dtype=torch.long, device=dev)
-    busy = torch.zeros(B, dtype=torch.long, device=dev)
-    fwd = torch.zeros(B, dtype=torch.long, device=dev)
     src_col = None
-    if bool(kept.any()):
-        s = src.clamp(min=0)
+    if any_kept:
         # old column c of a kept row lands at c + (new start) - (old start)
         src_col = (col - start[:, None] + (old.width - old_lens)[:, None]).clamp(0, old.width - 1)
         moved = old.ids[s].gather(1, src_col)
         ids = torch.where(kept[:, None] & (col >= start[:, None]), moved, ids)
-        ids[:, W - L:] = torch.where((kept & grew)[:, None], mcfg.mask_token_id, ids[:, W - L:])
-        keep_state = kept & ~grew
-        step = torch.where(keep_state, old.step[s], step)
-        busy = torch.where(keep_state, old.busy_steps[s], busy)
-        fwd = torch.where(kept, old.prompt_fwd[s], fwd)
-        if cache_mode != "none":
-            old_cached = old.cached[s]
-            cached = torch.where(kept & ~grew, old_cached, cached)
-            if cache_mode == "persistent":
-                cached = torch.where(kept & grew, old_cached, cached)
+        ids[:, W - L:] = torch.where(grew[:, None], mcfg.mask_token_id, ids[:, W - L:])
     for i in torch.nonzero(~kept).flatten().tolist():
         r = rows[i]
         ids[i, W - r.width:] = torch.tensor(r.prompt + r.generated + [mcfg.mask_token_id] * L, device=dev)
         fwd[i] = r.prompt_forwarded
-    frozen_t = torch.tensor(frozen, device=dev, dtype=torch.bool)
-    if bool(frozen_t.any()):  # a frozen row's block holds its last committed tokens: nothing to denoise
-        ids[:, W - L:] = torch.where(frozen_t[:, None] & (ids[:, W - L:] == mcfg.mask_token_id),
+    if bool(frozen.any()):  # a frozen row's block holds its last committed tokens: nothing to denoise
+        ids[:, W - L:] = torch.where(frozen[:, None] & (ids[:, W - L:] == mcfg.mask_token_id),
                                      mcfg.pad_token_id, ids[:, W - L:])
     cache = None
     if cache_mode != "none" and src_col is not None and bool((cached > 0).any()):
@@ -143,6 +147,6 @@ def relayout(old: Optional[Batch], rows: List[Request], grown: set, frozen: List
         cache = KVCache.empty(mcfg, B, W, dtype, dev)
     prompt_len = torch.tensor([r.prompt_len for r in rows], device=dev)
     return Batch(rows=list(rows), ids=ids, lens=lens, prompt_len=prompt_len, cached=cached, step=step,
-                 busy_steps=busy, prompt_fwd=fwd, frozen=frozen_t, cache=cache,
+                 busy_steps=busy, prompt_fwd=fwd, frozen=frozen, cache=cache,
                  mask=attention_mask(lens, prompt_len, W, L, mcfg.block_causal),
                  row_params=RowParams.build([r.params for r in rows], [r.noise_seed for r in rows], dev))

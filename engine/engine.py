@@ -233,7 +233,7 @@ class Engine:
             if not (same_rows and grow_in_place(
                     old, self._grown, block_length=self.cfg.block_length, cache_mode=self.cfg.cache,
                     mask_token_id=self.mcfg.mask_token_id, block_causal=self.mcfg.block_causal)):
-                self.batch = relayout(old, rows, self._grown, [self.scheduler.is_frozen(r) for r in rows],
+                self.batch = relayout(old, rows, self._grown,
                                       mcfg=self.mcfg, block_length=self.cfg.block_length,
                                       cache_mode=self.cfg.cache, dtype=self.model.dtype, device=self.device)
             self._grown = set()

@@ -83,10 +83,10 @@ class DLLMProcessor:
             record_batches=cfg.record_batches, token_ids_column=TOKEN_IDS,
             sampling_column=cfg.sampling_column, error_column=PRE_ERROR)
         if cfg.collect_engine_stats:
-            from .sharding import EngineStatsSink, stats_engine_actor_class
+            from actors.engine_stats import EngineStatsSink, StatsEngineActor
 
             self._stats_sink = EngineStatsSink.remote()
-            actor_cls, ctor = stats_engine_actor_class(), dict(ctor, stats_sink=self._stats_sink)
+            actor_cls, ctor = StatsEngineActor, dict(ctor, stats_sink=self._stats_sink)
 
         def engines(ds: ray.data.Dataset, size: int, **rank: Any) -> ray.data.Dataset:
             if cfg.wait_for_engines_s > 0 and ds.context.wait_for_min_actors_s <= 0:

@@ -10,10 +10,11 @@ from __future__ import annotations
 
 import posixpath
 from dataclasses import dataclass
-from typing import FrozenSet, Iterable, List, Optional, Sequence, Tuple, Union
+from typing import Iterable, List, Optional, Sequence, Tuple, Union
 
 import fsspec
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.parquet as pq
 import ray.data
 from ray.data.block import BlockMetadata
@@ -56,16 +57,22 @@ class _FileRef:
     name: str  # relative name, the prefix of derived ids
     size: int
     num_rows: int  # rows to read (all, or fewer when a limit stops inside this file)
-    rows_out: int = -1  # rows it yields: num_rows less the excluded ids
+    rows_out: int  # rows it yields: num_rows less the excluded ids
 
-    def __post_init__(self) -> None:
-        if self.rows_out < 0:
-            self.rows_out = self.num_rows
+
+def _derived_ids(name: str, start: int, n: int) -> pa.Array:
+    """Ids of rows `start`..`start + n` of a file without an id column: '<name>:<row>'."""
+    return pa.array([f"{name}:{start + i}" for i in range(n)], pa.string())
+
+
+def _is_excluded(ids: Union[pa.Array, pa.ChunkedArray], exclude: pa.Array) -> pa.Array:
+    """Per row, whether its id (as a string) is one of `exclude`."""
+    return pc.is_in(pc.cast(ids, pa.string()), value_set=exclude)
 
 
 def _read_file(fs: fsspec.AbstractFileSystem, ref: _FileRef, id_column: str,
                columns: Optional[List[str]], rows_per_batch: int,
-               exclude_ids: Optional[FrozenSet[str]] = None) -> Iterable[pa.Table]:
+               exclude_ids: Optional[pa.Array] = None) -> Iterable[pa.Table]:
     """Stream one file's first `ref.num_rows` rows, adding ids when absent and dropping
     rows whose id is in `exclude_ids` (resume: already in the output)."""
     with fs.open(ref.path, "rb") as fh:
@@ -80,12 +87,10 @@ def _read_file(fs: fsspec.AbstractFileSystem, ref: _FileRef, id_column: str,
                 batch = batch.slice(0, ref.num_rows - row)
             table = pa.Table.from_batches([batch])
             if id_column not in table.column_names:
-                ids = pa.array([f"{ref.name}:{row + i}" for i in range(table.num_rows)], pa.string())
-                table = table.append_column(id_column, ids)
+                table = table.append_column(id_column, _derived_ids(ref.name, row, table.num_rows))
             row += table.num_rows
-            if exclude_ids:
-                keep = pa.array([str(v) not in exclude_ids for v in table.column(id_column).to_pylist()])
-                table = table.filter(keep)
+            if exclude_ids is not None:
+                table = table.filter(pc.invert(_is_excluded(table.column(id_column), exclude_ids)))
             yield table
             if row >= ref.num_rows:
                 return
@@ -103,7 +108,7 @@ class PromptParquetDatasource(Datasource):
         self._fs = None
         self._files: List[_FileRef] = []
         self.schema: Optional[pa.Schema] = None  # of the first file (job-level column checks)
-        self._exclude = frozenset(str(i) for i in exclude_ids) if exclude_ids else None
+        self._exclude = pa.array(sorted({str(i) for i in exclude_ids}), pa.string()) if exclude_ids else None
         self.num_excluded = 0
         left = limit
         for url in [paths] if isinstance(paths, str) else list(paths):
@@ -122,7 +127,7 @@ class PromptParquetDatasource(Datasource):
                         n = pf.metadata.num_rows
                         self.schema = self.schema or pf.schema_arrow
                         n = n if left is None else min(n, left)
-                        skipped = self._count_excluded(pf, rel, n, id_column) if self._exclude else 0
+                        skipped = self._count_excluded(pf, rel, n, id_column) if self._exclude is not None else 0
                 except Exception as e:  # noqa: BLE001
                     raise InputError(f"input file {fs.unstrip_protocol(p)} is not readable Parquet: "
                                      f"{type(e).__name__}: {e}") from e
@@ -135,10 +140,9 @@ class PromptParquetDatasource(Datasource):
 
     def _count_excluded(self, pf: pq.ParquetFile, rel: str, n: int, id_column: str) -> int:
         """How many of the first `n` rows of this file have an excluded id."""
-        if id_column in pf.schema_arrow.names:
-            ids = pf.read(columns=[id_column]).column(id_column).to_pylist()[:n]
-            return sum(1 for v in ids if str(v) in self._exclude)
-        return sum(1 for i in range(n) if f"{rel}:{i}" in self._exclude)
+        ids = (pf.read(columns=[id_column]).column(id_column).slice(0, n) if id_column in pf.schema_arrow.names
+               else _derived_ids(rel, 0, n))
+        return pc.sum(_is_excluded(ids, self._exclude)).as_py() or 0
 
     @property
     def num_rows(self) -> int:
@@ -173,7 +177,6 @@ MAX_BLOCKS = 10_000
 def read_prompts(paths: PathLike, *, storage: Optional[StorageOptions] = None, id_column: str = "id",
                  columns: Optional[List[str]] = None, limit: Optional[int] = None,
                  rows_per_block: Optional[int] = None, num_cpus: float = 0.25,
-                 exclude_ids: Optional[Iterable[str]] = None,
                  source: Optional[PromptParquetDatasource] = None) -> ray.data.Dataset:
     """A Dataset of the rows of the Parquet files at `paths` (file or folder URLs), every
     row carrying `id_column` (from the data, or '<file>:<row>'). `limit` keeps the first
@@ -185,12 +188,11 @@ def read_prompts(paths: PathLike, *, storage: Optional[StorageOptions] = None, i
     results reach storage batch by batch. (Ray's `repartition(target_num_rows_per_block=)`
     would do it too, but as 1-CPU tasks that starve next to engine actors on small nodes.)
 
-    `exclude_ids`: ids to leave out (resume). `source`: a datasource already opened with
-    PromptParquetDatasource (its checks done); `paths` and the options above are then ignored.
+    `source`: a datasource already opened with PromptParquetDatasource (its checks done,
+    ids to resume past left out); `paths` and the options above are then ignored.
     """
     if source is None:
-        source = PromptParquetDatasource(paths, storage, id_column=id_column, columns=columns, limit=limit,
-                                         exclude_ids=exclude_ids)
+        source = PromptParquetDatasource(paths, storage, id_column=id_column, columns=columns, limit=limit)
     blocks = None
     if rows_per_block:
         blocks = max(1, min(MAX_BLOCKS, -(-source.num_rows // rows_per_block)))

@@ -24,7 +24,8 @@ from typing import Any, Dict, List, Optional, Union
 
 from .config import DLLMProcessorConfig
 from .reader import InputError, PromptParquetDatasource, read_prompts
-from .storage import StorageOptions, get_filesystem
+from .storage import StorageOptions, describe_error, get_filesystem
+from .stages import has_tokenizer
 from .summary import block_stats, summarize
 from .writer import completed_ids, prepare_output, write_json, write_results
 
@@ -38,8 +39,6 @@ class JobError(RuntimeError):
 def check_model(model: str, needs_tokenizer: bool) -> None:
     """A model directory the engines can load: config.json (valid JSON) and weights;
     a tokenizer when prompts are text."""
-    from .stages import _TOKENIZER_FILES
-
     cfg = os.path.join(model, "config.json")
     if not os.path.isdir(model):
         raise JobError(f"model: {model} is not a directory (--model)")
@@ -52,7 +51,7 @@ def check_model(model: str, needs_tokenizer: bool) -> None:
         raise JobError(f"model: {cfg} is not valid JSON: {e}") from e
     if not any(n.endswith(".safetensors") for n in os.listdir(model)):  # all engine.loader reads
         raise JobError(f"model: {model} holds no weights (*.safetensors) (--model)")
-    if needs_tokenizer and not any(os.path.exists(os.path.join(model, f)) for f in _TOKENIZER_FILES):
+    if needs_tokenizer and not has_tokenizer(model):
         raise JobError(f"model: {model} has no tokenizer files, needed for text prompts (--model)")
 
 
@@ -116,8 +115,7 @@ def run_offline(input: Union[str, List[str]], output: str, config: DLLMProcessor
     if source.num_rows:
         ds = build_processor_for(config)(read_prompts(input, rows_per_block=config.batch_size, source=source))
         try:
-            sink = write_results(ds, output, storage=storage, rows_per_file=rows_per_file, stats_fn=stats_fn,
-                                 prepared=True)
+            sink = write_results(ds, (out_fs, out_path), rows_per_file=rows_per_file, stats_fn=stats_fn)
         except Exception as e:  # noqa: BLE001
             raise JobError(f"run failed, no summary written: {describe_error(e)}. Part files already in "
                            f"{out_fs.unstrip_protocol(out_path)} are complete (temporaries stay under _tmp/): "
@@ -138,32 +136,8 @@ def run_offline(input: Union[str, List[str]], output: str, config: DLLMProcessor
         rows_processed=processed,
         rows_total=len(done) + processed,
     )
-    summary["summary_file"] = write_json(output, SUMMARY_FILE, summary, storage)
+    summary["summary_file"] = write_json((out_fs, out_path), SUMMARY_FILE, summary)
     return summary
-
-
-def describe_error(e: BaseException, limit: int = 1500) -> str:
-    """One line for an error raised inside Ray: the chain of causes under Ray's wrappers
-    (RayTaskError.cause, then __cause__), each as `Type: first line`, outermost first, e.g.
-    `PermissionError: Access Denied <- AccessDenied: An error occurred (AccessDenied) when
-    calling the CopyObject operation: Access Denied`. Ray's own frames and tracebacks are
-    left out (Ray Data logs them)."""
-    parts: List[str] = []
-    seen = set()
-    cur: Optional[BaseException] = e
-    while cur is not None and id(cur) not in seen:
-        seen.add(id(cur))
-        inner = getattr(cur, "cause", None)
-        if isinstance(inner, BaseException) and type(cur).__module__.startswith("ray"):
-            cur = inner  # RayTaskError(X) -> X
-            continue
-        first = next((line.strip() for line in str(cur).splitlines() if line.strip()), "")
-        name = type(cur).__name__
-        text = f"{name}: {first}" if first else name
-        if not parts or parts[-1] != text:
-            parts.append(text)
-        cur = cur.__cause__
-    return " <- ".join(parts)[:limit]
 
 
 def build_processor_for(config: DLLMProcessorConfig):

@@ -21,7 +21,6 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 import json
-import logging
 import os
 import time
 from typing import Any, Dict, List, Optional, Sequence, Tuple
@@ -35,8 +34,6 @@ import ray.data
 from .config import DLLMProcessorConfig
 from .sorter import CPU, H200, CostModel, ModelProfile, RequestFeatures, ShardPlan, fit_cycle_time, shard
 from .stages import TOKEN_IDS
-
-logger = logging.getLogger(__name__)
 
 SHARD_RANK = "shard_rank"  # output columns in sort="blendserve" mode
 SHARD_ORDER = "shard_order"
@@ -124,7 +121,6 @@ class ShardedInput:
 
     rank_datasets: List[Optional[ray.data.Dataset]]
     plan: ShardPlan
-    cost_model: Optional[CostModel]
     calibration: Optional[Dict[str, Any]] = None
     timings: Dict[str, float] = field(default_factory=dict)
 
@@ -170,7 +166,7 @@ def shard_dataset(ds: ray.data.Dataset, cfg: DLLMProcessorConfig, device: str,
         parts = _gather.options(num_returns=k).remote(runs, cfg.batch_size, r, *[refs[b] for b in used])
         rank_datasets.append(ray.data.from_arrow_refs([parts] if k == 1 else list(parts)))
     timings["plan_and_gather_s"] = time.perf_counter() - t2
-    return ShardedInput(rank_datasets, plan, cost_model, calibration, timings)
+    return ShardedInput(rank_datasets, plan, calibration, timings)
 
 
 @ray.remote(num_cpus=0.25)
@@ -261,42 +257,3 @@ def sample_prompts(ds: ray.data.Dataset, n: int) -> List[List[int]]:
 
 __all__ = ["shard_dataset", "plan_shards", "prefix_key", "calibrate_cost_model", "ShardedInput", "SHARD_RANK",
            "SHARD_ORDER", "sample_prompts"]
-
-
-# --------------------------------------------------------------------------- engine stats
-
-
-@ray.remote(num_cpus=0)
-class EngineStatsSink:
-    """Latest engine stats per rank, posted by the engine actors after every batch."""
-
-    def __init__(self) -> None:
-        self._stats: Dict[int, Dict[str, Any]] = {}
-
-    def put(self, rank: int, stats: Dict[str, Any]) -> None:
-        self._stats[int(rank)] = stats
-
-    def get(self) -> Dict[int, Dict[str, Any]]:
-        return dict(self._stats)
-
-
-def stats_engine_actor_class():
-    """DLLMEngineActor that posts its engine's stats to a sink after each batch (tests,
-    benches: Ray Data's pool does not expose its actors)."""
-    from actors.engine_actor import DLLMEngineActor
-
-    class StatsEngineActor(DLLMEngineActor):
-        def __init__(self, *args: Any, stats_sink: Any = None, **kwargs: Any):
-            super().__init__(*args, **kwargs)
-            self._sink = stats_sink
-
-        async def run_batch(self, batch):  # type: ignore[override]
-            out = await super().run_batch(batch)
-            if self._sink is not None:
-                try:  # awaited: the pool may be torn down as soon as the last batch returns
-                    await self._sink.put.remote(self.rank, self.engine_stats())
-                except Exception:  # noqa: BLE001 - stats are best effort
-                    logger.warning("engine stats not posted", exc_info=True)
-            return out
-
-    return StatsEngineActor

@@ -26,11 +26,15 @@ TEXT_PROMPT = "__prompt_text"
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
 
 
+def has_tokenizer(model: str) -> bool:
+    return any(os.path.exists(os.path.join(model, f)) for f in _TOKENIZER_FILES)
+
+
 @functools.lru_cache(maxsize=4)
 def load_tokenizer(model: str):
     """The Hugging Face tokenizer in the model directory (None when it has none); loaded
     from local files only, as the engine's loader does."""
-    if not any(os.path.exists(os.path.join(model, f)) for f in _TOKENIZER_FILES):
+    if not has_tokenizer(model):
         return None
     from transformers import AutoTokenizer
     from transformers.utils import logging as hf_logging

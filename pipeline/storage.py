@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
-from typing import Any, Dict, Mapping, Optional, Tuple
+from typing import Any, Dict, List, Mapping, Optional, Tuple
 
 import fsspec
 
@@ -107,3 +107,27 @@ def join(base: str, *parts: str) -> str:
     for p in parts:
         out = f"{out}/{p.strip('/')}"
     return out
+
+
+def describe_error(e: BaseException, limit: int = 1500) -> str:
+    """One line for an error raised inside Ray: the chain of causes under Ray's wrappers
+    (RayTaskError.cause, then __cause__), each as `Type: first line`, outermost first, e.g.
+    `PermissionError: Access Denied <- AccessDenied: An error occurred (AccessDenied) when
+    calling the CopyObject operation: Access Denied`. Ray's own frames and tracebacks are
+    left out (Ray Data logs them)."""
+    parts: List[str] = []
+    seen = set()
+    cur: Optional[BaseException] = e
+    while cur is not None and id(cur) not in seen:
+        seen.add(id(cur))
+        inner = getattr(cur, "cause", None)
+        if isinstance(inner, BaseException) and type(cur).__module__.startswith("ray"):
+            cur = inner  # RayTaskError(X) -> X
+            continue
+        first = next((line.strip() for line in str(cur).splitlines() if line.strip()), "")
+        name = type(cur).__name__
+        text = f"{name}: {first}" if first else name
+        if not parts or parts[-1] != text:
+            parts.append(text)
+        cur = cur.__cause__
+    return " <- ".join(parts)[:limit]

@@ -13,7 +13,7 @@ import json
 import logging
 import time
 import uuid
-from typing import Any, Callable, Dict, Iterable, List, Optional
+from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple, Union
 
 import fsspec
 import pyarrow as pa
@@ -22,12 +22,13 @@ from ray.data.block import Block, BlockAccessor
 from ray.data.datasource import Datasink
 from ray.data.datasource.datasink import WriteResult
 
-from .storage import StorageOptions, get_filesystem, join
+from .storage import StorageOptions, describe_error, get_filesystem, join
 
 logger = logging.getLogger(__name__)
 
 TMP_DIR = "_tmp"
 StatsFn = Callable[[pa.Table], Dict[str, Any]]
+Output = Union[str, Tuple[fsspec.AbstractFileSystem, str]]  # a URL, or a resolved (filesystem, path)
 
 
 class OutputExistsError(FileExistsError):
@@ -40,16 +41,6 @@ COMMIT_ATTEMPTS = 4  # on top of botocore's own retries (see storage.S3_RETRIES)
 class StorageWriteError(OSError):
     """A write to the output failed for good (after retries, or at once for a permission or
     missing-bucket error): the message names the step, the file and the store's answer."""
-
-
-def _describe(e: BaseException) -> str:
-    """`Type: message`, with the error it was raised from (e.g. botocore's AccessDenied on
-    PutObject under s3fs's PermissionError) in parentheses."""
-    text = f"{type(e).__name__}: {e}"
-    cause = e.__cause__
-    if cause is not None and str(cause) and str(cause) not in text:
-        text += f" ({type(cause).__name__}: {cause})"
-    return text
 
 
 def _retry(what: str, fn: Callable[[], Any], attempts: int = COMMIT_ATTEMPTS, base_s: float = 0.5) -> Any:
@@ -100,7 +91,7 @@ def atomic_write_bytes(fs: fsspec.AbstractFileSystem, path: str, data: bytes) ->
             _retry(f"{step} of {path}", fn)
         except Exception as e:  # noqa: BLE001
             where = fs.unstrip_protocol(path)
-            raise StorageWriteError(f"{step} of {where} failed: {_describe(e)}") from e
+            raise StorageWriteError(f"{step} of {where} failed: {describe_error(e)}") from e
 
 
 def atomic_write_table(fs: fsspec.AbstractFileSystem, path: str, table: pa.Table,
@@ -211,16 +202,20 @@ class AtomicParquetDatasink(Datasink[Dict[str, Any]]):
         return self.rows_per_file
 
 
-def write_results(ds, output: str, *, storage: Optional[StorageOptions] = None, stats_fn: Optional[StatsFn] = None,
-                  rows_per_file: Optional[int] = None, overwrite: bool = False, resume: bool = False,
-                  prepared: bool = False, num_cpus: float = 0.25) -> AtomicParquetDatasink:
+def _output(output: Output, storage: Optional[StorageOptions]) -> Tuple[fsspec.AbstractFileSystem, str]:
+    return output if isinstance(output, tuple) else get_filesystem(output, storage)
+
+
+def write_results(ds, output: Output, *, storage: Optional[StorageOptions] = None,
+                  stats_fn: Optional[StatsFn] = None, rows_per_file: Optional[int] = None, overwrite: bool = False,
+                  num_cpus: float = 0.25) -> AtomicParquetDatasink:
     """Execute `ds` and stream its rows to Parquet under `output`; returns the sink, whose
-    `write_returns` hold one stats dict per file written. `resume` keeps earlier part
-    files (the caller must have left their ids out of `ds`); `prepared`: the caller
-    already ran `prepare_output`."""
-    fs, path = get_filesystem(output, storage)
-    if not prepared:
-        prepare_output(fs, path, overwrite=overwrite, resume=resume)
+    `write_returns` hold one stats dict per file written. `output` is a URL (prepared
+    here: see `prepare_output`) or the (filesystem, path) that the caller already
+    prepared (the job's preflight)."""
+    fs, path = _output(output, storage)
+    if not isinstance(output, tuple):
+        prepare_output(fs, path, overwrite=overwrite)
     sink = AtomicParquetDatasink(fs, path, stats_fn=stats_fn, rows_per_file=rows_per_file)
     ds.write_datasink(sink, ray_remote_args={"num_cpus": num_cpus})
     return sink
@@ -243,10 +238,11 @@ def _json_default(value: Any) -> Any:
     raise TypeError(f"{type(value).__name__} is not JSON serializable")
 
 
-def write_json(output: str, name: str, obj: Any, storage: Optional[StorageOptions] = None) -> str:
-    """Atomically write `obj` as JSON to `<output>/<name>`; returns its URL. Call it
-    after the run's writes have finished (it removes the shared `_tmp` folder)."""
-    fs, path = get_filesystem(output, storage)
+def write_json(output: Output, name: str, obj: Any, storage: Optional[StorageOptions] = None) -> str:
+    """Atomically write `obj` as JSON to `<output>/<name>` (`output`: a URL or a
+    (filesystem, path)); returns its URL. Call it after the run's writes have finished
+    (it removes the shared `_tmp` folder)."""
+    fs, path = _output(output, storage)
     target = join(path, name)
     text = json.dumps(obj, indent=2, sort_keys=True, default=_json_default) + "\n"
     atomic_write_bytes(fs, target, text.encode())

@@ -7,19 +7,22 @@ started it (never by process name).
 """
 from __future__ import annotations
 
+import glob
 import os
+import posixpath
 import socket
 import subprocess
 import sys
 import time
-import shutil
-import tempfile
 import urllib.error
 import urllib.request
 
+import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 
 from bench.workloads import write_tiny_model
+from procs import ray_temp_dir, stop_group
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 S3_KEY, S3_SECRET, S3_REGION = "testing", "testing", "eu-west-1"  # us-east-1 rejects a LocationConstraint
@@ -29,6 +32,30 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+# --- prompt inputs and result part files ------------------------------------------------
+
+def write_prompts(where, id_fmt: str, rows, alphabet: str = "abcdefgh", **columns) -> None:
+    """A prompt Parquet file at `where` (a path or an open binary file): for each index i in
+    `rows` (an int n: 0..n-1), id `id_fmt.format(i)` and prompt `copy: <the first
+    i % len(alphabet) + 1 letters of alphabet>`; then `columns` (lists), as given."""
+    idx = range(rows) if isinstance(rows, int) else rows
+    pq.write_table(pa.table({"id": [id_fmt.format(i) for i in idx],
+                             "prompt": [f"copy: {alphabet[: i % len(alphabet) + 1]}" for i in idx], **columns}), where)
+
+
+def part_files(out, fs=None) -> list:
+    """The result part files (`part-*.parquet`) directly in `out`, sorted; with an fsspec
+    `fs`, from its listing of `out`."""
+    if fs is None:
+        return sorted(glob.glob(os.path.join(out, "part-*.parquet")))
+    return sorted(p for p in fs.ls(out) if posixpath.basename(p).startswith("part-") and p.endswith(".parquet"))
+
+
+def read_parts(out, fs=None, columns=None) -> pa.Table:
+    """The part files of `out` (see part_files) read and concatenated, in file order."""
+    return pa.concat_tables([pq.read_table(p, columns=columns, filesystem=fs) for p in part_files(out, fs)])
 
 
 @pytest.fixture(scope="session")
@@ -102,8 +129,6 @@ def s3fs_client(s3_endpoint):
 
 # --- a real head node (ray start) for the job CLI tests --------------------------------
 
-from procs import stop_group  # noqa: E402
-
 BIN = os.path.dirname(sys.executable)
 RAY = os.path.join(BIN, "ray")
 
@@ -123,31 +148,30 @@ def head_node():
     Stopped through the process group `ray start --block` leads, never `ray stop` (which
     kills every Ray process on the machine); its --temp-dir keeps the cluster marker out
     of /tmp/ray."""
-    temp_dir = tempfile.mkdtemp(prefix="br-", dir="/tmp")  # short: Ray's unix sockets live under it
-    gcs, dash = free_port(), free_port()
-    cmd = [RAY, "start", "--head", "--block", "--node-ip-address", "127.0.0.1", "--port", str(gcs),
-           "--num-cpus", "2", "--disable-usage-stats", "--include-dashboard", "true",
-           "--dashboard-host", "127.0.0.1", "--dashboard-port", str(dash),
-           "--dashboard-agent-listen-port", str(free_port()), "--dashboard-agent-grpc-port", str(free_port()),
-           "--runtime-env-agent-port", str(free_port()), "--metrics-export-port", str(free_port()),
-           "--ray-client-server-port", str(free_port()), "--temp-dir", temp_dir]
-    log = open(os.path.join(temp_dir, "ray-start.log"), "w")
-    proc = subprocess.Popen(cmd, env=ray_env(), stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    address = f"http://127.0.0.1:{dash}"
-    try:
-        deadline = time.time() + 90
-        while True:
-            try:
-                urllib.request.urlopen(address + "/api/version", timeout=2)
-                break
-            except urllib.error.HTTPError:  # 401 without a token: the server is up
-                break
-            except Exception:  # noqa: BLE001 - not up yet
-                if proc.poll() is not None or time.time() > deadline:
-                    raise RuntimeError("ray head did not start:\n" + open(log.name).read()[-3000:])
-                time.sleep(0.5)
-        yield address
-    finally:
-        stop_group(proc, 10.0)  # `ray stop` waits 16 s; SIGTERM reaches raylet, GCS, dashboard, workers
-        log.close()
-        shutil.rmtree(temp_dir, ignore_errors=True)
+    with ray_temp_dir() as temp_dir:  # short: Ray's unix sockets live under it
+        gcs, dash = free_port(), free_port()
+        cmd = [RAY, "start", "--head", "--block", "--node-ip-address", "127.0.0.1", "--port", str(gcs),
+               "--num-cpus", "2", "--disable-usage-stats", "--include-dashboard", "true",
+               "--dashboard-host", "127.0.0.1", "--dashboard-port", str(dash),
+               "--dashboard-agent-listen-port", str(free_port()), "--dashboard-agent-grpc-port", str(free_port()),
+               "--runtime-env-agent-port", str(free_port()), "--metrics-export-port", str(free_port()),
+               "--ray-client-server-port", str(free_port()), "--temp-dir", temp_dir]
+        log = open(os.path.join(temp_dir, "ray-start.log"), "w")
+        proc = subprocess.Popen(cmd, env=ray_env(), stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        address = f"http://127.0.0.1:{dash}"
+        try:
+            deadline = time.time() + 90
+            while True:
+                try:
+                    urllib.request.urlopen(address + "/api/version", timeout=2)
+                    break
+                except urllib.error.HTTPError:  # 401 without a token: the server is up
+                    break
+                except Exception:  # noqa: BLE001 - not up yet
+                    if proc.poll() is not None or time.time() > deadline:
+                        raise RuntimeError("ray head did not start:\n" + open(log.name).read()[-3000:])
+                    time.sleep(0.5)
+            yield address
+        finally:
+            stop_group(proc, 10.0)  # `ray stop` waits 16 s; SIGTERM reaches raylet, GCS, dashboard, workers
+            log.close()

@@ -1,12 +1,27 @@
 """Process-tree helpers for the fault tests: they find the processes of *their own* Ray
-(children of its raylets), never processes by name across the machine."""
+(children of its raylets), never processes by name across the machine; and the short
+private temp dir each Ray those tests start gets."""
 from __future__ import annotations
 
+import contextlib
 import os
+import shutil
 import signal
 import subprocess
+import tempfile
 import time
-from typing import List
+from typing import Iterator, List
+
+
+@contextlib.contextmanager
+def ray_temp_dir(prefix: str = "br-") -> Iterator[str]:
+    """A fresh directory directly under /tmp (short: Ray's unix sockets live under it),
+    removed with everything in it when the block ends, however it ends."""
+    path = tempfile.mkdtemp(prefix=prefix, dir="/tmp")
+    try:
+        yield path
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
 
 
 def children(pid: int) -> List[int]:

@@ -11,31 +11,20 @@ join this dead cluster.
 """
 from __future__ import annotations
 
-import glob
 import json
 import os
 import subprocess
 import sys
 import uuid
 
-import pyarrow as pa
-import pyarrow.parquet as pq
-
 from bench.workloads import write_tiny_model
-from conftest import RAY, ROOT, ray_env
-
-
-def _input(tmp_path, n: int = 10) -> str:
-    path = tmp_path / "prompts.parquet"
-    prompts = [f"copy: {'abcdefgh'[: i % 8 + 1]}" for i in range(n)]
-    pq.write_table(pa.table({"id": [f"r{i}" for i in range(n)], "prompt": prompts,
-                             "reference": ["abc"] * n, "task": ["copy"] * n}), path)
-    return str(path)
+from conftest import RAY, ROOT, part_files, ray_env, read_parts, write_prompts
 
 
 def test_ray_job_submit(tmp_path, head_node):
     model = write_tiny_model(str(tmp_path / "model"))
-    inp, out = _input(tmp_path), str(tmp_path / "out")
+    inp, out = str(tmp_path / "prompts.parquet"), str(tmp_path / "out")
+    write_prompts(inp, "r{}", 10, reference=["abc"] * 10, task=["copy"] * 10)
     job_id = f"blockray-test-{uuid.uuid4().hex[:8]}"
     cmd = [RAY, "job", "submit", "--address", head_node, "--submission-id", job_id, "--working-dir", ".", "--",
            "python", "jobs/offline_eval.py", "--model", model, "--input", inp, "--output", out, "--limit", "8",
@@ -52,8 +41,7 @@ def test_ray_job_submit(tmp_path, head_node):
     assert "=== summary ===" in logs and "tokens/s" in logs, logs[-4000:]
 
     summary = json.load(open(os.path.join(out, "summary.json")))
-    files = sorted(glob.glob(os.path.join(out, "part-*.parquet")))
-    table = pa.concat_tables([pq.read_table(f) for f in files])
+    files, table = part_files(out), read_parts(out)
     assert table.num_rows == summary["rows"] == 8
     assert sorted(table.column("id").to_pylist()) == sorted(f"r{i}" for i in range(8))
     assert summary["errors"] == sum(1 for e in table.column("error").to_pylist() if e)

@@ -9,6 +9,7 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
+from conftest import part_files, read_parts
 from engine import Engine, EngineConfig, SamplingParams, load_model
 from pipeline import OUTPUT_COLUMNS, DLLMProcessorConfig, build_processor, read_prompts, write_results
 
@@ -47,9 +48,8 @@ def test_s3_to_s3_with_two_engines(tiny_model_dir, ray_local, s3_input, s3_stora
     sink = write_results(ds, "s3://e2e/results", storage=s3_storage)
     assert sink.result.num_rows == n_rows
 
-    files = [p for p in s3fs_client.ls("e2e/results") if p.endswith(".parquet")]
-    assert len(files) > 1  # streamed block by block, not one file collected at the end
-    table = pa.concat_tables([pq.read_table(p, filesystem=s3fs_client) for p in files])
+    assert len(part_files("e2e/results", s3fs_client)) > 1  # streamed block by block, not one file collected at the end
+    table = read_parts("e2e/results", s3fs_client)
     assert set(OUTPUT_COLUMNS) <= set(table.column_names)
     assert not [c for c in table.column_names if c.startswith("__")]
     rows = table.to_pylist()

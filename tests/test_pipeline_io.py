@@ -10,6 +10,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
+from conftest import read_parts
 from pipeline.reader import PromptParquetDatasource, list_parquet_files, read_prompts
 from pipeline.storage import StorageOptions, get_filesystem
 from pipeline.writer import (OutputExistsError, TMP_DIR, atomic_write_table, prepare_output, write_json,
@@ -126,8 +127,7 @@ def test_s3_round_trip_with_environment_credentials(tmp_path, ray_local, s3_endp
     ds = read_prompts("s3://io-bucket/in/", storage=storage, limit=5)
     sink = write_results(ds, "s3://io-bucket/out", storage=storage, num_cpus=0.25)
     write_json("s3://io-bucket/out", "summary.json", {"rows": sink.result.num_rows}, storage)
-    files = sorted(p for p in s3fs_client.ls("io-bucket/out") if p.endswith(".parquet"))
-    table = pa.concat_tables([pq.read_table(p, filesystem=s3fs_client) for p in files])
+    table = read_parts("io-bucket/out", s3fs_client)
     assert sorted(table.column("id").to_pylist()) == [f"p.parquet:{i}" for i in range(5)]
     assert s3fs_client.cat("io-bucket/out/summary.json") == b'{\n  "rows": 5\n}\n'
     assert not s3fs_client.find(f"io-bucket/out/{TMP_DIR}")

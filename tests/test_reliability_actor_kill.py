@@ -6,15 +6,12 @@ The victim is found among the worker processes of *this* test's Ray (children of
 raylet, itself a child of this process), never by name across the machine."""
 from __future__ import annotations
 
-import glob
 import os
 import signal
 import threading
 import time
 
-import pyarrow as pa
-import pyarrow.parquet as pq
-
+from conftest import part_files, read_parts, write_prompts
 from engine import EngineConfig, SamplingParams
 from pipeline import DLLMProcessorConfig
 from pipeline.run import run_offline
@@ -38,8 +35,7 @@ def _engine_pids():
 
 def test_engine_actor_killed_mid_run(tmp_path, tiny_model_dir, ray_local):
     inp, out = str(tmp_path / "in.parquet"), str(tmp_path / "out")
-    pq.write_table(pa.table({"id": [f"k{i:02d}" for i in range(N)],
-                             "prompt": [f"copy: {'abcdefgh'[: i % 8 + 1]}" for i in range(N)]}), inp)
+    write_prompts(inp, "k{:02d}", N)
     config = DLLMProcessorConfig(model=tiny_model_dir, num_engines=2, batch_size=2, max_concurrent_batches=2,
                                  engine=EngineConfig(block_length=4, steps_per_block=4, token_budget=1024),
                                  sampling=SamplingParams(max_new_tokens=16, policy="fixed"))
@@ -49,9 +45,9 @@ def test_engine_actor_killed_mid_run(tmp_path, tiny_model_dir, ray_local):
         deadline = time.time() + 240
         while time.time() < deadline:
             pids = _engine_pids()
-            if len(pids) >= 2 and glob.glob(os.path.join(out, "part-*.parquet")):
+            if len(pids) >= 2 and part_files(out):
                 os.kill(pids[0], signal.SIGKILL)
-                killed["pid"], killed["parts_before"] = pids[0], len(glob.glob(os.path.join(out, "part-*.parquet")))
+                killed["pid"], killed["parts_before"] = pids[0], len(part_files(out))
                 return
             time.sleep(0.05)
 
@@ -61,8 +57,7 @@ def test_engine_actor_killed_mid_run(tmp_path, tiny_model_dir, ray_local):
     t.join(5)
     assert "pid" in killed, "the run ended before an engine could be killed"
     assert killed["parts_before"] < N // 2  # killed mid-run, not after the last batch
-    files = glob.glob(os.path.join(out, "part-*.parquet"))
-    table = pa.concat_tables([pq.read_table(f) for f in files])
+    table = read_parts(out)
     assert sorted(table.column("id").to_pylist()) == [f"k{i:02d}" for i in range(N)]  # exactly once
     assert not [e for e in table.column("error").to_pylist() if e]  # the kill caused no error rows
     assert summary["rows"] == N and summary["errors"] == 0

@@ -31,14 +31,13 @@ from __future__ import annotations
 import json
 import os
 import re
-import shutil
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 
-from procs import children, stop_group
+from conftest import part_files, read_parts, write_prompts
+from procs import children, ray_temp_dir, stop_group
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 N = 48  # rows; enough that the removal lands while both engines still have work
@@ -48,22 +47,16 @@ ENGINE_SLOT = "engine_slot"
 
 
 def test_worker_node_lost_mid_job(tmp_path):
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-
-    ray_tmp = tempfile.mkdtemp(prefix="brnl-", dir="/tmp")  # short: Ray's unix sockets live under it
-    env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "RAY_TMPDIR")}
-    env.update(RAY_TMPDIR=ray_tmp, PYTHONPATH=os.pathsep.join([ROOT, os.path.join(ROOT, "tests")]))
     log_path = tmp_path / "run.log"
-    with open(log_path, "w") as log:
+    with ray_temp_dir("brnl-") as ray_tmp, open(log_path, "w") as log:
+        env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "RAY_TMPDIR")}
+        env.update(RAY_TMPDIR=ray_tmp, PYTHONPATH=os.pathsep.join([ROOT, os.path.join(ROOT, "tests")]))
         proc = subprocess.Popen([sys.executable, os.path.abspath(__file__), str(tmp_path)], cwd=ROOT, env=env,
                                 stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         try:
             proc.wait(timeout=420)
         except subprocess.TimeoutExpired:
             stop_group(proc, 15.0)  # its cluster's nodes; their reapers clean up after them
-        finally:
-            shutil.rmtree(ray_tmp, ignore_errors=True)
     out_log = open(log_path, errors="replace").read()
     report_path = tmp_path / "report.json"
     assert proc.returncode == 0 and report_path.exists(), out_log[-6000:]
@@ -78,8 +71,7 @@ def test_worker_node_lost_mid_job(tmp_path):
     # the lost engine's batches were resubmitted (Ray core logs each resubmission of an actor task)
     assert report["engine_batches_resubmitted"] >= 1, report
 
-    files = sorted(p for p in os.listdir(tmp_path / "out") if p.startswith("part-") and p.endswith(".parquet"))
-    table = pa.concat_tables([pq.read_table(tmp_path / "out" / f) for f in files])
+    table = read_parts(tmp_path / "out")
     assert sorted(table.column("id").to_pylist()) == [f"n{i:03d}" for i in range(N)]  # every id exactly once
     assert not [e for e in table.column("error").to_pylist() if e]  # the loss caused no error rows
     assert all(p == i[1:] * PAYLOAD for i, p in zip(table.column("id").to_pylist(),
@@ -145,9 +137,6 @@ def _driver_log_counts(session_dir: str) -> dict:
 
 
 def main(work: str) -> None:
-    import glob
-
-    import pyarrow as pa
     import pyarrow.parquet as pq
     import ray
     from ray.cluster_utils import Cluster
@@ -162,9 +151,7 @@ def main(work: str) -> None:
     # `payload` (passed through to the output) makes every block larger than Ray's 100 KiB
     # inline limit, so blocks live in the object store of the node that made them, as real
     # blocks do, and losing the node loses the blocks it held.
-    pq.write_table(pa.table({"id": [f"n{i:03d}" for i in range(N)],
-                             "prompt": [f"copy: {'abcdefgh'[: i % 8 + 1]}" for i in range(N)],
-                             "payload": [f"{i:03d}" * PAYLOAD for i in range(N)]}), inp)
+    write_prompts(inp, "n{:03d}", N, payload=[f"{i:03d}" * PAYLOAD for i in range(N)])
 
     t0 = time.perf_counter()
     cluster = Cluster(initialize_head=True, head_node_args=dict(num_cpus=2, include_dashboard=False))
@@ -185,7 +172,7 @@ def main(work: str) -> None:
         def remover() -> None:
             victim = workers["worker2"]
             while not done.is_set():
-                parts = glob.glob(os.path.join(out, "part-*.parquet"))
+                parts = part_files(out)
                 busy = any(t.endswith(".submit") for t in _engine_titles(victim))
                 if parts and busy and _engine_titles(workers["worker1"]):
                     report["engines_at_removal"] = {k: len(_engine_titles(n)) for k, n in workers.items()}

@@ -7,20 +7,18 @@ whole local Ray down (GCS, raylet, workers) and no `ray_current_cluster` marker 
 /tmp/ray is left pointing to a dead head."""
 from __future__ import annotations
 
-import glob
 import json
 import os
-import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from conftest import ROOT
+from conftest import ROOT, part_files, read_parts, write_prompts
+from procs import ray_temp_dir
 
 N = 24
 
@@ -63,47 +61,44 @@ def _job(model, inp, out, ray_tmp, *extra):
 
 
 def _ids(out):
-    files = sorted(glob.glob(os.path.join(out, "part-*.parquet")))
-    return [i for f in files for i in pq.read_table(f, columns=["id"]).column("id").to_pylist()]
+    return read_parts(out, columns=["id"]).column("id").to_pylist()
 
 
 def test_killed_driver_then_resume(tmp_path, tiny_model_dir):
     inp, out = str(tmp_path / "in.parquet"), str(tmp_path / "out")
-    pq.write_table(pa.table({"id": [f"r{i:03d}" for i in range(N)],
-                             "prompt": [f"copy: {'abcdefgh'[: i % 8 + 1]}" for i in range(N)]}), inp)
+    write_prompts(inp, "r{:03d}", N)
     marker = "/tmp/ray/ray_current_cluster"
     marker_before = open(marker).read() if os.path.exists(marker) else None
-    ray_tmp = tempfile.mkdtemp(prefix="br-", dir="/tmp")  # short: Ray's unix sockets live under it
-    log = open(tmp_path / "run1.log", "w")
-    proc = subprocess.Popen(_job(tiny_model_dir, inp, out, ray_tmp), cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
-                            start_new_session=True)
-    try:
-        deadline = time.time() + 180
-        while len(glob.glob(os.path.join(out, "part-*.parquet"))) < 2:
-            assert proc.poll() is None, open(tmp_path / "run1.log").read()[-3000:]
-            assert time.time() < deadline, "no part files appeared"
-            time.sleep(0.1)
-    finally:
-        os.killpg(proc.pid, signal.SIGKILL)  # the driver and the local Ray it started
-        proc.wait(30)
-        log.close()
-    end = time.time() + 20
-    while (_pgid_alive(proc.pid) or _pids_mentioning(ray_tmp)) and time.time() < end:
-        time.sleep(0.2)
-    # Ray workers run in process groups of their own: when the raylet dies with the group
-    # they notice and exit, but maybe not quickly on a loaded node. Those left are ours
-    # (they name our private temp dir): SIGKILL them by pid.
-    leftovers = [(pid, _describe(pid)) for pid in _pids_mentioning(ray_tmp)]
-    for pid, _ in leftovers:
+    with ray_temp_dir() as ray_tmp:  # removed once the killed job's processes are gone
+        log = open(tmp_path / "run1.log", "w")
+        proc = subprocess.Popen(_job(tiny_model_dir, inp, out, ray_tmp), cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
+                                start_new_session=True)
         try:
-            os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-    end = time.time() + 10
-    while _pids_mentioning(ray_tmp) and time.time() < end:
-        time.sleep(0.2)
-    assert not _pids_mentioning(ray_tmp), f"processes of the killed job survived: {leftovers}"
-    shutil.rmtree(ray_tmp, ignore_errors=True)
+            deadline = time.time() + 180
+            while len(part_files(out)) < 2:
+                assert proc.poll() is None, open(tmp_path / "run1.log").read()[-3000:]
+                assert time.time() < deadline, "no part files appeared"
+                time.sleep(0.1)
+        finally:
+            os.killpg(proc.pid, signal.SIGKILL)  # the driver and the local Ray it started
+            proc.wait(30)
+            log.close()
+        end = time.time() + 20
+        while (_pgid_alive(proc.pid) or _pids_mentioning(ray_tmp)) and time.time() < end:
+            time.sleep(0.2)
+        # Ray workers run in process groups of their own: when the raylet dies with the group
+        # they notice and exit, but maybe not quickly on a loaded node. Those left are ours
+        # (they name our private temp dir): SIGKILL them by pid.
+        leftovers = [(pid, _describe(pid)) for pid in _pids_mentioning(ray_tmp)]
+        for pid, _ in leftovers:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        end = time.time() + 10
+        while _pids_mentioning(ray_tmp) and time.time() < end:
+            time.sleep(0.2)
+        assert not _pids_mentioning(ray_tmp), f"processes of the killed job survived: {leftovers}"
     print("killed job's orphaned workers cleaned by pid:", leftovers)
     assert not _pgid_alive(proc.pid)
     assert (open(marker).read() if os.path.exists(marker) else None) == marker_before  # /tmp/ray untouched
@@ -112,12 +107,9 @@ def test_killed_driver_then_resume(tmp_path, tiny_model_dir):
     assert 0 < len(first) < N and len(first) == len(set(first))
     assert not os.path.exists(os.path.join(out, "summary.json"))  # the killed run is not presented as done
 
-    ray_tmp = tempfile.mkdtemp(prefix="br-", dir="/tmp")
-    try:
+    with ray_temp_dir() as ray_tmp:
         res = subprocess.run(_job(tiny_model_dir, inp, out, ray_tmp), cwd=ROOT, capture_output=True, text=True,
                              timeout=300, start_new_session=True)
-    finally:
-        shutil.rmtree(ray_tmp, ignore_errors=True)
     assert res.returncode == 0, (res.stdout + res.stderr)[-4000:]
     ids = _ids(out)
     assert sorted(ids) == [f"r{i:03d}" for i in range(N)]  # every id exactly once

@@ -13,7 +13,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from conftest import S3_KEY, S3_REGION
+from conftest import S3_KEY, S3_REGION, part_files, read_parts, write_prompts
 from engine import EngineConfig, SamplingParams
 from pipeline import DLLMProcessorConfig, StorageOptions
 from pipeline.run import JobError, run_offline
@@ -31,27 +31,31 @@ def _config(model):
                                sampling=SamplingParams(max_new_tokens=8, policy="fixed"), wait_for_engines_s=0)
 
 
+def _storage(url, max_attempts=None) -> StorageOptions:
+    """Options for the endpoint at `url` with SECRET; `max_attempts`: botocore's retries capped."""
+    extra = {"config_kwargs": {"retries": {"max_attempts": max_attempts, "mode": "standard"}}}
+    return StorageOptions(endpoint_url=url, key=S3_KEY, secret=SECRET, region=S3_REGION,
+                          **({"extra": extra} if max_attempts is not None else {}))
+
+
 @pytest.fixture
 def s3_prompts(s3fs_client):
     if not s3fs_client.exists("faults"):
         s3fs_client.mkdir("faults")
     for f, lo in (("a.parquet", 0), ("b.parquet", N // 2)):
-        t = pa.table({"id": [f"s{i:02d}" for i in range(lo, lo + N // 2)],
-                      "prompt": [f"copy: {'abcdef'[: i % 6 + 1]}" for i in range(lo, lo + N // 2)]})
         with s3fs_client.open(f"faults/in/{f}", "wb") as fh:
-            pq.write_table(t, fh)
+            write_prompts(fh, "s{:02d}", range(lo, lo + N // 2), alphabet="abcdef")
     return "s3://faults/in/"
 
 
 def test_transient_s3_errors_are_retried(tiny_model_dir, ray_local, s3_endpoint, s3_prompts, s3fs_client):
     with FaultProxy(s3_endpoint, fail_rate=0.3, delay_rate=0.05, delay_s=0.2, seed=7, max_consecutive=3) as proxy:
-        storage = StorageOptions(endpoint_url=proxy.url, key=S3_KEY, secret=SECRET, region=S3_REGION)
+        storage = _storage(proxy.url)
         assert SECRET not in repr(storage) and SECRET not in str(storage.resolved())
         summary = run_offline(s3_prompts, "s3://faults/out", _config(tiny_model_dir), storage=storage,
                               rows_per_file=None)
     assert proxy.faults > 5, (proxy.requests, proxy.faults)  # the run really met errors
-    files = [p for p in s3fs_client.ls("faults/out") if p.endswith(".parquet")]
-    table = pa.concat_tables([pq.read_table(p, filesystem=s3fs_client) for p in files])
+    table = read_parts("faults/out", s3fs_client)
     assert sorted(table.column("id").to_pylist()) == [f"s{i:02d}" for i in range(N)]  # exactly once
     assert summary["rows"] == N and summary["errors"] == 0
 
@@ -67,8 +71,7 @@ def test_transient_s3_errors_are_retried(tiny_model_dir, ray_local, s3_endpoint,
 
 def test_permanent_s3_error_fails_clearly(tiny_model_dir, s3_endpoint, s3_prompts, s3fs_client):
     with FaultProxy(s3_endpoint, fail_rate=1.0, delay_rate=0.0, max_consecutive=10 ** 9) as proxy:
-        storage = StorageOptions(endpoint_url=proxy.url, key=S3_KEY, secret=SECRET, region=S3_REGION,
-                                 extra={"config_kwargs": {"retries": {"max_attempts": 2, "mode": "standard"}}})
+        storage = _storage(proxy.url, max_attempts=2)
         with pytest.raises(JobError) as info:
             run_offline(s3_prompts, "s3://faults/never", _config(tiny_model_dir), storage=storage)
     msg = str(info.value)
@@ -88,7 +91,7 @@ def test_permanent_write_error_mid_run(tiny_model_dir, ray_local, s3_endpoint, s
     # of the temporary): about two of the four part files get through.
     with FaultProxy(s3_endpoint, fail_rate=0.0, delay_rate=0.0, write_prefix=f"/{key}/", allow_writes=8,
                     write_error=ACCESS_DENIED) as proxy:
-        storage = StorageOptions(endpoint_url=proxy.url, key=S3_KEY, secret=SECRET, region=S3_REGION)
+        storage = _storage(proxy.url)
         with pytest.raises(JobError) as info:
             run_offline(s3_prompts, out, _config(tiny_model_dir), storage=storage, rows_per_file=None)
     msg = str(info.value)
@@ -100,20 +103,18 @@ def test_permanent_write_error_mid_run(tiny_model_dir, ray_local, s3_endpoint, s
     s3fs_client.invalidate_cache()
     assert not s3fs_client.exists(f"{key}/summary.json")  # not presented as a finished run
     committed = []
-    for p in s3fs_client.ls(key):  # every part file is a whole Parquet file of finished rows
-        if p.rsplit("/", 1)[-1].startswith("part-"):
-            t = pq.read_table(p, filesystem=s3fs_client)
-            assert t.num_rows and not [e for e in t.column("error").to_pylist() if e]
-            committed += t.column("id").to_pylist()
+    for p in part_files(key, s3fs_client):  # every part file is a whole Parquet file of finished rows
+        t = pq.read_table(p, filesystem=s3fs_client)
+        assert t.num_rows and not [e for e in t.column("error").to_pylist() if e]
+        committed += t.column("id").to_pylist()
     assert len(committed) == len(set(committed)) < N, committed
 
     # the store accepts writes again: the rerun skips the committed ids and writes the rest
-    healthy = StorageOptions(endpoint_url=s3_endpoint, key=S3_KEY, secret=SECRET, region=S3_REGION)
+    healthy = _storage(s3_endpoint)
     summary = run_offline(s3_prompts, out, _config(tiny_model_dir), storage=healthy, rows_per_file=None)
     assert summary["rows_skipped"] == len(committed) and summary["rows_processed"] == N - len(committed)
     s3fs_client.invalidate_cache()
-    files = [p for p in s3fs_client.ls(key) if p.endswith(".parquet")]
-    table = pa.concat_tables([pq.read_table(p, filesystem=s3fs_client) for p in files])
+    table = read_parts(key, s3fs_client)
     assert sorted(table.column("id").to_pylist()) == [f"s{i:02d}" for i in range(N)]  # exactly once
     assert not s3fs_client.exists(f"{key}/_tmp")
 
@@ -129,8 +130,7 @@ def test_writer_gives_up_on_permanent_errors(s3_endpoint, s3fs_client, error):
         s3fs_client.mkdir("faults")
     with FaultProxy(s3_endpoint, fail_rate=0.0, delay_rate=0.0, write_prefix="/faults/gone/",
                     write_error=error) as proxy:
-        storage = StorageOptions(endpoint_url=proxy.url, key=S3_KEY, secret=SECRET, region=S3_REGION,
-                                 extra={"config_kwargs": {"retries": {"max_attempts": 2, "mode": "standard"}}})
+        storage = _storage(proxy.url, max_attempts=2)
         fs, path = get_filesystem("s3://faults/gone", storage)
         with pytest.raises(StorageWriteError) as info:
             atomic_write_table(fs, f"{path}/part-x.parquet", pa.table({"id": ["a", "b"]}))

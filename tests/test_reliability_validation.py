@@ -3,7 +3,6 @@ engine work, with a message naming the column, path or option."""
 from __future__ import annotations
 
 import glob
-import os
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -11,6 +10,7 @@ import pytest
 
 import torch
 
+from conftest import read_parts
 from engine import Engine, EngineConfig, SamplingParams, load_model
 from pipeline import DLLMProcessorConfig
 from pipeline.run import JobError, run_offline
@@ -53,17 +53,12 @@ def _write_input(path: str, with_bad: bool) -> None:
                              "sampling_params": pa.array(overrides, stype)}), path)
 
 
-def _rows(out: str):
-    files = glob.glob(os.path.join(out, "part-*.parquet"))
-    return pa.concat_tables([pq.read_table(f) for f in files]).to_pylist()
-
-
 def test_bad_rows_get_errors_and_good_rows_match_the_engine_alone(tmp_path, tiny_model_dir, ray_local):
     mixed = str(tmp_path / "mixed.parquet")
     _write_input(mixed, with_bad=True)
     s_mixed = run_offline(mixed, str(tmp_path / "out_mixed"), _config(tiny_model_dir), rows_per_file=None)
 
-    rows = _rows(str(tmp_path / "out_mixed"))
+    rows = read_parts(str(tmp_path / "out_mixed")).to_pylist()
     ids = [r["id"] for r in rows]
     assert sorted(ids) == sorted([f"good{i}" for i in range(len(GOOD))] + list(BAD))  # each id exactly once
     by_id = {r["id"]: r for r in rows}
@@ -137,21 +132,17 @@ def test_job_level_errors_fail_fast(tmp_path, tiny_model_dir, no_engine):
 
 
 def test_job_cli_reports_job_errors(tmp_path, tiny_model_dir):
-    import shutil
     import subprocess
     import sys
-    import tempfile
 
     from conftest import ROOT
+    from procs import ray_temp_dir
 
     nocol = str(tmp_path / "nocol.parquet")
     pq.write_table(pa.table({"id": ["a"], "question": ["copy: a"]}), nocol)
-    ray_tmp = tempfile.mkdtemp(prefix="br-", dir="/tmp")  # short: Ray's unix sockets live under it
-    try:
+    with ray_temp_dir() as ray_tmp:
         res = subprocess.run([sys.executable, "jobs/offline_eval.py", "--model", tiny_model_dir, "--input", nocol,
                               "--output", str(tmp_path / "out"), "--num-cpus", "1", "--temp-dir", ray_tmp],
                              cwd=ROOT, capture_output=True, text=True, timeout=120, start_new_session=True)
-    finally:
-        shutil.rmtree(ray_tmp, ignore_errors=True)
     assert res.returncode == 2, res.stdout + res.stderr
     assert "prompt column 'prompt'" in res.stderr and "--prompt-column" in res.stderr

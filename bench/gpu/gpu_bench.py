@@ -27,7 +27,7 @@ import os
 import platform
 import sys
 import time
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 T_START = time.perf_counter()
 
@@ -39,9 +39,10 @@ import torch  # noqa: E402
 from engine import Engine, EngineConfig, ModelConfig, SamplingParams, build_model  # noqa: E402
 from engine.budget import plan_token_budget, weight_bytes  # noqa: E402
 from engine.models import DLLM  # noqa: E402
+from engine.models.transformer import init_weights_  # noqa: E402
 from bench.engine_bench import git_state, variant_spec  # noqa: E402
 from bench.runner import RunSpec, _sync as sync, _widest, run, warmup  # noqa: E402
-from bench.workloads import SkewedSpec, skewed  # noqa: E402
+from bench.workloads import SMOKE_SKEWED, SkewedSpec, skewed  # noqa: E402
 
 LLADA_8B = dict(model_type="llada", vocab_size=126464, hidden_size=4096, n_layers=32, n_heads=32, n_kv_heads=32,
                 intermediate_size=12288, mask_token_id=126336, eos_token_id=126081, eot_token_id=126348,
@@ -51,22 +52,12 @@ SMOKE_SHAPE = dict(model_type="llada", vocab_size=2048, hidden_size=64, n_layers
 
 
 def build_on_device(cfg: ModelConfig, dtype: torch.dtype, device: str, seed: int = 0) -> DLLM:
-    """Random N(0, 1/fan_in) weights (embedding N(0, 1), norms 1) created in place on
-    `device`: construct on 'meta' (no memory), `to_empty`, then fill; same distribution
-    as engine.build_model, without a CPU copy of 16 GB."""
+    """Random weights created in place on `device`: construct on 'meta' (no memory),
+    `to_empty`, then fill as engine.build_model does, without a CPU copy of 16 GB."""
     with torch.device("meta"):
         model = DLLM(cfg).to(dtype)  # meta tensors: no memory, no init
     model = model.to_empty(device=device)
-    gen = torch.Generator(device=device).manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.fill_(1.0)
-            elif name.endswith("bias"):
-                p.normal_(0.0, 0.02, generator=gen)
-            else:
-                p.normal_(0.0, 1.0 if name.startswith("embed") else p.shape[1] ** -0.5, generator=gen)
-    return model.eval()
+    return init_weights_(model, torch.Generator(device=device).manual_seed(seed)).eval()
 
 
 def matmul_peak(device: str, dtype: torch.dtype, n: int, iters: int = 20) -> Dict[str, float]:
@@ -84,23 +75,28 @@ def matmul_peak(device: str, dtype: torch.dtype, n: int, iters: int = 20) -> Dic
     return {"n": n, "seconds_per_matmul": dt, "flops_per_s": 2.0 * n ** 3 / dt}
 
 
-def supports(cache: str, advance: str) -> Optional[str]:
-    """None if this engine serves `cache`/`advance` with the same tokens as refresh/block
-    on a tiny float64 block-causal model (where the persistent cache is exact); else the
-    reason (an older engine without the mode, or one that gets it wrong, is skipped)."""
-    try:
-        m = build_model(ModelConfig.tiny("llada", dllm_attention="block_causal"), dtype=torch.float64, seed=0)
-        prompts = [[5, 6, 7, 8, 9], [10, 11, 12], [13] * 9]
-        sp = SamplingParams(max_new_tokens=12, threshold=0.3, stop_token_ids=[12])
+def unsupported_modes(modes: Dict[str, Tuple[str, str]]) -> Dict[str, str]:
+    """{name: reason} for the (cache, advance) `modes` this engine does not serve with
+    the same tokens as refresh/block on a tiny float64 block-causal model (where the
+    persistent cache is exact): an older engine without the mode, or one that gets it
+    wrong, is skipped."""
+    m = build_model(ModelConfig.tiny("llada", dllm_attention="block_causal"), dtype=torch.float64, seed=0)
+    prompts = [[5, 6, 7, 8, 9], [10, 11, 12], [13] * 9]
+    sp = SamplingParams(max_new_tokens=12, threshold=0.3, stop_token_ids=[12])
 
-        def gen(c, a):
-            eng = Engine(m, EngineConfig(block_length=4, steps_per_block=4, cache=c, token_budget=200, advance=a))
-            return [(o.token_ids, o.finish_reason, o.error) for o in eng.generate(prompts, sp)]
+    def gen(c, a):
+        eng = Engine(m, EngineConfig(block_length=4, steps_per_block=4, cache=c, token_budget=200, advance=a))
+        return [(o.token_ids, o.finish_reason, o.error) for o in eng.generate(prompts, sp)]
 
-        got, want = gen(cache, advance), gen("refresh", "block")
-        return None if got == want else f"cache={cache} advance={advance} changes the generated tokens"
-    except Exception as e:  # noqa: BLE001 - an engine without the mode
-        return f"{type(e).__name__}: {e}"
+    want = gen("refresh", "block")
+    out: Dict[str, str] = {}
+    for name, (cache, advance) in modes.items():
+        try:
+            if gen(cache, advance) != want:
+                out[name] = f"cache={cache} advance={advance} changes the generated tokens"
+        except Exception as e:  # noqa: BLE001 - an engine without the mode
+            out[name] = f"{type(e).__name__}: {e}"
+    return out
 
 
 class Report:
@@ -210,10 +206,7 @@ def main(argv=None) -> Dict[str, Any]:
     print(f"peak {peak['flops_per_s'] / 1e12:.1f} TFLOP/s; model {cfg.num_params() / 1e9:.2f}B params built in "
           f"{rep.data['model']['build_s']:.1f}s", flush=True)
 
-    spec = SkewedSpec(n_requests=n_req)
-    if smoke:
-        spec = SkewedSpec(n_requests=n_req, block_length=8, steps_per_block=8, difficulty=(0.4, 0.3, 0.2, 0.1),
-                          prompt_median=12, prompt_sigma=0.6, prompt_min=3, prompt_max=40)
+    spec = dataclasses.replace(SMOKE_SKEWED if smoke else SkewedSpec(), n_requests=n_req)  # the model: `model`
     w = skewed(spec, model=model)
     rep.data["workload"] = {"name": w.name, "n_requests": len(w.prompts), **w.info}
     rep.data["decoding"] = {"block_length": w.block_length, "steps_per_block": w.steps_per_block,
@@ -223,9 +216,9 @@ def main(argv=None) -> Dict[str, Any]:
     plan = plan_token_budget(free, cfg, dtype, "refresh", w.block_length, weights_loaded=True,
                              min_prompt_len=spec.prompt_min, max_batch_size=max_rows)
     rep.data["auto_budget"] = plan.as_dict()
-    modes = {"persistent": supports("persistent", "block"), "persistent+step": supports("persistent", "step"),
-             "step": supports("refresh", "step")}
-    rep.data["modes_unsupported"] = {k: v for k, v in modes.items() if v}
+    rep.data["modes_unsupported"] = unsupported_modes({"persistent": ("persistent", "block"),
+                                                       "persistent+step": ("persistent", "step"),
+                                                       "step": ("refresh", "step")})
     warmup(w, n=2)
     rep.save()
 
@@ -235,7 +228,7 @@ def main(argv=None) -> Dict[str, Any]:
     main_b = sizes[0]
     queue: List[tuple] = [("static", main_b), ("blockserve", main_b), ("sequential", None)]
     # step advance first among the variants: on CPU it is blockserve's best mode at equal decoding
-    queue += [("variant", v) for v in ("step", "persistent", "persistent+step") if not modes[v]]
+    queue += [("variant", v) for v in ("step", "persistent", "persistent+step") if v not in rep.data["modes_unsupported"]]
     for b in sizes[1:]:
         queue += [("static", b), ("blockserve", b)]
     queue.append(("auto", None))

@@ -155,11 +155,19 @@ def build_model(cfg: ModelConfig, dtype: torch.dtype = torch.float32, device="cp
     with torch.random.fork_rng(devices=[]):
         if seed is not None:
             torch.manual_seed(seed)
-        model = DLLM(cfg)
-        with torch.no_grad():
-            for name, p in model.named_parameters():
-                if name.endswith("bias"):
-                    p.normal_(0.0, 0.02)
-                elif "norm" not in name:
-                    p.normal_(0.0, 1.0 if name.startswith("embed") else p.shape[1] ** -0.5)
+        model = init_weights_(DLLM(cfg))
     return model.to(dtype=dtype, device=device).eval()
+
+
+@torch.no_grad()
+def init_weights_(model: DLLM, generator: Optional[torch.Generator] = None) -> DLLM:
+    """Fill `model` in place: weights ~ N(0, 1/fan_in), embeddings N(0, 1), biases
+    N(0, 0.02), norms 1 (from `generator`, else the global RNG)."""
+    for name, p in model.named_parameters():
+        if "norm" in name:
+            p.fill_(1.0)
+        elif name.endswith("bias"):
+            p.normal_(0.0, 0.02, generator=generator)
+        else:
+            p.normal_(0.0, 1.0 if name.startswith("embed") else p.shape[1] ** -0.5, generator=generator)
+    return model
