@@ -127,20 +127,22 @@ class PlantedStops(nn.Module):
         return self._speeds.to(u.device)[idx]
 
     def stop_positions(self, ids: torch.Tensor, mask: torch.Tensor, cache: Optional[KVCache],
-                       offset: int) -> torch.Tensor:
+                       qcols: torch.Tensor, rows: Optional[torch.Tensor] = None) -> torch.Tensor:
         """T per row, from the marker token in the row's first real column: read from the
         forwarded ids when that column was forwarded with its token, else from the cache
-        (the engine forwards cached columns as pad, or not at all)."""
+        (the engine forwards cached columns as pad, or not at all). `qcols` [B, T] are
+        the forwarded columns, `rows` the forward's rows of the cache."""
         keys_valid = mask[:, 0, -1, :]  # every real column of the row (its last query sees them all)
         first = keys_valid.to(torch.uint8).argmax(1)  # absolute column of the first prompt token
-        rows = torch.arange(ids.shape[0], device=ids.device)
-        local = (first - offset).clamp(0, ids.shape[1] - 1)
-        tok = torch.where(first >= offset, ids[rows, local], torch.full_like(first, -1))
+        local = torch.arange(ids.shape[0], device=ids.device)
+        hit = qcols == first[:, None]
+        tok = torch.where(hit.any(1), ids[local, hit.to(torch.uint8).argmax(1)], torch.full_like(first, -1))
         is_marker = (tok >= self.markers.marker_base) & (tok < self.markers.marker_base + self.markers.n_markers)
         if not bool(is_marker.all()):
             if cache is None:
                 raise RuntimeError("PlantedStops: a row's first token is neither forwarded nor cached")
-            from_v = self._marker_from_v(cache.v[0][rows, :, first, :].flatten(1))
+            cache_rows = local if rows is None else rows
+            from_v = self._marker_from_v(cache.v[0][cache_rows, :, first, :].flatten(1))
             tok = torch.where(is_marker, tok, from_v)
         return tok - self.markers.marker_base
 
@@ -162,17 +164,21 @@ class PlantedStops(nn.Module):
 
     # --- forward -----------------------------------------------------------------------
     def forward(self, ids: torch.Tensor, pos: torch.Tensor, mask: torch.Tensor,
-                cache: Optional[KVCache] = None, offset: int = 0,
-                logits_last: Optional[int] = None, **kw) -> torch.Tensor:
-        logits = self.model(ids, pos, mask, cache, offset, logits_last=logits_last, **kw)
+                cache: Optional[KVCache] = None, offset: int = 0, logits_last: Optional[int] = None,
+                logits_at: Optional[torch.Tensor] = None, rows: Optional[torch.Tensor] = None,
+                cols: Optional[torch.Tensor] = None, **kw) -> torch.Tensor:
+        logits = self.model(ids, pos, mask, cache, offset, logits_last=logits_last, logits_at=logits_at,
+                            rows=rows, cols=cols, **kw)
         B, n = logits.shape[:2]
-        L = self.block_length
-        qpos = pos[:, -n:]
-        T = self.stop_positions(ids, mask, cache, offset)[:, None]
+        Tq = ids.shape[1]
+        at = logits_at if logits_at is not None else torch.arange(Tq - n, Tq, device=ids.device)[None].expand(B, n)
+        qcols = cols if cols is not None else torch.arange(offset, offset + Tq, device=ids.device)[None].expand(B, Tq)
+        qpos = pos.gather(1, at)
+        T = self.stop_positions(ids, mask, cache, qcols, rows)[:, None]
         after = qpos >= T  # forced EOS
-        masked = ids[:, -n:] == self.config.mask_token_id
+        masked = ids.gather(1, at) == self.config.mask_token_id
         # c confident tokens per step: the leftmost c masked columns before T
-        c = self.tokens_per_step_for(T[:, 0], pos[:, -L])[:, None]
+        c = self.tokens_per_step_for(T[:, 0], qpos[:, 0])[:, None]
         order = (masked & ~after).long().cumsum(1)
         confident = masked & ~after & (order <= c)
         for t in set(self.config.stop_token_ids) | {self.config.mask_token_id}:

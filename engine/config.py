@@ -5,8 +5,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal, Optional, Sequence
 
-Policy = Literal["fixed", "threshold", "factor"]
-CacheMode = Literal["none", "refresh", "persistent"]
+Policy = Literal["fixed", "threshold", "factor", "timestep"]
+Remasking = Literal["low_confidence", "random", "entropy", "margin"]
+CacheMode = Literal["none", "refresh", "persistent", "dual"]
+Canvas = Literal["auto", "block", "full"]
 SchedulerKind = Literal["blockserve", "static", "sequential"]
 AdvanceMode = Literal["block", "step"]
 
@@ -14,7 +16,22 @@ AdvanceMode = Literal["block", "step"]
 @dataclass
 class SamplingParams:
     """Per-request decoding settings. `stop_token_ids=None` means the model's EOS
-    (and EoT where the config has one)."""
+    (and EoT where the config has one).
+
+    Which masked positions of the current block get their token at a step:
+    - `policy`: `fixed` (LLaDA: the block's masks split evenly over `steps_per_block`
+      steps, earliest steps take the remainder), `threshold` (Fast-dLLM: every
+      position with confidence >= `threshold`, at least the most confident one; runs
+      until the block is filled, so at most L steps), `factor` (Fast-dLLM's
+      `get_transfer_index_dynamic`), `timestep` (Dream's schedule: at step s the
+      fraction 1 - t_{s+1}/t_s of the remaining masks, t = linspace(1, 1e-3, S+1)).
+    - `remasking`, the confidence that ranks positions: `low_confidence` (probability
+      of the proposed token), `random` (LLaDA's random remasking, seeded per request),
+      `entropy` (Dream: negative entropy of the distribution), `margin` (Dream's
+      top-1 minus top-2 probability).
+    - `first_position` (Dream's block decoding): the first step of every block commits
+      exactly the block's first position, predicted from the token before it. None:
+      on for Dream checkpoints, off for LLaDA, as their reference code does."""
 
     max_new_tokens: int = 64
     policy: Policy = "threshold"
@@ -22,15 +39,21 @@ class SamplingParams:
     factor: float = 1.0
     temperature: float = 0.0
     stop_token_ids: Optional[Sequence[int]] = None
-    seed: Optional[int] = None  # Gumbel noise seed when temperature > 0
+    seed: Optional[int] = None  # Gumbel noise / random-remasking seed
+    remasking: Remasking = "low_confidence"
+    first_position: Optional[bool] = None
 
     def validate(self) -> Optional[str]:
         """A message naming the bad field, or None; per request, so one bad row never
         fails its neighbours."""
         if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
             return f"max_new_tokens must be an integer >= 1, got {self.max_new_tokens!r}"
-        if self.policy not in ("fixed", "threshold", "factor"):
-            return f"policy must be 'fixed', 'threshold' or 'factor', got {self.policy!r}"
+        if self.policy not in ("fixed", "threshold", "factor", "timestep"):
+            return f"policy must be 'fixed', 'threshold', 'factor' or 'timestep', got {self.policy!r}"
+        if self.remasking not in ("low_confidence", "random", "entropy", "margin"):
+            return f"remasking must be 'low_confidence', 'random', 'entropy' or 'margin', got {self.remasking!r}"
+        if self.first_position not in (None, True, False):
+            return f"first_position must be true, false or null, got {self.first_position!r}"
         if not 0.0 < float(self.threshold) <= 1.0:
             return f"threshold must be in (0, 1], got {self.threshold!r}"
         if not float(self.factor) > 0.0:
@@ -43,8 +66,23 @@ class SamplingParams:
 @dataclass
 class EngineConfig:
     """How one engine batches and caches. `token_budget` bounds the padded batch
-    area |A| * max_i(p_i + (b_i+1) L) of every forward; `max_batch_size` is B for
-    the static baseline and a cap on active requests for blockserve."""
+    area |A| * max_i(width_i) of every forward; `max_batch_size` is B for the static
+    baseline and a cap on active requests for blockserve.
+
+    `canvas`: what a row holds. `block` (BlockServe's box): prompt, committed blocks
+    and the current block, width p + (b+1) L. `full` (LLaDA's `generate`, Fast-dLLM):
+    prompt and all ceil(max_new_tokens / L) blocks, the later ones still masked and
+    attended to, width p + K L from admission. Bidirectional checkpoints need `full`
+    to reproduce their reference tokens; for block-causal ones a masked suffix is
+    invisible, so `block` gives the same tokens for less. `auto`: `full` for
+    bidirectional models, `block` for block-causal ones.
+
+    `cache`: `none` recomputes every row at every step; `refresh` (Fast-dLLM's prefix
+    cache) computes the whole row at a block's first step and then the block (and,
+    under `full`, the masked suffix) against the cached prefix; `dual` (Fast-dLLM's
+    dual cache) also caches the suffix at the block's first step and then forwards
+    only the block's L columns; `persistent` keeps the committed prefix's K/V across
+    blocks (exact for block-causal models only)."""
 
     block_length: int = 32
     steps_per_block: int = 32
@@ -53,12 +91,15 @@ class EngineConfig:
     scheduler: SchedulerKind = "blockserve"
     max_batch_size: int = 256
     advance: AdvanceMode = "block"
+    canvas: Canvas = "auto"
 
     def __post_init__(self) -> None:
         if self.block_length < 1 or self.steps_per_block < 1:
             raise ValueError("block_length and steps_per_block must be >= 1")
-        if self.cache not in ("none", "refresh", "persistent"):
-            raise ValueError(f"cache must be 'none', 'refresh' or 'persistent', got {self.cache!r}")
+        if self.cache not in ("none", "refresh", "persistent", "dual"):
+            raise ValueError(f"cache must be 'none', 'refresh', 'persistent' or 'dual', got {self.cache!r}")
+        if self.canvas not in ("auto", "block", "full"):
+            raise ValueError(f"canvas must be 'auto', 'block' or 'full', got {self.canvas!r}")
         if self.scheduler not in ("blockserve", "static", "sequential"):
             raise ValueError(f"scheduler must be 'blockserve', 'static' or 'sequential', got {self.scheduler!r}")
         if self.advance not in ("block", "step"):

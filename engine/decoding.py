@@ -1,6 +1,9 @@
 """Decoding policies, vectorised over the batch: which masked positions of each row's
 current block get a token this denoising step. Each row carries its own policy and
-parameters, so one forward serves requests with different settings."""
+parameters, so one forward serves requests with different settings. The rules follow
+the reference code of each model family (LLaDA's `generate`, Fast-dLLM's
+`get_transfer_index` / `get_transfer_index_dynamic`, Fast-dLLM's Dream block
+decoding); see SamplingParams for what each one does."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -8,8 +11,11 @@ from typing import List, Optional, Sequence
 
 import torch
 
-FIXED, THRESHOLD, FACTOR = 0, 1, 2
-POLICY_IDS = {"fixed": FIXED, "threshold": THRESHOLD, "factor": FACTOR}
+FIXED, THRESHOLD, FACTOR, TIMESTEP = 0, 1, 2, 3
+POLICY_IDS = {"fixed": FIXED, "threshold": THRESHOLD, "factor": FACTOR, "timestep": TIMESTEP}
+LOW_CONFIDENCE, RANDOM, ENTROPY, MARGIN = 0, 1, 2, 3
+REMASKING_IDS = {"low_confidence": LOW_CONFIDENCE, "random": RANDOM, "entropy": ENTROPY, "margin": MARGIN}
+DREAM_EPS = 1e-3  # Dream's generation_config.eps: the last timestep of its schedule
 
 
 @dataclass
@@ -20,15 +26,21 @@ class RowParams:
     threshold: torch.Tensor
     factor: torch.Tensor
     temperature: torch.Tensor
-    seeds: List[Optional[int]]  # Gumbel seed per row, None when temperature == 0
+    remasking: torch.Tensor
+    first_position: torch.Tensor  # bool: the block's first step commits only its first position
+    seeds: List[Optional[int]]  # noise seed per row, None when the row draws no noise
 
     @classmethod
-    def build(cls, params: Sequence, seeds: Sequence[Optional[int]], device) -> "RowParams":
+    def build(cls, params: Sequence, seeds: Sequence[Optional[int]], device,
+              first_position_default: bool = False) -> "RowParams":
         f64 = dict(dtype=torch.float64, device=device)
+        first = [first_position_default if p.first_position is None else bool(p.first_position) for p in params]
         return cls(policy=torch.tensor([POLICY_IDS[p.policy] for p in params], device=device),
                    threshold=torch.tensor([float(p.threshold) for p in params], **f64),
                    factor=torch.tensor([float(p.factor) for p in params], **f64),
                    temperature=torch.tensor([float(p.temperature) for p in params], **f64),
+                   remasking=torch.tensor([REMASKING_IDS[p.remasking] for p in params], device=device),
+                   first_position=torch.tensor(first, dtype=torch.bool, device=device),
                    seeds=list(seeds))
 
 
@@ -37,6 +49,23 @@ def fixed_schedule(step: torch.Tensor, block_length: int, steps: int) -> torch.T
     the remainder. `step` [B] is each row's step index inside its block."""
     base, rem = divmod(block_length, steps)
     return base + (step < rem).long()
+
+
+def timestep_schedule(step: torch.Tensor, n_mask: torch.Tensor, steps: int) -> torch.Tensor:
+    """Dream's schedule: at step s, int(n * (1 - t_{s+1} / t_s)) of the n masks left,
+    t = linspace(1, eps, S+1) in float32 as Dream computes it; all of them at the last
+    step."""
+    t = torch.linspace(1, DREAM_EPS, steps + 1, device=step.device)
+    s = step.clamp(max=steps - 1)
+    k = (n_mask.float() * (1 - t[s + 1] / t[s])).long()
+    return torch.where(step >= steps - 1, n_mask, k)
+
+
+def step_cap(rp: RowParams, block_length: int, steps: int) -> torch.Tensor:
+    """[B] steps after which a row's block is committed whatever it holds: S for the
+    scheduled policies, max(S, L) for threshold and factor."""
+    scheduled = (rp.policy == FIXED) | (rp.policy == TIMESTEP)
+    return torch.where(scheduled, steps, max(steps, block_length))
 
 
 def _ranks(conf: torch.Tensor) -> torch.Tensor:
@@ -49,44 +78,70 @@ def _ranks(conf: torch.Tensor) -> torch.Tensor:
 
 def propose(logits: torch.Tensor, rp: RowParams, noise_keys: Optional[Sequence[Optional[int]]],
             need: torch.Tensor):
-    """Candidate tokens x0 [B, L] and their float64 softmax confidence [B, L] (0 where
-    `need` is False: only masked positions are ever selected, and the float64 softmax
-    over the vocabulary is the biggest host cost of a step). Rows at temperature > 0
-    take x0 from Gumbel-perturbed logits in float64 (as LLaDA's reference does), seeded
-    per row (`noise_keys`, None when no row samples) so a request's tokens do not depend
-    on its batch."""
+    """Candidate tokens x0 [B, L] and their float64 confidence [B, L] (0 where `need`
+    is False: only masked positions are ever selected, and the float64 softmax over
+    the vocabulary is the biggest host cost of a step). Rows at temperature > 0 take
+    x0 from Gumbel-perturbed logits in float64 (as LLaDA's reference does); rows with
+    random remasking draw their confidence; both from a generator seeded per row and
+    step (`noise_keys`, None when no row draws noise), so a request's tokens do not
+    depend on its batch."""
     x0 = logits.argmax(-1)  # float -> float64 is exact, so this is the float64 argmax
+    drawn = {}
     for i, key in enumerate(noise_keys or ()):
         if key is None:
             continue
-        lg = logits[i].to(torch.float64)
-        g = torch.Generator(device=lg.device).manual_seed(key)
-        noise = torch.rand(lg.shape, generator=g, dtype=torch.float64, device=lg.device)
-        x0[i] = (lg - rp.temperature[i] * torch.log(-torch.log(noise))).argmax(-1)
+        g = torch.Generator(device=logits.device).manual_seed(key)
+        if float(rp.temperature[i]) > 0:
+            lg = logits[i].to(torch.float64)
+            noise = torch.rand(lg.shape, generator=g, dtype=torch.float64, device=lg.device)
+            x0[i] = (lg - rp.temperature[i] * torch.log(-torch.log(noise))).argmax(-1)
+        if int(rp.remasking[i]) == RANDOM:
+            drawn[i] = torch.rand(x0.shape[1], generator=g, dtype=torch.float64, device=x0.device)
     idx = need.nonzero(as_tuple=True)
+    probs = torch.softmax(logits[idx].to(torch.float64), dim=-1)
+    rem = rp.remasking[idx[0]]
+    c = probs.gather(-1, x0[idx][:, None]).squeeze(-1)
+    if bool((rem == ENTROPY).any()):  # Dream's neg_entropy
+        c = torch.where(rem == ENTROPY, (probs * torch.log(probs + 1e-10)).sum(-1), c)
+    if bool((rem == MARGIN).any()):  # Dream's topk_margin
+        top2 = probs.topk(2, dim=-1).values
+        c = torch.where(rem == MARGIN, top2[:, 0] - top2[:, 1], c)
     conf = torch.zeros(x0.shape, dtype=torch.float64, device=x0.device)
-    conf[idx] = torch.softmax(logits[idx].to(torch.float64), dim=-1).gather(-1, x0[idx][:, None]).squeeze(-1)
+    conf[idx] = c
+    for i, r in drawn.items():
+        conf[i] = torch.where(need[i], r, conf[i])
     return x0, conf
 
 
 def select(conf: torch.Tensor, is_mask: torch.Tensor, step: torch.Tensor, rp: RowParams,
            block_length: int, steps: int) -> torch.Tensor:
     """Boolean [B, L]: positions to unmask this step."""
-    conf = torch.where(is_mask, conf, torch.full_like(conf, -1.0))
+    conf = torch.where(is_mask, conf, torch.full_like(conf, -torch.inf))
     rank = _ranks(conf)
-    has_mask = is_mask.any(1, keepdim=True)
+    n_mask = is_mask.sum(1)
     # fixed: the k_s most confident masked positions
     by_fixed = rank < fixed_schedule(step, block_length, steps)[:, None]
     # threshold: every confident position, at least the most confident one
     by_threshold = (conf >= rp.threshold[:, None]) | (rank == 0)
-    # factor (Fast-dLLM): the n-th most confident is taken while c_(n) >= 1 - f/(n+1)
+    # factor (get_transfer_index_dynamic): k = how many leading sorted confidences pass
+    # 1 - f/(n+1) (the first always passes); the reference then takes k, but 1 when
+    # k == 0 and all n masks when k >= n - 1
     sorted_conf = conf.sort(dim=1, descending=True).values
     n = torch.arange(1, conf.shape[1] + 1, device=conf.device, dtype=torch.float64)
-    need = 1.0 - rp.factor[:, None] / (n + 1.0)
-    need[:, 0] = -2.0
-    n_take = (sorted_conf >= need).long().cumprod(dim=1).sum(dim=1)
+    bar = 1.0 - rp.factor[:, None] / (n + 1.0)
+    bar[:, 0] = -1.0
+    k = (sorted_conf >= bar).long().cumprod(dim=1).sum(dim=1)
+    n_take = torch.where(k == 0, 1, torch.where(k >= n_mask - 1, n_mask, k))
     by_factor = rank < n_take[:, None]
+    by_timestep = rank < timestep_schedule(step, n_mask, steps)[:, None]
     pol = rp.policy[:, None]
-    sel = torch.where(pol == FIXED, by_fixed, torch.where(pol == THRESHOLD, by_threshold, by_factor))
-    last = (step >= steps - 1)[:, None]
-    return (sel | last) & is_mask & has_mask
+    sel = torch.where(pol == FIXED, by_fixed, torch.where(pol == THRESHOLD, by_threshold,
+                                                          torch.where(pol == FACTOR, by_factor, by_timestep)))
+    # scheduled policies fill the block by step S; threshold and factor run until it is
+    # full (at most L steps, one token at least per step), forced at step max(S, L) only
+    # if a model keeps proposing the mask token itself
+    last = (step >= step_cap(rp, block_length, steps) - 1)[:, None]
+    sel = sel | last
+    first = (rp.first_position & (step == 0))[:, None]
+    col0 = torch.arange(conf.shape[1], device=conf.device)[None] == 0
+    return torch.where(first, col0, sel) & is_mask

@@ -1,9 +1,10 @@
 """The BlockServe engine: requests in, block cycles over a mixed-state batch, outputs
 out. One `step()` is one block cycle for every active request, whatever its block
-index: rows are left-padded to the batch's bounding box so that every current block
-is the last L columns, and S denoising steps run one forward each for the whole
-batch. With `advance="step"` a request whose block is complete commits it and starts
-the next one at the very next step, and requests join and leave at any step.
+index: rows are left-padded to the batch's bounding box (each row's current block sits
+`tail` columns before its end: 0 under the block canvas, its masked later blocks under
+the full canvas), and the denoising steps run one forward each for the whole batch.
+With `advance="step"` a request whose block is complete commits it and starts the
+next one at the very next step, and requests join and leave at any step.
 
 Cache memory: with `cache` refresh or persistent, the K/V buffer holds one entry per
 cell of the batch box, so a token budget of N cells costs
@@ -21,7 +22,7 @@ from typing import Any, Dict, List, Optional, Sequence, Union
 import torch
 
 from .config import EngineConfig, SamplingParams
-from .decoding import propose, select
+from .decoding import propose, select, step_cap
 from .batch import Batch, grow_in_place, relayout
 from .models import DLLM, KVCache
 from .scheduler import make_scheduler
@@ -64,20 +65,28 @@ class EngineStats:
 FORWARD_OVERHEAD_CELLS = 256
 
 
-def catch_up_groups(need: List[int], floor: int) -> List[List[int]]:
+def catch_up_groups(need: List[int], floor: int, after: Optional[List[int]] = None) -> List[List[int]]:
     """Rows to bring up to date before the batch's forward, grouped by similar stretch.
 
-    `need[i]` is how many trailing columns row i must compute (at least `floor`, its
-    current block). One forward over rows with different needs pads each to the
-    largest, so rows with a long uncached stretch (just admitted, refreshing a
-    prefix, or with a committed block to cache) are forwarded first in sub-batches of
-    similar need, after which the batch's forward is `floor` wide for them. Picks the
-    split with the fewest computed cells (dynamic programming over rows sorted by need,
-    FORWARD_OVERHEAD_CELLS per extra forward); [] when one forward is cheapest."""
+    `need[i]` is how many columns row i must compute now (at least `floor`);
+    `after[i]` (default `floor`) how many it still computes in the batch's forward once
+    caught up (its block, and under the full canvas without dual cache its masked
+    suffix). One forward over rows with different needs pads each to the largest, so
+    rows with a long uncached stretch (just admitted, refreshing a prefix, or with a
+    committed block to cache) are forwarded first in sub-batches of similar need.
+    Picks the split with the fewest computed cells (dynamic programming over rows
+    sorted by need, FORWARD_OVERHEAD_CELLS per extra forward); [] when one forward is
+    cheapest."""
     n = len(need)
-    order = sorted((i for i in range(n) if need[i] > floor), key=lambda i: -need[i])
-    d = [need[i] for i in order] + [floor]
+    after = after if after is not None else [floor] * n
+    order = sorted((i for i in range(n) if need[i] > after[i]), key=lambda i: -need[i])
+    cand = set(order)
+    base = max([floor] + [need[i] for i in range(n) if i not in cand])
+    d = [need[i] for i in order] + [0]
     m = len(order)
+    caught_after = [0] * (m + 1)  # widest `after` among order[:k]
+    for k in range(1, m + 1):
+        caught_after[k] = max(caught_after[k - 1], after[order[k - 1]])
     # best[k]: fewest cells for rows order[:k] in sub-batches; cut[k]: where its last group starts
     best, cut = [0.0] + [float("inf")] * m, [0] * (m + 1)
     for k in range(1, m + 1):
@@ -85,7 +94,8 @@ def catch_up_groups(need: List[int], floor: int) -> List[List[int]]:
             c = best[j] + (k - j) * d[j] + FORWARD_OVERHEAD_CELLS
             if c < best[k]:
                 best[k], cut[k] = c, j
-    k = min(range(m + 1), key=lambda k: best[k] + n * d[k])  # the rest join the batch forward at width d[k]
+    # the rest join the batch forward, as wide as its widest row
+    k = min(range(m + 1), key=lambda k: best[k] + n * max(base, d[k], caught_after[k]))
     groups = []
     while k > 0:
         groups.append([order[i] for i in range(cut[k], k)])
@@ -118,6 +128,9 @@ class Engine:
         self._in_flight = 0
         self.batch: Optional[Batch] = None
         self._grown: set = set()  # rows that committed a block and start their next one
+        # canvas="auto": the full canvas where a masked suffix is visible (bidirectional models)
+        self.full_canvas = config.canvas == "full" or (config.canvas == "auto" and not self.mcfg.block_causal)
+        self.first_position = self.mcfg.model_type == "Dream"  # Dream's block decoding (SamplingParams)
 
     # --- requests -----------------------------------------------------------------
     def add_request(self, prompt: Prompt, params: SamplingParams = SamplingParams(),
@@ -128,9 +141,9 @@ class Engine:
             request_id = next(self._ids)
         ids, error = self._tokenize(prompt)
         stop = list(params.stop_token_ids) if params.stop_token_ids is not None else self.mcfg.stop_token_ids
-        req = Request(request_id, ids or [], params, self.cfg.block_length, stop)
+        req = Request(request_id, ids or [], params, self.cfg.block_length, stop, full_canvas=self.full_canvas)
         req.error = error or self._validate(req)
-        if params.temperature and params.temperature > 0:
+        if (params.temperature and params.temperature > 0) or params.remasking == "random":
             req.noise_seed = params.seed if params.seed is not None else random.getrandbits(62)
         with self._lock:
             self._in_flight += 1
@@ -222,25 +235,43 @@ class Engine:
         old = self.batch
         mid_block = set()
         if old is not None:
-            mid_block = {id(r) for r, s in zip(old.rows, old.step.tolist()) if s > 0 and id(r) not in self._grown}
-        rows = self.scheduler.schedule(can_preempt=lambda r: id(r) not in mid_block)
+            mid_block = {r for r, s in zip(old.rows, old.step.tolist()) if s > 0 and r not in self._grown}
+        rows = self.scheduler.schedule(can_preempt=lambda r: r not in mid_block)
         self.stats.active = len(rows)
         if not rows:
             self.batch = None
             return
-        same_rows = old is not None and [id(r) for r in rows] == [id(r) for r in old.rows]
+        same_rows = old is not None and len(rows) == len(old.rows) and all(a is b for a, b in zip(rows, old.rows))
         if not same_rows or self._grown:
             if not (same_rows and grow_in_place(
-                    old, self._grown, block_length=self.cfg.block_length, cache_mode=self.cfg.cache,
-                    mask_token_id=self.mcfg.mask_token_id, block_causal=self.mcfg.block_causal)):
-                self.batch = relayout(old, rows, self._grown,
-                                      mcfg=self.mcfg, block_length=self.cfg.block_length,
-                                      cache_mode=self.cfg.cache, dtype=self.model.dtype, device=self.device)
+                    old, self._grown, cache_mode=self.cfg.cache, mask_token_id=self.mcfg.mask_token_id,
+                    block_causal=self.mcfg.block_causal, full_canvas=self.full_canvas)):
+                self.batch = relayout(old, rows, self._grown, mcfg=self.mcfg, block_length=self.cfg.block_length,
+                                      cache_mode=self.cfg.cache, full_canvas=self.full_canvas,
+                                      first_position=self.first_position, dtype=self.model.dtype,
+                                      device=self.device)
             self._grown = set()
         cost = len(rows) * self.batch.width
         self.stats.budget_used = cost
         if self.batch_log is not None:
             self.batch_log.append(BatchRecord([r.request_id for r in rows], self.batch.width, cost))
+
+    def _windows(self, b: Batch):
+        """Per row, the query columns [q0, q1) a forward must compute now and [fresh, q1)
+        those whose K/V it stores. The block's L columns always (and the column before
+        it for Dream's shifted logits); without a cache the whole row; with one, what is
+        not final yet: the whole row at a block start under refresh/dual, the new
+        committed block under persistent, and the masked suffix under the full canvas
+        unless the dual cache keeps it."""
+        shift, L, W = int(self.mcfg.shift_logits), self.cfg.block_length, b.width
+        start, bs = b.start, b.block_start
+        q1 = torch.full_like(start, W)
+        if self.cfg.cache == "none":
+            return start, q1, start
+        fresh = start + b.cached
+        if self.cfg.cache == "dual":
+            q1 = torch.where(b.cached > 0, bs + L, q1)
+        return torch.minimum(fresh, bs - shift), q1, fresh
 
     def _denoise(self) -> torch.Tensor:
         """One denoising step for the whole batch; returns which rows' current block is
@@ -249,11 +280,17 @@ class Engine:
         (`catch_up_groups`), so the batch's forward stays about one block wide instead
         of padding every row to the longest."""
         b, L, S = self.batch, self.cfg.block_length, self.cfg.steps_per_block
-        mask_id, shift, W = self.mcfg.mask_token_id, int(self.mcfg.shift_logits), b.width
-        is_mask = b.ids[:, W - L:] == mask_id
+        mask_id = self.mcfg.mask_token_id
+        cols = b.block_cols()
+        block = b.ids.gather(1, cols)
+        is_mask = block == mask_id
         busy = is_mask.any(1)
-        if self.cfg.cache != "none":  # columns each row must compute: lens - cached
-            for group in catch_up_groups((b.lens - b.cached).tolist(), L + shift):
+        if self.cfg.cache != "none":
+            q0, q1, _ = self._windows(b)
+            shift = int(self.mcfg.shift_logits)
+            # once caught up, a row computes its block, and its suffix unless the dual cache holds it
+            after = L + shift + (torch.zeros_like(b.tail) if self.cfg.cache == "dual" else b.tail)
+            for group in catch_up_groups((q1 - q0).tolist(), L + shift, after.tolist()):
                 self._forward(torch.tensor(group, device=self.device))
         logits = self._forward()
 
@@ -262,52 +299,60 @@ class Engine:
         if any(s is not None for s in rp.seeds):
             keys = [None if seed is None else hash((seed, len(r.generated), st)) & (2**62 - 1)
                     for seed, r, st in zip(rp.seeds, b.rows, b.step.tolist())]
-        x0, conf = propose(logits[:, :L], rp, keys, is_mask)
+        x0, conf = propose(logits, rp, keys, is_mask)
         sel = select(conf, is_mask, b.step, rp, L, S)
-        b.ids[:, W - L:] = torch.where(sel, x0, b.ids[:, W - L:])
+        block = torch.where(sel, x0, block)
+        b.ids.scatter_(1, cols, block)
         b.step += 1
         b.busy_steps += busy.long()
         self.stats.steps += 1
-        return ~(b.ids[:, W - L:] == mask_id).any(1) | (b.step >= S)
+        return ~(block == mask_id).any(1) | (b.step >= step_cap(rp, L, S))
 
     def _forward(self, idx: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """Block logits [n, L + shift, V] for the rows `idx` (all rows when None). With a
-        cache only the columns whose K/V are not final are computed and written; the
-        window's other query columns are padding."""
+        """Block logits [n, L, V] for the rows `idx` (all rows when None), read for Dream
+        from the column before each position. With a cache only the columns whose K/V
+        are not final are computed and stored (`_windows`); the query's other columns
+        are padding. Rows' windows that all end at the box's edge are one slice of
+        columns; otherwise (dual cache mid-block) each row's columns are gathered."""
         b, L, shift, W = self.batch, self.cfg.block_length, int(self.mcfg.shift_logits), self.batch.width
         rows = (lambda t: t) if idx is None else (lambda t: t[idx])
-        start, ids, pos, mask = rows(b.start)[:, None], rows(b.ids), rows(b.positions()), rows(b.mask)
-        col = torch.arange(W, device=self.device)[None]
+        q0, q1, fresh = (rows(t) for t in self._windows(b))
+        start, bs, ids, pos, mask = rows(b.start), rows(b.block_start), rows(b.ids), rows(b.positions()), rows(b.mask)
+        T = int((q1 - q0).max())
+        first = q1 - T  # [n] each row's first query column, right-aligned at q1
+        contiguous = bool((q1 == W).all())
+        qcols = first[:, None] + torch.arange(T, device=self.device)[None]
+        qc = qcols.clamp(min=0)
+        real = qcols >= q0[:, None]
+        write = real & (qcols >= fresh[:, None])
+        at = bs[:, None] - shift - first[:, None] + torch.arange(L, device=self.device)[None]
+        if shift and self.cfg.cache != "none":  # Fast-dLLM's Dream: a cached step reads the
+            # block's first position (committed at the block's first step) from itself
+            at[:, 0] += rows(b.row_params.first_position & (b.step > 0)).long()
+        tokens = torch.where(real, ids.gather(1, qc), self.mcfg.pad_token_id)
+        qmask = mask if mask.shape[2] == 1 else mask.gather(2, qc[:, None, :, None].expand(-1, 1, -1, W))
         t0 = time.perf_counter()
         with torch.inference_mode():
             if self.cfg.cache == "none":
-                first, write = 0, col >= start
-                real = write
-                logits = self.model(ids, pos, mask, logits_last=L + shift)
+                logits = self.model(tokens, pos.gather(1, qc), qmask[..., W - T:], logits_at=at)
             else:
-                fresh = start + rows(b.cached)[:, None]  # first column whose K/V must be computed
-                need = torch.minimum(fresh, torch.full_like(fresh, W - L - shift))
-                first = int(need.min())
-                cols = col[:, first:]
-                write, real = cols >= fresh, (cols >= need) & (cols >= start)
-                cache = b.cache if idx is None else KVCache([k[idx] for k in b.cache.k], [v[idx] for v in b.cache.v])
-                logits = self.model(torch.where(real, ids[:, first:], self.mcfg.pad_token_id), pos[:, first:],
-                                    mask[:, :, first:] if mask.shape[2] > 1 else mask, cache, first,
-                                    logits_last=L + shift, write=None if bool(write.all()) else write)
+                logits = self.model(tokens, pos.gather(1, qc), qmask, b.cache, W - T,
+                                    write=None if bool(write.all()) else write, rows=idx,
+                                    cols=None if contiguous else qc, logits_at=at)
+                prefix = bs - start  # everything before the block is final now
                 if idx is None:
-                    b.cached = b.lens - L
+                    b.cached = prefix
                 else:
-                    for dst, src in zip(b.cache.k + b.cache.v, cache.k + cache.v):
-                        dst.index_copy_(0, idx, src)
-                    b.cached[idx] = b.lens[idx] - L
+                    b.cached[idx] = prefix
             if self.device.type == "cuda":
                 torch.cuda.synchronize()
         self.stats.forward_s += time.perf_counter() - t0
-        cells, n_real = ids.shape[0] * (W - first), int(real.sum())
+        cells, n_real = ids.shape[0] * T, int(real.sum())
         self.stats.forwards += 1
         self.stats.computed_cells += cells
         self.stats.padded_cells += cells - n_real
-        fwd = (write & (col[:, first:] - start < rows(b.prompt_len)[:, None])).sum(1)
+        counted = write if self.cfg.cache != "none" else real
+        fwd = (counted & (qcols - start[:, None] < rows(b.prompt_len)[:, None])).sum(1)
         if idx is None:
             b.prompt_fwd += fwd
         else:
@@ -331,7 +376,7 @@ class Engine:
         rows_i = torch.nonzero(done & ~b.frozen).flatten().tolist()
         if not rows_i:
             return
-        blocks = b.ids[rows_i, b.width - L:]
+        blocks = b.ids.gather(1, b.block_cols())[rows_i]
         rows = [b.rows[i] for i in rows_i]
         stops = sorted({t for r in rows for t in r.stop_ids})
         stop_hit = torch.zeros_like(blocks, dtype=torch.bool)
@@ -351,7 +396,7 @@ class Engine:
             elif fs >= 0 or len(r.generated) >= r.num_blocks_needed * L:
                 self._finish(r, "length", g)
             else:
-                self._grown.add(id(r))
+                self._grown.add(r)
                 continue
             b.frozen[i] = self.scheduler.is_frozen(r)  # a static batch keeps the finished row
 

@@ -23,8 +23,10 @@ class RequestOutput:
     prompt_tokens_forwarded: int = 0  # how often the prompt was computed (cache accounting)
 
 
-@dataclass
+@dataclass(eq=False)
 class Request:
+    """Identity semantics (eq=False): the engine keys sets and dicts on the request itself."""
+
     request_id: Any
     prompt: List[int]
     params: SamplingParams
@@ -37,6 +39,7 @@ class Request:
     error: Optional[str] = None
     noise_seed: Optional[int] = None  # Gumbel seed when temperature > 0
     prompt_forwarded: int = 0  # prompt tokens forwarded over the request's life (cache accounting)
+    full_canvas: bool = False  # the row holds all its blocks from admission (EngineConfig.canvas)
 
     @property
     def prompt_len(self) -> int:
@@ -52,8 +55,14 @@ class Request:
 
     @property
     def width(self) -> int:
-        """Row width while denoising the current block: prompt + committed + one block."""
-        return self.prompt_len + len(self.generated) + self.block_length
+        """Columns the row occupies: prompt + committed + current block, and under the
+        full canvas the still-masked later blocks too (then fixed from admission)."""
+        return self.final_width if self.full_canvas else self.prompt_len + len(self.generated) + self.block_length
+
+    @property
+    def tail(self) -> int:
+        """Columns after the current block (the masked suffix of the full canvas)."""
+        return self.width - self.prompt_len - len(self.generated) - self.block_length
 
     @property
     def final_width(self) -> int:

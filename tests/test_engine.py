@@ -1,6 +1,7 @@
 """Engine core: batched decoding gives exactly the tokens of decoding alone (float64),
 the scheduler respects its budget, bad requests fail alone, and the loader reads real
 checkpoint layouts."""
+import dataclasses
 import random
 
 import pytest
@@ -109,8 +110,13 @@ def reference_generate(model, prompt, params, block_length, steps):
 
 @pytest.mark.parametrize("policy", ["fixed", "threshold"])
 def test_engine_matches_reference_decoder(model, policy):
+    """The block canvas (BlockServe's box) without Dream's first-position rule: the
+    semantics this reference was written for (tests/test_reference_decoding.py covers
+    the full canvas against the published algorithms)."""
     prompts, params = workload(model.config.model_type, policy, n=8, seed=2)
-    cfg = EngineConfig(block_length=L, steps_per_block=2 if policy == "fixed" else L, cache="none", token_budget=400)
+    params = [dataclasses.replace(sp, first_position=False) for sp in params]
+    cfg = EngineConfig(block_length=L, steps_per_block=2 if policy == "fixed" else L, cache="none", token_budget=400,
+                       canvas="block")
     outs = Engine(model, cfg).generate(prompts, params)
     for o, p, sp in zip(outs, prompts, params):
         assert o.token_ids == reference_generate(model, p, sp, L, cfg.steps_per_block)
@@ -140,8 +146,8 @@ def test_scheduler_respects_budget_and_evicts_at_block_boundary(model):
 def test_growth_over_budget_preempts_and_stays_exact(model):
     prompts, params = workload(model.config.model_type, "threshold", n=12, seed=4)
     params = [SamplingParams(max_new_tokens=6 * L, threshold=0.3, stop_token_ids=[]) for _ in prompts]
-    budget = 150
-    cfg = EngineConfig(block_length=L, steps_per_block=L, cache="refresh", token_budget=budget)
+    budget = 150  # rows grow only under the block canvas (a full-canvas row is as wide as it will be)
+    cfg = EngineConfig(block_length=L, steps_per_block=L, cache="refresh", token_budget=budget, canvas="block")
     eng = Engine(model, cfg, record_batches=True)
     outs = eng.generate(prompts, params)
     assert eng.scheduler.preemptions > 0

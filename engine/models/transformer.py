@@ -66,6 +66,34 @@ class KVCache:
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.k + self.v)
 
+    def attend(self, layer: int, k: torch.Tensor, v: torch.Tensor, offset: int, width: int,
+               write: Optional[torch.Tensor], rows: Optional[torch.Tensor], cols: Optional[torch.Tensor]):
+        """Store a forward's K/V [n, H_kv, T, D] and return the keys and values it attends
+        to ([n, H_kv, width, D]). The T query columns are [offset, offset+T) of every row,
+        or `cols` [n, T] per row; the forward's rows are all of the cache's, or `rows`
+        (then the attended K/V are a one-layer gathered copy, never the whole cache).
+        Only columns where `write` [n, 1, T, 1] holds are stored; the others keep the
+        K/V already cached (padding, or columns whose K/V are final)."""
+        K, V = self.k[layer], self.v[layer]
+        if rows is None and cols is None:
+            ck, cv = K[:, :, offset:offset + k.shape[2]], V[:, :, offset:offset + k.shape[2]]
+            if write is not None:
+                k, v = torch.where(write, k, ck), torch.where(write, v, cv)
+            ck.copy_(k)
+            cv.copy_(v)
+            return K[:, :, :width], V[:, :, :width]
+        n, T = k.shape[0], k.shape[2]
+        r = (rows if rows is not None else torch.arange(n, device=k.device))[:, None]
+        c = cols if cols is not None else torch.arange(offset, offset + T, device=k.device)[None].expand(n, T)
+        kt, vt = k.transpose(1, 2), v.transpose(1, 2)  # [n, T, H_kv, D], the layout of K[r, :, c]
+        if write is not None:
+            w = write.reshape(n, T, 1, 1)
+            kt, vt = torch.where(w, kt, K[r, :, c]), torch.where(w, vt, V[r, :, c])
+        K[r, :, c] = kt
+        V[r, :, c] = vt
+        r = r[:, 0]
+        return K[r, :, :width], V[r, :, :width]
+
 
 class Layer(nn.Module):
     def __init__(self, cfg: ModelConfig):
@@ -83,7 +111,8 @@ class Layer(nn.Module):
         self.down = nn.Linear(f, d, bias=b)
 
     def forward(self, h, cos, sin, mask, cache: Optional[KVCache], idx: int, offset: int,
-                write: Optional[torch.Tensor] = None):
+                write: Optional[torch.Tensor] = None, rows: Optional[torch.Tensor] = None,
+                cols: Optional[torch.Tensor] = None):
         B, T, _ = h.shape
         H, Hkv, D = self.cfg.n_heads, self.cfg.n_kv_heads, self.cfg.head_dim
         x = self.attn_norm(h)
@@ -93,12 +122,7 @@ class Layer(nn.Module):
         q = q * cos + _rotate_half(q) * sin
         k = k * cos + _rotate_half(k) * sin
         if cache is not None:
-            ck, cv = cache.k[idx][:, :, offset:offset + T], cache.v[idx][:, :, offset:offset + T]
-            if write is not None:  # columns not written keep the K/V already cached
-                k, v = torch.where(write, k, ck), torch.where(write, v, cv)
-            ck.copy_(k)
-            cv.copy_(v)
-            k, v = cache.k[idx][:, :, :mask.shape[-1]], cache.v[idx][:, :, :mask.shape[-1]]
+            k, v = cache.attend(idx, k, v, offset, mask.shape[-1], write, rows, cols)
         a = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=Hkv != H)
         h = h + self.o(a.transpose(1, 2).reshape(B, T, H * D))
         x = self.mlp_norm(h)
@@ -128,20 +152,26 @@ class DLLM(nn.Module):
 
     def forward(self, ids: torch.Tensor, pos: torch.Tensor, mask: torch.Tensor,
                 cache: Optional[KVCache] = None, offset: int = 0,
-                logits_last: Optional[int] = None, write: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """ids/pos [B, T]; mask bool [B, 1, T, K] (True = may attend) where K = T without a
+                logits_last: Optional[int] = None, write: Optional[torch.Tensor] = None,
+                rows: Optional[torch.Tensor] = None, cols: Optional[torch.Tensor] = None,
+                logits_at: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """ids/pos [B, T]; mask bool [B, 1, T|1, K] (True = may attend) where K = T without a
         cache, or the number of cache columns attended with one. With a cache, this
-        forward's K/V land in columns [offset, offset+T), only where `write` [B, T] is
-        True when it is given (the other columns are padding or already cached). Logits only for the last
-        `logits_last` columns (the LM head over every column is the biggest waste)."""
+        forward's K/V land in columns [offset, offset+T) (or `cols` [B, T]) of the cache
+        rows `rows` (all when None), only where `write` [B, T] is True when it is given
+        (the other columns are padding or already cached). Logits only for the last
+        `logits_last` columns, or the query columns `logits_at` [B, n] (the LM head over
+        every column is the biggest waste)."""
         h = self.embed(ids)
         cos, sin = rope(pos, self.config.head_dim, self.config.rope_theta, h.dtype)
         if write is not None:
             write = write[:, None, :, None]
         for i, layer in enumerate(self.layers):
-            h = layer(h, cos, sin, mask, cache, i, offset, write)
+            h = layer(h, cos, sin, mask, cache, i, offset, write, rows, cols)
         if logits_last is not None:
             h = h[:, -logits_last:]
+        elif logits_at is not None:
+            h = h.gather(1, logits_at[..., None].expand(-1, -1, h.shape[-1]))
         h = self.norm(h)
         logits = F.linear(h, self.embed.weight) if self.lm_head is None else self.lm_head(h)
         return logits[..., : self.config.vocab_size]
