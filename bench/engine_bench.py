@@ -58,6 +58,7 @@ class Plan:
     cache: str = "refresh"
     repeats: int = 1
     advance: str = "block"  # blockserve's advance mode (the baselines run in lock step either way)
+    canvas: str = "auto"  # every run's canvas, baselines included (variants may override)
 
 
 def machine_info(threads: int) -> Dict[str, object]:
@@ -97,17 +98,22 @@ def build_workload(args) -> Workload:
     return tiny_eval(spec)
 
 
-def variant_spec(kind: str, budget: int, cache: str, label_budget: str) -> RunSpec:
-    """`kind` is "+"-joined: a cache mode (none, refresh, persistent) and/or an advance
-    mode (block, step)."""
+VARIANT_PARTS = {"none": "cache", "refresh": "cache", "persistent": "cache", "dual": "cache",
+                 "block": "advance", "step": "advance", "canvas-block": "canvas", "canvas-full": "canvas"}
+
+
+def variant_spec(kind: str, budget: int, cache: str, label_budget: str, canvas: str = "auto") -> RunSpec:
+    """`kind` is "+"-joined: a cache mode (none, refresh, persistent, dual), an advance
+    mode (block, step) and/or a canvas (canvas-block, canvas-full)."""
     parts = kind.split("+")
-    bad = [p for p in parts if p not in ("none", "refresh", "persistent", "step", "block")]
+    bad = [p for p in parts if p not in VARIANT_PARTS]
     if bad or not parts:
-        raise ValueError(f"unknown variant {kind!r}: join a cache mode (none, refresh, persistent) and/or an "
-                         "advance mode (block, step) with +")
-    caches = [p for p in parts if p not in ("step", "block")]
-    return RunSpec(f"blockserve+{kind}@{label_budget}", "blockserve", budget, cache=caches[0] if caches else cache,
-                   advance="step" if "step" in parts else "block")
+        raise ValueError(f"unknown variant {kind!r}: join a cache mode (none, refresh, persistent, dual), an advance "
+                         "mode (block, step) and/or a canvas (canvas-block, canvas-full) with +")
+    pick = {VARIANT_PARTS[p]: p for p in parts}
+    return RunSpec(f"blockserve+{kind}@{label_budget}", "blockserve", budget, cache=pick.get("cache", cache),
+                   advance=pick.get("advance", "block"),
+                   canvas=pick["canvas"].split("-")[1] if "canvas" in pick else canvas)
 
 
 def run_plan(w: Workload, plan: Plan, log=print) -> List[RunResult]:
@@ -133,15 +139,16 @@ def run_plan(w: Workload, plan: Plan, log=print) -> List[RunResult]:
         for kind, arg in items:
             if kind == "sequential":
                 spec = RunSpec("sequential", "sequential", widest, max_batch_size=1, cache=plan.cache,
-                               n_requests=plan.sequential_requests)
+                               n_requests=plan.sequential_requests, canvas=plan.canvas)
             elif kind == "static":
-                spec = RunSpec(f"static-B{arg}", "static", widest, max_batch_size=arg, cache=plan.cache)
+                spec = RunSpec(f"static-B{arg}", "static", widest, max_batch_size=arg, cache=plan.cache,
+                               canvas=plan.canvas)
             elif kind == "blockserve":
                 spec = RunSpec(f"blockserve@B{arg}", "blockserve", budgets[arg], cache=plan.cache,
-                               advance=plan.advance)
+                               advance=plan.advance, canvas=plan.canvas)
             else:
                 v, b = arg
-                spec = variant_spec(v, budgets[b], plan.cache, f"B{b}")
+                spec = variant_spec(v, budgets[b], plan.cache, f"B{b}", plan.canvas)
             res = run(w, spec)
             if kind == "static":
                 budgets.setdefault(arg, max(res.peak_cost, widest))
@@ -187,11 +194,15 @@ def ratios(summary: Dict[str, Dict[str, object]], sizes: List[int], key: str = "
             out[f"blockserve@B{b}/sequential"] = r(bs, seq)
     for label, s in summary.items():
         if label.startswith("blockserve+"):
+            b = label.split("@B")[-1]
             if seq:
                 out[f"{label}/sequential"] = r(s, seq)
-            st = summary.get(f"static-B{label.split('@B')[-1]}")
+            st = summary.get(f"static-B{b}")
             if st:
                 out[f"{label}/static"] = r(s, st)
+            main = summary.get(f"blockserve@B{b}")
+            if main:  # e.g. the cost of the full canvas: blockserve@B16 / blockserve+canvas-block@B16
+                out[f"blockserve@B{b}/{label}"] = r(main, s)
     return out
 
 
@@ -282,7 +293,8 @@ def plot(path: str, report: Dict[str, object]) -> None:
         head += "\nCPU time: " + ", ".join(f"{k} {v:.2f}x" for k, v in report["ratios_cpu_time"].items()
                                             if "+" not in k)
     fig.suptitle(f"{report['workload']['name']}: {n_all} requests; {m['processor']}, {m['cpu_count']} CPUs, "
-                 f"torch {m['torch']} ({m['torch_threads']} threads); cache {report['decoding']['cache']}; "
+                 f"torch {m['torch']} ({m['torch_threads']} threads); cache {report['decoding']['cache']}, "
+                 f"canvas {'/'.join(report['decoding'].get('canvas', ['block']))}; "
                  f"blockserve advance {report['decoding'].get('blockserve_advance', 'block')}\n{head}",
                  fontsize=9)
     fig.tight_layout()
@@ -300,8 +312,12 @@ def parse_args(argv=None):
                     help="sequential serves only the first N requests (default: skewed 48, tiny-eval all; 0 = skip)")
     ap.add_argument("--n-requests", type=int, default=None)
     ap.add_argument("--variants", default="",
-                    help="extra blockserve runs at the middle budget, e.g. step,persistent,persistent+step")
-    ap.add_argument("--cache", default="refresh", choices=["none", "refresh", "persistent"])
+                    help="extra blockserve runs at the middle budget, e.g. step,persistent,persistent+step,"
+                         "canvas-block (the same cache and advance on the other canvas)")
+    ap.add_argument("--cache", default="refresh", choices=["none", "refresh", "persistent", "dual"],
+                    help="every run's cache (the static baseline's too)")
+    ap.add_argument("--canvas", default="auto", choices=["auto", "block", "full"],
+                    help="every run's canvas (auto: full for bidirectional models, block for block-causal ones)")
     ap.add_argument("--advance", default="block", choices=["block", "step"], help="blockserve's advance mode")
     ap.add_argument("--repeats", type=int, default=1, help="rounds; odd rounds run the list backwards")
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
@@ -328,7 +344,7 @@ def main(argv=None) -> Dict[str, object]:
     if seq_n is None:
         seq_n = (4 if args.smoke else 48) if args.workload == "skewed" else None
     plan = Plan(sizes, seq_n, [v for v in args.variants.split(",") if v], cache=args.cache, repeats=args.repeats,
-                advance=args.advance)
+                advance=args.advance, canvas=args.canvas)
     git = git_state()  # before the runs: the engine files may change on disk while they go
     w = build_workload(args)
     print(f"workload {w.name}: {len(w.prompts)} requests; plan {plan}", flush=True)
@@ -345,6 +361,7 @@ def main(argv=None) -> Dict[str, object]:
         "decoding": {"block_length": w.block_length, "steps_per_block": w.steps_per_block,
                      "policy": w.params[0].policy, "threshold": w.params[0].threshold,
                      "max_new_tokens": w.params[0].max_new_tokens, "cache": plan.cache,
+                     "canvas": sorted({r.canvas for r in results if r.label.count("+") == 0}),
                      "blockserve_advance": plan.advance},
         "plan": plan.__dict__,
         "schedulers": summary,

@@ -36,11 +36,12 @@ class RunSpec:
     cache: str = "refresh"
     advance: str = "block"
     n_requests: Optional[int] = None  # run only the first n requests (sequential is slow)
+    canvas: str = "auto"
 
     def engine_config(self, w: Workload) -> EngineConfig:
         return EngineConfig(block_length=w.block_length, steps_per_block=w.steps_per_block, cache=self.cache,
                             token_budget=self.token_budget, scheduler=self.scheduler,
-                            max_batch_size=self.max_batch_size, advance=self.advance)
+                            max_batch_size=self.max_batch_size, advance=self.advance, canvas=self.canvas)
 
 
 @dataclass
@@ -49,6 +50,7 @@ class RunResult:
     scheduler: str
     cache: str
     advance: str
+    canvas: str  # as resolved by the engine: block or full
     token_budget: int
     max_batch_size: int
     requests: int
@@ -153,7 +155,7 @@ def run(w: Workload, spec: RunSpec, deadline_s: Optional[float] = None) -> RunRe
         idle = (m1["idle_row_columns"] - m0["idle_row_columns"]) / cols if cols else 0.0
     return RunResult(
         label=spec.label, scheduler=spec.scheduler, cache=spec.cache, advance=spec.advance,
-        token_budget=spec.token_budget, max_batch_size=spec.max_batch_size, requests=len(done), tokens=tokens,
+        canvas="full" if eng.full_canvas else "block", token_budget=spec.token_budget, max_batch_size=spec.max_batch_size, requests=len(done), tokens=tokens,
         wall_s=wall, tokens_per_s=tokens / wall, requests_per_s=len(done) / wall, cpu_s=cpu,
         tokens_per_cpu_s=tokens / cpu if cpu else 0.0, forward_s=st.forward_s,
         forward_fraction=st.forward_s / wall, host_overhead=1.0 - st.forward_s / wall,
@@ -178,7 +180,8 @@ def warmup(w: Workload, n: int = 4) -> None:
 
 
 def _widest(w: Workload) -> int:
-    """Largest final row width of the workload's requests (prompt + all blocks)."""
+    """Largest final row width of the workload's requests (prompt + all blocks): the
+    widest row under either canvas."""
     tok = w.tokenizer
     lens = [len(p) if not isinstance(p, str) else len(tok(p, add_special_tokens=False)["input_ids"])
             for p in w.prompts]

@@ -10,7 +10,7 @@ deliberately conservative (every term is an upper bound on what the engine alloc
 
     weights + A * (kv + activations) + rows * L * logit_cell + margin  <=  free
     kv          = copies * 2 * n_layers * n_kv_heads * head_dim * bytes
-    copies      = 2 with a cache (refresh, persistent), 0 with none: a re-layout builds
+    copies      = 2 with a cache (refresh, dual, persistent), 0 with none: a re-layout builds
                   the new buffer while the old one is alive, and a sub-batch forward
                   works on a gathered copy of its rows' K/V
     activations = one layer's transients: (4 f + 12 d + 6 kv_dim) * bytes + 8 d (float32 norms)
@@ -33,7 +33,7 @@ import torch
 
 from .models import ModelConfig
 
-KV_COPIES = {"none": 0, "refresh": 2, "persistent": 2}  # live K/V buffers at the peak (see module doc)
+KV_COPIES = {"none": 0, "refresh": 2, "dual": 2, "persistent": 2}  # live K/V buffers at the peak (see module doc)
 
 
 def dtype_bytes(dtype: torch.dtype) -> int:

@@ -217,7 +217,8 @@ def calibrate_cost_model(cfg: DLLMProcessorConfig, prompts: Sequence[Sequence[in
                                                                                 max_new_tokens=max_new_tokens)
         samples: List[Tuple[float, float]] = []
         # warm-up on a throwaway engine
-        Engine(model, cfg.engine).generate([list(prompts[0])], params)
+        warm = Engine(model, cfg.engine)
+        warm.generate([list(prompts[0])], params)
         sizes = sorted({1, max(1, len(prompts) // 4), max(1, len(prompts) // 2), len(prompts)})
         start = 0
         for size in sizes:
@@ -245,7 +246,8 @@ def calibrate_cost_model(cfg: DLLMProcessorConfig, prompts: Sequence[Sequence[in
     b = fit.b if fit.b > 0 else max(float(np.mean([t for _, t in samples])) / max(
         float(np.mean([c for c, _ in samples])), 1.0) * 1e-3, 1e-12)
     cm = CostModel(a=a, b=b, block_length=cfg.engine.block_length, concurrency=conc,
-                   steps_per_block=cfg.engine.steps_per_block, cache=cfg.engine.cache)
+                   steps_per_block=cfg.engine.steps_per_block, cache=cfg.engine.cache,
+                   full_canvas=warm.full_canvas)
     return cm, {"a": fit.a, "b": fit.b, "rmse": fit.rmse, "n": fit.n, "concurrency": conc,
                 "clamped": (a != fit.a) or (b != fit.b), "used_a": a, "used_b": b}
 

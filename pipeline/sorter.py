@@ -342,7 +342,10 @@ class CostModel:
     with ``refresh`` the first step of block b runs the row's ``w_b = p + (b+1) L``
     columns and the other S-1 steps its L block columns; ``none`` runs the whole row
     on every step; ``persistent`` computes each token's K/V once (prompt, then every
-    block) besides the S block steps.
+    block) besides the S block steps; ``dual`` is ``refresh`` under the block canvas.
+    Under the full canvas (``full_canvas``) a row is ``w = p + K L`` wide from the
+    start: ``none`` runs w per step, ``refresh`` w at a block's first step and then the
+    block and the masked suffix behind it, ``dual`` w and then the block alone.
     """
 
     a: float
@@ -351,6 +354,7 @@ class CostModel:
     concurrency: float = 1.0
     steps_per_block: int = 1
     cache: str = "refresh"
+    full_canvas: bool = False
 
     @classmethod
     def from_fit(cls, fit: CycleFit, block_length: int, concurrency: float = 1.0, steps_per_block: int = 1,
@@ -362,6 +366,13 @@ class CostModel:
         """Query cells forwarded over a request's life (vectorised)."""
         p, K = np.asarray(prompt_len, dtype=np.float64), np.asarray(blocks, dtype=np.float64)
         L, S = float(self.block_length), float(self.steps_per_block)
+        if self.full_canvas:
+            w = p + K * L
+            if self.cache == "none":
+                return K * S * w
+            if self.cache == "dual":
+                return K * w + K * (S - 1) * L
+            return K * w + (S - 1) * (K * L + L * K * (K - 1) / 2.0)  # block + suffix behind it
         sum_w = K * p + L * K * (K + 1) / 2.0
         if self.cache == "none":
             return S * sum_w

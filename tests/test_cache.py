@@ -49,11 +49,12 @@ def test_persistent_is_exact_for_block_causal(models, name, advance):
 
 
 @pytest.mark.parametrize("name", list(MODELS))
-@pytest.mark.parametrize("cache", ["none", "refresh", "persistent"])
-def test_step_advance_gives_the_tokens_of_block_advance(models, name, cache):
+@pytest.mark.parametrize("cache", ["none", "refresh", "persistent", "dual"])
+@pytest.mark.parametrize("canvas", ["block", "full"])
+def test_step_advance_gives_the_tokens_of_block_advance(models, name, cache, canvas):
     prompts, params = workload(MODELS[name][1], seed=1)
-    by_block, _ = run(models[name], prompts, params, cache=cache, advance="block")
-    by_step, eng = run(models[name], prompts, params, cache=cache, advance="step")
+    by_block, _ = run(models[name], prompts, params, cache=cache, advance="block", canvas=canvas)
+    by_step, eng = run(models[name], prompts, params, cache=cache, advance="step", canvas=canvas)
     for a, b in zip(by_block, by_step):
         assert (a.token_ids, a.finish_reason, a.num_blocks, a.num_steps) == (b.token_ids, b.finish_reason,
                                                                                b.num_blocks, b.num_steps)
@@ -113,3 +114,18 @@ def test_rows_growing_inside_the_box_stay_exact(models, name, cache, monkeypatch
     assert sum(in_place) >= 3
     for o, r in zip(outs, ref):
         assert (o.token_ids, o.finish_reason, o.num_blocks) == (r.token_ids, r.finish_reason, r.num_blocks)
+
+
+@pytest.mark.parametrize("name", ["llada-block-causal", "Dream-block-causal"])
+@pytest.mark.parametrize("cache", ["none", "refresh", "dual", "persistent"])
+def test_block_causal_models_ignore_the_masked_suffix(models, name, cache):
+    """A block-causal block never sees later blocks, so the full canvas gives the block
+    canvas's tokens (which is why canvas="auto" picks the cheaper block canvas there)."""
+    prompts, params = workload(MODELS[name][1], seed=5)
+    by_block, eng = run(models[name], prompts, params, cache=cache, canvas="block", advance="step")
+    by_full, eng_full = run(models[name], prompts, params, cache=cache, canvas="full", advance="step")
+    assert not eng.full_canvas and eng_full.full_canvas
+    assert Engine(models[name], EngineConfig(block_length=L, steps_per_block=L)).full_canvas is False  # auto
+    for a, b in zip(by_block, by_full):
+        assert (a.token_ids, a.finish_reason, a.num_blocks) == (b.token_ids, b.finish_reason, b.num_blocks)
+    assert eng_full.stats.computed_cells > eng.stats.computed_cells or cache == "dual"

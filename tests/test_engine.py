@@ -39,14 +39,15 @@ def alone(model, cfg, prompt, params):
     return Engine(model, EngineConfig(**{**cfg.__dict__, "scheduler": "sequential"})).generate([prompt], [params])[0]
 
 
-@pytest.mark.parametrize("cache", ["none", "refresh"])
+@pytest.mark.parametrize("canvas", ["block", "full"])
+@pytest.mark.parametrize("cache", ["none", "refresh", "dual"])
 @pytest.mark.parametrize("policy", ["fixed", "threshold"])
-def test_batched_equals_alone(model, cache, policy):
+def test_batched_equals_alone(model, cache, policy, canvas):
     prompts, params = workload(model.config.model_type, policy)
     results = {}
     for sched in ["blockserve", "static", "sequential"]:
         cfg = EngineConfig(block_length=L, steps_per_block=L, cache=cache, token_budget=240,
-                           scheduler=sched, max_batch_size=6)
+                           scheduler=sched, max_batch_size=6, canvas=canvas)
         eng = Engine(model, cfg, record_batches=True)
         results[sched] = eng.generate(prompts, params)
         if sched == "blockserve":

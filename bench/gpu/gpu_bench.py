@@ -156,6 +156,8 @@ def ratios(runs: List[Dict[str, Any]]) -> Dict[str, float]:
         b = label.split("@B")[-1] if "@B" in label else None
         if b and f"static-B{b}" in by:
             out[f"{label}/static-B{b}"] = r["tokens_per_s"] / by[f"static-B{b}"]["tokens_per_s"]
+        if b and label.startswith("blockserve+") and f"blockserve@B{b}" in by:
+            out[f"blockserve@B{b}/{label}"] = by[f"blockserve@B{b}"]["tokens_per_s"] / r["tokens_per_s"]
     return out
 
 
@@ -168,6 +170,10 @@ def parse_args(argv=None):
     ap.add_argument("--sequential-requests", type=int, default=None)
     ap.add_argument("--static-batch-sizes", default=None, help="comma list (default 32,8; smoke 2)")
     ap.add_argument("--max-rows", type=int, default=None, help="blockserve's cap on active rows (logits memory)")
+    ap.add_argument("--canvas", default="full", choices=["auto", "block", "full"],
+                    help="every run's canvas (default full: what LLaDA's and Fast-dLLM's users decode)")
+    ap.add_argument("--cache", default="dual", choices=["none", "refresh", "persistent", "dual"],
+                    help="every run's cache (default dual: Fast-dLLM's fastest)")
     return ap.parse_args(argv)
 
 
@@ -211,14 +217,15 @@ def main(argv=None) -> Dict[str, Any]:
     rep.data["workload"] = {"name": w.name, "n_requests": len(w.prompts), **w.info}
     rep.data["decoding"] = {"block_length": w.block_length, "steps_per_block": w.steps_per_block,
                             "policy": "threshold", "threshold": spec.threshold,
-                            "max_new_tokens": w.params[0].max_new_tokens}
+                            "max_new_tokens": w.params[0].max_new_tokens, "canvas": args.canvas,
+                            "cache": args.cache}
     free = torch.cuda.mem_get_info()[0] if device == "cuda" else 64 << 30
-    plan = plan_token_budget(free, cfg, dtype, "refresh", w.block_length, weights_loaded=True,
+    plan = plan_token_budget(free, cfg, dtype, args.cache, w.block_length, weights_loaded=True,
                              min_prompt_len=spec.prompt_min, max_batch_size=max_rows)
     rep.data["auto_budget"] = plan.as_dict()
     rep.data["modes_unsupported"] = unsupported_modes({"persistent": ("persistent", "block"),
                                                        "persistent+step": ("persistent", "step"),
-                                                       "step": ("refresh", "step")})
+                                                       "step": ("refresh", "step"), "dual": ("dual", "block")})
     warmup(w, n=2)
     rep.save()
 
@@ -226,32 +233,35 @@ def main(argv=None) -> Dict[str, Any]:
     pk = peak["flops_per_s"]
     budgets: Dict[int, int] = {}
     main_b = sizes[0]
+    same = dict(cache=args.cache, canvas=args.canvas)  # the baselines decode exactly as blockserve does
     queue: List[tuple] = [("static", main_b), ("blockserve", main_b), ("sequential", None)]
-    # step advance first among the variants: on CPU it is blockserve's best mode at equal decoding
-    queue += [("variant", v) for v in ("step", "persistent", "persistent+step") if v not in rep.data["modes_unsupported"]]
+    # step advance first among the variants: on CPU it is blockserve's best mode at equal decoding;
+    # then the cost of the full canvas (the same cache on the block canvas)
+    variants = ["step", "canvas-block"] + (["persistent", "persistent+step"] if args.canvas == "block" else [])
+    queue += [("variant", v) for v in variants if v not in rep.data["modes_unsupported"]]
     for b in sizes[1:]:
         queue += [("static", b), ("blockserve", b)]
     queue.append(("auto", None))
     for kind, arg in queue:
         if kind == "static":
-            spec_r = RunSpec(f"static-B{arg}", "static", widest, max_batch_size=arg)
+            spec_r = RunSpec(f"static-B{arg}", "static", widest, max_batch_size=arg, **same)
         elif kind == "blockserve":
             if arg not in budgets:
                 rep.data["skipped"].append({"label": f"blockserve@B{arg}", "why": "static run did not finish"})
                 continue
-            spec_r = RunSpec(f"blockserve@B{arg}", "blockserve", budgets[arg], max_batch_size=max_rows)
+            spec_r = RunSpec(f"blockserve@B{arg}", "blockserve", budgets[arg], max_batch_size=max_rows, **same)
         elif kind == "sequential":
-            spec_r = RunSpec("sequential", "sequential", widest, max_batch_size=1, n_requests=n_seq)
+            spec_r = RunSpec("sequential", "sequential", widest, max_batch_size=1, n_requests=n_seq, **same)
         elif kind == "variant":
             if main_b not in budgets:
                 continue
-            spec_r = dataclasses.replace(variant_spec(arg, budgets[main_b], "refresh", f"B{main_b}"),
+            spec_r = dataclasses.replace(variant_spec(arg, budgets[main_b], args.cache, f"B{main_b}", args.canvas),
                                          max_batch_size=max_rows)
         else:
             if plan.token_budget < widest:
                 rep.data["skipped"].append({"label": "blockserve@auto", "why": "auto budget below the widest request"})
                 continue
-            spec_r = RunSpec("blockserve@auto", "blockserve", plan.token_budget, max_batch_size=max_rows)
+            spec_r = RunSpec("blockserve@auto", "blockserve", plan.token_budget, max_batch_size=max_rows, **same)
         d = run_one(w, spec_r, pk, deadline, rep)
         if d and kind == "static":  # a static run cut by its deadline still saw its widest groups' area
             budgets[arg] = max(d["peak_cost"], widest)

@@ -91,8 +91,9 @@ class KVCache:
             kt, vt = torch.where(w, kt, K[r, :, c]), torch.where(w, vt, V[r, :, c])
         K[r, :, c] = kt
         V[r, :, c] = vt
-        r = r[:, 0]
-        return K[r, :, :width], V[r, :, :width]
+        if rows is None:
+            return K[:, :, :width], V[:, :, :width]
+        return K[rows, :, :width], V[rows, :, :width]
 
 
 class Layer(nn.Module):
