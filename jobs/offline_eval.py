@@ -42,6 +42,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     io.add_argument("--reference-column", default="reference", help="scored by exact match when present")
     io.add_argument("--apply-chat-template", action="store_true", help="render --messages-column with the tokenizer's template")
     io.add_argument("--rows-per-file", type=int, default=256, help="rows bundled per output file (0: one file per batch)")
+    io.add_argument("--max-error-fraction", type=float, default=None,
+                    help="share of rows that may fail (error rows) before the job exits non-zero (default 0: any "
+                         "failed row fails the job, as ray.data.llm does by default; every row is written either "
+                         "way; 1: never)")
+    io.add_argument("--allow-duplicate-ids", action="store_true",
+                    help="generate every row even when ids repeat, and report them in summary.json (default: refuse)")
     s3 = p.add_argument_group(
         "object storage", "Credentials come from the cluster's environment (AWS_ACCESS_KEY_ID, "
         "AWS_SECRET_ACCESS_KEY, AWS_SESSION_TOKEN, AWS_PROFILE, instance roles), never from this command "
@@ -127,28 +133,58 @@ def parse_resources(items) -> "dict | None":
 
 
 def main(argv=None) -> int:
+    """Exit 0: every row generated (or fewer failed than --max-error-fraction); 2: the job
+    could not run or failed, one line on stderr says why; 1: an internal error (a bug),
+    whose traceback goes to a log file named on stderr."""
     args = parse_args(argv)
+    try:
+        return run_job(args)
+    except Exception as e:  # noqa: BLE001 - a bug: one line here, the traceback in a file
+        return report_internal_error(e)
+
+
+def report_internal_error(e: BaseException) -> int:
+    """Write the traceback of an unexpected error to a log file and name it on stderr."""
+    import tempfile
+    import traceback
+
+    from pipeline.storage import describe_error
+
+    fd, path = tempfile.mkstemp(prefix=f"blockray-error-{time.strftime('%Y%m%d-%H%M%S')}-", suffix=".log")
+    with os.fdopen(fd, "w") as f:
+        traceback.print_exception(e, file=f)
+    print(f"internal error (a bug in blockray, please report it): {describe_error(e)}; traceback in {path}",
+          file=sys.stderr, flush=True)
+    return 1
+
+
+def fail(message: str) -> int:
+    print(f"error: {message}", file=sys.stderr, flush=True)
+    return 2
+
+
+def run_job(args: argparse.Namespace) -> int:
     import ray
 
-    from pipeline.run import JobError, preflight, run_offline
+    from pipeline.run import MAX_ERROR_FRACTION, ErrorFractionExceeded, JobError, preflight, run_offline
     from pipeline.storage import StorageOptions
-    from pipeline.summary import format_summary
 
     if args.secret_access_key is not None:  # never echo the value
-        print("error: --secret-access-key is no longer accepted: a job's command line is shown by `ray job list` "
-              "and the dashboard. Give the cluster the credentials instead (AWS_SECRET_ACCESS_KEY and "
-              "AWS_ACCESS_KEY_ID in the nodes' environment, AWS_PROFILE with a credentials file on the nodes, "
-              "or an instance role).", file=sys.stderr)
-        return 2
+        return fail("--secret-access-key is no longer accepted: a job's command line is shown by `ray job list` "
+                    "and the dashboard. Give the cluster the credentials instead (AWS_SECRET_ACCESS_KEY and "
+                    "AWS_ACCESS_KEY_ID in the nodes' environment, AWS_PROFILE with a credentials file on the "
+                    "nodes, or an instance role).")
     output = args.output or os.path.join(DEFAULT_OUTPUT_ROOT, time.strftime("%Y%m%d-%H%M%S"))
     storage = StorageOptions(endpoint_url=args.endpoint_url, region=args.region, key=args.access_key_id)
     job_input = args.input if len(args.input) > 1 else args.input[0]
+    options = dict(storage=storage, limit=args.limit, id_column=args.id_column, overwrite=args.overwrite,
+                   resume=args.resume, allow_duplicate_ids=args.allow_duplicate_ids,
+                   max_error_fraction=MAX_ERROR_FRACTION if args.max_error_fraction is None
+                   else args.max_error_fraction)
     try:  # fail fast, before Ray or any engine starts: bad options, input, output or model
-        checked = preflight(job_input, output, build_config(args, 0), storage=storage, limit=args.limit,
-                            id_column=args.id_column, overwrite=args.overwrite, resume=args.resume)
+        checked = preflight(job_input, output, build_config(args, 0), **options)
     except (JobError, ValueError) as e:
-        print(f"error: {e}", file=sys.stderr, flush=True)
-        return 2
+        return fail(str(e))
     address = args.address or os.environ.get("RAY_ADDRESS")
     if address:
         ray.init(address=address)
@@ -160,21 +196,28 @@ def main(argv=None) -> int:
         config = build_config(args, ray.cluster_resources().get("GPU", 0))
         print(f"blockray offline eval: model={args.model} engines={config.num_engines} "
               f"engine={dataclasses.asdict(config.engine)} sampling={dataclasses.asdict(config.sampling)}", flush=True)
-        summary = run_offline(job_input, output, config, storage=storage,
-                              limit=args.limit, id_column=args.id_column, reference_column=args.reference_column,
-                              overwrite=args.overwrite, resume=args.resume,
-                              rows_per_file=args.rows_per_file or None, preflighted=checked)
-    except JobError as e:
-        print(f"error: {e}", file=sys.stderr, flush=True)
-        return 2
+        summary = run_offline(job_input, output, config, reference_column=args.reference_column,
+                              rows_per_file=args.rows_per_file or None, preflighted=checked, **options)
+    except ErrorFractionExceeded as e:
+        print_summary(e.summary)
+        return fail(str(e))
+    except (JobError, ValueError) as e:
+        return fail(str(e))
     finally:
         ray.shutdown()
+    print_summary(summary)
+    return 0
+
+
+def print_summary(summary: dict) -> None:
+    from pipeline.summary import format_summary
+
     print("\n=== summary ===")
     print(format_summary(summary))
     print("SUMMARY_JSON " + json.dumps({k: summary[k] for k in ("rows", "errors", "generated_tokens", "tokens_per_s",
                                                               "wall_s", "exact_match", "rows_skipped",
-                                                              "rows_processed", "summary_file")}), flush=True)
-    return 0
+                                                              "rows_processed", "summary_file", "status",
+                                                              "top_errors", "duplicate_ids")}), flush=True)
 
 
 if __name__ == "__main__":

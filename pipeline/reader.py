@@ -29,6 +29,22 @@ class InputError(ValueError):
     """The input cannot be read (missing, not Parquet, no access): the job fails before any engine work."""
 
 
+class SchemaMismatchError(InputError):
+    """Two input files disagree on a column's type (and no lossless unification exists)."""
+
+
+@dataclass
+class DuplicateIds:
+    """Ids that occur more than once in the input (see PromptParquetDatasource.scan_ids)."""
+
+    count: int  # distinct ids seen more than once
+    extra_rows: int  # rows beyond the first of each such id
+    first: List[str]  # the first few of them, in input order
+
+    def to_dict(self) -> dict:
+        return {"count": self.count, "extra_rows": self.extra_rows, "first": self.first}
+
+
 def _is_hidden(path: str) -> bool:
     """Files that readers skip: temporaries and markers (`_tmp/…`, `.part.tmp`, `_SUCCESS`)."""
     return any(part.startswith(("_", ".")) for part in path.split("/") if part)
@@ -58,6 +74,65 @@ class _FileRef:
     size: int
     num_rows: int  # rows to read (all, or fewer when a limit stops inside this file)
     rows_out: int  # rows it yields: num_rows less the excluded ids
+    url: str = ""  # full URL, for messages
+    columns: Tuple[str, ...] = ()  # the file's columns (with the id column, derived or not)
+    has_ids: bool = True  # the file has the id column itself (else ids are derived)
+
+
+def _is_int_or_str(t: pa.DataType) -> bool:
+    return pa.types.is_integer(t) or pa.types.is_string(t) or pa.types.is_large_string(t)
+
+
+def _merge_type(name: str, a: pa.DataType, b: pa.DataType, id_column: str) -> Optional[pa.DataType]:
+    """The type two files' `name` columns are read as, or None when they cannot agree
+    without loss. A column of nulls only (type null) takes the other file's type; an id
+    column of integers in one file and strings in another is read as strings (ids are
+    compared as strings everywhere: resume, duplicates)."""
+    if a.equals(b):
+        return a
+    if pa.types.is_null(a) or pa.types.is_null(b):
+        return b if pa.types.is_null(a) else a
+    if name == id_column and _is_int_or_str(a) and _is_int_or_str(b):
+        return pa.string()
+    return None
+
+
+def unify_schemas(files: Sequence[Tuple[str, pa.Schema]], id_column: str) -> pa.Schema:
+    """One schema for files [(url, schema)], columns in order of first appearance (a column
+    missing from a file reads as nulls there); raises SchemaMismatchError naming the
+    column and the two files that disagree."""
+    fields: dict = {}  # name -> (type, url of the file that set it)
+    for url, schema in files:
+        for f in schema:
+            if f.name not in fields:
+                fields[f.name] = (f.type, url)
+                continue
+            have, where = fields[f.name]
+            merged = _merge_type(f.name, have, f.type, id_column)
+            if merged is None:
+                raise SchemaMismatchError(
+                    f"input files disagree on column {f.name!r}: {have} in {where} but {f.type} in {url}; "
+                    "rewrite one so that the types agree (only an id column mixing integers and strings "
+                    "is unified, as strings)")
+            if not merged.equals(have):
+                fields[f.name] = (merged, where if not pa.types.is_null(have) else url)
+    return pa.schema([pa.field(n, t) for n, (t, _) in fields.items()])
+
+
+def _conform(table: pa.Table, target: pa.Schema, keep: Optional[Sequence[str]]) -> pa.Table:
+    """`table` with the columns of `target` (those in `keep`, when given) in its order and
+    types: cast where a file's type differs losslessly, nulls where a file lacks one."""
+    cols, fields = [], []
+    for f in target:
+        if keep is not None and f.name not in keep:
+            continue
+        if f.name in table.column_names:
+            col = table.column(f.name)
+            cols.append(col if col.type.equals(f.type) else col.cast(f.type))
+        else:
+            cols.append(pa.nulls(table.num_rows, f.type))
+        fields.append(f)
+    return pa.Table.from_arrays(cols, schema=pa.schema(fields))
 
 
 def _derived_ids(name: str, start: int, n: int) -> pa.Array:
@@ -72,9 +147,11 @@ def _is_excluded(ids: Union[pa.Array, pa.ChunkedArray], exclude: pa.Array) -> pa
 
 def _read_file(fs: fsspec.AbstractFileSystem, ref: _FileRef, id_column: str,
                columns: Optional[List[str]], rows_per_batch: int,
-               exclude_ids: Optional[pa.Array] = None) -> Iterable[pa.Table]:
-    """Stream one file's first `ref.num_rows` rows, adding ids when absent and dropping
-    rows whose id is in `exclude_ids` (resume: already in the output)."""
+               exclude_ids: Optional[pa.Array] = None, target: Optional[pa.Schema] = None) -> Iterable[pa.Table]:
+    """Stream one file's first `ref.num_rows` rows, adding ids when absent, in the
+    input's unified schema `target`, and dropping rows whose id is in `exclude_ids`
+    (resume: already in the output)."""
+    keep = None if columns is None else [*columns, id_column]
     with fs.open(ref.path, "rb") as fh:
         pf = pq.ParquetFile(fh)
         names = pf.schema_arrow.names
@@ -89,6 +166,8 @@ def _read_file(fs: fsspec.AbstractFileSystem, ref: _FileRef, id_column: str,
             if id_column not in table.column_names:
                 table = table.append_column(id_column, _derived_ids(ref.name, row, table.num_rows))
             row += table.num_rows
+            if target is not None:
+                table = _conform(table, target, keep)
             if exclude_ids is not None:
                 table = table.filter(pc.invert(_is_excluded(table.column(id_column), exclude_ids)))
             yield table
@@ -99,7 +178,8 @@ def _read_file(fs: fsspec.AbstractFileSystem, ref: _FileRef, id_column: str,
 class PromptParquetDatasource(Datasource):
     """One read task per group of files; see the module docstring. Footers are read up
     front, so row counts are exact (progress bars know the total, a limit is exact, and
-    the reader can cut blocks of a chosen number of rows)."""
+    the reader can cut blocks of a chosen number of rows), and the files' schemas are
+    unified (or refused) before any read task runs."""
 
     def __init__(self, paths: PathLike, storage: Optional[StorageOptions] = None, id_column: str = "id",
                  columns: Optional[List[str]] = None, limit: Optional[int] = None,
@@ -107,9 +187,11 @@ class PromptParquetDatasource(Datasource):
         super().__init__()
         self._fs = None
         self._files: List[_FileRef] = []
-        self.schema: Optional[pa.Schema] = None  # of the first file (job-level column checks)
-        self._exclude = pa.array(sorted({str(i) for i in exclude_ids}), pa.string()) if exclude_ids else None
+        self._exclude: Optional[pa.Array] = None
         self.num_excluded = 0
+        self._id_column = id_column
+        self._columns = columns
+        schemas: List[Tuple[str, pa.Schema]] = []
         left = limit
         for url in [paths] if isinstance(paths, str) else list(paths):
             try:
@@ -121,28 +203,63 @@ class PromptParquetDatasource(Datasource):
             for p, rel, size in found:
                 if left is not None and left <= 0:
                     break
+                full = fs.unstrip_protocol(p)
                 try:
                     with fs.open(p, "rb") as fh:
                         pf = pq.ParquetFile(fh)
-                        n = pf.metadata.num_rows
-                        self.schema = self.schema or pf.schema_arrow
-                        n = n if left is None else min(n, left)
-                        skipped = self._count_excluded(pf, rel, n, id_column) if self._exclude is not None else 0
+                        n, schema = pf.metadata.num_rows, pf.schema_arrow
                 except Exception as e:  # noqa: BLE001
-                    raise InputError(f"input file {fs.unstrip_protocol(p)} is not readable Parquet: "
-                                     f"{type(e).__name__}: {e}") from e
+                    raise InputError(f"input file {full} is not readable Parquet: {type(e).__name__}: {e}") from e
+                n = n if left is None else min(n, left)
                 left = None if left is None else left - n
-                self.num_excluded += skipped
-                if n - skipped:
-                    self._files.append(_FileRef(p, rel, size, n, n - skipped))
-        self._id_column = id_column
-        self._columns = columns
+                has_ids = id_column in schema.names
+                if not has_ids:  # derived ids are strings
+                    schema = schema.append(pa.field(id_column, pa.string()))
+                schemas.append((full, schema))
+                self._files.append(_FileRef(p, rel, size, n, n, full, tuple(schema.names), has_ids))
+        # the unified schema of every file (job-level column checks, and what read tasks yield)
+        self.schema: Optional[pa.Schema] = unify_schemas(schemas, id_column) if schemas else None
+        self._files = [f for f in self._files if f.num_rows]
+        if exclude_ids:
+            self.scan_ids(exclude_ids)
 
-    def _count_excluded(self, pf: pq.ParquetFile, rel: str, n: int, id_column: str) -> int:
-        """How many of the first `n` rows of this file have an excluded id."""
-        ids = (pf.read(columns=[id_column]).column(id_column).slice(0, n) if id_column in pf.schema_arrow.names
-               else _derived_ids(rel, 0, n))
-        return pc.sum(_is_excluded(ids, self._exclude)).as_py() or 0
+    def files_without(self, column: str) -> List[str]:
+        """URLs of the input files that lack `column`."""
+        return [f.url for f in self._files if column not in f.columns]
+
+    def _file_ids(self, ref: _FileRef) -> pa.Array:
+        """The ids (as strings) of the first `ref.num_rows` rows of one file."""
+        if not ref.has_ids:
+            return _derived_ids(ref.name, 0, ref.num_rows)
+        with self._fs.open(ref.path, "rb") as fh:
+            col = pq.ParquetFile(fh).read(columns=[self._id_column]).column(self._id_column)
+        return pc.cast(col.slice(0, ref.num_rows), pa.string()).combine_chunks()
+
+    def scan_ids(self, exclude_ids: Optional[Iterable[str]] = None, max_named: int = 5) -> Optional[DuplicateIds]:
+        """Read every file's ids once: leave out the rows whose id is in `exclude_ids`
+        (resume) and return the ids that occur more than once in the input (None when
+        all are unique). Holds all ids on the driver while it runs."""
+        self._exclude = pa.array(sorted({str(i) for i in exclude_ids}), pa.string()) if exclude_ids else None
+        self.num_excluded = 0
+        chunks = []
+        for ref in self._files:
+            ids = self._file_ids(ref)
+            chunks.append(ids)
+            skipped = 0 if self._exclude is None else (pc.sum(_is_excluded(ids, self._exclude)).as_py() or 0)
+            ref.rows_out = ref.num_rows - skipped
+            self.num_excluded += skipped
+        self._files = [f for f in self._files if f.rows_out]
+        if not chunks:
+            return None
+        ids = pa.chunked_array(chunks, pa.string())
+        counts = pc.value_counts(ids)
+        dup = pc.filter(counts, pc.greater(counts.field("counts"), 1))
+        if not len(dup):
+            return None
+        values = dup.field("values")
+        first = pc.unique(pc.filter(ids, pc.is_in(ids, value_set=values))).slice(0, max_named).to_pylist()
+        extra = int(pc.sum(dup.field("counts")).as_py()) - len(dup)
+        return DuplicateIds(count=len(dup), extra_rows=extra, first=first)
 
     @property
     def num_rows(self) -> int:
@@ -159,11 +276,12 @@ class PromptParquetDatasource(Datasource):
         n = max(1, min(parallelism if parallelism > 0 else len(self._files), len(self._files)))
         groups = [self._files[i::n] for i in range(n)]
         fs, id_column, columns, exclude = self._fs, self._id_column, self._columns, self._exclude
+        target = self.schema
         tasks = []
         for group in groups:
             def read_fn(group=group) -> Iterable[pa.Table]:
                 for ref in group:
-                    yield from _read_file(fs, ref, id_column, columns, 4096, exclude)
+                    yield from _read_file(fs, ref, id_column, columns, 4096, exclude, target)
 
             meta = BlockMetadata(num_rows=sum(f.rows_out for f in group), size_bytes=sum(f.size for f in group) or None,
                                  exec_stats=None, input_files=[f.path for f in group])

@@ -5,9 +5,14 @@ argument parser.
 
 Reliability contract: every input row ends up in the output exactly once, with its
 generation or with an error saying why.
-- Problems of the whole job (no prompt column, unreadable input, output not writable,
-  no model) fail fast, before any engine starts, with a `JobError` naming the column,
-  path or option (`preflight`).
+- Problems of the whole job (no prompt column, unreadable input, files disagreeing on a
+  column type, duplicated ids, output inside the input, output not writable, no model,
+  a model that needs remote code) fail fast, before any engine starts, with a
+  `JobError` naming the column, path or option (`preflight`); nothing in the output is
+  removed before every check has passed.
+- Anything that stops the run later (storage, sharding, a stage) is a `JobError` too.
+- More failed rows than `max_error_fraction` (default 0): `ErrorFractionExceeded`, after
+  every row and summary.json are written.
 - Problems of one row become that row's `error` (pipeline/stages.py, the engine).
 - Resume (default): part files are complete or absent (pipeline/writer.py), so a rerun
   with the same output reads the ids of the part files already there and leaves those
@@ -20,12 +25,15 @@ import functools
 import json
 import os
 import time
-from typing import Any, Dict, List, Optional, Union
+from dataclasses import dataclass
+from typing import Any, Dict, List, Optional, Tuple, Union
+
+import fsspec
 
 from .config import DLLMProcessorConfig
-from .reader import InputError, PromptParquetDatasource, read_prompts
-from .storage import StorageOptions, describe_error, get_filesystem
-from .stages import has_tokenizer
+from .reader import DuplicateIds, InputError, PromptParquetDatasource, read_prompts
+from .storage import StorageOptions, describe_error, get_filesystem, protocol_of
+from .stages import has_tokenizer, load_tokenizer
 from .summary import block_stats, summarize
 from .writer import completed_ids, prepare_output, write_json, write_results
 
@@ -36,85 +44,243 @@ class JobError(RuntimeError):
     """The job cannot run (or did not finish); the message says why and what to change."""
 
 
+class ErrorFractionExceeded(JobError):
+    """The run finished and wrote every row, but more of them failed than allowed
+    (`max_error_fraction`); `summary` is the run's summary (also in summary.json)."""
+
+    def __init__(self, message: str, summary: Dict[str, Any]):
+        super().__init__(message)
+        self.summary = summary
+
+
+# Default share of rows that may fail before the job reports failure: none. Anchored on
+# ray.data.llm, whose processors fail the job on the first failed row unless
+# should_continue_on_error=True. Here the run still finishes and writes every row (the
+# error rows say why), but the exit code tells the truth; --max-error-fraction 1.0 is
+# should_continue_on_error=True.
+MAX_ERROR_FRACTION = 0.0
+
+
+@dataclass
+class Preflight:
+    """What the job-level checks found: the input (ids already in the output left out),
+    those ids, the output location, and the input's duplicated ids when allowed."""
+
+    source: PromptParquetDatasource
+    done: List[str]
+    out_fs: fsspec.AbstractFileSystem
+    out_path: str
+    duplicates: Optional[DuplicateIds] = None
+
+
+def _read_json(path: str) -> Dict[str, Any]:
+    with open(path) as f:
+        return json.load(f)
+
+
+def remote_code_hint(model: str) -> Optional[str]:
+    """What in a model directory asks transformers to run code shipped with it: an
+    `auto_map` in tokenizer_config.json or config.json, or a tokenizer class that
+    transformers does not have. None when nothing does."""
+    hints = []
+    for name in ("tokenizer_config.json", "config.json"):
+        try:
+            cfg = _read_json(os.path.join(model, name))
+        except (OSError, ValueError):
+            continue
+        if isinstance(cfg, dict) and cfg.get("auto_map"):
+            hints.append(f"{name} auto_map {json.dumps(cfg['auto_map'])[:200]}")
+        cls = cfg.get("tokenizer_class") if isinstance(cfg, dict) else None
+        if name == "tokenizer_config.json" and cls:
+            import transformers
+
+            if not hasattr(transformers, cls) and not hasattr(transformers, f"{cls}Fast"):
+                hints.append(f"{name} tokenizer_class {cls!r}")
+    return "; ".join(hints) or None
+
+
+def check_tokenizer(model: str) -> None:
+    """Load the tokenizer once, as the stages will (never with remote code): a model that
+    needs its own code, or whose tokenizer does not load, is refused here, not in a stage."""
+    try:
+        load_tokenizer(model)
+    except Exception as e:  # noqa: BLE001
+        hint = remote_code_hint(model)
+        if hint:
+            raise JobError(f"model: {model} needs remote code ({hint}), which blockray never runs; use a "
+                           "checkpoint whose tokenizer transformers loads by itself (e.g. tokenizer.json with "
+                           "\"tokenizer_class\": \"PreTrainedTokenizerFast\") (--model)") from e
+        raise JobError(f"model: the tokenizer in {model} does not load: {describe_error(e)} (--model)") from e
+
+
 def check_model(model: str, needs_tokenizer: bool) -> None:
-    """A model directory the engines can load: config.json (valid JSON) and weights;
-    a tokenizer when prompts are text."""
+    """A model directory the engines can load: config.json of a supported model (parsed
+    by the engine's own parser, never by transformers' remote code) and weights; a
+    tokenizer that loads when prompts are text."""
+    from engine.models.config import ModelConfig
+
     cfg = os.path.join(model, "config.json")
     if not os.path.isdir(model):
         raise JobError(f"model: {model} is not a directory (--model)")
     if not os.path.isfile(cfg):
         raise JobError(f"model: {model} has no config.json (--model)")
     try:
-        with open(cfg) as f:
-            json.load(f)
+        hf = _read_json(cfg)
     except Exception as e:  # noqa: BLE001
         raise JobError(f"model: {cfg} is not valid JSON: {e}") from e
+    try:
+        ModelConfig.from_hf(hf)
+    except KeyError as e:
+        raise JobError(f"model: {cfg} lacks {e} (--model)") from e
+    except Exception as e:  # noqa: BLE001
+        raise JobError(f"model: {cfg}: {type(e).__name__}: {e} (--model)") from e
     if not any(n.endswith(".safetensors") for n in os.listdir(model)):  # all engine.loader reads
         raise JobError(f"model: {model} holds no weights (*.safetensors) (--model)")
-    if needs_tokenizer and not has_tokenizer(model):
-        raise JobError(f"model: {model} has no tokenizer files, needed for text prompts (--model)")
+    if needs_tokenizer:
+        if not has_tokenizer(model):
+            raise JobError(f"model: {model} has no tokenizer files, needed for text prompts (--model)")
+        check_tokenizer(model)
 
 
 def check_columns(source: PromptParquetDatasource, config: DLLMProcessorConfig) -> bool:
-    """The input has a column prompts can come from; returns whether they are text."""
+    """The input has a column prompts can come from, in every file; returns whether they
+    are text."""
     names = source.schema.names if source.schema is not None else []
     if config.apply_chat_template:
         if config.messages_column not in names:
             raise JobError(f"input has no {config.messages_column!r} column (--messages-column) for "
                            f"apply_chat_template; columns: {names}")
-        return True
-    if config.prompt_token_ids_column in names:
-        return False
-    if config.prompt_column not in names:
+        column, text = config.messages_column, True
+    elif config.prompt_token_ids_column in names:
+        column, text = config.prompt_token_ids_column, False
+    elif config.prompt_column not in names:
         raise JobError(f"input has no prompt column {config.prompt_column!r} (--prompt-column) nor "
                        f"{config.prompt_token_ids_column!r}; columns: {names}")
-    return True
+    else:
+        column, text = config.prompt_column, True
+    missing = source.files_without(column)
+    if missing:
+        raise JobError(f"input file {missing[0]} has no {column!r} column, which the other input files have "
+                       f"({len(missing)} file(s) lack it) (--input)")
+    return text
+
+
+def _comparable(fs: fsspec.AbstractFileSystem, path: str) -> Tuple[str, str]:
+    """(kind of store, normalised path) of a location, so that two URLs naming the same
+    place compare equal (local paths through symlinks too)."""
+    if protocol_of(fs.unstrip_protocol(path)) == "file":
+        return "file", os.path.realpath(path)
+    return type(fs).__name__, path.rstrip("/")
+
+
+def check_separate(input: Union[str, List[str]], output: str, out_fs: fsspec.AbstractFileSystem, out_path: str,
+                   storage: Optional[StorageOptions]) -> None:
+    """The output is neither an input nor inside one, and no input is inside the output:
+    results written among the inputs would be read as inputs by the next run."""
+    kind, out = _comparable(out_fs, out_path)
+    for url in [input] if isinstance(input, str) else list(input):
+        try:
+            fs, path = get_filesystem(url, storage)
+        except Exception:  # noqa: BLE001 - the input check names it
+            continue
+        k, inp = _comparable(fs, path)
+        if k != kind:
+            continue
+        if out == inp or out.startswith(inp.rstrip("/") + "/"):
+            raise JobError(f"output {output} is {'the input' if out == inp else 'inside the input'} {url}: results "
+                           "would be read back as prompts by the next run; choose an output outside the input "
+                           "(--output)")
+        if inp.startswith(out.rstrip("/") + "/"):
+            raise JobError(f"input {url} is inside the output {output}; choose an output outside the input "
+                           "(--output)")
+
+
+def _check_fraction(max_error_fraction: float) -> None:
+    if not 0.0 <= max_error_fraction <= 1.0:
+        raise JobError(f"max_error_fraction must be within [0, 1], got {max_error_fraction!r} "
+                       "(--max-error-fraction)")
 
 
 def preflight(input: Union[str, List[str]], output: str, config: DLLMProcessorConfig, *,
               storage: Optional[StorageOptions] = None, limit: Optional[int] = None, id_column: str = "id",
-              overwrite: bool = False, resume: bool = True):
-    """The job-level checks, before any engine (or Ray) work: output usable and writable,
-    input readable with a prompt column, model loadable. Returns (input datasource with
-    the ids already in the output left out, those ids, output fs, output path); raises
-    JobError naming the option to fix."""
+              overwrite: bool = False, resume: bool = True, allow_duplicate_ids: bool = False,
+              max_error_fraction: float = MAX_ERROR_FRACTION) -> Preflight:
+    """The job-level checks, before any engine (or Ray) work: output apart from the input,
+    input readable with a prompt column in every file, agreeing column types and unique
+    ids, model and tokenizer loadable, output writable. Raises JobError naming the
+    option to fix. Nothing in the output is removed (overwrite) or created until every
+    other check has passed: the output is prepared last."""
+    _check_fraction(max_error_fraction)
     resume = resume and not overwrite
     try:
         out_fs, out_path = get_filesystem(output, storage)
-        prepare_output(out_fs, out_path, overwrite=overwrite, resume=resume)
     except Exception as e:  # noqa: BLE001
         raise JobError(f"output {output} cannot be used: {type(e).__name__}: {e} (--output)") from e
-    done = completed_ids(out_fs, out_path, id_column) if resume else []
-    if len(done) != len(set(done)):
-        raise JobError(f"output {out_fs.unstrip_protocol(out_path)} already holds duplicate ids; "
-                       "rerun with --overwrite")
+    check_separate(input, output, out_fs, out_path, storage)
     try:
-        source = PromptParquetDatasource(input, storage, id_column=id_column, limit=limit, exclude_ids=done)
+        source = PromptParquetDatasource(input, storage, id_column=id_column, limit=limit)
     except InputError as e:
         raise JobError(f"{e} (--input)") from e
     needs_tokenizer = check_columns(source, config)
     check_model(config.model, needs_tokenizer)
-    return source, done, out_fs, out_path
+    try:
+        done = completed_ids(out_fs, out_path, id_column) if resume else []
+    except Exception as e:  # noqa: BLE001
+        raise JobError(f"output {output}: its part files cannot be read to resume: {describe_error(e)} "
+                       "(--output; --overwrite starts afresh)") from e
+    if len(done) != len(set(done)) and not allow_duplicate_ids:
+        raise JobError(f"output {out_fs.unstrip_protocol(out_path)} already holds duplicate ids; "
+                       "rerun with --overwrite")
+    try:
+        duplicates = source.scan_ids(exclude_ids=done)
+    except Exception as e:  # noqa: BLE001
+        raise JobError(f"input ids cannot be read: {describe_error(e)} (--input, --id-column)") from e
+    if duplicates and not allow_duplicate_ids:
+        raise JobError(f"input has {duplicates.count} duplicated id(s) in column {id_column!r} "
+                       f"({duplicates.extra_rows} extra rows), first: {', '.join(map(repr, duplicates.first))}; "
+                       "make ids unique, or pass --allow-duplicate-ids to generate every row and report them "
+                       "(--input, --id-column)")
+    try:
+        prepare_output(out_fs, out_path, overwrite=overwrite, resume=resume)
+    except Exception as e:  # noqa: BLE001
+        raise JobError(f"output {output} cannot be used: {type(e).__name__}: {e} (--output)") from e
+    return Preflight(source, done, out_fs, out_path, duplicates)
+
+
+def error_fraction_message(summary: Dict[str, Any], max_error_fraction: float) -> str:
+    """One line: how many rows failed, the bound, the most frequent messages."""
+    top = "; ".join(f"{e['count']} x {e['error']!r}" for e in summary.get("top_errors", [])[:3])
+    return (f"{summary['errors']} of {summary['rows']} rows failed ({summary['error_fraction']:.1%}, more than "
+            f"--max-error-fraction {max_error_fraction:g}); most frequent: {top}. Every row was written, with "
+            f"its error: see {summary.get('summary_file')}")
 
 
 def run_offline(input: Union[str, List[str]], output: str, config: DLLMProcessorConfig, *,
                 storage: Optional[StorageOptions] = None, limit: Optional[int] = None, id_column: str = "id",
                 reference_column: Optional[str] = "reference", overwrite: bool = False, resume: bool = True,
-                rows_per_file: Optional[int] = 256, preflighted: Optional[tuple] = None) -> Dict[str, Any]:
+                rows_per_file: Optional[int] = 256, allow_duplicate_ids: bool = False,
+                max_error_fraction: float = MAX_ERROR_FRACTION,
+                preflighted: Optional[Preflight] = None) -> Dict[str, Any]:
     """Read prompts, generate, stream results to `output`, write `summary.json` beside
     them and return the summary. With `resume` (default) ids already in `output`'s part
     files are skipped; `overwrite` starts from scratch instead. `preflighted`: what
-    `preflight` returned for these same arguments, when the caller already ran it."""
+    `preflight` returned for these same arguments, when the caller already ran it.
+
+    Raises JobError for anything that stops the run (nothing else: an unexpected error
+    on the way becomes one too), and ErrorFractionExceeded (a JobError, after
+    summary.json is written) when more than `max_error_fraction` of the rows failed."""
     t0 = time.perf_counter()
-    source, done, out_fs, out_path = preflighted or preflight(
-        input, output, config, storage=storage, limit=limit, id_column=id_column, overwrite=overwrite, resume=resume)
+    checked = preflighted or preflight(
+        input, output, config, storage=storage, limit=limit, id_column=id_column, overwrite=overwrite,
+        resume=resume, allow_duplicate_ids=allow_duplicate_ids, max_error_fraction=max_error_fraction)
+    source, done, out_fs, out_path = checked.source, checked.done, checked.out_fs, checked.out_path
 
     # --- run ------------------------------------------------------------------------------
     stats_fn = functools.partial(block_stats, reference_column=reference_column)
     write_returns: List[Dict[str, Any]] = []
     if source.num_rows:
-        ds = build_processor_for(config)(read_prompts(input, rows_per_block=config.batch_size, source=source))
-        try:
+        try:  # building the processor runs the sharding (sort="blendserve"): inside, too
+            ds = build_processor_for(config)(read_prompts(input, rows_per_block=config.batch_size, source=source))
             sink = write_results(ds, (out_fs, out_path), rows_per_file=rows_per_file, stats_fn=stats_fn)
         except Exception as e:  # noqa: BLE001
             raise JobError(f"run failed, no summary written: {describe_error(e)}. Part files already in "
@@ -135,8 +301,13 @@ def run_offline(input: Union[str, List[str]], output: str, config: DLLMProcessor
         rows_skipped=source.num_excluded,
         rows_processed=processed,
         rows_total=len(done) + processed,
+        max_error_fraction=max_error_fraction,
+        duplicate_ids=checked.duplicates.to_dict() if checked.duplicates else None,
     )
+    summary["status"] = "failed" if summary["error_fraction"] > max_error_fraction else "ok"
     summary["summary_file"] = write_json((out_fs, out_path), SUMMARY_FILE, summary)
+    if summary["status"] == "failed":
+        raise ErrorFractionExceeded(error_fraction_message(summary, max_error_fraction), summary)
     return summary
 
 
@@ -146,4 +317,5 @@ def build_processor_for(config: DLLMProcessorConfig):
     return build_processor(config)
 
 
-__all__ = ["run_offline", "preflight", "SUMMARY_FILE", "JobError", "check_model", "check_columns", "describe_error"]
+__all__ = ["run_offline", "preflight", "Preflight", "SUMMARY_FILE", "JobError", "ErrorFractionExceeded",
+           "MAX_ERROR_FRACTION", "check_model", "check_columns", "check_separate", "describe_error"]

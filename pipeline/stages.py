@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import functools
 import os
-from typing import Any, Callable, List, Optional
+from typing import Any, Callable, List, Optional, Tuple
 
 import pyarrow as pa
 
@@ -42,7 +42,9 @@ def load_tokenizer(model: str):
     level = hf_logging.get_verbosity()
     hf_logging.set_verbosity_error()  # silence "model of type llada" noise from config.json
     try:
-        return AutoTokenizer.from_pretrained(model, local_files_only=True)
+        # trust_remote_code=False, explicitly: never run a model directory's code, and never
+        # let transformers ask an interactive [y/N] question (preflight refuses such models).
+        return AutoTokenizer.from_pretrained(model, local_files_only=True, trust_remote_code=False)
     finally:
         hf_logging.set_verbosity(level)
 
@@ -52,6 +54,29 @@ def _set(table: pa.Table, name: str, values: List[Any], type_: pa.DataType) -> p
     if name in table.column_names:
         return table.set_column(table.column_names.index(name), name, arr)
     return table.append_column(name, arr)
+
+
+def _prompt_texts(col: pa.ChunkedArray, name: str) -> Tuple[List[Any], List[Optional[str]], pa.ChunkedArray]:
+    """(values, per-row error, column) of a text column whose bytes may not be valid UTF-8
+    (Arrow does not check what a Parquet file holds): an invalid row gets None and an
+    error; the column returned has its invalid bytes replaced by U+FFFD, so that the
+    output that carries it stays readable."""
+    try:
+        return col.to_pylist(), [None] * len(col), col
+    except UnicodeDecodeError:
+        pass
+    raw = col.cast(pa.large_binary() if pa.types.is_large_string(col.type) else pa.binary()).to_pylist()
+    values: List[Any] = []
+    errors: List[Optional[str]] = []
+    for b in raw:
+        try:
+            values.append(None if b is None else b.decode("utf-8"))
+            errors.append(None)
+        except UnicodeDecodeError as e:
+            values.append(None)
+            errors.append(f"prompt is not valid UTF-8 (column {name!r}: {e.reason})")
+    fixed = [None if b is None else b.decode("utf-8", "replace") for b in raw]
+    return values, errors, pa.chunked_array([pa.array(fixed, col.type)])
 
 
 def _errors(table: pa.Table) -> List[Optional[str]]:
@@ -95,9 +120,20 @@ def tokenize_stage(batch: pa.Table, *, model: str, prompt_column: str, prompt_to
         source, texts = "chat template", batch.column(TEXT_PROMPT).to_pylist()
     elif prompt_token_ids_column in names:
         source, texts = None, None
-        ids = [None if v is None else [int(t) for t in v] for v in batch.column(prompt_token_ids_column).to_pylist()]
+        for i, v in enumerate(batch.column(prompt_token_ids_column).to_pylist()):
+            try:
+                ids[i] = None if v is None else [int(t) for t in v]
+            except (TypeError, ValueError) as e:  # per-row error: not a list of integers
+                errors[i] = errors[i] or f"{prompt_token_ids_column!r} is not a list of token ids: {e}"
     elif prompt_column in names:
-        source, texts = prompt_column, batch.column(prompt_column).to_pylist()
+        source, col = prompt_column, batch.column(prompt_column)
+        if pa.types.is_string(col.type) or pa.types.is_large_string(col.type):
+            texts, bad, fixed = _prompt_texts(col, prompt_column)
+            errors = [e or b for e, b in zip(errors, bad)]
+            if fixed is not col:
+                batch = batch.set_column(names.index(prompt_column), prompt_column, fixed)
+        else:
+            texts = col.to_pylist()
     else:
         raise ValueError(f"input rows need a {prompt_column!r}, {prompt_token_ids_column!r} or chat "
                          f"messages column; got columns {names}")

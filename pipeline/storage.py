@@ -12,11 +12,17 @@ from dataclasses import dataclass, field
 from typing import Any, Dict, List, Mapping, Optional, Tuple
 
 import fsspec
+import s3fs
 
 _S3_PROTOCOLS = ("s3", "s3a", "s3n")
-# botocore retries every S3 call on throttling and 5xx errors with exponential backoff
-# and jitter; 10 attempts ride out a burst of 500/503s. `extra={"config_kwargs": …}` overrides.
-S3_RETRIES = {"max_attempts": 10, "mode": "standard"}
+# The one retry layer for object storage: botocore's "standard" mode retries every S3
+# call on throttling, 5xx answers and connection errors, with exponential backoff and
+# jitter (sleep before attempt k+1: random * 2**(k-1) s). 5 attempts ride out a burst of
+# 500/503s (AWS's own default is 3) and give up on a dead endpoint after at most
+# 1+2+4+8 = 15 s of sleeps. s3fs's own retry loop is off (SingleLayerS3FileSystem) and
+# the writer does not retry on top, so a call costs at most 5 attempts, each bounded by
+# s3fs's timeouts (connect 5 s, read 15 s). `extra={"config_kwargs": …}` overrides.
+S3_RETRIES = {"max_attempts": 5, "mode": "standard"}
 
 
 @dataclass
@@ -84,6 +90,15 @@ class StorageOptions:
         return kw
 
 
+class SingleLayerS3FileSystem(s3fs.S3FileSystem):
+    """S3FileSystem without s3fs's own retry loop (its `retries` class attribute: up to 5
+    tries of every botocore call, each with botocore's retries inside). A class attribute,
+    not an instance one, so that it survives pickling to Ray tasks (fsspec pickles the
+    constructor arguments only)."""
+
+    retries = 1
+
+
 def protocol_of(url: str) -> str:
     """'s3' for s3://bucket/key, 'file' for plain paths."""
     return url.split("://", 1)[0] if "://" in url else "file"
@@ -97,6 +112,9 @@ def get_filesystem(url: str, options: Optional[StorageOptions] = None) -> Tuple[
     kwargs = options.fsspec_kwargs(protocol)
     if protocol == "file":
         url = os.path.abspath(url.split("://", 1)[-1])
+    if protocol in _S3_PROTOCOLS:
+        fs = SingleLayerS3FileSystem(skip_instance_cache=True, **kwargs)
+        return fs, fs._strip_protocol(url)
     fs, path = fsspec.core.url_to_fs(url, skip_instance_cache=True, **kwargs)
     return fs, path
 

@@ -17,12 +17,21 @@ def normalize_answer(text: Optional[str]) -> str:
     return "" if text is None else text.strip()
 
 
+# Distinct error messages kept per block and in the summary (most frequent first), and
+# the length each is cut to: enough to tell what failed without a per-row report.
+ERROR_KINDS_PER_BLOCK = 10
+TOP_ERRORS = 5
+ERROR_TEXT_CHARS = 300
+
+
 def block_stats(table: pa.Table, reference_column: Optional[str] = "reference") -> Dict[str, Any]:
     """Counts of one output block (see `summarize` for their meaning)."""
     errors = table.column("error").to_pylist()
+    kinds = Counter(e[:ERROR_TEXT_CHARS] for e in errors if e)
     out: Dict[str, Any] = {
         "rows": table.num_rows,
         "errors": sum(1 for e in errors if e),
+        "error_counts": dict(kinds.most_common(ERROR_KINDS_PER_BLOCK)),
         "generated_tokens": int(pc.sum(table.column("num_generated_tokens")).as_py() or 0),
         "latency_s_sum": float(pc.sum(table.column("latency_s")).as_py() or 0.0),
         "finish_reasons": dict(Counter(table.column("finish_reason").to_pylist())),
@@ -43,6 +52,7 @@ def summarize(block_stats_list: Iterable[Dict[str, Any]], wall_s: float, **extra
     rows = errors = tokens = scored = matches = files = 0
     latency = 0.0
     reasons: Counter = Counter()
+    kinds: Counter = Counter()
     have_refs = False
     for s in block_stats_list:
         if not s.get("rows"):
@@ -53,6 +63,7 @@ def summarize(block_stats_list: Iterable[Dict[str, Any]], wall_s: float, **extra
         tokens += s["generated_tokens"]
         latency += s["latency_s_sum"]
         reasons.update(s["finish_reasons"])
+        kinds.update(s.get("error_counts", {}))
         if "scored" in s:
             have_refs = True
             scored += s["scored"]
@@ -65,6 +76,9 @@ def summarize(block_stats_list: Iterable[Dict[str, Any]], wall_s: float, **extra
         "wall_s": wall_s,
         "mean_latency_s": latency / rows if rows else 0.0,
         "finish_reasons": dict(sorted(reasons.items())),
+        "error_fraction": errors / rows if rows else 0.0,
+        # most frequent distinct messages (counts per block's most frequent: a lower bound)
+        "top_errors": [{"error": e, "count": n} for e, n in kinds.most_common(TOP_ERRORS)],
         "exact_match": (matches / scored if scored else None) if have_refs else None,
         "exact_matches": matches if have_refs else None,
         "scored_rows": scored if have_refs else None,
@@ -79,6 +93,7 @@ def format_summary(summary: Dict[str, Any]) -> str:
     lines = [
         f"rows               {summary['rows']}",
         f"errors             {summary['errors']}",
+        *[f"  {e['count']:>6} x {e['error']}" for e in summary.get("top_errors") or []],
         f"generated tokens   {summary['generated_tokens']}",
         f"tokens/s           {summary['tokens_per_s']:.1f}",
         f"wall time          {summary['wall_s']:.2f} s",
@@ -86,6 +101,9 @@ def format_summary(summary: Dict[str, Any]) -> str:
     ]
     if em is not None:
         lines.append(f"exact match        {em:.3f} ({summary['exact_matches']}/{summary['scored_rows']})")
+    if summary.get("duplicate_ids"):
+        d = summary["duplicate_ids"]
+        lines.append(f"duplicate ids      {d['count']} ids ({d['extra_rows']} extra rows), e.g. {d['first']}")
     if summary.get("rows_skipped"):
         lines.append(f"resumed            {summary['rows_skipped']} rows already in the output skipped")
     if summary.get("output"):

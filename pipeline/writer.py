@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import logging
-import time
 import uuid
 from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple, Union
 
@@ -35,34 +34,19 @@ class OutputExistsError(FileExistsError):
     """The output location already holds result files and overwrite was not asked for."""
 
 
-COMMIT_ATTEMPTS = 4  # on top of botocore's own retries (see storage.S3_RETRIES)
-
-
 class StorageWriteError(OSError):
-    """A write to the output failed for good (after retries, or at once for a permission or
-    missing-bucket error): the message names the step, the file and the store's answer."""
-
-
-def _retry(what: str, fn: Callable[[], Any], attempts: int = COMMIT_ATTEMPTS, base_s: float = 0.5) -> Any:
-    """Run `fn`, retrying with exponential backoff; permission and missing-path errors
-    are permanent and raised at once."""
-    for i in range(attempts):
-        try:
-            return fn()
-        except (PermissionError, FileNotFoundError, NotADirectoryError, IsADirectoryError):
-            raise
-        except Exception as e:  # noqa: BLE001 - transient storage errors
-            if i == attempts - 1:
-                raise
-            logger.warning("%s failed (%s: %s); retry %d/%d", what, type(e).__name__, e, i + 1, attempts - 1)
-            time.sleep(base_s * 2 ** i)
+    """A write to the output failed for good (after the storage client's retries, or at
+    once for a permission or missing-bucket error): the message names the step, the file
+    and the store's answer."""
 
 
 def atomic_write_bytes(fs: fsspec.AbstractFileSystem, path: str, data: bytes) -> None:
     """Write `data` to `path` so that readers see all of it or nothing: upload to a
     temporary name under `_tmp/`, then commit with a rename (server-side copy on S3).
-    Both steps are retried; a commit whose copy landed but whose cleanup failed counts
-    as done (the target is complete)."""
+    Each storage call is retried by the storage client only (botocore, see
+    storage.S3_RETRIES): a second layer here would multiply the attempts and the time a
+    dead endpoint takes to fail. A commit whose copy landed but whose cleanup failed
+    counts as done (the target is complete)."""
     parent = path.rsplit("/", 1)[0]
     tmp_dir = join(parent, TMP_DIR)
     fs.makedirs(tmp_dir, exist_ok=True)  # a real folder on local disks, a no-op on object stores
@@ -88,7 +72,7 @@ def atomic_write_bytes(fs: fsspec.AbstractFileSystem, path: str, data: bytes) ->
 
     for step, fn in (("upload", upload), ("commit", commit)):
         try:
-            _retry(f"{step} of {path}", fn)
+            fn()
         except Exception as e:  # noqa: BLE001
             where = fs.unstrip_protocol(path)
             raise StorageWriteError(f"{step} of {where} failed: {describe_error(e)}") from e
@@ -111,21 +95,15 @@ def prepare_output(fs: fsspec.AbstractFileSystem, path: str, overwrite: bool = F
     earlier run (`*.parquet` and summary.json directly in it, and `_tmp/`) are refused,
     or removed with `overwrite`, so that a folder never mixes two runs; with `resume`
     they are kept (the caller skips their ids: see `completed_ids`) and only the earlier
-    run's temporaries and summary are dropped. Nothing else in it is touched."""
+    run's temporaries and summary are dropped. Nothing else in it is touched, and nothing
+    is removed before the write probe has passed (the job calls this last in its
+    preflight, once every other check has passed)."""
     fs.invalidate_cache()
-    if fs.exists(path):
-        old = [p for p in fs.ls(path, detail=False)
-               if p.rstrip("/").endswith((".parquet", "/summary.json"))]
-        if old and not (overwrite or resume):
-            raise OutputExistsError(f"{fs.unstrip_protocol(path)} already holds {len(old)} result file(s); "
-                                    "pass overwrite=True (--overwrite), resume=True (--resume) "
-                                    "or choose another output")
-        for p in old:
-            if overwrite or p.rstrip("/").endswith("/summary.json"):
-                fs.rm(p)
-        tmp = join(path, TMP_DIR)
-        if (overwrite or resume) and fs.exists(tmp):
-            fs.rm(tmp, recursive=True)  # partial uploads of a run that died
+    old = _result_files(fs, path)
+    if old and not (overwrite or resume):
+        raise OutputExistsError(f"{fs.unstrip_protocol(path)} already holds {len(old)} result file(s); "
+                                "pass overwrite=True (--overwrite), resume=True (--resume) "
+                                "or choose another output")
     try:
         fs.makedirs(path, exist_ok=True)  # on S3 this creates the bucket when it is missing
     except Exception as e:  # noqa: BLE001 - a bucket we may not create may still accept writes
@@ -139,7 +117,20 @@ def prepare_output(fs: fsspec.AbstractFileSystem, path: str, overwrite: bool = F
     except Exception as e:  # noqa: BLE001
         raise OutputNotWritableError(f"output {fs.unstrip_protocol(path)} is not writable: "
                                      f"{type(e).__name__}: {e}") from e
+    for p in old:
+        if overwrite or p.rstrip("/").endswith("/summary.json"):
+            fs.rm(p)
+    tmp = join(path, TMP_DIR)
+    if (overwrite or resume) and fs.exists(tmp):
+        fs.rm(tmp, recursive=True)  # partial uploads of a run that died
     remove_empty_tmp(fs, path)
+
+
+def _result_files(fs: fsspec.AbstractFileSystem, path: str) -> List[str]:
+    """`*.parquet` and summary.json directly in `path` ([] when it does not exist)."""
+    if not fs.exists(path):
+        return []
+    return [p for p in fs.ls(path, detail=False) if p.rstrip("/").endswith((".parquet", "/summary.json"))]
 
 
 def completed_ids(fs: fsspec.AbstractFileSystem, path: str, id_column: str = "id") -> List[str]:

@@ -33,7 +33,7 @@ def test_storage_options_fall_back_to_environment(monkeypatch):
     kw = StorageOptions().fsspec_kwargs("s3")
     assert kw == {"key": "k", "secret": "s", "endpoint_url": "http://127.0.0.1:9",
                   "client_kwargs": {"region_name": "eu-west-1"},
-                  "config_kwargs": {"retries": {"max_attempts": 10, "mode": "standard"}}}
+                  "config_kwargs": {"retries": {"max_attempts": 5, "mode": "standard"}}}
     # explicit arguments win; local paths get no S3 options
     assert StorageOptions(endpoint_url="http://h:1").fsspec_kwargs("s3")["endpoint_url"] == "http://h:1"
     assert StorageOptions().fsspec_kwargs("file") == {}
