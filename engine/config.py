@@ -2,8 +2,8 @@
 each request is decoded (SamplingParams)."""
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Literal, Optional, Sequence
+from dataclasses import dataclass, fields, replace
+from typing import Any, Dict, Literal, Optional, Sequence
 
 Policy = Literal["fixed", "threshold", "factor", "timestep"]
 Remasking = Literal["low_confidence", "random", "entropy", "margin"]
@@ -31,7 +31,14 @@ class SamplingParams:
       top-1 minus top-2 probability).
     - `first_position` (Dream's block decoding): the first step of every block commits
       exactly the block's first position, predicted from the token before it. None:
-      on for Dream checkpoints, off for LLaDA, as their reference code does."""
+      on for Dream checkpoints, off for LLaDA, as their reference code does.
+
+    vLLM's names mean what they mean there: `temperature` (0: greedy), `top_k` (0 or
+    -1: off) and `top_p` (1: off) restrict the tokens a sampled proposal may take (the
+    confidence that ranks positions stays the model's own probability), `stop`
+    (strings: the request ends at the block boundary after the first one, and its text
+    is cut before it), `seed`, `n` (samples per row; the pipeline expands a row into n
+    requests with seeds derived from the row's). `from_dict` also takes `max_tokens`."""
 
     max_new_tokens: int = 64
     policy: Policy = "threshold"
@@ -42,6 +49,31 @@ class SamplingParams:
     seed: Optional[int] = None  # Gumbel noise / random-remasking seed
     remasking: Remasking = "low_confidence"
     first_position: Optional[bool] = None
+    top_p: float = 1.0
+    top_k: int = 0
+    stop: Optional[Sequence[str]] = None
+    n: int = 1
+
+    ALIASES = {"max_tokens": "max_new_tokens"}  # vLLM's name -> ours
+
+    @classmethod
+    def from_dict(cls, d: Dict[str, Any], base: Optional["SamplingParams"] = None) -> "SamplingParams":
+        """`base` (default: the defaults) with the non-null entries of `d` applied,
+        vLLM's names accepted; unknown keys raise a ValueError naming them."""
+        known = {f.name for f in fields(cls)}
+        out: Dict[str, Any] = {}
+        for key, value in dict(d).items():
+            name = cls.ALIASES.get(key, key)
+            if name not in known:
+                unknown = sorted(k for k in d if cls.ALIASES.get(k, k) not in known)
+                raise ValueError(f"unknown sampling parameter(s) {unknown}; known: {sorted(known | set(cls.ALIASES))}")
+            if value is not None:
+                out[name] = value
+        if isinstance(out.get("stop"), str):
+            out["stop"] = [out["stop"]]
+        if "stop_token_ids" in out:
+            out["stop_token_ids"] = [int(t) for t in out["stop_token_ids"]]
+        return replace(base or cls(), **out)
 
     def validate(self) -> Optional[str]:
         """A message naming the bad field, or None; per request, so one bad row never
@@ -58,6 +90,15 @@ class SamplingParams:
             return f"threshold must be in (0, 1], got {self.threshold!r}"
         if not float(self.factor) > 0.0:
             return f"factor must be > 0, got {self.factor!r}"
+        if not 0.0 < float(self.top_p) <= 1.0:
+            return f"top_p must be in (0, 1], got {self.top_p!r}"
+        if not isinstance(self.top_k, int) or self.top_k < -1:
+            return f"top_k must be an integer >= 0 (0 or -1: off), got {self.top_k!r}"
+        if self.stop is not None and (isinstance(self.stop, str) or not all(isinstance(x, str) and x
+                                                                             for x in self.stop)):
+            return f"stop must be a list of non-empty strings, got {self.stop!r}"
+        if not isinstance(self.n, int) or self.n < 1:
+            return f"n must be an integer >= 1, got {self.n!r}"
         if not float(self.temperature) >= 0.0:
             return f"temperature must be >= 0, got {self.temperature!r}"
         return None

@@ -28,6 +28,8 @@ class RowParams:
     temperature: torch.Tensor
     remasking: torch.Tensor
     first_position: torch.Tensor  # bool: the block's first step commits only its first position
+    top_p: torch.Tensor
+    top_k: torch.Tensor
     seeds: List[Optional[int]]  # noise seed per row, None when the row draws no noise
 
     @classmethod
@@ -41,6 +43,8 @@ class RowParams:
                    temperature=torch.tensor([float(p.temperature) for p in params], **f64),
                    remasking=torch.tensor([REMASKING_IDS[p.remasking] for p in params], device=device),
                    first_position=torch.tensor(first, dtype=torch.bool, device=device),
+                   top_p=torch.tensor([float(p.top_p) for p in params], **f64),
+                   top_k=torch.tensor([max(0, int(p.top_k)) for p in params], device=device),
                    seeds=list(seeds))
 
 
@@ -76,6 +80,20 @@ def _ranks(conf: torch.Tensor) -> torch.Tensor:
     return torch.empty_like(order).scatter_(1, order, ar)
 
 
+def restrict(logits: torch.Tensor, temperature: float, top_k: int, top_p: float) -> torch.Tensor:
+    """`logits` [L, V] with -inf outside each position's top-k tokens and outside the
+    smallest set whose tempered probability reaches top_p (vLLM's order: temperature,
+    top-k, top-p; the most likely token always stays)."""
+    if 0 < top_k < logits.shape[-1]:
+        kth = logits.topk(top_k, dim=-1).values[:, -1:]
+        logits = logits.masked_fill(logits < kth, -torch.inf)
+    if top_p < 1.0:
+        probs, order = torch.softmax(logits / temperature, dim=-1).sort(dim=-1, descending=True)
+        drop = probs.cumsum(-1) - probs > top_p  # the mass before this token already reaches top_p
+        logits = logits.masked_fill(torch.zeros_like(drop).scatter_(-1, order, drop), -torch.inf)
+    return logits
+
+
 def propose(logits: torch.Tensor, rp: RowParams, noise_keys: Optional[Sequence[Optional[int]]],
             need: torch.Tensor):
     """Candidate tokens x0 [B, L] and their float64 confidence [B, L] (0 where `need`
@@ -92,7 +110,8 @@ def propose(logits: torch.Tensor, rp: RowParams, noise_keys: Optional[Sequence[O
             continue
         g = torch.Generator(device=logits.device).manual_seed(key)
         if float(rp.temperature[i]) > 0:
-            lg = logits[i].to(torch.float64)
+            lg = restrict(logits[i].to(torch.float64), float(rp.temperature[i]), int(rp.top_k[i]),
+                          float(rp.top_p[i]))
             noise = torch.rand(lg.shape, generator=g, dtype=torch.float64, device=lg.device)
             x0[i] = (lg - rp.temperature[i] * torch.log(-torch.log(noise))).argmax(-1)
         if int(rp.remasking[i]) == RANDOM:

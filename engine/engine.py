@@ -167,6 +167,8 @@ class Engine:
         err = req.params.validate()
         if err:
             return err
+        if req.params.stop and self.tokenizer is None:
+            return "stop strings need a tokenizer (the engine has none); use stop_token_ids"
         if not req.prompt:
             return "empty prompt"
         bad = [t for t in req.prompt if not 0 <= t < self.mcfg.vocab_size]
@@ -391,7 +393,11 @@ class Engine:
             n_before = len(r.generated)
             r.generated.extend(blk)
             g = r.params.max_new_tokens
-            if fs >= 0 and n_before + fs < g:
+            end = n_before + fs if fs >= 0 else g
+            cut = self._stop_string(r, n_before, min(end, g)) if r.params.stop else None
+            if cut is not None:
+                self._finish(r, "stop", *cut)
+            elif fs >= 0 and n_before + fs < g:
                 self._finish(r, "stop", n_before + fs)
             elif fs >= 0 or len(r.generated) >= r.num_blocks_needed * L:
                 self._finish(r, "length", g)
@@ -400,14 +406,30 @@ class Engine:
                 continue
             b.frozen[i] = self.scheduler.is_frozen(r)  # a static batch keeps the finished row
 
-    def _finish(self, req: Request, reason: str, n_tokens: int = 0) -> None:
+    def _stop_string(self, req: Request, n_before: int, n_max: int):
+        """(tokens, text) when a stop string appears in the first `n_max` generated
+        tokens (it was not in the first `n_before`): the fewest tokens whose text holds
+        it, and the text before it; else None. Decided on the detokenized text, as vLLM does."""
+        def first(text: str) -> int:
+            return min((i for i in (text.find(x) for x in req.params.stop) if i >= 0), default=-1)
+
+        decode = lambda n: self.tokenizer.decode(req.generated[:n], skip_special_tokens=True)  # noqa: E731
+        if first(decode(n_max)) < 0:
+            return None
+        for n in range(n_before + 1, n_max + 1):
+            text = decode(n)
+            at = first(text)
+            if at >= 0:
+                return n, text[:at]
+        return None
+
+    def _finish(self, req: Request, reason: str, n_tokens: int = 0, text: Optional[str] = None) -> None:
         toks = req.generated[:n_tokens] if reason != "error" else []
         if reason != "error":
             self.scheduler.finish(req)
             self.stats.generated_tokens += len(toks)
         self.stats.finished[reason] = self.stats.finished.get(reason, 0) + 1
-        text = None
-        if self.tokenizer is not None and reason != "error":
+        if text is None and self.tokenizer is not None and reason != "error":
             text = self.tokenizer.decode(toks, skip_special_tokens=True)
         self._finished.append(RequestOutput(
             request_id=req.request_id, prompt_token_ids=req.prompt, token_ids=toks, finish_reason=reason,
