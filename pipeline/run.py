@@ -35,7 +35,7 @@ from .reader import DuplicateIds, InputError, PromptParquetDatasource, read_prom
 from .storage import StorageOptions, describe_error, get_filesystem, protocol_of
 from .stages import has_tokenizer, load_tokenizer
 from .summary import block_stats, summarize
-from .writer import completed_ids, prepare_output, write_json, write_results
+from .writer import check_output, completed_ids, prepare_output, write_json, write_results
 
 SUMMARY_FILE = "summary.json"
 
@@ -217,6 +217,10 @@ def preflight(input: Union[str, List[str]], output: str, config: DLLMProcessorCo
     except Exception as e:  # noqa: BLE001
         raise JobError(f"output {output} cannot be used: {type(e).__name__}: {e} (--output)") from e
     check_separate(input, output, out_fs, out_path, storage)
+    try:
+        check_output(out_fs, out_path, overwrite=overwrite, resume=resume)  # reachable; changes nothing
+    except Exception as e:  # noqa: BLE001
+        raise JobError(f"output {output} cannot be used: {type(e).__name__}: {e} (--output)") from e
     try:
         source = PromptParquetDatasource(input, storage, id_column=id_column, limit=limit)
     except InputError as e:

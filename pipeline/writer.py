@@ -49,7 +49,8 @@ def atomic_write_bytes(fs: fsspec.AbstractFileSystem, path: str, data: bytes) ->
     counts as done (the target is complete)."""
     parent = path.rsplit("/", 1)[0]
     tmp_dir = join(parent, TMP_DIR)
-    fs.makedirs(tmp_dir, exist_ok=True)  # a real folder on local disks, a no-op on object stores
+    if has_folders(fs):  # object stores have none (and s3fs's makedirs would ask for the bucket)
+        fs.makedirs(tmp_dir, exist_ok=True)
     tmp = join(tmp_dir, f"{uuid.uuid4().hex}-{path.rsplit('/', 1)[-1]}")
 
     def upload() -> None:
@@ -98,12 +99,7 @@ def prepare_output(fs: fsspec.AbstractFileSystem, path: str, overwrite: bool = F
     run's temporaries and summary are dropped. Nothing else in it is touched, and nothing
     is removed before the write probe has passed (the job calls this last in its
     preflight, once every other check has passed)."""
-    fs.invalidate_cache()
-    old = _result_files(fs, path)
-    if old and not (overwrite or resume):
-        raise OutputExistsError(f"{fs.unstrip_protocol(path)} already holds {len(old)} result file(s); "
-                                "pass overwrite=True (--overwrite), resume=True (--resume) "
-                                "or choose another output")
+    old = check_output(fs, path, overwrite=overwrite, resume=resume)
     try:
         fs.makedirs(path, exist_ok=True)  # on S3 this creates the bucket when it is missing
     except Exception as e:  # noqa: BLE001 - a bucket we may not create may still accept writes
@@ -126,11 +122,19 @@ def prepare_output(fs: fsspec.AbstractFileSystem, path: str, overwrite: bool = F
     remove_empty_tmp(fs, path)
 
 
-def _result_files(fs: fsspec.AbstractFileSystem, path: str) -> List[str]:
-    """`*.parquet` and summary.json directly in `path` ([] when it does not exist)."""
+def check_output(fs: fsspec.AbstractFileSystem, path: str, overwrite: bool = False, resume: bool = False) -> List[str]:
+    """Without changing anything: the result files (`*.parquet`, summary.json) directly in
+    `path`, or OutputExistsError when there are some and neither `overwrite` nor `resume`
+    is given. Raises whatever the store raises when it cannot be listed."""
+    fs.invalidate_cache()
     if not fs.exists(path):
         return []
-    return [p for p in fs.ls(path, detail=False) if p.rstrip("/").endswith((".parquet", "/summary.json"))]
+    old = [p for p in fs.ls(path, detail=False) if p.rstrip("/").endswith((".parquet", "/summary.json"))]
+    if old and not (overwrite or resume):
+        raise OutputExistsError(f"{fs.unstrip_protocol(path)} already holds {len(old)} result file(s); "
+                                "pass overwrite=True (--overwrite), resume=True (--resume) "
+                                "or choose another output")
+    return old
 
 
 def completed_ids(fs: fsspec.AbstractFileSystem, path: str, id_column: str = "id") -> List[str]:
@@ -212,8 +216,17 @@ def write_results(ds, output: Output, *, storage: Optional[StorageOptions] = Non
     return sink
 
 
+def has_folders(fs: fsspec.AbstractFileSystem) -> bool:
+    """Whether folders exist on their own (local disks), not only as key prefixes (object stores)."""
+    protocols = (fs.protocol,) if isinstance(fs.protocol, str) else fs.protocol
+    return "file" in protocols
+
+
 def remove_empty_tmp(fs: fsspec.AbstractFileSystem, path: str) -> None:
-    """Drop `<path>/_tmp` once nothing writes there (local disks; object stores have no folders)."""
+    """Drop `<path>/_tmp` once nothing writes there (local disks; object stores have no
+    folders, and nothing to drop: skipping them spares a failing store more requests)."""
+    if not has_folders(fs):
+        return
     tmp = join(path, TMP_DIR)
     try:
         if fs.isdir(tmp) and not fs.find(tmp):
