@@ -8,6 +8,7 @@ every task talks to the same endpoint, whatever its own environment says.
 from __future__ import annotations
 
 import os
+import re
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Mapping, Optional, Tuple
 
@@ -136,16 +137,42 @@ def describe_error(e: BaseException, limit: int = 1500) -> str:
     parts: List[str] = []
     seen = set()
     cur: Optional[BaseException] = e
+    remote, last = "", e
     while cur is not None and id(cur) not in seen:
         seen.add(id(cur))
         inner = getattr(cur, "cause", None)
-        if isinstance(inner, BaseException) and type(cur).__module__.startswith("ray"):
+        from_ray = type(cur).__module__.startswith("ray")
+        if isinstance(inner, BaseException) and from_ray:
+            remote = _ANSI.sub("", str(cur))  # the remote traceback, causes included, as text
             cur = inner  # RayTaskError(X) -> X
             continue
-        first = next((line.strip() for line in str(cur).splitlines() if line.strip()), "")
-        name = type(cur).__name__
-        text = f"{name}: {first}" if first else name
-        if not parts or parts[-1] != text:
-            parts.append(text)
-        cur = cur.__cause__
+        lines = [line.strip() for line in _ANSI.sub("", str(cur)).splitlines() if line.strip()]
+        last, cur = cur, cur.__cause__
+        if from_ray and not lines:
+            continue  # an empty wrapper of Ray Data's (SystemException)
+        for text in [f"{type(last).__name__}: {lines[0]}" if lines else type(last).__name__] + (
+                # Ray's errors (ActorDiedError) end their text with the remote error's line
+                [x for x in lines[1:] if _EXCEPTION_LINE.match(x)][-1:] if from_ray else []):
+            if not parts or parts[-1] != text:
+                parts.append(text)
+    if remote and type(last).__module__.startswith("ray"):
+        # Ray's own wrapper (UserCodeException: "UDF failed to process a data block.") came
+        # back without its cause (a pickled exception loses __cause__): take it from the text.
+        parts += [p for p in _remote_causes(remote) if p not in parts]
     return " <- ".join(parts)[:limit]
+
+
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")
+_EXCEPTION_LINE = re.compile(r"^[A-Za-z_][\w.]*(Error|Exception|Exit|Interrupt)\b")
+_CHAINED = "The above exception was the direct cause of the following exception:"
+
+
+def _remote_causes(traceback_text: str) -> List[str]:
+    """The exception lines (`Type: message`) of the causes in a remote traceback's text,
+    outermost first (the text lists the innermost first)."""
+    out = []
+    for section in traceback_text.split(_CHAINED)[:-1]:
+        lines = [line for line in section.splitlines() if line.strip() and not line.startswith((" ", "\t"))]
+        if lines:
+            out.append(lines[-1].strip())
+    return out[::-1]

@@ -329,3 +329,35 @@ def test_internal_error_exits_1_with_the_traceback_in_a_log(tmp_path):
         assert "Traceback" in open(log).read() and "boom" in open(log).read()
     finally:
         os.remove(log)
+
+
+def test_stage_failures_name_their_cause(ray_local):
+    """A stage with a bug, in its batches or in its constructor: Ray Data reports
+    `UserCodeException: UDF failed to process a data block.` (its cause does not survive
+    the trip to the driver) or `ActorDiedError` (the cause at the end of its text); the
+    job's one line still names the real error."""
+    import ray.data
+
+    from pipeline.storage import describe_error
+
+    class BrokenBatches:  # defined here: pickled by value to the workers
+        def __call__(self, batch):
+            raise KeyError("shard 3")
+
+    class BrokenStart:
+        def __init__(self):
+            raise FileNotFoundError("weights gone")
+
+        def __call__(self, batch):
+            return batch
+
+    messages = []
+    for stage in (BrokenBatches, BrokenStart):
+        with pytest.raises(Exception) as info:
+            ray.data.range(4).map_batches(stage, compute=ray.data.ActorPoolStrategy(size=1),
+                                          num_cpus=0.25).materialize()
+        messages.append(describe_error(info.value))
+    assert messages[0] == "UserCodeException: UDF failed to process a data block. <- KeyError: 'shard 3'", messages
+    assert messages[1].startswith("ActorDiedError: ") and messages[1].endswith(
+        " <- FileNotFoundError: weights gone"), messages
+    assert all("\x1b" not in m and "\n" not in m for m in messages)
