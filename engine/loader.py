@@ -65,7 +65,7 @@ def load_model(path: str | os.PathLike, dtype: torch.dtype = torch.bfloat16, dev
     if tokenizer and any((root / f).exists() for f in _TOKENIZER_FILES):
         from transformers import AutoTokenizer
 
-        tok = AutoTokenizer.from_pretrained(str(root), local_files_only=True)
+        tok = AutoTokenizer.from_pretrained(str(root), local_files_only=True, trust_remote_code=False)
     return model, tok
 
 

@@ -77,17 +77,31 @@ def parse_args(argv=None) -> argparse.Namespace:
     e = p.add_argument_group("engine (default: the model's blockray.json, else EngineConfig's)")
     e.add_argument("--block-length", type=int)
     e.add_argument("--steps-per-block", type=int)
-    e.add_argument("--cache", choices=["none", "refresh", "persistent"])
+    e.add_argument("--cache", choices=["none", "refresh", "dual", "persistent"],
+                   help="refresh: Fast-dLLM prefix cache; dual: Fast-dLLM dual cache (prefix and masked suffix)")
+    e.add_argument("--canvas", choices=["auto", "block", "full"],
+                   help="full: prompt + every masked block, as LLaDA's generate and Fast-dLLM decode (needed to "
+                        "reproduce bidirectional models); block: BlockServe's box; auto (default): full for "
+                        "bidirectional models, block for block-causal ones")
     e.add_argument("--token-budget", type=int)
     e.add_argument("--scheduler", choices=["blockserve", "static", "sequential"])
     e.add_argument("--max-batch-size", type=int)
     e.add_argument("--advance", choices=["block", "step"])
     d = p.add_argument_group("sampling (default: the model's blockray.json, else SamplingParams')")
     d.add_argument("--max-new-tokens", type=int)
-    d.add_argument("--policy", choices=["fixed", "threshold", "factor"])
+    d.add_argument("--policy", choices=["fixed", "threshold", "factor", "timestep"],
+                   help="fixed: LLaDA's schedule; threshold/factor: Fast-dLLM; timestep: Dream's schedule")
+    d.add_argument("--remasking", choices=["low_confidence", "random", "entropy", "margin"],
+                   help="the confidence that orders masked positions (random: LLaDA; entropy, margin: Dream)")
+    d.add_argument("--first-position", action=argparse.BooleanOptionalAction, default=None,
+                   help="Dream's block decoding: a block's first step commits only its first position "
+                        "(default: on for Dream, off for LLaDA)")
     d.add_argument("--threshold", type=float)
     d.add_argument("--factor", type=float)
     d.add_argument("--temperature", type=float)
+    d.add_argument("--top-p", type=float)
+    d.add_argument("--top-k", type=int)
+    d.add_argument("--stop", nargs="+", default=None, help="stop strings (the text is cut before the first)")
     d.add_argument("--seed", type=int)
     r = p.add_argument_group("ray")
     r.add_argument("--address", default=None, help="cluster to join (default: $RAY_ADDRESS, else start a local Ray)")

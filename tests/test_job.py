@@ -50,3 +50,17 @@ def test_ray_job_submit(tmp_path, head_node):
     assert summary["tokens_per_s"] > 0 and summary["wall_s"] > 0
     assert sorted(summary["output_files"]) == [os.path.basename(f) for f in files]
     assert not os.path.exists(os.path.join(out, "_tmp"))
+
+
+def test_decoding_options_reach_the_configs():
+    """The canvas, the dual cache and the reference decoding choices are job options."""
+    from jobs.offline_eval import build_config, parse_args
+
+    cfg = build_config(parse_args(["--canvas", "full", "--cache", "dual", "--policy", "timestep", "--remasking",
+                                   "entropy", "--first-position", "--top-p", "0.9", "--top-k", "5", "--stop", "x",
+                                   "\n"]), 0)
+    assert (cfg.engine.canvas, cfg.engine.cache) == ("full", "dual")
+    s = cfg.sampling
+    assert (s.policy, s.remasking, s.first_position, s.top_p, s.top_k, s.stop) == (
+        "timestep", "entropy", True, 0.9, 5, ["x", "\n"])
+    assert build_config(parse_args([]), 0).engine.canvas == "auto"
