@@ -85,7 +85,9 @@ class DLLMEngineActor:
                  rank: Optional[int] = None, rank_group: Optional[str] = None, enable_metrics: bool = True,
                  record_batches: bool = False, warmup: bool = True,
                  token_ids_column: str = "prompt_token_ids", sampling_column: str = "sampling_params",
-                 error_column: str = "error"):
+                 error_column: str = "error", model_storage: Any = None, run_id: str = ""):
+        from pipeline.model_source import model_name, resolve_model  # lazy: pipeline imports this module
+
         if torch_threads:
             torch.set_num_threads(torch_threads)
         self.device = resolve_device(device)
@@ -96,8 +98,10 @@ class DLLMEngineActor:
         self.error_column = error_column
         self._rank_counter = None  # keeps the group's rank counter alive while this engine lives
         self.rank = self._resolve_rank(rank, rank_group)
-        self.model, _ = load_model(model, dtype=resolve_dtype(dtype, self.device), device=self.device,
-                                   tokenizer=False)
+        # s3://… or a hub id: downloaded once per node (under a lock), then loaded from disk.
+        self.model_name, self.run_id = model_name(model), run_id
+        self.model, _ = load_model(resolve_model(model, model_storage), dtype=resolve_dtype(dtype, self.device),
+                                   device=self.device, tokenizer=False)
         if warmup:
             self._warmup()
         self.metrics = self._make_metrics(enable_metrics)
@@ -126,7 +130,7 @@ class DLLMEngineActor:
 
         if not enable or not ray.is_initialized():
             return None
-        return EngineMetrics(self.rank)
+        return EngineMetrics(self.rank, model=self.model_name, run=self.run_id)
 
     def _warmup(self) -> None:
         """One throwaway request on a throwaway engine: the first forwards of a process

@@ -8,12 +8,15 @@ Names and meanings are listed in docs/metrics.md; keep the two in sync.
 """
 from __future__ import annotations
 
+import uuid
 from dataclasses import dataclass, field
 from typing import Dict, Iterable, Tuple
 
 from ray.util.metrics import Counter, Gauge, Histogram
 
 RANK = "engine_rank"
+MODEL = "model"  # the model's short name (last path component of --model)
+RUN = "run"  # the run id the job prints at start: two concurrent runs stay apart
 REASON = "finish_reason"
 LATENCY_BUCKETS_S = [0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0]
 
@@ -35,6 +38,12 @@ METRICS: Dict[str, Tuple[str, str]] = {
 }
 
 
+def new_run_id() -> str:
+    """A short id for one run (the `run` tag): the job prints it at start, so a dashboard
+    filtered on it shows that run alone even when two share a cluster."""
+    return uuid.uuid4().hex[:8]
+
+
 @dataclass
 class _Seen:
     cycles: int = 0
@@ -47,12 +56,12 @@ class _Seen:
 
 
 class EngineMetrics:
-    """Counters, gauges and histograms of one engine actor, tagged with its rank.
-    Create it in the actor's __init__ (Ray registers metrics per worker process)."""
+    """Counters, gauges and histograms of one engine actor, tagged with its rank, model
+    and run. Create it in the actor's __init__ (Ray registers metrics per worker process)."""
 
-    def __init__(self, engine_rank: int):
-        tags = {RANK: str(engine_rank)}
-        keys = (RANK,)
+    def __init__(self, engine_rank: int, model: str = "", run: str = ""):
+        tags = {RANK: str(engine_rank), MODEL: model, RUN: run}
+        keys = (RANK, MODEL, RUN)
 
         def counter(name: str, tag_keys: Tuple[str, ...] = keys) -> Counter:
             c = Counter(name, description=METRICS[name][1], tag_keys=tag_keys)
@@ -65,7 +74,7 @@ class EngineMetrics:
             return g
 
         self.generated_tokens = counter("blockray_generated_tokens")
-        self.finished_requests = counter("blockray_finished_requests", (RANK, REASON))
+        self.finished_requests = counter("blockray_finished_requests", (*keys, REASON))
         self.block_cycles = counter("blockray_block_cycles")
         self.denoising_steps = counter("blockray_denoising_steps")
         self.computed_cells = counter("blockray_computed_cells")

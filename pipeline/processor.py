@@ -12,16 +12,19 @@ came in (unless postprocess chooses otherwise).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, Optional
 
 import ray
 import ray.data
 
 from actors.engine_actor import OUTPUT_SCHEMA, DLLMEngineActor, new_rank_group
+from actors.metrics import new_run_id
 from actors.rank import rank_counter
 
 from .config import DLLMProcessorConfig
+from .model_source import with_local_model
+from .storage import StorageOptions
 from .stages import PRE_ERROR, TOKEN_IDS, ChatTemplateUDF, DetokenizeUDF, TokenizeUDF
 
 RowFn = Callable[[Dict[str, Any]], Dict[str, Any]]
@@ -47,6 +50,8 @@ class DLLMProcessor:
     config: DLLMProcessorConfig
     preprocess: Optional[RowFn] = None
     postprocess: Optional[RowFn] = None
+    storage: Optional[StorageOptions] = None  # where a remote model (s3://…) is read from
+    run_id: str = field(default_factory=new_run_id)  # the `run` tag of the engines' metrics
 
     def engine_resources(self) -> Dict[str, Any]:
         """num_gpus / num_cpus / device of each engine actor, resolved against the cluster."""
@@ -69,9 +74,9 @@ class DLLMProcessor:
                          udf_modifying_row_count=False,
                          compute=ray.data.ActorPoolStrategy(min_size=1, max_size=cfg.cpu_stage_max_actors))
         if cfg.apply_chat_template:
-            ds = ds.map_batches(ChatTemplateUDF, fn_constructor_kwargs=dict(
+            ds = ds.map_batches(with_local_model(ChatTemplateUDF, cfg.model, self.storage), fn_constructor_kwargs=dict(
                 model=cfg.model, messages_column=cfg.messages_column, chat_template=cfg.chat_template), **cpu_stage)
-        ds = ds.map_batches(TokenizeUDF, fn_constructor_kwargs=dict(
+        ds = ds.map_batches(with_local_model(TokenizeUDF, cfg.model, self.storage), fn_constructor_kwargs=dict(
             model=cfg.model, prompt_column=cfg.prompt_column, prompt_token_ids_column=cfg.prompt_token_ids_column,
             add_special_tokens=cfg.add_special_tokens), **cpu_stage)
 
@@ -81,7 +86,8 @@ class DLLMProcessor:
             model=cfg.model, engine=cfg.engine, sampling=cfg.sampling, dtype=cfg.dtype, device=res["device"],
             torch_threads=cfg.torch_threads, enable_metrics=cfg.enable_metrics,
             record_batches=cfg.record_batches, token_ids_column=TOKEN_IDS,
-            sampling_column=cfg.sampling_column, error_column=PRE_ERROR)
+            sampling_column=cfg.sampling_column, error_column=PRE_ERROR, model_storage=self.storage,
+            run_id=self.run_id)
         if cfg.collect_engine_stats:
             from actors.engine_stats import EngineStatsSink, StatsEngineActor
 
@@ -121,7 +127,7 @@ class DLLMProcessor:
                 ds = pool(ds)
         else:
             ds = pool(ds)
-        ds = ds.map_batches(DetokenizeUDF, fn_constructor_kwargs=dict(
+        ds = ds.map_batches(with_local_model(DetokenizeUDF, cfg.model, self.storage), fn_constructor_kwargs=dict(
             model=cfg.model, detokenize=cfg.detokenize, skip_special_tokens=cfg.skip_special_tokens), **cpu_stage)
         if self.postprocess is not None:
             ds = ds.map(self.postprocess, num_cpus=cfg.cpu_stage_num_cpus)
@@ -129,11 +135,22 @@ class DLLMProcessor:
 
 
 def build_processor(config: DLLMProcessorConfig, preprocess: Optional[RowFn] = None,
-                    postprocess: Optional[RowFn] = None) -> DLLMProcessor:
+                    postprocess: Optional[RowFn] = None, *, storage: Optional[StorageOptions] = None,
+                    run_id: Optional[str] = None) -> DLLMProcessor:
     """A callable that maps a Dataset of prompts to a Dataset of generations.
 
     `preprocess(row) -> dict` runs first and its fields are merged into the row (e.g.
     build `prompt` from other columns, or set a per-row `sampling_params` dict).
     `postprocess(row) -> dict` runs last and its result *is* the output row.
+    `storage`: object-storage options for a remote `config.model` (default: AWS_* variables).
+    `run_id`: the engines' `run` metrics tag (default: a fresh one).
+    Raises ValueError (one line) when the model cannot be loaded, before any actor starts.
     """
-    return DLLMProcessor(config, preprocess, postprocess)
+    from .run import JobError, check_model
+
+    storage = (storage or StorageOptions()).resolved()  # once, here: every actor talks to the same endpoint
+    try:
+        check_model(config.model, needs_tokenizer=False, storage=storage)
+    except JobError as e:
+        raise ValueError(str(e).removesuffix(" (--model)")) from None
+    return DLLMProcessor(config, preprocess, postprocess, storage, run_id or new_run_id())

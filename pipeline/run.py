@@ -113,12 +113,22 @@ def check_tokenizer(model: str) -> None:
         raise JobError(f"model: the tokenizer in {model} does not load: {describe_error(e)} (--model)") from e
 
 
-def check_model(model: str, needs_tokenizer: bool) -> None:
-    """A model directory the engines can load: config.json of a supported model (parsed
-    by the engine's own parser, never by transformers' remote code) and weights; a
-    tokenizer that loads when prompts are text."""
+def check_model(model: str, needs_tokenizer: bool, storage: Optional[StorageOptions] = None) -> str:
+    """A model the engines can load: config.json of a supported model (parsed by the
+    engine's own parser, never by transformers' remote code) and weights; a tokenizer that
+    loads when prompts are text. A remote model (s3://…, a hub id) is checked on a copy of
+    everything but its weights (pipeline/model_source.py), its weights on the remote
+    listing. Returns the local directory checked."""
     from engine.models.config import ModelConfig
 
+    from .model_source import ModelSourceError, classify, resolve_model
+
+    remote = not classify(model).is_local
+    if remote:
+        try:
+            model = resolve_model(model, storage, weights=False)
+        except ModelSourceError as e:
+            raise JobError(f"model: {e} (--model)") from e
     cfg = os.path.join(model, "config.json")
     if not os.path.isdir(model):
         raise JobError(f"model: {model} is not a directory (--model)")
@@ -134,12 +144,13 @@ def check_model(model: str, needs_tokenizer: bool) -> None:
         raise JobError(f"model: {cfg} lacks {e} (--model)") from e
     except Exception as e:  # noqa: BLE001
         raise JobError(f"model: {cfg}: {type(e).__name__}: {e} (--model)") from e
-    if not any(n.endswith(".safetensors") for n in os.listdir(model)):  # all engine.loader reads
+    if not remote and not any(n.endswith(".safetensors") for n in os.listdir(model)):  # all engine.loader reads
         raise JobError(f"model: {model} holds no weights (*.safetensors) (--model)")
     if needs_tokenizer:
         if not has_tokenizer(model):
             raise JobError(f"model: {model} has no tokenizer files, needed for text prompts (--model)")
         check_tokenizer(model)
+    return model
 
 
 def check_columns(source: PromptParquetDatasource, config: DLLMProcessorConfig) -> bool:
@@ -226,7 +237,7 @@ def preflight(input: Union[str, List[str]], output: str, config: DLLMProcessorCo
     except InputError as e:
         raise JobError(f"{e} (--input)") from e
     needs_tokenizer = check_columns(source, config)
-    check_model(config.model, needs_tokenizer)
+    check_model(config.model, needs_tokenizer, storage)
     try:
         done = completed_ids(out_fs, out_path, id_column) if resume else []
     except Exception as e:  # noqa: BLE001
@@ -264,7 +275,7 @@ def run_offline(input: Union[str, List[str]], output: str, config: DLLMProcessor
                 reference_column: Optional[str] = "reference", overwrite: bool = False, resume: bool = True,
                 rows_per_file: Optional[int] = 256, allow_duplicate_ids: bool = False,
                 max_error_fraction: float = MAX_ERROR_FRACTION,
-                preflighted: Optional[Preflight] = None) -> Dict[str, Any]:
+                preflighted: Optional[Preflight] = None, run_id: Optional[str] = None) -> Dict[str, Any]:
     """Read prompts, generate, stream results to `output`, write `summary.json` beside
     them and return the summary. With `resume` (default) ids already in `output`'s part
     files are skipped; `overwrite` starts from scratch instead. `preflighted`: what
@@ -274,6 +285,10 @@ def run_offline(input: Union[str, List[str]], output: str, config: DLLMProcessor
     on the way becomes one too), and ErrorFractionExceeded (a JobError, after
     summary.json is written) when more than `max_error_fraction` of the rows failed."""
     t0 = time.perf_counter()
+    if run_id is None:  # the engines' `run` metrics tag, also in summary.json
+        from actors.metrics import new_run_id
+
+        run_id = new_run_id()
     checked = preflighted or preflight(
         input, output, config, storage=storage, limit=limit, id_column=id_column, overwrite=overwrite,
         resume=resume, allow_duplicate_ids=allow_duplicate_ids, max_error_fraction=max_error_fraction)
@@ -284,7 +299,8 @@ def run_offline(input: Union[str, List[str]], output: str, config: DLLMProcessor
     write_returns: List[Dict[str, Any]] = []
     if source.num_rows:
         try:  # building the processor runs the sharding (sort="blendserve"): inside, too
-            ds = build_processor_for(config)(read_prompts(input, rows_per_block=config.batch_size, source=source))
+            ds = build_processor_for(config, storage, run_id)(
+                read_prompts(input, rows_per_block=config.batch_size, source=source))
             sink = write_results(ds, (out_fs, out_path), rows_per_file=rows_per_file, stats_fn=stats_fn)
         except Exception as e:  # noqa: BLE001
             raise JobError(f"run failed, no summary written: {describe_error(e)}. Part files already in "
@@ -298,6 +314,7 @@ def run_offline(input: Union[str, List[str]], output: str, config: DLLMProcessor
         output=out_fs.unstrip_protocol(out_path),
         input=input,
         model=config.model,
+        run_id=run_id,
         num_engines=config.num_engines,
         batch_size=config.batch_size,
         output_files=sorted(r["file"] for r in write_returns),
@@ -315,10 +332,11 @@ def run_offline(input: Union[str, List[str]], output: str, config: DLLMProcessor
     return summary
 
 
-def build_processor_for(config: DLLMProcessorConfig):
+def build_processor_for(config: DLLMProcessorConfig, storage: Optional[StorageOptions] = None,
+                        run_id: Optional[str] = None):
     from .processor import build_processor
 
-    return build_processor(config)
+    return build_processor(config, storage=storage, run_id=run_id)
 
 
 __all__ = ["run_offline", "preflight", "Preflight", "SUMMARY_FILE", "JobError", "ErrorFractionExceeded",
