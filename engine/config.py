@@ -2,7 +2,7 @@
 each request is decoded (SamplingParams)."""
 from __future__ import annotations
 
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, field, fields, replace
 from typing import Any, Dict, Literal, Optional, Sequence
 
 Policy = Literal["fixed", "threshold", "factor", "timestep"]
@@ -40,19 +40,33 @@ class SamplingParams:
     is cut before it), `seed`, `n` (samples per row; the pipeline expands a row into n
     requests with seeds derived from the row's). `from_dict` also takes `max_tokens`."""
 
-    max_new_tokens: int = 64
-    policy: Policy = "threshold"
-    threshold: float = 0.9
-    factor: float = 1.0
-    temperature: float = 0.0
-    stop_token_ids: Optional[Sequence[int]] = None
-    seed: Optional[int] = None  # Gumbel noise / random-remasking seed
-    remasking: Remasking = "low_confidence"
-    first_position: Optional[bool] = None
-    top_p: float = 1.0
-    top_k: int = 0
-    stop: Optional[Sequence[str]] = None
-    n: int = 1
+    max_new_tokens: int = field(default=64, metadata={"help": (
+        "tokens to generate at most per row (vLLM: max_tokens); rounded up to whole blocks")})
+    policy: Policy = field(default="threshold", metadata={"help": (
+        "which masked positions a step unmasks: fixed (LLaDA's schedule), threshold/factor (Fast-dLLM), "
+        "timestep (Dream's schedule)")})
+    threshold: float = field(default=0.9, metadata={"help": (
+        "policy threshold: unmask every position whose confidence is at least this (at least one per step)")})
+    factor: float = field(default=1.0, metadata={"help": "policy factor: Fast-dLLM's factor rule constant"})
+    temperature: float = field(default=0.0, metadata={"help": (
+        "0: greedy; > 0: sample the proposals with float64 Gumbel noise")})
+    stop_token_ids: Optional[Sequence[int]] = field(default=None, metadata={"help": (
+        "token ids that end a row (none: the model's EOS, and EoT where it has one)")})
+    seed: Optional[int] = field(default=None, metadata={"help": (
+        "seed of the sampling noise and random remasking; per row, a row's tokens never depend on its batch")})
+    remasking: Remasking = field(default="low_confidence", metadata={"help": (
+        "the confidence that ranks masked positions: low_confidence, random (LLaDA), entropy or margin "
+        "(Dream)")})
+    first_position: Optional[bool] = field(default=None, metadata={"help": (
+        "Dream's block decoding: a block's first step commits only its first position (auto: on for Dream, "
+        "off for LLaDA)")})
+    top_p: float = field(default=1.0, metadata={"help": "nucleus sampling of the proposals (1: off)"})
+    top_k: int = field(default=0, metadata={"help": (
+        "sample the proposals from the k most likely tokens (0 or -1: off)")})
+    stop: Optional[Sequence[str]] = field(default=None, metadata={"help": (
+        "stop strings: a row ends at the block holding the first one, its text is cut before it")})
+    n: int = field(default=1, metadata={"help": (
+        "samples per row, with seeds derived from the row's (output rows carry sample_index)")})
 
     ALIASES = {"max_tokens": "max_new_tokens"}  # vLLM's name -> ours
 
@@ -125,14 +139,24 @@ class EngineConfig:
     only the block's L columns; `persistent` keeps the committed prefix's K/V across
     blocks (exact for block-causal models only)."""
 
-    block_length: int = 32
-    steps_per_block: int = 32
-    cache: CacheMode = "refresh"
-    token_budget: int = 65536
-    scheduler: SchedulerKind = "blockserve"
-    max_batch_size: int = 256
-    advance: AdvanceMode = "block"
-    canvas: Canvas = "auto"
+    block_length: int = field(default=32, metadata={"help": (
+        "tokens per block (L): a block is denoised, then committed")})
+    steps_per_block: int = field(default=32, metadata={"help": (
+        "denoising steps per block (S) of the scheduled policies")})
+    cache: CacheMode = field(default="refresh", metadata={"help": (
+        "K/V cache: none, refresh (Fast-dLLM prefix cache), dual (prefix and masked suffix), persistent "
+        "(block-causal models)")})
+    token_budget: int = field(default=65536, metadata={"help": (
+        "cells (rows x width) of the padded batch box an engine may forward at once")})
+    scheduler: SchedulerKind = field(default="blockserve", metadata={"help": (
+        "blockserve (continuous, block-grained batching), static or sequential (the baselines)")})
+    max_batch_size: int = field(default=256, metadata={"help": (
+        "cap on the requests an engine runs at once (the group size B of static)")})
+    advance: AdvanceMode = field(default="block", metadata={"help": (
+        "block: requests join and leave at block-cycle boundaries; step: at any denoising step")})
+    canvas: Canvas = field(default="auto", metadata={"help": (
+        "full: prompt + every masked block (LLaDA's generate, Fast-dLLM); block: BlockServe's box; auto: full"
+        " for bidirectional models, block for block-causal ones")})
 
     def __post_init__(self) -> None:
         if self.block_length < 1 or self.steps_per_block < 1:

@@ -26,42 +26,52 @@ class DLLMProcessorConfig:
     `sampling_column` holding a dict per row overrides fields of `sampling` for that row.
     """
 
-    model: str  # local Hugging Face style directory (config.json, *.safetensors, tokenizer files)
-    num_engines: int = 1  # engine actors; one GPU each when the cluster has GPUs
-    batch_size: int = 16  # rows per map_batches call into an engine actor
+    model: str = field(metadata={"help": (
+        "local Hugging Face style directory (config.json, *.safetensors, tokenizer files), s3://… URL or hub "
+        "id")})
+    num_engines: int = field(default=1, metadata={"help": "engine actors; one GPU each when the cluster has GPUs"})
+    batch_size: int = field(default=16, metadata={"help": "rows per map_batches call into an engine actor"})
     engine: EngineConfig = field(default_factory=EngineConfig)
     sampling: SamplingParams = field(default_factory=SamplingParams)
     # Batches one engine actor works on at once; > 1 keeps its queue fed across batch
     # boundaries (the engine admits rows of the next batch while the last one finishes).
-    max_concurrent_batches: int = 4
+    max_concurrent_batches: int = field(default=4, metadata={"help": "batches in flight per engine"})
     # Columns.
-    prompt_column: str = "prompt"
-    messages_column: str = "messages"
-    prompt_token_ids_column: str = "prompt_token_ids"
-    sampling_column: str = "sampling_params"
+    prompt_column: str = field(default="prompt", metadata={"help": "the input's text prompts"})
+    messages_column: str = field(default="messages", metadata={"help": "the input's chat turns ({role, content})"})
+    prompt_token_ids_column: str = field(default="prompt_token_ids", metadata={"help": (
+        "the input's pre-tokenized prompts (used instead of text)")})
+    sampling_column: str = field(default="sampling_params", metadata={"help": (
+        "the input's per-row sampling overrides (a dict; vLLM's names accepted)")})
     # Stages.
-    apply_chat_template: bool = False
-    chat_template: Optional[str] = None  # overrides the tokenizer's template
-    add_special_tokens: bool = False  # as Engine does for text prompts: the template carries BOS
-    detokenize: bool = True
-    skip_special_tokens: bool = True
+    apply_chat_template: bool = field(default=False, metadata={"help": "render the messages column with the chat template"})
+    chat_template: Optional[str] = field(default=None, metadata={"help": "a chat template used instead of the tokenizer's"})
+    add_special_tokens: bool = field(default=False, metadata={"help": (
+        "let the tokenizer add special tokens to text prompts (off: the chat template carries BOS)")})
+    detokenize: bool = field(default=True, metadata={"help": "decode generated_text from the generated token ids"})
+    skip_special_tokens: bool = field(default=True, metadata={"help": "leave special tokens out of generated_text"})
     # Resources. None: 1 GPU per engine when the cluster has GPUs, else CPU.
-    num_gpus_per_engine: Optional[float] = None
+    num_gpus_per_engine: Optional[float] = field(default=None, metadata={"help": (
+        "GPUs per engine actor (none: 1 when the cluster has GPUs, else 0)")})
     # None: 1 CPU with a GPU; 0.5 on CPU so that read/tokenize/write tasks still get a
     # core on small machines (an actor holding every CPU starves the pipeline).
-    num_cpus_per_engine: Optional[float] = None
+    num_cpus_per_engine: Optional[float] = field(default=None, metadata={"help": (
+        "CPUs per engine actor (none: 1 with a GPU, 0.5 without)")})
     # Custom resources each engine actor needs, e.g. {"engine_slot": 1} on a cluster whose
     # engine nodes declare `--resources '{"engine_slot": N}'`: places engines on those nodes
     # (a restarted engine waits for a node with a free slot).
     resources_per_engine: Optional[Dict[str, float]] = None
-    torch_threads: int = 1  # per CPU engine actor
-    dtype: str = "auto"  # "auto": bfloat16 on GPU, float32 on CPU
-    cpu_stage_num_cpus: float = 0.25  # per chat-template / tokenize / detokenize actor
-    cpu_stage_max_actors: int = 1  # each of those stages autoscales from 1 to this many actors
+    torch_threads: int = field(default=1, metadata={"help": "torch threads per CPU engine actor"})
+    dtype: str = field(default="auto", metadata={"help": "weights' dtype (auto: bfloat16 on GPU, float32 on CPU)"})
+    cpu_stage_num_cpus: float = field(default=0.25, metadata={"help": (
+        "CPUs per chat-template / tokenize / detokenize actor")})
+    cpu_stage_max_actors: int = field(default=1, metadata={"help": (
+        "each of those stages autoscales from 1 to this many actors")})
     # Start sending rows only once every engine has loaded its model (0: as soon as the
     # first is up). Otherwise the first engine ready takes the early batches and a small
     # run may never reach the others.
-    wait_for_engines_s: int = 600
+    wait_for_engines_s: int = field(default=600, metadata={"help": (
+        "seconds to wait for every engine to load before rows flow (0: start with the first)")})
     # Request ordering across engines. "blendserve": tokenize everything first, plan with
     # pipeline/sorter.shard (balanced estimated cost per engine, each shard ordered by
     # prompt length, shared prefixes kept together) and send each engine its own shard
@@ -69,22 +79,25 @@ class DLLMProcessorConfig:
     # `shard_order`. The tokenized input is materialized (object store, spilling to
     # disk) before generation starts. "none": arrival order, rows stream from the
     # reader to whichever engine is free (no look-ahead, nothing materialized).
-    sort: str = "blendserve"
+    sort: str = field(default="blendserve", metadata={"choices": SORT_MODES, "help": (
+        "blendserve: costliest first over one engine pool; none: arrival order")})
     # sort="blendserve" only: prompts sharing at least this many leading tokens (compared
     # in pieces of 16, over the first 512) stay on one engine, next to each other, so a
     # shared few-shot preamble is not spread over every rank. 0: no prefix grouping.
-    sort_min_prefix: int = 32
+    sort_min_prefix: int = field(default=32, metadata={"help": (
+        "blendserve: prompts sharing this many leading tokens sit together (0: off)")})
     # sort="blendserve" only: fit the cost model's cycle constants from the engine's own
     # timings on `calibration_samples` prompts (an in-process engine on the driver)
     # instead of the roofline estimate.
-    calibrate: bool = False
-    calibration_samples: int = 16
+    calibrate: bool = field(default=False, metadata={"help": "blendserve: fit the cost model on the engine's own timings"})
+    calibration_samples: int = field(default=16, metadata={"help": "prompts the calibration times"})
     # Engines post their stats (busy_s, padded_cells, ...) per rank after every batch;
     # read them with `processor.engine_stats()` (tests, benches).
-    collect_engine_stats: bool = False
+    collect_engine_stats: bool = field(default=False, metadata={"cli": False, "help": "tests and benches"})
     # Observability.
-    enable_metrics: bool = True
-    record_batches: bool = False  # keep the engine's per-cycle batch log (tests, debugging)
+    enable_metrics: bool = field(default=True, metadata={"help": "export engine metrics to Ray's Prometheus endpoint"})
+    record_batches: bool = field(default=False, metadata={"cli": False, "help": (
+        "keep the engine's per-cycle batch log (tests, debugging)")})
 
     def __post_init__(self) -> None:
         if self.num_engines < 1:
