@@ -27,14 +27,17 @@ def documented() -> dict:
     return {re.sub(r"_total$", "", n) if kind == "counter" else n: kind for n, kind in rows}
 
 
-def scrape(port: int) -> dict:
-    """{sample name: max value over its series} from the node's metrics endpoint."""
+def scrape(port: int, tags: "set | None" = None) -> dict:
+    """{sample name: max value over its series} from the node's metrics endpoint; with
+    `tags`, adds the (model, run, engine_rank) of every blockray series to it."""
     text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
     out: dict = defaultdict(float)
     for family in text_string_to_metric_families(text):
         for s in family.samples:
             if s.name.startswith("ray_blockray_"):
                 out[s.name] = max(out[s.name], s.value)
+                if tags is not None:
+                    tags.add(tuple(s.labels.get(k) for k in ("model", "run", "engine_rank")))
     return out
 
 
@@ -48,9 +51,16 @@ def test_doc_table_and_dashboard_agree():
     assert set(doc) == {f"ray_{n}" for n in METRICS}
     assert all(doc[f"ray_{n}"] == kind for n, (kind, _) in METRICS.items())
     assert len(doc) == len(METRICS)
-    exprs = " ".join(t["expr"] for p in json.load(open(DASHBOARD))["panels"] for t in p["targets"])
+    dashboard = json.load(open(DASHBOARD))
+    targets = [t["expr"] for p in dashboard["panels"] for t in p["targets"]]
+    exprs = " ".join(targets)
     for name in doc:
         assert name in exprs, f"{name} has no panel in the Grafana dashboard"
+    # a variable per tag, and every query filtered by all of them: two runs never mix
+    variables = [v["name"] for v in dashboard["templating"]["list"]]
+    assert variables == ["datasource", "model", "run", "engine_rank"], variables
+    for expr in targets:
+        assert all(f'{tag}=~"${tag}"' in expr for tag in ("model", "run", "engine_rank")), expr
 
 
 def test_metrics_exported_with_nonzero_values(tiny_model_dir, ray_local, metrics_port):
@@ -65,7 +75,7 @@ def test_metrics_exported_with_nonzero_values(tiny_model_dir, ray_local, metrics
         engine=EngineConfig(block_length=4, steps_per_block=8, token_budget=1024, max_batch_size=2),
         sampling=SamplingParams(max_new_tokens=48, policy="fixed", stop_token_ids=[]))
     items = [{"prompt": "copy: " + "abcdefghijklmnop"[: 1 + i % 16]} for i in range(64)] + [{"prompt": ""}]
-    ds = build_processor(config)(ray.data.from_items(items, override_num_blocks=9))
+    ds = build_processor(config, run_id="mtest001")(ray.data.from_items(items, override_num_blocks=9))
     result = {}
 
     def run():
@@ -74,11 +84,12 @@ def test_metrics_exported_with_nonzero_values(tiny_model_dir, ray_local, metrics
     worker = threading.Thread(target=run)
     worker.start()
     seen: dict = defaultdict(float)
+    tags: set = set()
     doc = documented()
     deadline, grace_end = time.time() + 240, None
     while time.time() < deadline:
         try:
-            for k, v in scrape(metrics_port).items():
+            for k, v in scrape(metrics_port, tags).items():
                 seen[k] = max(seen[k], v)
         except OSError:
             pass
@@ -96,3 +107,5 @@ def test_metrics_exported_with_nonzero_values(tiny_model_dir, ray_local, metrics
     assert seen["ray_blockray_batches_in_flight"] >= 2  # Ray Data overlapped batches on the actor
     assert seen["ray_blockray_finished_requests_total"] >= 1
     assert 0 < seen["ray_blockray_token_budget_utilization"] <= 1
+    # tagged with the model's short name and the run id (the job prints it at start)
+    assert (os.path.basename(tiny_model_dir.rstrip("/")), "mtest001", "0") in tags, tags
