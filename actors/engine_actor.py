@@ -5,9 +5,13 @@ max_concurrent_calls_per_actor=k, max_tasks_in_flight_per_actor=k), batch_format
 ...)`. `__call__` is an async generator: Ray Data then runs up to k calls at once on the
 actor's event loop, each adding its rows to the one engine that runs in a background
 thread (EngineLoop), so rows of the next batch are admitted while the previous batch
-finishes. Each call yields its batch once, every input row present exactly once, in
-input order, with the engine's output columns appended; a failed row carries a message
-in `error` instead of failing the batch.
+finishes. Each call yields its batch once, every input row present once per sample
+(`n`, default 1; `sample_index` 0..n-1), in input order, with the engine's output
+columns appended; a failed row carries a message in `error` instead of failing the batch.
+
+Seeds: a row's `sampling_params.seed`, else its `seed_column`, else one derived from the
+job seed and the row's id (`row_seed`), so two rows with the same prompt are two
+samples; the n samples of a row get seeds derived from the row's (`sample_seeds`).
 
 It knows nothing of files or object storage: it reads a token-id column and writes
 result columns.
@@ -16,8 +20,10 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import hashlib
 import itertools
 import logging
+import time
 import uuid
 from typing import Any, Dict, List, Optional, Sequence, Union
 
@@ -42,7 +48,12 @@ OUTPUT_SCHEMA = pa.schema([
     ("error", pa.string()),
     ("engine_rank", pa.int64()),
     ("latency_s", pa.float64()),
+    ("sample_index", pa.int64()),  # 0..n-1: one output row per (input row, sample)
+    ("finished_at", pa.float64()),  # Unix time the engine returned the row (summary: generation phase)
 ])
+# The engine's text of a row that had stop strings (cut before the first one, as vLLM
+# does); pipeline/stages.py's detokenize stage prefers it and drops the column.
+STOP_TEXT = "__stop_text"
 
 
 def resolve_device(device: str) -> torch.device:
@@ -68,13 +79,40 @@ def _as_table(batch: Union[pa.Table, Dict[str, Any]]) -> pa.Table:
 
 
 def _row_params(base: SamplingParams, override: Any) -> SamplingParams:
-    """`base` with the non-null fields of a per-row dict applied (unknown keys raise)."""
+    """`base` with the non-null entries of a per-row dict applied, vLLM's names accepted
+    (`SamplingParams.from_dict`); unknown keys raise a ValueError naming them. Null
+    entries are dropped first: an Arrow struct column gives every row every key."""
     if not override:
         return base
-    fields = {k: v for k, v in dict(override).items() if v is not None}
-    if "stop_token_ids" in fields:
-        fields["stop_token_ids"] = [int(t) for t in fields["stop_token_ids"]]
-    return dataclasses.replace(base, **fields)
+    return SamplingParams.from_dict({k: v for k, v in dict(override).items() if v is not None}, base)
+
+
+def derive_seed(*parts: Any) -> int:
+    """A stable 62-bit seed from `parts` (not Python's salted hash): the same job seed and
+    row id give the same seed on every worker and every run."""
+    digest = hashlib.blake2b(repr(parts).encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") & (2**62 - 1)
+
+
+def row_seed(explicit: Optional[int], column: Any, job_seed: Optional[int], row_id: Any) -> Optional[int]:
+    """A row's seed, first of: its own `sampling_params.seed`, its seed column, one derived
+    from the job seed and its id (so duplicated prompts are distinct samples), the job
+    seed (no id), None (the engine draws one)."""
+    if explicit is not None:
+        return int(explicit)
+    if column is not None:
+        return int(column)
+    if job_seed is not None and row_id is not None:
+        return derive_seed(int(job_seed), str(row_id))
+    return job_seed
+
+
+def sample_seeds(seed: Optional[int], n: int) -> List[Optional[int]]:
+    """Seeds of a row's n samples: sample 0 keeps the row's seed (n=1 is unchanged),
+    sample k > 0 gets one derived from it; None stays None (the engine draws per sample)."""
+    if seed is None:
+        return [None] * n
+    return [seed] + [derive_seed(seed, k) for k in range(1, n)]
 
 
 class DLLMEngineActor:
@@ -84,6 +122,7 @@ class DLLMEngineActor:
                  *, dtype: str = "auto", device: str = "auto", torch_threads: Optional[int] = 1,
                  rank: Optional[int] = None, rank_group: Optional[str] = None, enable_metrics: bool = True,
                  record_batches: bool = False, warmup: bool = True,
+                 seed_column: Optional[str] = None, id_column: Optional[str] = "id",
                  token_ids_column: str = "prompt_token_ids", sampling_column: str = "sampling_params",
                  error_column: str = "error", model_storage: Any = None, run_id: str = ""):
         from pipeline.model_source import model_name, resolve_model  # lazy: pipeline imports this module
@@ -96,19 +135,22 @@ class DLLMEngineActor:
         self.token_ids_column = token_ids_column
         self.sampling_column = sampling_column
         self.error_column = error_column
+        self.seed_column, self.id_column = seed_column, id_column  # per-row seeds (row_seed)
+        self._tokenizer = None  # loaded for the first row with stop strings
         self._rank_counter = None  # keeps the group's rank counter alive while this engine lives
         self.rank = self._resolve_rank(rank, rank_group)
         # s3://… or a hub id: downloaded once per node (under a lock), then loaded from disk.
         self.model_name, self.run_id = model_name(model), run_id
-        self.model, _ = load_model(resolve_model(model, model_storage), dtype=resolve_dtype(dtype, self.device),
-                                   device=self.device, tokenizer=False)
+        self.model_dir = resolve_model(model, model_storage)  # also where stop strings' tokenizer is
+        self.model, _ = load_model(self.model_dir, dtype=resolve_dtype(dtype, self.device), device=self.device,
+                                   tokenizer=False)
         if warmup:
             self._warmup()
         self.metrics = self._make_metrics(enable_metrics)
         self._batch_seq = itertools.count()
         self._in_flight = 0
         self.loop = EngineLoop(
-            lambda: Engine(self.model, self.engine_config, tokenizer=None, record_batches=record_batches),
+            lambda: Engine(self.model, self.engine_config, tokenizer=self._tokenizer, record_batches=record_batches),
             on_step=self._on_step)
         logger.info("engine rank %d ready on %s (%s)", self.rank, self.device, model)
 
@@ -153,37 +195,79 @@ class DLLMEngineActor:
         yield await self.run_batch(batch)
 
     async def run_batch(self, batch: Union[pa.Table, Dict[str, Any]]) -> pa.Table:
-        """The batch with the engine's output columns appended (one output per row)."""
+        """The batch with the engine's output columns appended: one output row per
+        (input row, sample), in input order (a row with `n` > 1 gives n rows)."""
         table = _as_table(batch)
         seq = next(self._batch_seq)
         self._set_in_flight(+1)
         try:
-            outs = await asyncio.gather(*self._submit_rows(table, seq))
+            submitted = time.time()  # + each row's engine latency = when it finished
+            rows, futures = self._submit_rows(table, seq)
+            outs = await asyncio.gather(*futures)
         finally:
             self._set_in_flight(-1)
-        return self._attach(table, outs)
+        return self._attach(table, rows, outs, submitted)
 
-    def _submit_rows(self, table: pa.Table, seq: int) -> List["asyncio.Future[RequestOutput]"]:
-        n, names = table.num_rows, table.column_names
-        prompts = table.column(self.token_ids_column).to_pylist() if self.token_ids_column in names else [None] * n
-        errors = table.column(self.error_column).to_pylist() if self.error_column in names else [None] * n
-        overrides = table.column(self.sampling_column).to_pylist() if self.sampling_column in names else [None] * n
+    def _column(self, table: pa.Table, name: Optional[str]) -> List[Any]:
+        return table.column(name).to_pylist() if name and name in table.column_names else [None] * table.num_rows
+
+    def _submit_rows(self, table: pa.Table, seq: int) -> "tuple[List[_Sample], List[asyncio.Future]]":
+        """One request per (row, sample); a row that cannot run gives one error row."""
+        cols = [self._column(table, c) for c in (self.token_ids_column, self.error_column, self.sampling_column,
+                                                 self.seed_column, self.id_column)]
+        rows: List[_Sample] = []
         futures = []
-        for i, (prompt, err, override) in enumerate(zip(prompts, errors, overrides)):
-            rid = (seq, i)
-            if err:
-                futures.append(self._done(error_output(rid, prompt or [], str(err))))
+        for i, (prompt, err, override, seed, row_id) in enumerate(zip(*cols)):
+            params, err = self._params(prompt, err, override, seed, row_id)
+            if params is None:
+                rows.append(_Sample(i, 0, False))
+                futures.append(self._done(error_output((seq, i, 0), prompt or [], err)))
                 continue
-            if prompt is None:
-                futures.append(self._done(error_output(rid, [], f"missing {self.token_ids_column!r}")))
-                continue
+            for k, sample_seed in enumerate(sample_seeds(params.seed, params.n)):
+                rows.append(_Sample(i, k, bool(params.stop)))
+                futures.append(asyncio.wrap_future(
+                    self.loop.submit(prompt, dataclasses.replace(params, seed=sample_seed, n=1), (seq, i, k))))
+        return rows, futures
+
+    def _params(self, prompt: Any, err: Any, override: Any, seed: Any,
+                row_id: Any) -> "tuple[Optional[SamplingParams], str]":
+        """(the row's SamplingParams with its seed resolved, "") or (None, why it cannot run)."""
+        if err:
+            return None, str(err)
+        if prompt is None:
+            return None, f"missing {self.token_ids_column!r}"
+        try:
+            params = _row_params(self.sampling, override)
+            explicit = dict(override).get("seed") if override else None
+            params = dataclasses.replace(params, seed=row_seed(explicit, seed, self.sampling.seed, row_id))
+        except Exception as e:  # noqa: BLE001 - a bad per-row override fails that row only
+            return None, f"bad {self.sampling_column}: {e}"
+        bad = params.validate()
+        if bad:
+            return None, f"bad {self.sampling_column}: {bad}"
+        if params.stop and not self._ensure_tokenizer():
+            return None, "stop strings need the model's tokenizer, and the model has none; use stop_token_ids"
+        return params, ""
+
+    def _ensure_tokenizer(self) -> bool:
+        """Give the engine the model's tokenizer (stop strings are decided on the text);
+        loaded once, at the first row that has stop strings."""
+        if self._tokenizer is None:
+            from transformers import AutoTokenizer
+            from transformers.utils import logging as hf_logging
+
+            path = self.model_dir
+            level = hf_logging.get_verbosity()
+            hf_logging.set_verbosity_error()  # "model of type llada" noise from config.json
             try:
-                params = _row_params(self.sampling, override)
-            except Exception as e:  # noqa: BLE001 - a bad per-row override fails that row only
-                futures.append(self._done(error_output(rid, prompt, f"bad {self.sampling_column}: {e}")))
-                continue
-            futures.append(asyncio.wrap_future(self.loop.submit(prompt, params, rid)))
-        return futures
+                self._tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True, trust_remote_code=False)
+            except Exception:  # noqa: BLE001 - no tokenizer: such rows fail, the rest run
+                logger.warning("no tokenizer for stop strings in %s", path, exc_info=True)
+                return False
+            finally:
+                hf_logging.set_verbosity(level)
+            self.loop.engine.tokenizer = self._tokenizer
+        return True
 
     @staticmethod
     def _done(out: RequestOutput) -> "asyncio.Future[RequestOutput]":
@@ -196,7 +280,8 @@ class DLLMEngineActor:
         if self.metrics is not None:
             self.metrics.set_batches_in_flight(self._in_flight)
 
-    def _attach(self, table: pa.Table, outs: Sequence[RequestOutput]) -> pa.Table:
+    def _attach(self, table: pa.Table, rows: Sequence["_Sample"], outs: Sequence[RequestOutput],
+                submitted: float) -> pa.Table:
         cols = {
             "generated_token_ids": [list(o.token_ids) for o in outs],
             "num_prompt_tokens": [len(o.prompt_token_ids) for o in outs],
@@ -207,12 +292,17 @@ class DLLMEngineActor:
             "error": [o.error if o.finish_reason == "error" else None for o in outs],
             "engine_rank": [self.rank] * len(outs),
             "latency_s": [float(o.latency_s) for o in outs],
+            "sample_index": [r.sample for r in rows],
+            "finished_at": [submitted + float(o.latency_s) for o in outs],
         }
-        keep = [c for c in table.column_names if c not in cols]
+        keep = [c for c in table.column_names if c not in cols and c != STOP_TEXT]
         table = table.select(keep)
+        if len(rows) != table.num_rows or any(r.row != i for i, r in enumerate(rows)):
+            table = table.take(pa.array([r.row for r in rows], pa.int64()))  # n > 1: a row per sample
         for f in OUTPUT_SCHEMA:
             table = table.append_column(f, pa.array(cols[f.name], f.type))
-        return table
+        texts = [o.text if r.stop and o.finish_reason != "error" else None for r, o in zip(rows, outs)]
+        return table.append_column(STOP_TEXT, pa.array(texts, pa.string()))
 
     # --- introspection (tests, debugging) -------------------------------------------
     def batch_log(self) -> Optional[List[List[Any]]]:
@@ -227,6 +317,16 @@ class DLLMEngineActor:
         loop = getattr(self, "loop", None)
         if loop is not None:
             loop.shutdown(timeout=1.0)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Sample:
+    """Which input row an output row belongs to, its sample index, and whether it had
+    stop strings (its text then comes from the engine)."""
+
+    row: int
+    sample: int
+    stop: bool
 
 
 def new_rank_group() -> str:

@@ -21,9 +21,11 @@ SORT_MODES = ("none", "blendserve")
 class DLLMProcessorConfig:
     """How a processor runs a dLLM over a Dataset.
 
-    Input rows need `prompt_column` (text), or `messages_column` (chat turns, with
-    `apply_chat_template=True`), or `prompt_token_ids_column` (pre-tokenized). A
-    `sampling_column` holding a dict per row overrides fields of `sampling` for that row.
+    Input rows need `prompt_column` (text), or `messages_column` (chat turns, rendered
+    with the chat template: by default whenever the column and a template exist, as
+    ray.data.llm does), or `prompt_token_ids_column` (pre-tokenized). A `sampling_column`
+    holding a dict per row overrides fields of `sampling` for that row (vLLM's names
+    accepted: `max_tokens`, `top_p`, `top_k`, `stop`, `n`, `seed`, ...).
     """
 
     model: str = field(metadata={"help": (
@@ -43,9 +45,20 @@ class DLLMProcessorConfig:
         "the input's pre-tokenized prompts (used instead of text)")})
     sampling_column: str = field(default="sampling_params", metadata={"help": (
         "the input's per-row sampling overrides (a dict; vLLM's names accepted)")})
+    seed_column: Optional[str] = field(default=None, metadata={"help": (
+        "column holding a per-row seed (default: the row's sampling_params seed, else one derived from --seed "
+        "and the row's id, so rows with the same prompt are distinct samples)")})
+    id_column: Optional[str] = field(default="id", metadata={"help": (
+        "column naming each row; per-row seeds derive from it (the job sets it to its --id-column)")})
     # Stages.
-    apply_chat_template: bool = field(default=False, metadata={"help": "render the messages column with the chat template"})
-    chat_template: Optional[str] = field(default=None, metadata={"help": "a chat template used instead of the tokenizer's"})
+    apply_chat_template: Optional[bool] = field(default=None, metadata={"help": (
+        "render the messages column with the chat template; default (None): when the input has that column "
+        "and the tokenizer (or --chat-template) has a template; True/False force it on/off")})
+    chat_template: Optional[str] = field(default=None, metadata={"help": (
+        "path to a Jinja chat template file (or the template text) used instead of the tokenizer's")})
+    keep_prompt: bool = field(default=True, metadata={"help": (
+        "keep the rendered chat prompt in the output's prompt column (what the model saw); off saves space "
+        "in large runs")})
     add_special_tokens: bool = field(default=False, metadata={"help": (
         "let the tokenizer add special tokens to text prompts (off: the chat template carries BOS)")})
     detokenize: bool = field(default=True, metadata={"help": "decode generated_text from the generated token ids"})

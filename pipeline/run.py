@@ -21,6 +21,7 @@ generation or with an error saying why.
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import os
@@ -33,9 +34,9 @@ import fsspec
 from .config import DLLMProcessorConfig
 from .reader import DuplicateIds, InputError, PromptParquetDatasource, read_prompts
 from .storage import StorageOptions, describe_error, get_filesystem, protocol_of
-from .stages import has_tokenizer, load_tokenizer
-from .summary import block_stats, summarize
-from .writer import check_output, completed_ids, prepare_output, write_json, write_results
+from .stages import has_tokenizer, load_tokenizer, resolve_chat_template, template_of
+from .summary import block_stats, run_record, summarize
+from .writer import check_output, completed_keys, prepare_output, write_json, write_results
 
 SUMMARY_FILE = "summary.json"
 
@@ -64,13 +65,15 @@ MAX_ERROR_FRACTION = 0.0
 @dataclass
 class Preflight:
     """What the job-level checks found: the input (ids already in the output left out),
-    those ids, the output location, and the input's duplicated ids when allowed."""
+    those ids, the output location, the input's duplicated ids when allowed, and the
+    local directory holding the model's config and tokenizer."""
 
     source: PromptParquetDatasource
     done: List[str]
     out_fs: fsspec.AbstractFileSystem
     out_path: str
     duplicates: Optional[DuplicateIds] = None
+    model_dir: Optional[str] = None
 
 
 def _read_json(path: str) -> Dict[str, Any]:
@@ -157,7 +160,9 @@ def check_columns(source: PromptParquetDatasource, config: DLLMProcessorConfig) 
     """The input has a column prompts can come from, in every file; returns whether they
     are text."""
     names = source.schema.names if source.schema is not None else []
-    if config.apply_chat_template:
+    auto_chat = (config.apply_chat_template is None and config.messages_column in names
+                 and config.prompt_column not in names and config.prompt_token_ids_column not in names)
+    if config.apply_chat_template or auto_chat:
         if config.messages_column not in names:
             raise JobError(f"input has no {config.messages_column!r} column (--messages-column) for "
                            f"apply_chat_template; columns: {names}")
@@ -174,6 +179,29 @@ def check_columns(source: PromptParquetDatasource, config: DLLMProcessorConfig) 
         raise JobError(f"input file {missing[0]} has no {column!r} column, which the other input files have "
                        f"({len(missing)} file(s) lack it) (--input)")
     return text
+
+
+def check_chat_template(config: DLLMProcessorConfig, names: List[str], model_dir: str) -> Optional[str]:
+    """The chat template the run will render with, or None when it renders none. Raises
+    JobError when one is asked for (apply_chat_template=True, or auto with only a messages
+    column) and neither --chat-template nor the tokenizer has one, or when the
+    --chat-template file is missing."""
+    try:
+        given = resolve_chat_template(config.chat_template)
+    except (OSError, ValueError) as e:
+        raise JobError(str(e)) from e
+    wanted = config.apply_chat_template is True or (
+        config.apply_chat_template is None and config.messages_column in names)
+    if not wanted:
+        return None
+    template = template_of(model_dir, given)
+    if template:
+        return template
+    if config.apply_chat_template is None and (config.prompt_column in names
+                                               or config.prompt_token_ids_column in names):
+        return None  # auto: the text or token-id prompts are used as they are
+    raise JobError(f"the input's {config.messages_column!r} column needs a chat template, and the tokenizer of "
+                   f"{config.model} has none: give one with --chat-template PATH")
 
 
 def _comparable(fs: fsspec.AbstractFileSystem, path: str) -> Tuple[str, str]:
@@ -237,13 +265,16 @@ def preflight(input: Union[str, List[str]], output: str, config: DLLMProcessorCo
     except InputError as e:
         raise JobError(f"{e} (--input)") from e
     needs_tokenizer = check_columns(source, config)
-    check_model(config.model, needs_tokenizer, storage)
+    names = source.schema.names if source.schema is not None else []
+    model_dir = check_model(config.model, needs_tokenizer, storage)
+    check_chat_template(config, names, model_dir)
     try:
-        done = completed_ids(out_fs, out_path, id_column) if resume else []
+        keys = completed_keys(out_fs, out_path, id_column) if resume else []
     except Exception as e:  # noqa: BLE001
         raise JobError(f"output {output}: its part files cannot be read to resume: {describe_error(e)} "
                        "(--output; --overwrite starts afresh)") from e
-    if len(done) != len(set(done)) and not allow_duplicate_ids:
+    done = [i for i, _ in keys]  # one per output row: a row of n samples is n rows
+    if len(keys) != len(set(keys)) and not allow_duplicate_ids:  # (id, sample_index) written twice
         raise JobError(f"output {out_fs.unstrip_protocol(out_path)} already holds duplicate ids; "
                        "rerun with --overwrite")
     try:
@@ -259,7 +290,7 @@ def preflight(input: Union[str, List[str]], output: str, config: DLLMProcessorCo
         prepare_output(out_fs, out_path, overwrite=overwrite, resume=resume)
     except Exception as e:  # noqa: BLE001
         raise JobError(f"output {output} cannot be used: {type(e).__name__}: {e} (--output)") from e
-    return Preflight(source, done, out_fs, out_path, duplicates)
+    return Preflight(source, done, out_fs, out_path, duplicates, model_dir)
 
 
 def error_fraction_message(summary: Dict[str, Any], max_error_fraction: float) -> str:
@@ -293,6 +324,8 @@ def run_offline(input: Union[str, List[str]], output: str, config: DLLMProcessor
         input, output, config, storage=storage, limit=limit, id_column=id_column, overwrite=overwrite,
         resume=resume, allow_duplicate_ids=allow_duplicate_ids, max_error_fraction=max_error_fraction)
     source, done, out_fs, out_path = checked.source, checked.done, checked.out_fs, checked.out_path
+    if config.id_column != id_column:  # per-row seeds derive from the job's ids
+        config = dataclasses.replace(config, id_column=id_column)
 
     # --- run ------------------------------------------------------------------------------
     stats_fn = functools.partial(block_stats, reference_column=reference_column)
@@ -325,6 +358,7 @@ def run_offline(input: Union[str, List[str]], output: str, config: DLLMProcessor
         max_error_fraction=max_error_fraction,
         duplicate_ids=checked.duplicates.to_dict() if checked.duplicates else None,
     )
+    summary.update(run_record(config, checked.model_dir or config.model))
     summary["status"] = "failed" if summary["error_fraction"] > max_error_fraction else "ok"
     summary["summary_file"] = write_json((out_fs, out_path), SUMMARY_FILE, summary)
     if summary["status"] == "failed":

@@ -12,15 +12,19 @@ row with `finish_reason="error"`.
 from __future__ import annotations
 
 import functools
+import logging
 import os
-from typing import Any, Callable, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Set, Tuple
 
 import pyarrow as pa
+
+logger = logging.getLogger(__name__)
 
 # Internal columns, dropped before rows leave the processor.
 TOKEN_IDS = "__prompt_token_ids"
 PRE_ERROR = "__error"
-INTERNAL_COLUMNS = (TOKEN_IDS, PRE_ERROR)
+STOP_TEXT = "__stop_text"  # = actors.engine_actor.STOP_TEXT (not imported: that pulls in torch)
+INTERNAL_COLUMNS = (TOKEN_IDS, PRE_ERROR, STOP_TEXT)
 TEXT_PROMPT = "__prompt_text"
 
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
@@ -83,36 +87,117 @@ def _errors(table: pa.Table) -> List[Optional[str]]:
     return table.column(PRE_ERROR).to_pylist() if PRE_ERROR in table.column_names else [None] * table.num_rows
 
 
-def chat_template_stage(batch: pa.Table, *, model: str, messages_column: str,
-                        chat_template: Optional[str] = None) -> pa.Table:
-    """Render `messages_column` (a list of {role, content}) with the tokenizer's chat
-    template (or `chat_template`) into an internal text-prompt column."""
+def resolve_chat_template(value: Optional[str]) -> Optional[str]:
+    """The Jinja text of `chat_template`: a path to a template file (as vLLM's
+    `--chat-template`), or the template itself (as ray.data.llm's `chat_template`).
+    Read on the driver, so workers never need the file."""
+    if value is None:
+        return None
+    if os.path.isfile(value):
+        with open(value, encoding="utf-8") as f:
+            return f.read()
+    if "{{" in value or "{%" in value:
+        return value
+    raise ValueError(f"chat_template {value!r} is neither a file nor a Jinja template (--chat-template)")
+
+
+def template_of(model: str, chat_template: Optional[str] = None) -> Optional[str]:
+    """The chat template prompts would be rendered with: `chat_template`, else the
+    tokenizer's own, else None."""
+    if chat_template:
+        return chat_template
     tok = load_tokenizer(model)
-    errors = _errors(batch)
-    texts: List[Optional[str]] = [None] * batch.num_rows
-    if messages_column not in batch.column_names:
+    return getattr(tok, "chat_template", None) if tok is not None else None
+
+
+def chat_stage_kwargs(config: Any) -> Optional[Dict[str, Any]]:
+    """The `chat` argument of the tokenize stage for a DLLMProcessorConfig (the template
+    read here, on the driver), or None when chat templates are off
+    (`apply_chat_template=False`). With None (auto) the stage renders only the batches
+    that have the messages column, when there is a template. Rendering runs inside the
+    tokenize actor rather than in an actor pool of its own: a pool holds its CPU share
+    even when nothing is rendered, which a 2-core node cannot spare."""
+    if config.apply_chat_template is False:
+        return None
+    return dict(messages_column=config.messages_column, chat_template=resolve_chat_template(config.chat_template),
+                mode=config.apply_chat_template, keep_prompt=config.keep_prompt)
+
+
+def render_chat(tok: Any, messages: List[Dict[str, Any]], chat_template: Optional[str]) -> str:
+    """One conversation as text. The last turn the user's: add the generation prompt (a
+    new assistant turn). The assistant's (a prefill): continue that turn instead of
+    opening a new one (transformers' continue_final_message), as vLLM's chat API does."""
+    turns = [{k: v for k, v in dict(m).items() if v is not None} for m in messages]
+    prefill = turns[-1].get("role") == "assistant"
+    return tok.apply_chat_template(turns, chat_template=chat_template, tokenize=False,
+                                   add_generation_prompt=not prefill, continue_final_message=prefill)
+
+
+def chat_template_stage(batch: pa.Table, *, model: str, messages_column: str, chat_template: Optional[str] = None,
+                        mode: Optional[bool] = True, prompt_column: str = "prompt",
+                        keep_prompt: bool = True) -> pa.Table:
+    """Render `messages_column` (a list of {role, content}) with `chat_template` or the
+    tokenizer's into the text the engine gets; with `keep_prompt` it is also the output's
+    `prompt_column` (as ray.data.llm keeps it), so what the model saw can be audited.
+    `mode`: True renders (a missing column or template is an error), None (auto) renders
+    only when the batch has the column and a template exists; a row whose messages are
+    null then keeps its text prompt."""
+    names = batch.column_names
+    if messages_column not in names:
+        if mode is None:
+            return batch
         raise ValueError(f"apply_chat_template is set but the input has no {messages_column!r} column")
+    tok = load_tokenizer(model)
+    template = template_of(model, chat_template)
+    if mode is None and template is None:
+        return batch
+    errors = _errors(batch)
+    given = batch.column(prompt_column).to_pylist() if prompt_column in names else [None] * batch.num_rows
+    texts: List[Optional[str]] = [None] * batch.num_rows
     for i, messages in enumerate(batch.column(messages_column).to_pylist()):
         if errors[i]:
+            continue
+        if messages is None and mode is None and isinstance(given[i], str):
+            texts[i] = given[i]  # auto: a text-prompt row among chat rows
             continue
         try:
             if tok is None:
                 raise ValueError(f"model {model} has no tokenizer to apply a chat template with")
+            if template is None:
+                raise ValueError(f"the tokenizer of {model} has no chat template; give chat_template "
+                                 "(--chat-template PATH)")
             if not messages:
                 raise ValueError(f"{messages_column!r} is empty")
-            turns = [{k: v for k, v in dict(m).items() if v is not None} for m in messages]
-            texts[i] = tok.apply_chat_template(turns, chat_template=chat_template, tokenize=False,
-                                               add_generation_prompt=True)
+            texts[i] = render_chat(tok, messages, chat_template)
         except Exception as e:  # noqa: BLE001 - per-row error
             errors[i] = f"chat template failed: {type(e).__name__}: {e}"
     batch = _set(batch, TEXT_PROMPT, texts, pa.string())
+    if keep_prompt:
+        batch = _set(batch, prompt_column, [t if t is not None else g for t, g in zip(texts, given)], pa.string())
     return _set(batch, PRE_ERROR, errors, pa.string())
 
 
+_RAW_PROMPT_NOTED: Set[str] = set()
+
+
+def note_raw_prompts(model: str, tok: Any, column: str) -> None:
+    """Say once per process that raw text goes to a model that has a chat template: an
+    instruct model given unrendered prompts answers worse, silently."""
+    if model in _RAW_PROMPT_NOTED or not getattr(tok, "chat_template", None):
+        return
+    _RAW_PROMPT_NOTED.add(model)
+    logger.warning("prompts in column %r are raw text, but the tokenizer of %s has a chat template: they are "
+                   "sent as they are. Give a messages column to have them rendered (apply_chat_template).",
+                   column, model)
+
+
 def tokenize_stage(batch: pa.Table, *, model: str, prompt_column: str, prompt_token_ids_column: str,
-                   add_special_tokens: bool = False) -> pa.Table:
+                   add_special_tokens: bool = False, chat: Optional[Dict[str, Any]] = None) -> pa.Table:
     """Add the internal token-id column from, in order of preference: the chat-template
-    text, pre-tokenized `prompt_token_ids_column`, or text `prompt_column`."""
+    text, pre-tokenized `prompt_token_ids_column`, or text `prompt_column`. `chat`
+    (`chat_stage_kwargs`): render the messages first (see chat_template_stage)."""
+    if chat is not None:
+        batch = chat_template_stage(batch, model=model, prompt_column=prompt_column, **chat)
     names = batch.column_names
     errors = _errors(batch)
     ids: List[Optional[List[int]]] = [None] * batch.num_rows
@@ -139,6 +224,8 @@ def tokenize_stage(batch: pa.Table, *, model: str, prompt_column: str, prompt_to
                          f"messages column; got columns {names}")
     if texts is not None:
         tok = load_tokenizer(model)
+        if source == prompt_column:
+            note_raw_prompts(model, tok, prompt_column)
         for i, text in enumerate(texts):
             if errors[i]:
                 continue
@@ -176,13 +263,16 @@ def tokenize_stage(batch: pa.Table, *, model: str, prompt_column: str, prompt_to
 
 def detokenize_stage(batch: pa.Table, *, model: str, detokenize: bool = True,
                      skip_special_tokens: bool = True) -> pa.Table:
-    """Add `generated_text` and drop the internal columns."""
+    """Add `generated_text` and drop the internal columns. A row that had stop strings
+    takes the engine's text, which is cut before the first stop string (as vLLM's)."""
     tok = load_tokenizer(model) if detokenize else None
     texts: List[Optional[str]] = []
     errors = batch.column("error").to_pylist()
-    for ids, err in zip(batch.column("generated_token_ids").to_pylist(), errors):
+    cut = batch.column(STOP_TEXT).to_pylist() if STOP_TEXT in batch.column_names else [None] * batch.num_rows
+    for ids, err, stop_text in zip(batch.column("generated_token_ids").to_pylist(), errors, cut):
         ok = tok is not None and not err
-        texts.append(tok.decode(ids, skip_special_tokens=skip_special_tokens) if ok else None)
+        texts.append(stop_text if stop_text is not None and ok else
+                     tok.decode(ids, skip_special_tokens=skip_special_tokens) if ok else None)
     batch = batch.drop_columns([c for c in INTERNAL_COLUMNS if c in batch.column_names])
     return _set(batch, "generated_text", texts, pa.string())
 

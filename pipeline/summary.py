@@ -5,8 +5,13 @@ driver sums small dicts at the end instead of reading every output file back.
 """
 from __future__ import annotations
 
+import dataclasses
+import hashlib
+import math
+import os
+import subprocess
 from collections import Counter
-from typing import Any, Dict, Iterable, Optional
+from typing import Any, Dict, Iterable, List, Optional
 
 import pyarrow as pa
 import pyarrow.compute as pc
@@ -24,10 +29,59 @@ TOP_ERRORS = 5
 ERROR_TEXT_CHARS = 300
 
 
+# Per-row latencies are summed up as a histogram over log-spaced buckets (20 per decade,
+# so a percentile read from it is within 6% of the exact one): blocks merge by adding
+# counts, and the driver never holds one number per row.
+LATENCY_BUCKETS_PER_DECADE = 20
+LATENCY_MIN_S = 1e-4
+
+
+def latency_bucket(seconds: float) -> int:
+    """The histogram bucket of a latency: 0 for anything up to LATENCY_MIN_S."""
+    if seconds <= LATENCY_MIN_S:
+        return 0
+    return 1 + int(math.floor(math.log10(seconds / LATENCY_MIN_S) * LATENCY_BUCKETS_PER_DECADE))
+
+
+def bucket_seconds(bucket: int) -> float:
+    """The geometric middle of a bucket (its representative latency)."""
+    if bucket <= 0:
+        return LATENCY_MIN_S
+    return LATENCY_MIN_S * 10 ** ((bucket - 0.5) / LATENCY_BUCKETS_PER_DECADE)
+
+
+def percentiles(hist: Dict[int, int], qs: Iterable[float] = (50, 90, 99)) -> Dict[str, Optional[float]]:
+    """{"p50": s, ...} of a latency histogram ({bucket: count}); None when it is empty."""
+    total = sum(hist.values())
+    out: Dict[str, Optional[float]] = {}
+    for q in qs:
+        if not total:
+            out[f"p{q:g}"] = None
+            continue
+        rank, seen = math.ceil(total * q / 100), 0
+        for b in sorted(hist):
+            seen += hist[b]
+            if seen >= rank:
+                out[f"p{q:g}"] = round(bucket_seconds(b), 6)
+                break
+    return out
+
+
+def _min_max(values: List[Optional[float]]) -> "tuple[Optional[float], Optional[float]]":
+    vals = [v for v in values if v is not None]
+    return (min(vals), max(vals)) if vals else (None, None)
+
+
 def block_stats(table: pa.Table, reference_column: Optional[str] = "reference") -> Dict[str, Any]:
     """Counts of one output block (see `summarize` for their meaning)."""
     errors = table.column("error").to_pylist()
     kinds = Counter(e[:ERROR_TEXT_CHARS] for e in errors if e)
+    latencies = table.column("latency_s").to_pylist()
+    names = table.column_names
+    blocks = table.column("num_blocks").to_pylist() if "num_blocks" in names else [None] * table.num_rows
+    ran = [e is None for e in errors]
+    finished = table.column("finished_at").to_pylist() if "finished_at" in names else []
+    starts = [f - (lat or 0.0) for f, lat, ok in zip(finished, latencies, ran) if f is not None and ok]
     out: Dict[str, Any] = {
         "rows": table.num_rows,
         "errors": sum(1 for e in errors if e),
@@ -35,6 +89,13 @@ def block_stats(table: pa.Table, reference_column: Optional[str] = "reference") 
         "generated_tokens": int(pc.sum(table.column("num_generated_tokens")).as_py() or 0),
         "latency_s_sum": float(pc.sum(table.column("latency_s")).as_py() or 0.0),
         "finish_reasons": dict(Counter(table.column("finish_reason").to_pylist())),
+        # rows the engine ran (not error rows): their latency and blocks to finish
+        "latency_hist": dict(Counter(latency_bucket(lat or 0.0) for lat, ok in zip(latencies, ran) if ok)),
+        "blocks_hist": dict(Counter(int(b) for b, ok in zip(blocks, ran) if ok and b is not None)),
+        "first_start": _min_max(starts)[0],
+        "last_finish": _min_max([f for f, ok in zip(finished, ran) if ok])[1],
+        "input_rows": (sum(1 for k in table.column("sample_index").to_pylist() if not k)
+                       if "sample_index" in names else table.num_rows),
     }
     if reference_column and reference_column in table.column_names:
         refs = table.column(reference_column).to_pylist()
@@ -49,10 +110,14 @@ def block_stats(table: pa.Table, reference_column: Optional[str] = "reference") 
 def summarize(block_stats_list: Iterable[Dict[str, Any]], wall_s: float, **extra: Any) -> Dict[str, Any]:
     """One summary: rows, errors, generated tokens, tokens/s over the wall time, and
     exact-match accuracy over rows that have a reference (None when none has)."""
-    rows = errors = tokens = scored = matches = files = 0
+    rows = errors = tokens = scored = matches = files = input_rows = 0
     latency = 0.0
     reasons: Counter = Counter()
     kinds: Counter = Counter()
+    lat_hist: Counter = Counter()
+    blocks_hist: Counter = Counter()
+    starts: List[Optional[float]] = []
+    ends: List[Optional[float]] = []
     have_refs = False
     for s in block_stats_list:
         if not s.get("rows"):
@@ -64,17 +129,32 @@ def summarize(block_stats_list: Iterable[Dict[str, Any]], wall_s: float, **extra
         latency += s["latency_s_sum"]
         reasons.update(s["finish_reasons"])
         kinds.update(s.get("error_counts", {}))
+        lat_hist.update({int(k): v for k, v in s.get("latency_hist", {}).items()})
+        blocks_hist.update({int(k): v for k, v in s.get("blocks_hist", {}).items()})
+        starts.append(s.get("first_start"))
+        ends.append(s.get("last_finish"))
+        input_rows += s.get("input_rows", s["rows"])
         if "scored" in s:
             have_refs = True
             scored += s["scored"]
             matches += s["exact_matches"]
+    first, last = _min_max(starts)[0], _min_max(ends)[1]
+    gen_s = (last - first) if first is not None and last is not None and last > first else None
     return {
         "rows": rows,
+        "input_rows": input_rows,  # rows with sample_index 0: rows below counts each of n samples
         "errors": errors,
         "generated_tokens": tokens,
-        "tokens_per_s": tokens / wall_s if wall_s > 0 else 0.0,
+        "tokens_per_s": tokens / wall_s if wall_s > 0 else 0.0,  # whole job: start-up, reading, writing
+        # generation phase: from the first row an engine took to the last row it returned
+        "generation_s": gen_s,
+        "generation_tokens_per_s": tokens / gen_s if gen_s else None,
         "wall_s": wall_s,
         "mean_latency_s": latency / rows if rows else 0.0,
+        # per-row latency (arrival at the engine to its result) of the rows the engine ran
+        "latency_s": percentiles(lat_hist),
+        # rows the engine ran, by the number of blocks they took (a dLLM's "length")
+        "blocks_to_finish": {str(k): blocks_hist[k] for k in sorted(blocks_hist)},
         "finish_reasons": dict(sorted(reasons.items())),
         "error_fraction": errors / rows if rows else 0.0,
         # most frequent distinct messages (counts per block's most frequent: a lower bound)
@@ -87,6 +167,48 @@ def summarize(block_stats_list: Iterable[Dict[str, Any]], wall_s: float, **extra
     }
 
 
+def _sha256(path: str) -> Optional[str]:
+    try:
+        with open(path, "rb") as f:
+            return hashlib.sha256(f.read()).hexdigest()
+    except OSError:
+        return None
+
+
+def _git_commit() -> Optional[str]:
+    """The checkout's commit when blockray runs from a git clone (None from a wheel)."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    try:
+        out = subprocess.run(["git", "-C", root, "rev-parse", "HEAD"], capture_output=True, text=True, timeout=5)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return out.stdout.strip() or None if out.returncode == 0 else None
+
+
+def _version() -> Optional[str]:
+    try:
+        from importlib.metadata import PackageNotFoundError, version
+    except ImportError:  # pragma: no cover
+        return None
+    try:
+        return version("blockray")
+    except PackageNotFoundError:
+        return None
+
+
+def run_record(config: Any, model_dir: str) -> Dict[str, Any]:
+    """What a run was, so that its summary.json says how to repeat it: every field of the
+    processor config (engine and sampling included), the model and a hash of its
+    config.json, blockray's version and git commit when known."""
+    return {
+        "config": dataclasses.asdict(config),
+        "model": config.model,
+        "model_config_sha256": _sha256(os.path.join(model_dir, "config.json")),
+        "blockray_version": _version(),
+        "git_commit": _git_commit(),
+    }
+
+
 def format_summary(summary: Dict[str, Any]) -> str:
     """The one-line-per-field text the job prints at the end."""
     em = summary.get("exact_match")
@@ -95,8 +217,12 @@ def format_summary(summary: Dict[str, Any]) -> str:
         f"errors             {summary['errors']}",
         *[f"  {e['count']:>6} x {e['error']}" for e in summary.get("top_errors") or []],
         f"generated tokens   {summary['generated_tokens']}",
-        f"tokens/s           {summary['tokens_per_s']:.1f}",
+        f"tokens/s           {summary['tokens_per_s']:.1f}" + (
+            f" (generation phase {summary['generation_tokens_per_s']:.1f})"
+            if summary.get("generation_tokens_per_s") else ""),
         f"wall time          {summary['wall_s']:.2f} s",
+        *(["latency p50/90/99  " + " / ".join(f"{summary['latency_s'][q]:.2f}" for q in ("p50", "p90", "p99"))
+           + " s"] if (summary.get("latency_s") or {}).get("p50") is not None else []),
         f"finish reasons     {summary['finish_reasons']}",
     ]
     if em is not None:

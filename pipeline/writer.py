@@ -139,19 +139,30 @@ def check_output(fs: fsspec.AbstractFileSystem, path: str, overwrite: bool = Fal
 
 def completed_ids(fs: fsspec.AbstractFileSystem, path: str, id_column: str = "id") -> List[str]:
     """Ids in the complete result files at `path` (`part-*.parquet` directly in it;
-    temporaries under `_tmp/` are never complete). Empty when nothing is there."""
+    temporaries under `_tmp/` are never complete), once per output row (a row generated
+    with n samples is n output rows). Empty when nothing is there."""
+    return [i for i, _ in completed_keys(fs, path, id_column)]
+
+
+def completed_keys(fs: fsspec.AbstractFileSystem, path: str, id_column: str = "id") -> List[Tuple[str, int]]:
+    """(id, sample_index) of every output row in the complete result files at `path`;
+    sample_index is 0 in files written before it existed."""
     fs.invalidate_cache()
     if not fs.exists(path):
         return []
-    ids: List[str] = []
+    keys: List[Tuple[str, int]] = []
     for p in sorted(fs.ls(path, detail=False)):
         name = p.rstrip("/").rsplit("/", 1)[-1]
         if not (name.startswith("part-") and name.endswith(".parquet")):
             continue
         with fs.open(p, "rb") as fh:
-            table = pq.read_table(fh, columns=[id_column])
-        ids.extend(str(v) for v in table.column(id_column).to_pylist())
-    return ids
+            f = pq.ParquetFile(fh)
+            cols = [id_column] + (["sample_index"] if "sample_index" in f.schema_arrow.names else [])
+            table = f.read(columns=cols)
+        ids = table.column(id_column).to_pylist()
+        samples = table.column("sample_index").to_pylist() if len(cols) > 1 else [0] * len(ids)
+        keys.extend((str(i), int(k or 0)) for i, k in zip(ids, samples))
+    return keys
 
 
 class AtomicParquetDatasink(Datasink[Dict[str, Any]]):
