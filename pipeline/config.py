@@ -85,25 +85,19 @@ class DLLMProcessorConfig:
     # run may never reach the others.
     wait_for_engines_s: int = field(default=600, metadata={"help": (
         "seconds to wait for every engine to load before rows flow (0: start with the first)")})
-    # Request ordering across engines. "blendserve": tokenize everything first, plan with
-    # pipeline/sorter.shard (balanced estimated cost per engine, each shard ordered by
-    # prompt length, shared prefixes kept together) and send each engine its own shard
-    # in order (pipeline/sharding.py); output rows then also carry `shard_rank` and
-    # `shard_order`. The tokenized input is materialized (object store, spilling to
-    # disk) before generation starts. "none": arrival order, rows stream from the
-    # reader to whichever engine is free (no look-ahead, nothing materialized).
+    # Request ordering. "blendserve": rows ordered by a per-row key (estimated cost,
+    # costliest first; shared prompt prefix; prompt length) in windows of
+    # `sort_window_rows`, feeding one pool of engines that pull blocks as they free up
+    # (pipeline/ordering.py); lazy like every stage. "none": arrival order.
     sort: str = field(default="blendserve", metadata={"choices": SORT_MODES, "help": (
         "blendserve: costliest first over one engine pool; none: arrival order")})
+    sort_window_rows: int = field(default=4096, metadata={"help": (
+        "blendserve: rows ordered together (a shorter input is ordered whole)")})
     # sort="blendserve" only: prompts sharing at least this many leading tokens (compared
-    # in pieces of 16, over the first 512) stay on one engine, next to each other, so a
-    # shared few-shot preamble is not spread over every rank. 0: no prefix grouping.
+    # in pieces of 16) sit next to each other among requests of similar cost, so a shared
+    # few-shot preamble is batched together. 0: no prefix grouping.
     sort_min_prefix: int = field(default=32, metadata={"help": (
         "blendserve: prompts sharing this many leading tokens sit together (0: off)")})
-    # sort="blendserve" only: fit the cost model's cycle constants from the engine's own
-    # timings on `calibration_samples` prompts (an in-process engine on the driver)
-    # instead of the roofline estimate.
-    calibrate: bool = field(default=False, metadata={"help": "blendserve: fit the cost model on the engine's own timings"})
-    calibration_samples: int = field(default=16, metadata={"help": "prompts the calibration times"})
     # Engines post their stats (busy_s, padded_cells, ...) per rank after every batch;
     # read them with `processor.engine_stats()` (tests, benches).
     collect_engine_stats: bool = field(default=False, metadata={"cli": False, "help": "tests and benches"})
@@ -121,6 +115,8 @@ class DLLMProcessorConfig:
             raise ValueError("cpu_stage_max_actors must be >= 1")
         if self.max_concurrent_batches < 1:
             raise ValueError("max_concurrent_batches must be >= 1")
+        if self.sort_window_rows < 1:
+            raise ValueError(f"sort_window_rows must be >= 1, got {self.sort_window_rows!r}")
         if self.sort_min_prefix < 0:
             raise ValueError(f"sort_min_prefix must be >= 0, got {self.sort_min_prefix!r}")
         if self.sort not in SORT_MODES:

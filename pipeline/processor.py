@@ -24,6 +24,7 @@ from actors.rank import rank_counter
 
 from .config import DLLMProcessorConfig
 from .model_source import with_local_model
+from .ordering import order_dataset
 from .storage import StorageOptions
 from .stages import PRE_ERROR, TOKEN_IDS, ChatTemplateUDF, DetokenizeUDF, TokenizeUDF
 
@@ -94,39 +95,24 @@ class DLLMProcessor:
             self._stats_sink = EngineStatsSink.remote()
             actor_cls, ctor = StatsEngineActor, dict(ctor, stats_sink=self._stats_sink)
 
-        def engines(ds: ray.data.Dataset, size: int, **rank: Any) -> ray.data.Dataset:
-            if cfg.wait_for_engines_s > 0 and ds.context.wait_for_min_actors_s <= 0:
-                # Shared by this dataset's lineage only (not the global DataContext).
-                ds.context.wait_for_min_actors_s = cfg.wait_for_engines_s
-            return ds.map_batches(
-                actor_cls, fn_constructor_kwargs=dict(ctor, **rank),
-                # k calls in flight per actor, all feeding its one engine (see actors/engine_actor.py).
-                compute=ray.data.ActorPoolStrategy(size=size, max_tasks_in_flight_per_actor=k,
-                                                   max_concurrent_calls_per_actor=k),
-                batch_size=cfg.batch_size, batch_format="pyarrow", num_cpus=res["num_cpus"],
-                num_gpus=res["num_gpus"] or None, udf_modifying_row_count=False,
-                **({"resources": dict(cfg.resources_per_engine)} if cfg.resources_per_engine else {}),
-            )
-
-        def pool(ds: ray.data.Dataset) -> ray.data.Dataset:
-            """One pool of num_engines engines that number themselves from a counter the
-            driver owns, so a restarted engine still gets a rank of its own."""
-            group = new_rank_group()
-            self._rank_counter = rank_counter(group)
-            return engines(ds, cfg.num_engines, rank_group=group)
-
-        if cfg.sort == "blendserve":
-            from .sharding import shard_dataset
-
-            # Eager: materializes the tokenized input and plans (see pipeline/sharding.py).
-            self.sharded = shard_dataset(ds, cfg, res["device"])
-            parts = [engines(rds, 1, rank=r) for r, rds in enumerate(self.sharded.rank_datasets) if rds is not None]
-            if parts:
-                ds = parts[0].union(*parts[1:]) if len(parts) > 1 else parts[0]
-            else:  # empty input: nothing to plan
-                ds = pool(ds)
-        else:
-            ds = pool(ds)
+        if cfg.wait_for_engines_s > 0 and ds.context.wait_for_min_actors_s <= 0:
+            # Shared by this dataset's lineage only (not the global DataContext).
+            ds.context.wait_for_min_actors_s = cfg.wait_for_engines_s
+        # One pool of num_engines engines pulling blocks as they free up; they number
+        # themselves from a counter the driver owns, so a restarted engine still gets a rank of its own.
+        group = new_rank_group()
+        self._rank_counter = rank_counter(group)
+        engines = dict(
+            fn_constructor_kwargs=dict(ctor, rank_group=group),
+            # k calls in flight per actor, all feeding its one engine (see actors/engine_actor.py).
+            compute=ray.data.ActorPoolStrategy(size=cfg.num_engines, max_tasks_in_flight_per_actor=k,
+                                               max_concurrent_calls_per_actor=k),
+            batch_size=cfg.batch_size, batch_format="pyarrow", num_cpus=res["num_cpus"],
+            num_gpus=res["num_gpus"] or None, udf_modifying_row_count=False,
+            **({"resources": dict(cfg.resources_per_engine)} if cfg.resources_per_engine else {}))
+        if cfg.sort == "blendserve":  # lazy: a key stage and Ray Data's sort (pipeline/ordering.py)
+            ds = order_dataset(ds, cfg, dict(num_cpus=cfg.cpu_stage_num_cpus))
+        ds = ds.map_batches(actor_cls, **engines)
         ds = ds.map_batches(with_local_model(DetokenizeUDF, cfg.model, self.storage), fn_constructor_kwargs=dict(
             model=cfg.model, detokenize=cfg.detokenize, skip_special_tokens=cfg.skip_special_tokens), **cpu_stage)
         if self.postprocess is not None:

@@ -56,9 +56,10 @@ def tiny_config(model: str, **kw):
     from pipeline import DLLMProcessorConfig
     from engine import EngineConfig, SamplingParams
 
-    return DLLMProcessorConfig(model=model, num_engines=1, batch_size=2, max_concurrent_batches=2, dtype="float64",
+    kw = {"dtype": "float64", "wait_for_engines_s": 0, **kw}
+    return DLLMProcessorConfig(model=model, num_engines=1, batch_size=2, max_concurrent_batches=2,
                                engine=EngineConfig(block_length=4, steps_per_block=4, token_budget=1024),
-                               sampling=SamplingParams(max_new_tokens=8, policy="fixed"), wait_for_engines_s=0, **kw)
+                               sampling=SamplingParams(max_new_tokens=8, policy="fixed"), **kw)
 
 
 # --- 1 (+2: ids unified): invalid UTF-8 prompts become error rows ------------------------
@@ -297,18 +298,19 @@ def test_s3_endpoint_dying_mid_run_fails_within_a_minute(tmp_path, tiny_model_di
     assert "\n" not in msg and "Traceback" not in msg and S3_SECRET not in msg
 
 
-# --- 9: a failure while sharding is a JobError (run_offline) and one line (CLI) -------------
+# --- 9: a failure while the run runs is a JobError (run_offline) and one line (CLI) ----------
 
-def test_failure_while_sharding_is_a_job_error(tmp_path, tiny_model_dir, ray_local):
-    """sort="blendserve" with calibration needs 2 prompts; one row makes shard_dataset raise."""
+def test_failure_inside_the_run_is_a_job_error(tmp_path, tiny_model_dir, ray_local):
+    """The processor is lazy, so whatever breaks (ordering, a stage, an engine that cannot
+    start: here a dtype torch does not have) breaks while the run executes."""
     from pipeline.run import JobError, run_offline
 
     inp = str(tmp_path / "in.parquet")
-    write_prompts(inp, "r{}", 1)
+    write_prompts(inp, "r{}", 2)
     with pytest.raises(JobError) as info:
-        run_offline(inp, str(tmp_path / "out"), tiny_config(tiny_model_dir, calibrate=True))
+        run_offline(inp, str(tmp_path / "out"), tiny_config(tiny_model_dir, dtype="float17"))
     msg = str(info.value)
-    assert msg.startswith("run failed") and "calibration needs at least 2 prompts" in msg, msg
+    assert msg.startswith("run failed") and "float17" in msg, msg
     assert "\n" not in msg
     assert not os.path.exists(tmp_path / "out" / "summary.json")
 

@@ -1,0 +1,130 @@
+"""sort="blendserve": the request order, computed lazily, in a streaming stage.
+
+Why this shape: an engine pads little when the rows it batches have similar widths,
+shared prompt prefixes are cheapest side by side, and a pool of engines ends together
+when the longest work goes first (LPT: the tail is short rows). All three follow from
+one per-row sort key, so the ordering is one map stage over windows of
+`sort_window_rows` rows: it computes the key and yields the window sorted, in blocks of
+one engine call each, to one pool of engines that pull them as they free up (a slow,
+restarted or lost engine's work is taken by the others; a static per-rank plan would
+make it wait). Nothing runs before the dataset executes, nothing on the driver grows
+with the rows, and generation starts after the first window instead of after the whole
+input. Inputs up to one window are ordered globally; longer ones window by window.
+(Ray Data's distributed `sort` would order globally, but its tasks take a whole CPU
+each, which the engine actors of a small machine do not leave free.)
+
+The key, in order:
+  1. cost bucket, descending: the request's estimated forwarded cells (the engine's
+     cache and canvas, `pipeline.sorter.CostModel`) on a geometric grid of ratio
+     COST_BUCKET_RATIO, so requests of similar cost sit together and the costliest
+     go first;
+  2. prefix group: a hash of the prompt's first `sort_min_prefix` tokens (in
+     PREFIX_CHUNK pieces), so prompts sharing a preamble sit next to each other within
+     their bucket; 0 for prompts shorter than that;
+  3. prompt length, descending.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+from typing import Any, Dict, Iterator, Optional, Sequence, Tuple
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+import ray.data
+
+from .config import DLLMProcessorConfig
+from .sorter import CostModel
+from .stages import TOKEN_IDS
+
+# Shared prompt prefixes are compared in pieces of PREFIX_CHUNK tokens.
+PREFIX_CHUNK = 16
+COST_BUCKET_RATIO = 1.25
+
+
+def prefix_key(ids: Sequence[int], chunk: int = PREFIX_CHUNK) -> Tuple[int, ...]:
+    """Chained hashes of the whole `chunk`-token pieces of `ids`: two prompts share their
+    first k elements iff they share their first k * chunk tokens (barring a 64-bit hash
+    collision). Deterministic across processes (int tuples are not salted by PYTHONHASHSEED)."""
+    out, h = [], 0
+    for s in range(0, len(ids) - chunk + 1, chunk):
+        h = hash((h, tuple(ids[s:s + chunk])))
+        out.append(h)
+    return tuple(out)
+
+
+def _budget(override: Any, default: int) -> int:
+    """A row's generation budget: its override's max_new_tokens (or vLLM's max_tokens)
+    when usable, else the default (a bad override is the engine's to report, as an error row)."""
+    if not isinstance(override, dict):
+        return default
+    value = override.get("max_new_tokens", override.get("max_tokens"))
+    try:
+        return max(1, int(value)) if value else default
+    except (TypeError, ValueError):
+        return default
+
+
+def full_canvas(cfg: DLLMProcessorConfig) -> bool:
+    """The canvas the engines will use (EngineConfig.canvas, "auto" resolved from the
+    model's config.json as the engine does); full when the config cannot be read here."""
+    if cfg.engine.canvas != "auto":
+        return cfg.engine.canvas == "full"
+    try:
+        with open(os.path.join(cfg.model, "config.json")) as f:
+            return json.load(f).get("dllm_attention", "bidirectional") != "block_causal"
+    except (OSError, ValueError):
+        return True
+
+
+class SortWindowUDF:
+    """Orders a window of rows by the key (see the module docstring) and yields it in
+    blocks of `rows_per_block` rows."""
+
+    def __init__(self, cost: CostModel, default_max_new: int, sampling_column: str, min_chunks: int,
+                 rows_per_block: int):
+        self.cost, self.default_max_new = cost, default_max_new
+        self.sampling_column, self.min_chunks, self.rows_per_block = sampling_column, min_chunks, rows_per_block
+
+    def keys(self, batch: pa.Table) -> Tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(cost bucket, prefix group, prompt length) per row."""
+        n = batch.num_rows
+        ids = batch.column(TOKEN_IDS) if TOKEN_IDS in batch.column_names else None
+        lens = np.asarray(pc.fill_null(pc.list_value_length(ids), 0).to_pylist() if ids is not None else [0] * n,
+                          dtype=np.int64)
+        over = (batch.column(self.sampling_column).to_pylist() if self.sampling_column in batch.column_names
+                else [None] * n)
+        gens = np.array([_budget(o, self.default_max_new) for o in over], dtype=np.int64)
+        cells = self.cost.cells(lens, -(-gens // self.cost.block_length))
+        bucket = np.floor(np.log1p(cells) / math.log(COST_BUCKET_RATIO)).astype(np.int64)
+        prefix = np.zeros(n, dtype=np.int64)
+        if self.min_chunks and ids is not None:
+            heads = pc.list_slice(ids, 0, self.min_chunks * PREFIX_CHUNK).to_pylist()
+            prefix = np.array([k[self.min_chunks - 1] if len(k) >= self.min_chunks else 0
+                               for k in (prefix_key(h or ()) for h in heads)], dtype=np.int64)
+        return bucket, prefix, lens
+
+    def __call__(self, batch: pa.Table) -> Iterator[pa.Table]:
+        bucket, prefix, lens = self.keys(batch)
+        order = np.lexsort((-lens, prefix, -bucket))  # the last key is the primary one
+        ordered = batch.take(pa.array(order, pa.int64()))
+        for start in range(0, ordered.num_rows, self.rows_per_block):
+            yield ordered.slice(start, self.rows_per_block)
+
+
+def order_dataset(ds: ray.data.Dataset, cfg: DLLMProcessorConfig,
+                  ray_remote_args: Optional[Dict[str, Any]] = None) -> ray.data.Dataset:
+    """`ds` (tokenized) in blendserve order, window by window; lazy like every stage."""
+    cost = CostModel(a=0.0, b=1.0, block_length=cfg.engine.block_length, steps_per_block=cfg.engine.steps_per_block,
+                     cache=cfg.engine.cache, full_canvas=full_canvas(cfg))
+    min_chunks = -(-cfg.sort_min_prefix // PREFIX_CHUNK) if cfg.sort_min_prefix > 0 else 0
+    return ds.map_batches(SortWindowUDF, fn_constructor_args=(cost, cfg.sampling.max_new_tokens, cfg.sampling_column,
+                                                              min_chunks, cfg.batch_size),
+                          batch_format="pyarrow", batch_size=cfg.sort_window_rows, udf_modifying_row_count=False,
+                          compute=ray.data.ActorPoolStrategy(min_size=1, max_size=cfg.cpu_stage_max_actors),
+                          **(ray_remote_args or {}))
+
+
+__all__ = ["order_dataset", "prefix_key", "full_canvas", "SortWindowUDF", "PREFIX_CHUNK", "COST_BUCKET_RATIO"]
