@@ -2,7 +2,7 @@
 line on stderr and exit 2 before Ray starts (cases 2-6: `jobs/offline_eval.py` in a
 subprocess, a few seconds each); rows that cannot be generated become error rows and
 the good rows are generated exactly once, with the tokens they get alone (case 1); too
-many failed rows, a dying S3 endpoint and a failure while sharding end the run with a
+many failed rows, a dying S3 endpoint and a failure inside the run end the run with a
 JobError (cases 7-9: `run_offline` on the session's Ray, one CLI run for the exit code).
 """
 from __future__ import annotations
