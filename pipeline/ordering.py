@@ -4,7 +4,7 @@ Why this shape: an engine pads little when the rows it batches have similar widt
 shared prompt prefixes are cheapest side by side, and a pool of engines ends together
 when the longest work goes first (LPT: the tail is short rows). All three follow from
 one per-row sort key, so the ordering is one map stage over windows of
-`sort_window_rows` rows: it computes the key and yields the window sorted, in blocks of
+`sort_window_rows` rows: it computes the key and passes the window on sorted, in blocks of
 one engine call each, to one pool of engines that pull them as they free up (a slow,
 restarted or lost engine's work is taken by the others; a static per-rank plan would
 make it wait). Nothing runs before the dataset executes, nothing on the driver grows
@@ -28,7 +28,7 @@ from __future__ import annotations
 import json
 import math
 import os
-from typing import Any, Dict, Iterator, Optional, Sequence, Tuple
+from typing import Any, Dict, Optional, Sequence, Tuple
 
 import numpy as np
 import pyarrow as pa
@@ -80,13 +80,11 @@ def full_canvas(cfg: DLLMProcessorConfig) -> bool:
 
 
 class SortWindowUDF:
-    """Orders a window of rows by the key (see the module docstring) and yields it in
-    blocks of `rows_per_block` rows."""
+    """Orders a window of rows by the key (see the module docstring)."""
 
-    def __init__(self, cost: CostModel, default_max_new: int, sampling_column: str, min_chunks: int,
-                 rows_per_block: int):
+    def __init__(self, cost: CostModel, default_max_new: int, sampling_column: str, min_chunks: int):
         self.cost, self.default_max_new = cost, default_max_new
-        self.sampling_column, self.min_chunks, self.rows_per_block = sampling_column, min_chunks, rows_per_block
+        self.sampling_column, self.min_chunks = sampling_column, min_chunks
 
     def keys(self, batch: pa.Table) -> Tuple[np.ndarray, np.ndarray, np.ndarray]:
         """(cost bucket, prefix group, prompt length) per row."""
@@ -106,12 +104,9 @@ class SortWindowUDF:
                                for k in (prefix_key(h or ()) for h in heads)], dtype=np.int64)
         return bucket, prefix, lens
 
-    def __call__(self, batch: pa.Table) -> Iterator[pa.Table]:
+    def __call__(self, batch: pa.Table) -> pa.Table:
         bucket, prefix, lens = self.keys(batch)
-        order = np.lexsort((-lens, prefix, -bucket))  # the last key is the primary one
-        ordered = batch.take(pa.array(order, pa.int64()))
-        for start in range(0, ordered.num_rows, self.rows_per_block):
-            yield ordered.slice(start, self.rows_per_block)
+        return batch.take(pa.array(np.lexsort((-lens, prefix, -bucket)), pa.int64()))  # the last key is the primary one
 
 
 def order_dataset(ds: ray.data.Dataset, cfg: DLLMProcessorConfig,
@@ -120,11 +115,24 @@ def order_dataset(ds: ray.data.Dataset, cfg: DLLMProcessorConfig,
     cost = CostModel(a=0.0, b=1.0, block_length=cfg.engine.block_length, steps_per_block=cfg.engine.steps_per_block,
                      cache=cfg.engine.cache, full_canvas=full_canvas(cfg))
     min_chunks = -(-cfg.sort_min_prefix // PREFIX_CHUNK) if cfg.sort_min_prefix > 0 else 0
-    return ds.map_batches(SortWindowUDF, fn_constructor_args=(cost, cfg.sampling.max_new_tokens, cfg.sampling_column,
-                                                              min_chunks, cfg.batch_size),
-                          batch_format="pyarrow", batch_size=cfg.sort_window_rows, udf_modifying_row_count=False,
-                          compute=ray.data.ActorPoolStrategy(min_size=1, max_size=cfg.cpu_stage_max_actors),
-                          **(ray_remote_args or {}))
+    remote = ray_remote_args or {}
+    ordered = ds.map_batches(SortWindowUDF, fn_constructor_args=(cost, cfg.sampling.max_new_tokens,
+                                                                 cfg.sampling_column, min_chunks),
+                             batch_format="pyarrow", batch_size=cfg.sort_window_rows, udf_modifying_row_count=False,
+                             compute=ray.data.ActorPoolStrategy(min_size=1, max_size=cfg.cpu_stage_max_actors), **remote)
+    # Ray Data joins a stage's yields into one block; engines pull whole blocks, so cut the
+    # window into blocks of one engine call again (streaming, order kept).
+    return _with_remote_args(ordered.repartition(target_num_rows_per_block=cfg.batch_size), remote)
+
+
+def _with_remote_args(ds: ray.data.Dataset, remote: Dict[str, Any]) -> ray.data.Dataset:
+    """`repartition` takes no resource arguments and its tasks ask for a whole CPU, which
+    the engine actors of a small machine do not leave free (the run would hang): give its
+    last stage the CPU stages' fraction (Ray 2.60's logical operator holds them in a dict)."""
+    args = getattr(getattr(getattr(ds, "_logical_plan", None), "dag", None), "ray_remote_args", None)
+    if isinstance(args, dict):
+        args.update(remote)
+    return ds
 
 
 __all__ = ["order_dataset", "prefix_key", "full_canvas", "SortWindowUDF", "PREFIX_CHUNK", "COST_BUCKET_RATIO"]

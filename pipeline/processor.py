@@ -26,7 +26,7 @@ from .config import DLLMProcessorConfig
 from .model_source import with_local_model
 from .ordering import order_dataset
 from .storage import StorageOptions
-from .stages import PRE_ERROR, TOKEN_IDS, ChatTemplateUDF, DetokenizeUDF, TokenizeUDF
+from .stages import PRE_ERROR, TOKEN_IDS, DetokenizeUDF, TokenizeUDF, chat_stage_kwargs
 
 RowFn = Callable[[Dict[str, Any]], Dict[str, Any]]
 
@@ -74,12 +74,10 @@ class DLLMProcessor:
         cpu_stage = dict(batch_format="pyarrow", batch_size=cfg.batch_size, num_cpus=cfg.cpu_stage_num_cpus,
                          udf_modifying_row_count=False,
                          compute=ray.data.ActorPoolStrategy(min_size=1, max_size=cfg.cpu_stage_max_actors))
-        if cfg.apply_chat_template:
-            ds = ds.map_batches(with_local_model(ChatTemplateUDF, cfg.model, self.storage), fn_constructor_kwargs=dict(
-                model=cfg.model, messages_column=cfg.messages_column, chat_template=cfg.chat_template), **cpu_stage)
+        # chat template (auto: when a batch has messages and there is a template), then tokenize
         ds = ds.map_batches(with_local_model(TokenizeUDF, cfg.model, self.storage), fn_constructor_kwargs=dict(
             model=cfg.model, prompt_column=cfg.prompt_column, prompt_token_ids_column=cfg.prompt_token_ids_column,
-            add_special_tokens=cfg.add_special_tokens), **cpu_stage)
+            add_special_tokens=cfg.add_special_tokens, chat=chat_stage_kwargs(cfg)), **cpu_stage)
 
         res = self.engine_resources()
         k = cfg.max_concurrent_batches
@@ -88,6 +86,7 @@ class DLLMProcessor:
             torch_threads=cfg.torch_threads, enable_metrics=cfg.enable_metrics,
             record_batches=cfg.record_batches, token_ids_column=TOKEN_IDS,
             sampling_column=cfg.sampling_column, error_column=PRE_ERROR, model_storage=self.storage,
+            seed_column=cfg.seed_column, id_column=cfg.id_column,
             run_id=self.run_id)
         if cfg.collect_engine_stats:
             from actors.engine_stats import EngineStatsSink, StatsEngineActor
@@ -108,9 +107,9 @@ class DLLMProcessor:
             compute=ray.data.ActorPoolStrategy(size=cfg.num_engines, max_tasks_in_flight_per_actor=k,
                                                max_concurrent_calls_per_actor=k),
             batch_size=cfg.batch_size, batch_format="pyarrow", num_cpus=res["num_cpus"],
-            num_gpus=res["num_gpus"] or None, udf_modifying_row_count=False,
+            num_gpus=res["num_gpus"] or None, udf_modifying_row_count=True,  # n > 1: a row per sample
             **({"resources": dict(cfg.resources_per_engine)} if cfg.resources_per_engine else {}))
-        if cfg.sort == "blendserve":  # lazy: a key stage and Ray Data's sort (pipeline/ordering.py)
+        if cfg.sort == "blendserve":  # lazy, streaming: windows ordered by a per-row key (pipeline/ordering.py)
             ds = order_dataset(ds, cfg, dict(num_cpus=cfg.cpu_stage_num_cpus))
         ds = ds.map_batches(actor_cls, **engines)
         ds = ds.map_batches(with_local_model(DetokenizeUDF, cfg.model, self.storage), fn_constructor_kwargs=dict(
