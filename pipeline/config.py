@@ -46,8 +46,8 @@ class DLLMProcessorConfig:
     sampling_column: str = field(default="sampling_params", metadata={"help": (
         "the input's per-row sampling overrides (a dict; vLLM's names accepted)")})
     seed_column: Optional[str] = field(default=None, metadata={"help": (
-        "column holding a per-row seed (default: the row's sampling_params seed, else one derived from --seed "
-        "and the row's id, so rows with the same prompt are distinct samples)")})
+        "column holding a per-row seed; without it a row's sampling_params seed, else one derived from --seed "
+        "and the row's id, so rows with the same prompt are distinct samples")})
     id_column: Optional[str] = field(default="id", metadata={"help": (
         "column naming each row; per-row seeds derive from it (the job sets it to its --id-column)")})
     # Stages.

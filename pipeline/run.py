@@ -10,7 +10,7 @@ generation or with an error saying why.
   a model that needs remote code) fail fast, before any engine starts, with a
   `JobError` naming the column, path or option (`preflight`); nothing in the output is
   removed before every check has passed.
-- Anything that stops the run later (storage, sharding, a stage) is a `JobError` too.
+- Anything that stops the run later (storage, ordering, a stage) is a `JobError` too.
 - More failed rows than `max_error_fraction` (default 0): `ErrorFractionExceeded`, after
   every row and summary.json are written.
 - Problems of one row become that row's `error` (pipeline/stages.py, the engine).
@@ -331,7 +331,7 @@ def run_offline(input: Union[str, List[str]], output: str, config: DLLMProcessor
     stats_fn = functools.partial(block_stats, reference_column=reference_column)
     write_returns: List[Dict[str, Any]] = []
     if source.num_rows:
-        try:  # building the processor runs the sharding (sort="blendserve"): inside, too
+        try:  # building the processor checks the model: inside, too
             ds = build_processor_for(config, storage, run_id)(
                 read_prompts(input, rows_per_block=config.batch_size, source=source))
             sink = write_results(ds, (out_fs, out_path), rows_per_file=rows_per_file, stats_fn=stats_fn)

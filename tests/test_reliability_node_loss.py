@@ -165,6 +165,9 @@ def main(work: str) -> None:
                                      engine=EngineConfig(block_length=4, steps_per_block=4, token_budget=1024),
                                      sampling=SamplingParams(max_new_tokens=16, policy="fixed"),
                                      resources_per_engine={ENGINE_SLOT: 1},
+                                     # blendserve orders rows in windows: small ones, so that part
+                                     # files appear while both engines still have work
+                                     sort_window_rows=8,
                                      **({"sort": os.environ["BR_NODE_LOSS_SORT"]} if os.environ.get("BR_NODE_LOSS_SORT") else {}))
         report: dict = {"t_cluster_up_s": round(time.perf_counter() - t0, 1)}
         done = threading.Event()

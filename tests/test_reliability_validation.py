@@ -94,7 +94,7 @@ def no_engine(monkeypatch):
     """Fail the test if a run gets as far as building the engine stage."""
     import pipeline.run as run
 
-    def boom(config):
+    def boom(*args):
         raise AssertionError("engine work started before the job-level checks failed")
 
     monkeypatch.setattr(run, "build_processor_for", boom)
