@@ -24,7 +24,7 @@ import torch
 from .config import EngineConfig, SamplingParams
 from .decoding import propose, select, step_cap
 from .batch import Batch, grow_in_place, relayout
-from .models import DLLM, KVCache
+from .models import DLLM
 from .scheduler import make_scheduler
 from .sequence import Request, RequestOutput
 

@@ -84,10 +84,8 @@ def ray_local(metrics_port):
     ray.shutdown()
 
 
-@pytest.fixture(scope="session")
-def s3_endpoint():
-    """A real S3 API on loopback: moto_server in a subprocess on a free port; yields
-    its endpoint URL. Terminated by its pid at the end of the session."""
+def start_moto():
+    """moto_server in a subprocess on a free loopback port, once it answers: (proc, url)."""
     port = free_port()
     exe = os.path.join(os.path.dirname(sys.executable), "moto_server")
     proc = subprocess.Popen([exe, "-H", "127.0.0.1", "-p", str(port)], stdout=subprocess.DEVNULL,
@@ -97,12 +95,19 @@ def s3_endpoint():
     while True:
         try:
             urllib.request.urlopen(url, timeout=1)
-            break
+            return proc, url
         except Exception:  # noqa: BLE001 - not up yet
             if proc.poll() is not None or time.time() > deadline:
                 proc.kill()
                 raise RuntimeError("moto_server did not start")
             time.sleep(0.2)
+
+
+@pytest.fixture(scope="session")
+def s3_endpoint():
+    """A real S3 API on loopback: moto_server in a subprocess on a free port; yields
+    its endpoint URL. Terminated by its pid at the end of the session."""
+    proc, url = start_moto()
     yield url
     proc.terminate()
     try:

@@ -13,13 +13,12 @@ import subprocess
 import sys
 import threading
 import time
-import urllib.request
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from conftest import ROOT, S3_KEY, S3_REGION, S3_SECRET, free_port, part_files, read_parts, write_prompts
+from conftest import ROOT, S3_KEY, S3_REGION, S3_SECRET, part_files, read_parts, start_moto, write_prompts
 from procs import ray_temp_dir
 
 TINY = ["--block-length", "4", "--steps-per-block", "4", "--max-new-tokens", "8", "--token-budget", "1024"]
@@ -224,24 +223,6 @@ def test_failed_rows_over_the_bound_exit_non_zero(tmp_path, tiny_model_dir):
 
 # --- 8: the S3 endpoint dies mid-run ---------------------------------------------------------
 
-def _start_moto():
-    port = free_port()
-    exe = os.path.join(os.path.dirname(sys.executable), "moto_server")
-    proc = subprocess.Popen([exe, "-H", "127.0.0.1", "-p", str(port)], stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.time() + 30
-    while True:
-        try:
-            urllib.request.urlopen(url, timeout=1)
-            return proc, url
-        except Exception:  # noqa: BLE001 - not up yet
-            if proc.poll() is not None or time.time() > deadline:
-                proc.kill()
-                raise RuntimeError("moto_server did not start")
-            time.sleep(0.2)
-
-
 def _has_parts(client, key: str) -> bool:
     client.invalidate_cache()
     return client.exists(key) and bool(part_files(key, client))
@@ -258,7 +239,7 @@ def test_s3_endpoint_dying_mid_run_fails_within_a_minute(tmp_path, tiny_model_di
 
     inp = str(tmp_path / "in.parquet")
     write_prompts(inp, "r{:03d}", 400)
-    proc, url = _start_moto()
+    proc, url = start_moto()
     try:
         client = s3fs.S3FileSystem(key=S3_KEY, secret=S3_SECRET, endpoint_url=url,
                                    client_kwargs={"region_name": S3_REGION}, skip_instance_cache=True)
