@@ -3,7 +3,7 @@ each request is decoded (SamplingParams)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field, fields, replace
-from typing import Any, Dict, Literal, Optional, Sequence
+from typing import Any, Dict, Literal, Optional, Sequence, get_args
 
 Policy = Literal["fixed", "threshold", "factor", "timestep"]
 Remasking = Literal["low_confidence", "random", "entropy", "margin"]
@@ -11,6 +11,12 @@ CacheMode = Literal["none", "refresh", "persistent", "dual"]
 Canvas = Literal["auto", "block", "full"]
 SchedulerKind = Literal["blockserve", "static", "sequential"]
 AdvanceMode = Literal["block", "step"]
+
+
+def not_one_of(name: str, value: Any, kind: Any) -> Optional[str]:
+    """The message for a value outside a Literal's choices, else None (one rule for every choice field)."""
+    choices = get_args(kind)
+    return None if value in choices else f"{name} must be one of {', '.join(map(repr, choices))}, got {value!r}"
 
 
 @dataclass
@@ -94,10 +100,10 @@ class SamplingParams:
         fails its neighbours."""
         if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
             return f"max_new_tokens must be an integer >= 1, got {self.max_new_tokens!r}"
-        if self.policy not in ("fixed", "threshold", "factor", "timestep"):
-            return f"policy must be 'fixed', 'threshold', 'factor' or 'timestep', got {self.policy!r}"
-        if self.remasking not in ("low_confidence", "random", "entropy", "margin"):
-            return f"remasking must be 'low_confidence', 'random', 'entropy' or 'margin', got {self.remasking!r}"
+        for name, kind in (("policy", Policy), ("remasking", Remasking)):
+            err = not_one_of(name, getattr(self, name), kind)
+            if err:
+                return err
         if self.first_position not in (None, True, False):
             return f"first_position must be true, false or null, got {self.first_position!r}"
         if not 0.0 < float(self.threshold) <= 1.0:
@@ -161,14 +167,11 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.block_length < 1 or self.steps_per_block < 1:
             raise ValueError("block_length and steps_per_block must be >= 1")
-        if self.cache not in ("none", "refresh", "persistent", "dual"):
-            raise ValueError(f"cache must be 'none', 'refresh', 'persistent' or 'dual', got {self.cache!r}")
-        if self.canvas not in ("auto", "block", "full"):
-            raise ValueError(f"canvas must be 'auto', 'block' or 'full', got {self.canvas!r}")
-        if self.scheduler not in ("blockserve", "static", "sequential"):
-            raise ValueError(f"scheduler must be 'blockserve', 'static' or 'sequential', got {self.scheduler!r}")
-        if self.advance not in ("block", "step"):
-            raise ValueError(f"advance must be 'block' or 'step', got {self.advance!r}")
+        for name, kind in (("cache", CacheMode), ("canvas", Canvas), ("scheduler", SchedulerKind),
+                           ("advance", AdvanceMode)):
+            err = not_one_of(name, getattr(self, name), kind)
+            if err:
+                raise ValueError(err)
         if self.token_budget < self.block_length + 1:
             raise ValueError("token_budget must exceed block_length")
         if self.max_batch_size < 1:
