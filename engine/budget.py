@@ -47,7 +47,7 @@ def weight_bytes(cfg: ModelConfig, dtype: torch.dtype) -> int:
 
 def kv_bytes_per_token(cfg: ModelConfig, dtype: torch.dtype) -> int:
     """K and V of every layer for one column of batch area (one buffer)."""
-    return 2 * cfg.n_layers * cfg.n_kv_heads * cfg.head_dim * dtype_bytes(dtype)
+    return cfg.kv_bytes_per_token(dtype_bytes(dtype))
 
 
 def kv_peak_bytes_per_token(cfg: ModelConfig, dtype: torch.dtype, cache: str = "refresh") -> int:

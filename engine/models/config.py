@@ -61,6 +61,11 @@ class ModelConfig:
             ids.append(self.eot_token_id)
         return ids
 
+    def kv_bytes_per_token(self, bytes_per_element: int) -> int:
+        """K and V of every layer for one cached column: the repo's one K/V-size formula
+        (engine.budget and the sorter's cost model both read it)."""
+        return 2 * self.n_layers * self.n_kv_heads * self.head_dim * bytes_per_element
+
     def num_params(self) -> int:
         d, f, kv = self.hidden_size, self.intermediate_size, self.n_kv_heads * self.head_dim
         per_layer = d * d * 2 + d * kv * 2 + 3 * d * f + 2 * d
