@@ -14,6 +14,11 @@ split and for padding) and `random`. Reports, per order, from one run of each mo
   * end-to-end wall time of each mode and blendserve/none as a ratio.
 
     python bench/sorter_bench.py                       # writes bench/results/sorter_cpu.json
+    python bench/sorter_bench.py --scale               # bench/results/sorter_scale.json + .png
+
+`--scale` (issue 17: bench/sorter_scale.py) runs the job at 1k, 4k and 16k rows and the
+ordering stage alone at 1M and 10M synthetic rows, for wall time, its linear fit, and
+the driver's peak memory.
 """
 from __future__ import annotations
 
@@ -123,8 +128,17 @@ def main(argv=None):
     ap.add_argument("--orders", default="long_first,front_loaded,random",
                     help="input orders to run, comma list of long_first, front_loaded (both adversarial for a "
                          "contiguous split), random, interleaved")
-    ap.add_argument("--out", default=os.path.join(ROOT, "bench", "results", "sorter_cpu.json"))
+    ap.add_argument("--out", default=None, help="default: bench/results/sorter_cpu.json (sorter_scale.json with --scale)")
+    ap.add_argument("--scale", action="store_true", help="the scale bench (bench/sorter_scale.py) instead")
+    ap.add_argument("--scale-rows", default="1000,4000,16000")
+    ap.add_argument("--scale-orders", default="random,front_loaded")
+    ap.add_argument("--sort-window-rows", type=int, default=4096, help="--scale: the ordering's window")
+    ap.add_argument("--reps", type=int, default=3, help="--scale: runs per mode at the smallest row count")
+    ap.add_argument("--ordering-rows", default="1000000,10000000", help="--scale: ordering-only sizes ('' for none)")
     args = ap.parse_args(argv)
+    if args.scale:
+        return main_scale(args, argv)
+    args.out = args.out or os.path.join(ROOT, "bench", "results", "sorter_cpu.json")
 
     import ray
     import torch
@@ -158,6 +172,53 @@ def main(argv=None):
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump(result, f, indent=2, default=str)
+    return result
+
+
+def _ints(text: str):
+    return tuple(int(x) for x in text.split(",") if x)
+
+
+def main_scale(args, argv):
+    """The scale bench: its own local Ray (2 CPUs), the JSON and the PNG."""
+    import dataclasses
+
+    import ray
+    import torch
+
+    from bench import sorter_scale
+
+    torch.set_num_threads(1)
+    from bench.workloads import write_tiny_model
+
+    defaults = sorter_scale.ScaleArgs()
+    passed = {t.split("=")[0] for t in (sys.argv[1:] if argv is None else argv)}  # flags given explicitly
+    given = {f.name: getattr(args, f.name) for f in dataclasses.fields(defaults) if f.name not in ("rows", "orders", "ordering_rows")
+             if f.name == "reps" or hasattr(args, f.name) and f"--{f.name.replace('_', '-')}" in passed}
+    a = dataclasses.replace(defaults, rows=_ints(args.scale_rows), orders=tuple(args.scale_orders.split(",")),
+                            ordering_rows=_ints(args.ordering_rows), **given)
+    out = args.out or os.path.join(ROOT, "bench", "results", "sorter_scale.json")
+    model = write_tiny_model(tempfile.mkdtemp(prefix="tiny-dllm-"), hidden_size=a.hidden_size, n_layers=a.layers,
+                             n_heads=4, n_kv_heads=4, intermediate_size=4 * a.hidden_size)
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False,
+             runtime_env={"env_vars": {"PYTHONPATH": ROOT}})
+    ray.data.DataContext.get_current().enable_progress_bars = False
+    t0 = time.perf_counter()
+    try:
+        result = sorter_scale.run_scale(model, a, log=lambda m: print(m, flush=True))
+    finally:
+        ray.shutdown()
+    result = {"command": "python bench/sorter_bench.py " + " ".join(sys.argv[1:] if argv is None else argv),
+              "workload": dict(dataclasses.asdict(a), engines=2, device="cpu (2 cores, shared with a co-tenant)",
+                               cache="refresh", canvas="full (bidirectional tiny model)",
+                               model="random tiny LLaDA-style (bench/workloads.write_tiny_model)"),
+              "bench_wall_s": time.perf_counter() - t0, **result}
+    os.makedirs(os.path.dirname(out), exist_ok=True)
+    if result["end_to_end"]:
+        result["plot"] = sorter_scale.plot(result["end_to_end"], result["summary"], os.path.splitext(out)[0] + ".png")
+    with open(out, "w") as f:
+        json.dump(result, f, indent=2, default=str)
+    print(json.dumps(result["summary"], indent=2, default=str), flush=True)
     return result
 
 

@@ -2,7 +2,7 @@
 the sorter and the processor API (`build_processor(config)(ds) -> ds`). No torch
 tensors here.
 
-Names are imported lazily so that `import pipeline.sorter` (pure numpy) does not pull in
+Names are imported lazily so that `import pipeline.sorting` does not pull in
 Ray or the engine.
 """
 from __future__ import annotations

@@ -88,7 +88,7 @@ class DLLMProcessorConfig:
     # Request ordering. "blendserve": rows ordered by a per-row key (estimated cost,
     # costliest first; shared prompt prefix; prompt length) in windows of
     # `sort_window_rows`, feeding one pool of engines that pull blocks as they free up
-    # (pipeline/ordering.py); lazy like every stage. "none": arrival order.
+    # (pipeline/sorting/order.py); lazy like every stage. "none": arrival order.
     sort: str = field(default="blendserve", metadata={"choices": SORT_MODES, "help": (
         "blendserve: costliest first over one engine pool; none: arrival order")})
     sort_window_rows: int = field(default=4096, metadata={"help": (

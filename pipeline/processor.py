@@ -24,7 +24,7 @@ from actors.rank import rank_counter
 
 from .config import DLLMProcessorConfig
 from .model_source import with_local_model
-from .ordering import order_dataset
+from .sorting import order_dataset
 from .storage import StorageOptions
 from .stages import PRE_ERROR, TOKEN_IDS, DetokenizeUDF, TokenizeUDF, chat_stage_kwargs
 
@@ -109,8 +109,8 @@ class DLLMProcessor:
             batch_size=cfg.batch_size, batch_format="pyarrow", num_cpus=res["num_cpus"],
             num_gpus=res["num_gpus"] or None, udf_modifying_row_count=True,  # n > 1: a row per sample
             **({"resources": dict(cfg.resources_per_engine)} if cfg.resources_per_engine else {}))
-        if cfg.sort == "blendserve":  # lazy, streaming: windows ordered by a per-row key (pipeline/ordering.py)
-            ds = order_dataset(ds, cfg, dict(num_cpus=cfg.cpu_stage_num_cpus))
+        if cfg.sort == "blendserve":  # lazy, streaming: windows ordered by a per-row key (pipeline/sorting)
+            ds = order_dataset(ds, cfg, dict(num_cpus=cfg.cpu_stage_num_cpus), device=res["device"])
         ds = ds.map_batches(actor_cls, **engines)
         ds = ds.map_batches(with_local_model(DetokenizeUDF, cfg.model, self.storage), fn_constructor_kwargs=dict(
             model=cfg.model, detokenize=cfg.detokenize, skip_special_tokens=cfg.skip_special_tokens), **cpu_stage)

@@ -1,229 +1,137 @@
-"""Tests for pipeline.sorter: cost estimates, calibration fit, and sharding properties."""
+"""Tests for pipeline.sorting's cost side: cells per cache mode and canvas as the engine
+forwards them, the roofline built from the engine's ModelConfig with the engine's dtype,
+and that none of it imports torch into a data worker."""
 from __future__ import annotations
 
+import json
 import math
-from typing import Dict, List, Optional, Tuple
+import pickle
+import subprocess
+import sys
 
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
 
-from pipeline.sorter import (
-    CPU,
-    H200,
-    CostModel,
-    DeviceProfile,
-    ModelProfile,
-    PrefixTrie,
-    RequestFeatures,
-    ShardPlan,
-    estimate,
-    fit_cycle_time,
-    padding_fraction,
-    shard,
-)
+from conftest import ROOT
+from pipeline.sorting import (CACHE_MODES, CPU, H200, CostModel, ModelProfile, Roofline, blocks, dtype_bytes,
+                              model_config_class, read_model_config, work)
 
 LLADA_CFG = dict(model_type="llada", d_model=4096, n_layers=32, n_heads=32, n_kv_heads=32,
                  mlp_hidden_size=12288, vocab_size=126464, embedding_size=126464)
 DREAM_CFG = dict(model_type="Dream", hidden_size=3584, num_hidden_layers=28, num_attention_heads=28,
                  num_key_value_heads=4, intermediate_size=18944, vocab_size=152064, torch_dtype="bfloat16")
-LLADA = ModelProfile.from_config(LLADA_CFG)
-TINY = ModelProfile(n_layers=2, hidden_size=64, n_heads=4, n_kv_heads=2, intermediate_size=128, vocab_size=100)
-MIN_PREFIX = 16
-PROPS = settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+LLADA = ModelProfile.from_config(LLADA_CFG, device="cuda")
 
 
-# --------------------------------------------------------------------------- helpers
+def test_sorting_package_imports_no_torch():
+    """Every name of the package, the roofline built from a config and a pickled profile
+    unpickled in a fresh process: no torch (data workers must not pay for it)."""
+    code = ("import pickle, sys; import pipeline.sorting as s\n"
+            "[getattr(s, n) for n in s.__all__]\n"
+            f"m = s.ModelProfile.from_config({DREAM_CFG!r})\n"
+            "pickle.loads(pickle.dumps(m)).kv_bytes_per_token()\n"
+            "print('torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False", out.stderr
 
 
-def _groups(feats: List[RequestFeatures], m: int) -> Dict[Tuple[int, ...], List[int]]:
-    """Reference grouping, independent of the trie: two requests share >= m tokens
-    iff both prefixes have >= m tokens and their first m tokens are equal."""
-    out: Dict[Tuple[int, ...], List[int]] = {}
-    for i, f in enumerate(feats):
-        if f.prefix is not None and len(f.prefix) >= m:
-            out.setdefault(f.prefix[:m], []).append(i)
-    return out
+def test_one_model_config_class_and_kv_formula():
+    """The sorter reads the engine's ModelConfig (the same class once the engine is
+    imported) and its K/V-size formula, with the dtype the engine actor loads."""
+    from engine.models import ModelConfig
+
+    assert model_config_class() is ModelConfig
+    cfg = ModelConfig.from_hf(DREAM_CFG)
+    dream = ModelProfile.from_config(DREAM_CFG, dtype="auto", device="cuda")
+    assert dream.config == cfg and dream.bytes_per_element == 2
+    assert dream.kv_bytes_per_token() == cfg.kv_bytes_per_token(2) == 2 * 28 * 4 * 128 * 2
+    assert ModelProfile.from_config(DREAM_CFG, dtype="auto", device="cpu").bytes_per_element == 4
+    assert ModelProfile.from_config(DREAM_CFG, dtype="float16", device="cpu").bytes_per_element == 2
+    assert pickle.loads(pickle.dumps(dream)).kv_bytes_per_token() == dream.kv_bytes_per_token()
 
 
-def _rank_of(plan: ShardPlan) -> Dict[int, int]:
-    return {i: r for r, rk in enumerate(plan.ranks) for i in rk}
+def test_dtype_bytes_match_the_engine_actor():
+    import torch
+
+    from actors.engine_actor import resolve_dtype
+
+    for dtype in ("auto", "float32", "bfloat16", "float16"):
+        for device in ("cpu", "cuda"):
+            assert dtype_bytes(dtype, device) == resolve_dtype(dtype, torch.device(device)).itemsize
+    with pytest.raises(ValueError):
+        dtype_bytes("int3")
 
 
-@st.composite
-def workloads(draw) -> Tuple[List[RequestFeatures], int]:
-    """Small random workloads with a few shared prefixes over a 3-token vocabulary
-    (so long common prefixes actually occur) and some ungrouped requests."""
-    bases = draw(st.lists(st.lists(st.integers(0, 2), min_size=8, max_size=40), min_size=1, max_size=4))
-    n = draw(st.integers(1, 40))
-    feats = []
-    for _ in range(n):
-        p = draw(st.integers(1, 400))
-        g = draw(st.integers(1, 200))
-        if draw(st.integers(0, 3)) == 0:
-            prefix: Optional[Tuple[int, ...]] = None
-        else:
-            tail = draw(st.lists(st.integers(0, 2), max_size=12))
-            prefix = tuple(draw(st.sampled_from(bases)) + tail)
-        feats.append(RequestFeatures(prompt_len=p, max_new_tokens=g, prefix=prefix))
-    return feats, draw(st.integers(1, 6))
+def test_read_model_config_from_dir_dict_and_config(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps(LLADA_CFG))
+    a, b = read_model_config(str(tmp_path)), read_model_config(LLADA_CFG)
+    assert a == b and read_model_config(a) is a
+    assert (a.hidden_size, a.n_layers, a.n_kv_heads, a.head_dim) == (4096, 32, 32, 128)
+    with pytest.raises(OSError):
+        read_model_config(str(tmp_path / "missing"))
 
 
-def _plan(feats: List[RequestFeatures], R: int) -> ShardPlan:
-    return shard(feats, num_ranks=R, model=TINY, device=H200, block_length=8, steps_per_block=4,
-                 min_prefix=MIN_PREFIX, batch_size=4)
+# --------------------------------------------------------------------------- cells per cache mode
 
 
-# --------------------------------------------------------------------------- properties
+def _closed_form(p, K, L, S, cache, full):
+    """Cells in closed form (the engine's account, written out by hand)."""
+    if full:
+        w = p + K * L
+        if cache == "none":
+            return K * S * w
+        if cache == "dual":
+            return K * w + K * (S - 1) * L
+        return K * w + (S - 1) * L * K * (K + 1) / 2
+    sum_w = K * p + L * K * (K + 1) / 2
+    if cache == "none":
+        return S * sum_w
+    if cache == "persistent":
+        return p + K * S * L + (K - 1) * L
+    return sum_w + K * (S - 1) * L
 
 
-@PROPS
-@given(workloads())
-def test_every_request_assigned_once_and_lpt_bound(wl):
-    feats, R = wl
-    plan = _plan(feats, R)
-    assert len(plan.ranks) == R
-    flat = [i for rk in plan.ranks for i in rk]
-    assert sorted(flat) == list(range(len(feats)))
-    # items partition the requests and each lies within one rank (they are real units)
-    assert sorted(i for it in plan.items for i in it) == list(range(len(feats)))
-    where = _rank_of(plan)
-    assert all(len({where[i] for i in it}) == 1 for it in plan.items)
-    cost = np.array(plan.costs)
-    total = float(cost.sum())
-    largest = max(float(cost[it].sum()) for it in plan.items)
-    opt_lb = max(total / R, largest)
-    rank_cost = [float(cost[rk].sum()) for rk in plan.ranks]
-    assert np.allclose(rank_cost, plan.report["rank_cost"])
-    assert max(rank_cost) <= (4.0 / 3.0 * opt_lb + largest) * (1 + 1e-9)
-    # an item is bigger than one rank's share only if it is a single request
-    assert all(len(it) == 1 or float(cost[it].sum()) <= total / R * (1 + 1e-9) for it in plan.items)
+@pytest.mark.parametrize("cache", CACHE_MODES)
+@pytest.mark.parametrize("full", [False, True])
+def test_work_cells_match_closed_forms(cache, full):
+    p, K = np.array([0.0, 5, 17, 100, 3]), np.array([1.0, 2, 3, 7, 12])
+    got = work(p, K, 8, 4, cache, full)
+    assert np.allclose(got.cells, _closed_form(p, K, 8, 4, cache, full))
+    assert (got.pairs >= got.cells).all() and (got.kv_columns > 0).all()
 
 
-@PROPS
-@given(workloads())
-def test_prefix_groups_below_share_never_split(wl):
-    feats, R = wl
-    plan = _plan(feats, R)
-    cost = np.array(plan.costs)
-    share = float(cost.sum()) / R
-    where = _rank_of(plan)
-    for members in _groups(feats, MIN_PREFIX).values():
-        if float(cost[members].sum()) <= share * (1 - 1e-9):
-            assert len({where[i] for i in members}) == 1, members
+def _engine_cells(cache: str, canvas: str, prompt_len: int, max_new: int, L: int, S: int) -> int:
+    """Cells the real engine forwards for one request alone (no padding, no early stop)."""
+    import torch
+
+    from engine import Engine, EngineConfig, ModelConfig, SamplingParams, build_model
+
+    torch.set_num_threads(1)
+    mc = ModelConfig.tiny("llada", dllm_attention="block_causal" if cache == "persistent" else "bidirectional")
+    eng = Engine(build_model(mc, dtype=torch.float32, seed=0),
+                 EngineConfig(block_length=L, steps_per_block=S, cache=cache, canvas=canvas, max_batch_size=4))
+    out = eng.generate([[5 + i % 40 for i in range(prompt_len)]],
+                       SamplingParams(max_new_tokens=max_new, policy="fixed", stop_token_ids=[]))
+    assert out[0].error is None and out[0].num_blocks == math.ceil(max_new / L)
+    assert eng.stats.padded_cells == 0
+    return eng.stats.computed_cells
 
 
-@PROPS
-@given(workloads())
-def test_shards_sorted_by_length_with_groups_contiguous(wl):
-    feats, R = wl
-    plan = _plan(feats, R)
-    gid = {}
-    for k, members in enumerate(_groups(feats, MIN_PREFIX).values()):
-        for i in members:
-            gid[i] = ("g", k)
-    for rk in plan.ranks:
-        units: List[List[int]] = []
-        for i in rk:
-            key = gid.get(i, ("s", i))
-            if units and gid.get(units[-1][0], ("s", units[-1][0])) == key:
-                units[-1].append(i)
-            else:
-                units.append([i])
-        keys = [gid.get(u[0], ("s", u[0])) for u in units]
-        assert len(keys) == len(set(keys)), "a prefix group is not contiguous on its rank"
-        for u in units:
-            lens = [feats[i].prompt_len for i in u]
-            assert lens == sorted(lens, reverse=True)
-        firsts = [feats[u[0]].prompt_len for u in units]
-        assert firsts == sorted(firsts, reverse=True)
+@pytest.mark.parametrize("cache,canvas", [("none", "block"), ("refresh", "block"), ("dual", "block"),
+                                          ("persistent", "block"), ("none", "full"), ("refresh", "full"),
+                                          ("dual", "full")])
+def test_cost_model_counts_the_cells_the_engine_forwards(cache, canvas):
+    """CostModel's cells are the engine's computed_cells, per cache mode and canvas."""
+    p, g, L, S = 11, 24, 8, 4
+    cm = CostModel(a=0.0, b=1.0, block_length=L, steps_per_block=S, cache=cache, full_canvas=canvas == "full")
+    assert float(cm.times(np.array([p]), np.array([g]))[0]) == _engine_cells(cache, canvas, p, g, L, S)
 
 
-# --------------------------------------------------------------------------- skewed workload
+# --------------------------------------------------------------------------- roofline
 
 
-def _skewed(seed: int = 0, n: int = 200) -> List[RequestFeatures]:
-    """20% of prompts 8x longer than the rest, adversarially ordered (all long first)."""
-    rng = np.random.default_rng(seed)
-    n_long = n // 5
-    short = rng.integers(128, 384, size=n - n_long)
-    long = 8 * rng.integers(128, 384, size=n_long)
-    gens = rng.integers(128, 257, size=n)
-    lens = list(long) + list(short)
-    return [RequestFeatures(prompt_len=int(p), max_new_tokens=int(g)) for p, g in zip(lens, gens)]
-
-
-def test_skewed_workload_balanced_and_less_padding_than_naive():
-    feats = _skewed()
-    plan = shard(feats, num_ranks=2, model=LLADA, device=H200, block_length=32, steps_per_block=8,
-                 min_prefix=32, batch_size=8)
-    rep = plan.report
-    assert rep["imbalance"] <= 1.05
-    assert rep["naive_imbalance"] >= 1.2  # long-first chunking piles the long prompts on rank 0
-    assert rep["naive_imbalance"] > rep["imbalance"] + 0.15
-    assert rep["padding_mean"] < rep["naive_padding_mean"]
-    assert max(rep["padding"]) < min(rep["naive_padding"])
-    # same mix: each rank gets about half of the long prompts
-    long_per_rank = [sum(feats[i].prompt_len >= 1024 for i in rk) for rk in plan.ranks]
-    assert all(abs(c - 20) <= 3 for c in long_per_rank), long_per_rank
-    # the naive numbers are what a contiguous split really gives
-    naive = np.array_split(np.arange(len(feats)), 2)
-    cost = np.array(plan.costs)
-    assert np.allclose(rep["naive_rank_cost"], [cost[c].sum() for c in naive])
-
-
-def test_padding_fraction_definition():
-    assert padding_fraction([10, 10, 10, 10], 2) == 0.0
-    # windows [10, 30] and [20, 20]: cells 80, padded 2*30 + 2*20 = 100
-    assert padding_fraction([10, 30, 20, 20], 2) == pytest.approx(0.2)
-    assert padding_fraction([], 4) == 0.0
-
-
-# --------------------------------------------------------------------------- prefix trie
-
-
-def test_trie_groups_and_splits_oversized_group_along_subtrees():
-    base = tuple(range(40))
-    feats = []
-    # a big family sharing 40 tokens: two sub-families sharing 50 tokens
-    for sub in (100, 200):
-        for k in range(6):
-            feats.append(RequestFeatures(prompt_len=300, max_new_tokens=64, prefix=base + (sub,) * 10 + (k,)))
-    feats += [RequestFeatures(prompt_len=50, max_new_tokens=64, prefix=(7,) * 40) for _ in range(2)]
-    # R=2: the 12-request family is ~90% of the cost, far above one rank's share
-    plan = shard(feats, num_ranks=2, model=LLADA, block_length=32, steps_per_block=8, min_prefix=32)
-    assert plan.report["num_split_groups"] == 1
-    where = _rank_of(plan)
-    sub_a, sub_b = list(range(6)), list(range(6, 12))
-    cost = np.array(plan.costs)
-    share = cost.sum() / 2
-    assert cost[sub_a].sum() <= share and cost[sub_b].sum() <= share
-    # the cut follows the trie: each 50-token sub-family stays on one rank
-    assert len({where[i] for i in sub_a}) == 1 and len({where[i] for i in sub_b}) == 1
-    assert where[12] == where[13]
-    assert plan.report["imbalance"] < 1.2
-
-
-def test_trie_members_and_group_nodes():
-    trie = PrefixTrie()
-    trie.insert((1, 2, 3, 4), 0)
-    trie.insert((1, 2, 3, 5), 1)
-    trie.insert((1, 2, 9), 2)
-    trie.insert((1, 2), 3)
-    trie.insert((8,), 4)
-    assert sorted(PrefixTrie.members(trie.root)) == [0, 1, 2, 3, 4]
-    groups = sorted(sorted(PrefixTrie.members(n)) for n in trie.group_nodes(3))
-    assert groups == [[0, 1], [2]]
-    groups = sorted(sorted(PrefixTrie.members(n)) for n in trie.group_nodes(2))
-    assert groups == [[0, 1, 2, 3]]
-
-
-# --------------------------------------------------------------------------- cost estimate
-
-
-def _brute_force(p: int, g: int, m: ModelProfile, L: int, S: int) -> Tuple[float, float]:
-    """Cycle-by-cycle FLOPs and KV bytes with the refresh cache (reference for the closed form)."""
+def _brute_force(p, g, m: ModelProfile, L, S):
+    """Cycle-by-cycle FLOPs and K/V bytes, refresh cache, block canvas."""
     flops = kv = 0.0
     for b in range(math.ceil(g / L)):
         w = p + (b + 1) * L
@@ -237,97 +145,35 @@ def _brute_force(p: int, g: int, m: ModelProfile, L: int, S: int) -> Tuple[float
 
 
 @pytest.mark.parametrize("p,g,L,S", [(1, 1, 32, 32), (100, 64, 32, 8), (777, 300, 16, 4), (5, 33, 32, 1)])
-def test_estimate_matches_cycle_by_cycle_sum(p, g, L, S):
-    c = estimate(RequestFeatures(p, g), LLADA, H200, block_length=L, steps_per_block=S)
+def test_roofline_matches_cycle_by_cycle_sum(p, g, L, S):
+    est = Roofline(LLADA, H200, L, S).estimate(np.array([p]), np.array([g]))
     flops, kv = _brute_force(p, g, LLADA, L, S)
-    assert c.blocks == math.ceil(g / L)
-    assert c.flops == pytest.approx(flops, rel=1e-12)
-    assert c.kv_bytes == pytest.approx(kv, rel=1e-12)
-    assert c.time_s == max(c.compute_s, c.memory_s)
+    assert est["blocks"][0] == math.ceil(g / L)
+    assert est["flops"][0] == pytest.approx(flops, rel=1e-12)
+    assert est["kv_bytes"][0] == pytest.approx(kv, rel=1e-12)
+    assert est["time_s"][0] == max(est["compute_s"][0], est["memory_s"][0])
 
 
-def test_density_depends_on_length_and_device():
-    short, long = RequestFeatures(64, 256), RequestFeatures(4096, 256)
-    hs, hl = estimate([short, long], LLADA, H200, block_length=32, steps_per_block=32)
-    cs, cl = estimate([short, long], LLADA, CPU, block_length=32, steps_per_block=32)
-    assert hl.flops > hs.flops and hl.kv_bytes > hs.kv_bytes
-    assert not math.isclose(hs.density, hl.density, rel_tol=0.05)
-    # same request, different roofline: density scales by (bw/peak) ratio of the devices
-    assert cs.density != hs.density
+def test_roofline_honours_the_cache_mode_and_device():
+    p, g = np.array([64.0, 4096.0]), np.array([256, 256])
+    est = {c: Roofline(LLADA, H200, 32, 32, cache=c).estimate(p, g) for c in CACHE_MODES}
+    # no cache forwards the whole row at every step: the most FLOPs; the caches cut them
+    assert (est["none"]["flops"] > est["refresh"]["flops"]).all()
+    assert (est["refresh"]["flops"] > est["persistent"]["flops"]).all()
+    full = {c: Roofline(LLADA, H200, 32, 32, cache=c, full_canvas=True).estimate(p, g) for c in ("refresh", "dual")}
+    assert (full["refresh"]["cells"] > full["dual"]["cells"]).all()  # dual drops the masked suffix
+    assert not math.isclose(est["refresh"]["density"][0], est["refresh"]["density"][1], rel_tol=0.05)
+    cpu = Roofline(LLADA, CPU, 32, 32).estimate(p, g)
     ratio = (CPU.mem_bandwidth / CPU.peak_flops) / (H200.mem_bandwidth / H200.peak_flops)
-    assert cs.density / hs.density == pytest.approx(ratio)
-    assert cs.time_s > hs.time_s
-    # GQA (Dream: 4 kv heads) moves far fewer KV bytes per token than MHA (LLaDA)
-    dream = ModelProfile.from_config(DREAM_CFG)
-    assert estimate(long, dream, H200).density > estimate(long, LLADA, H200).density
+    assert cpu["density"][0] / est["refresh"]["density"][0] == pytest.approx(ratio)
+    # GQA (Dream: 4 kv heads) moves far fewer K/V bytes per token than MHA (LLaDA)
+    dream = Roofline(ModelProfile.from_config(DREAM_CFG, device="cuda"), H200, 32, 32).estimate(p, g)
+    assert (dream["density"] > est["refresh"]["density"]).all()
 
 
-def test_calibration_scales_blocks_not_beyond_budget():
-    f = RequestFeatures(100, 256)
-    full = estimate(f, LLADA, block_length=32)
-    half = estimate(f, LLADA, block_length=32, calibration=0.5)
-    over = estimate(f, LLADA, block_length=32, calibration=3.0)
-    assert (full.blocks, half.blocks, over.blocks) == (8, 4, 8)
-    assert half.flops < full.flops
+def test_cost_model_times_and_blocks():
+    cm = CostModel(a=0.01, b=1e-6, block_length=32, concurrency=4, steps_per_block=1)
+    assert float(cm.times(np.array([100]), np.array([64]))[0]) == pytest.approx(2 * 0.01 / 4 + 1e-6 * (132 + 164))
+    assert blocks(np.array([1, 32, 33]), 32).tolist() == [1, 1, 2]
     with pytest.raises(ValueError):
-        estimate(f, LLADA, calibration=0.0)
-
-
-def test_model_profile_from_config_both_layouts():
-    assert (LLADA.hidden_size, LLADA.n_layers, LLADA.n_heads, LLADA.n_kv_heads, LLADA.head_dim,
-            LLADA.intermediate_size, LLADA.vocab_size) == (4096, 32, 32, 32, 128, 12288, 126464)
-    dream = ModelProfile.from_config(DREAM_CFG)
-    assert (dream.hidden_size, dream.n_layers, dream.n_heads, dream.n_kv_heads, dream.head_dim,
-            dream.intermediate_size, dream.vocab_size) == (3584, 28, 28, 4, 128, 18944, 152064)
-    assert ModelProfile.from_config({**DREAM_CFG, "torch_dtype": "float32"}).bytes_per_element == 4.0
-    with pytest.raises(KeyError):
-        ModelProfile.from_config({"vocab_size": 10})
-
-
-# --------------------------------------------------------------------------- calibration
-
-
-def test_fit_cycle_time_recovers_constants():
-    a, b = 0.012, 3.5e-7
-    cells = np.array([1000, 5000, 12000, 30000, 65536], dtype=float)
-    fit = fit_cycle_time(zip(cells, a + b * cells))
-    assert fit.a == pytest.approx(a, rel=1e-9) and fit.b == pytest.approx(b, rel=1e-9)
-    assert fit.rmse == pytest.approx(0.0, abs=1e-12) and fit.n == 5
-    rng = np.random.default_rng(1)
-    x = rng.uniform(500, 65536, size=400)
-    noisy = fit_cycle_time(zip(x, a + b * x + rng.normal(0, 1e-4, size=x.size)))
-    assert noisy.a == pytest.approx(a, rel=0.05) and noisy.b == pytest.approx(b, rel=0.02)
-    assert noisy.predict(10000.0) == pytest.approx(a + b * 10000, rel=0.01)
-    with pytest.raises(ValueError):
-        fit_cycle_time([(100, 1.0), (100, 2.0)])
-    with pytest.raises(ValueError):
-        fit_cycle_time([(100, 1.0)])
-
-
-def test_cost_model_feeds_back_into_shard():
-    fit = fit_cycle_time([(1000, 0.01 + 1e-6 * 1000), (9000, 0.01 + 1e-6 * 9000)])
-    cm = CostModel.from_fit(fit, block_length=32, concurrency=4)
-    f = RequestFeatures(100, 64)  # 2 blocks, widths 132 and 164
-    assert cm.time_for(f) == pytest.approx(2 * 0.01 / 4 + 1e-6 * (132 + 164))
-    # cells the engine forwards per request with S = 8 steps per block, per cache mode
-    cells = {c: float(CostModel(0.0, 1.0, 32, steps_per_block=8, cache=c).cells(100, 2))
-             for c in ("none", "refresh", "persistent")}
-    assert cells == {"none": 8 * (132 + 164), "refresh": 132 + 164 + 2 * 7 * 32, "persistent": 100 + 32 + 32 * 2 + 2 * 7 * 32}
-    feats = _skewed(seed=3, n=60)
-    plan = shard(feats, num_ranks=3, model=LLADA, block_length=32, steps_per_block=8, cost_model=cm)
-    assert plan.costs == pytest.approx([cm.time_for(x) for x in feats])
-    assert plan.report["cost_unit"].startswith("s (fitted")
-    assert plan.report["imbalance"] <= 1.05
-
-
-def test_edge_cases():
-    plan = shard([], num_ranks=3, model=TINY)
-    assert plan.ranks == [[], [], []] and plan.report["imbalance"] == 1.0
-    one = shard([RequestFeatures(10, 5)], num_ranks=4, model=TINY)
-    assert sum(len(r) for r in one.ranks) == 1
-    with pytest.raises(ValueError):
-        shard([RequestFeatures(10, 5)], num_ranks=0, model=TINY)
-    with pytest.raises(ValueError):
-        RequestFeatures(10, 0)
-    assert RequestFeatures(3, 1, prefix=[1, 2, 3]).prefix == (1, 2, 3)
-    assert isinstance(DeviceProfile("x", 1.0, 1.0), DeviceProfile)
+        work(np.array([1]), np.array([1]), 8, 4, cache="bogus")

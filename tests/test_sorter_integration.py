@@ -1,4 +1,4 @@
-"""sort="blendserve" in the processor (pipeline/ordering.py): lazy in every sort mode,
+"""sort="blendserve" in the processor (pipeline/sorting/order.py): lazy in every sort mode,
 every id comes back exactly once with the same tokens as sort="none", and rows reach the
 engine pool costliest first with shared prefixes side by side."""
 from __future__ import annotations
@@ -14,7 +14,7 @@ import ray
 from conftest import ROOT, ray_env
 from engine import EngineConfig, SamplingParams
 from pipeline import DLLMProcessorConfig, build_processor
-from pipeline.ordering import PREFIX_CHUNK, order_dataset, prefix_key
+from pipeline.sorting import PREFIX_CHUNK, order_dataset, prefix_key
 from pipeline.stages import TOKEN_IDS
 
 ENGINE = EngineConfig(block_length=4, steps_per_block=2, cache="refresh", token_budget=4096, max_batch_size=8)
@@ -133,3 +133,22 @@ def test_sorter_bench_smoke_writes_json(tmp_path):
         assert res[mode]["rows_out"] == 10 and res[mode]["ids_exactly_once"] and res[mode]["errors"] == 0
     assert set(res["summary"]["targets"]) == {"wall_ratio<=1.02", "busy_spread_sorter<=0.10",
                                               "busy_cpu_spread_sorter<=0.10", "padding_sorter<padding_none"}
+
+
+def test_sorter_bench_scale_smoke_writes_json_and_png(tmp_path):
+    """The scale mode (bench/sorter_scale.py) runs end to end on tiny sizes: every run
+    returns every id once, the summary carries the issue's keys, the PNG is written."""
+    out = tmp_path / "scale.json"
+    subprocess.run([sys.executable, os.path.join(ROOT, "bench", "sorter_bench.py"), "--scale", "--scale-rows", "24,48",
+                    "--scale-orders", "front_loaded", "--reps", "1", "--ordering-rows", "3000",
+                    "--max-new-tokens", "8", "--out", str(out)],
+                   cwd=ROOT, env=ray_env(), check=True, timeout=600, capture_output=True)
+    res = json.loads(out.read_text())
+    assert len(res["end_to_end"]) == 4
+    for r in res["end_to_end"]:
+        assert r["ids_exactly_once"] and r["errors"] == 0 and r["driver_peak_rss_mb"] > 0
+    assert [o["rows_out"] for o in res["ordering"]] == [3000]
+    summary = res["summary"]
+    assert set(summary["r2"]) == {"blendserve", "none"} and "blendserve_over_none_24" in summary
+    assert "front_loaded_48_blendserve_faster" in summary["targets"]
+    assert os.path.getsize(res["plot"]) > 0

@@ -14,10 +14,12 @@ input. Inputs up to one window are ordered globally; longer ones window by windo
 each, which the engine actors of a small machine do not leave free.)
 
 The key, in order:
-  1. cost bucket, descending: the request's estimated forwarded cells (the engine's
-     cache and canvas, `pipeline.sorter.CostModel`) on a geometric grid of ratio
-     COST_BUCKET_RATIO, so requests of similar cost sit together and the costliest
-     go first;
+  1. cost bucket, descending: the request's estimated engine time on a geometric grid
+     of ratio COST_BUCKET_RATIO, so requests of similar cost sit together and the
+     costliest go first. The time is the roofline of the engines' model, dtype and
+     device under their cache mode and canvas (`cost.Roofline`), or, where the model's
+     config.json cannot be read here (a remote model), the forwarded cells
+     (`cost.CostModel`);
   2. prefix group: a hash of the prompt's first `sort_min_prefix` tokens (in
      PREFIX_CHUNK pieces), so prompts sharing a preamble sit next to each other within
      their bucket; 0 for prompts shorter than that;
@@ -25,34 +27,21 @@ The key, in order:
 """
 from __future__ import annotations
 
-import json
 import math
-import os
-from typing import Any, Dict, Optional, Sequence, Tuple
+from typing import Any, Dict, Optional, Tuple, Union
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 import ray.data
 
-from .config import DLLMProcessorConfig
-from .sorter import CostModel
-from .stages import TOKEN_IDS
+from ..config import DLLMProcessorConfig
+from ..stages import TOKEN_IDS
+from .cost import CostModel, Roofline
+from .model import ModelProfile, device_profile, read_model_config
+from .prefix import PREFIX_CHUNK, prefix_key
 
-# Shared prompt prefixes are compared in pieces of PREFIX_CHUNK tokens.
-PREFIX_CHUNK = 16
 COST_BUCKET_RATIO = 1.25
-
-
-def prefix_key(ids: Sequence[int], chunk: int = PREFIX_CHUNK) -> Tuple[int, ...]:
-    """Chained hashes of the whole `chunk`-token pieces of `ids`: two prompts share their
-    first k elements iff they share their first k * chunk tokens (barring a 64-bit hash
-    collision). Deterministic across processes (int tuples are not salted by PYTHONHASHSEED)."""
-    out, h = [], 0
-    for s in range(0, len(ids) - chunk + 1, chunk):
-        h = hash((h, tuple(ids[s:s + chunk])))
-        out.append(h)
-    return tuple(out)
 
 
 def _budget(override: Any, default: int) -> int:
@@ -73,16 +62,15 @@ def full_canvas(cfg: DLLMProcessorConfig) -> bool:
     if cfg.engine.canvas != "auto":
         return cfg.engine.canvas == "full"
     try:
-        with open(os.path.join(cfg.model, "config.json")) as f:
-            return json.load(f).get("dllm_attention", "bidirectional") != "block_causal"
-    except (OSError, ValueError):
+        return not read_model_config(cfg.model).block_causal
+    except (OSError, ValueError, KeyError):
         return True
 
 
 class SortWindowUDF:
     """Orders a window of rows by the key (see the module docstring)."""
 
-    def __init__(self, cost: CostModel, default_max_new: int, sampling_column: str, min_chunks: int):
+    def __init__(self, cost: Union[CostModel, Roofline], default_max_new: int, sampling_column: str, min_chunks: int):
         self.cost, self.default_max_new = cost, default_max_new
         self.sampling_column, self.min_chunks = sampling_column, min_chunks
 
@@ -95,8 +83,8 @@ class SortWindowUDF:
         over = (batch.column(self.sampling_column).to_pylist() if self.sampling_column in batch.column_names
                 else [None] * n)
         gens = np.array([_budget(o, self.default_max_new) for o in over], dtype=np.int64)
-        cells = self.cost.cells(lens, -(-gens // self.cost.block_length))
-        bucket = np.floor(np.log1p(cells) / math.log(COST_BUCKET_RATIO)).astype(np.int64)
+        seconds = self.cost.times(lens, gens)
+        bucket = np.floor(np.log(np.maximum(seconds, 1e-300)) / math.log(COST_BUCKET_RATIO)).astype(np.int64)
         prefix = np.zeros(n, dtype=np.int64)
         if self.min_chunks and ids is not None:
             heads = pc.list_slice(ids, 0, self.min_chunks * PREFIX_CHUNK).to_pylist()
@@ -109,30 +97,45 @@ class SortWindowUDF:
         return batch.take(pa.array(np.lexsort((-lens, prefix, -bucket)), pa.int64()))  # the last key is the primary one
 
 
+def cost_model(cfg: DLLMProcessorConfig, device: str = "cpu") -> Union[Roofline, CostModel]:
+    """The ordering's cost: the roofline of the engines' model (their ModelConfig, the
+    dtype they load on `device`), cache mode and canvas; forwarded cells where the
+    model's config.json is not readable here (a remote model)."""
+    shape = dict(block_length=cfg.engine.block_length, steps_per_block=cfg.engine.steps_per_block,
+                 cache=cfg.engine.cache, full_canvas=full_canvas(cfg))
+    try:
+        model = ModelProfile.from_config(cfg.model, dtype=cfg.dtype, device=device)
+    except (OSError, ValueError, KeyError):
+        return CostModel(a=0.0, b=1.0, **shape)
+    return Roofline(model=model, device=device_profile(device), **shape)
+
+
 def order_dataset(ds: ray.data.Dataset, cfg: DLLMProcessorConfig,
-                  ray_remote_args: Optional[Dict[str, Any]] = None) -> ray.data.Dataset:
-    """`ds` (tokenized) in blendserve order, window by window; lazy like every stage."""
-    cost = CostModel(a=0.0, b=1.0, block_length=cfg.engine.block_length, steps_per_block=cfg.engine.steps_per_block,
-                     cache=cfg.engine.cache, full_canvas=full_canvas(cfg))
+                  ray_remote_args: Optional[Dict[str, Any]] = None, device: str = "cpu") -> ray.data.Dataset:
+    """`ds` (tokenized) in blendserve order, window by window; lazy like every stage.
+    `device`: where the engines run ("cuda" or "cpu"), for the roofline."""
+    cost = cost_model(cfg, device)
     min_chunks = -(-cfg.sort_min_prefix // PREFIX_CHUNK) if cfg.sort_min_prefix > 0 else 0
     remote = ray_remote_args or {}
-    ordered = ds.map_batches(SortWindowUDF, fn_constructor_args=(cost, cfg.sampling.max_new_tokens,
-                                                                 cfg.sampling_column, min_chunks),
+    # A task stage (the UDF is stateless): no actor of its own to start before the first
+    # window, which on a small machine delays the engines by seconds.
+    ordered = ds.map_batches(SortWindowUDF(cost, cfg.sampling.max_new_tokens, cfg.sampling_column, min_chunks),
                              batch_format="pyarrow", batch_size=cfg.sort_window_rows, udf_modifying_row_count=False,
-                             compute=ray.data.ActorPoolStrategy(min_size=1, max_size=cfg.cpu_stage_max_actors), **remote)
+                             **remote)
     # Ray Data joins a stage's yields into one block; engines pull whole blocks, so cut the
     # window into blocks of one engine call again (streaming, order kept).
-    return _with_remote_args(ordered.repartition(target_num_rows_per_block=cfg.batch_size), remote)
+    return with_remote_args(ordered.repartition(target_num_rows_per_block=cfg.batch_size), remote)
 
 
-def _with_remote_args(ds: ray.data.Dataset, remote: Dict[str, Any]) -> ray.data.Dataset:
-    """`repartition` takes no resource arguments and its tasks ask for a whole CPU, which
-    the engine actors of a small machine do not leave free (the run would hang): give its
-    last stage the CPU stages' fraction (Ray 2.60's logical operator holds them in a dict)."""
+def with_remote_args(ds: ray.data.Dataset, remote: Dict[str, Any]) -> ray.data.Dataset:
+    """`repartition` (like `ray.data.range`'s reads) takes no resource arguments and its
+    tasks ask for a whole CPU, which the engine actors of a small machine do not leave
+    free (the run would hang): give `ds`'s last stage the CPU stages' fraction (Ray 2.60's
+    logical operator holds them in a dict)."""
     args = getattr(getattr(getattr(ds, "_logical_plan", None), "dag", None), "ray_remote_args", None)
     if isinstance(args, dict):
         args.update(remote)
     return ds
 
 
-__all__ = ["order_dataset", "prefix_key", "full_canvas", "SortWindowUDF", "PREFIX_CHUNK", "COST_BUCKET_RATIO"]
+__all__ = ["order_dataset", "cost_model", "full_canvas", "with_remote_args", "SortWindowUDF", "COST_BUCKET_RATIO"]
