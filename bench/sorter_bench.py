@@ -215,7 +215,8 @@ def main_scale(args, argv):
               "bench_wall_s": time.perf_counter() - t0, **result}
     os.makedirs(os.path.dirname(out), exist_ok=True)
     if result["end_to_end"]:
-        result["plot"] = sorter_scale.plot(result["end_to_end"], result["summary"], os.path.splitext(out)[0] + ".png")
+        png = sorter_scale.plot(result["end_to_end"], result["summary"], os.path.splitext(out)[0] + ".png")
+        result["plot"] = os.path.relpath(png, ROOT) if png.startswith(ROOT) else png
     with open(out, "w") as f:
         json.dump(result, f, indent=2, default=str)
     print(json.dumps(result["summary"], indent=2, default=str), flush=True)

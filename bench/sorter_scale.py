@@ -38,9 +38,9 @@ class ScaleArgs:
     reps: int = 3  # runs of each mode at the smallest row count (median ratio)
     ordering_rows: Sequence[int] = (1_000_000, 10_000_000)
     short_len: int = 16
-    hidden_size: int = 64
+    hidden_size: int = 128
     layers: int = 2
-    max_new_tokens: int = 16
+    max_new_tokens: int = 32
     block_length: int = 8
     steps_per_block: int = 4
     batch_size: int = 32
