@@ -41,7 +41,8 @@ class RunSpec:
     def engine_config(self, w: Workload) -> EngineConfig:
         return EngineConfig(block_length=w.block_length, steps_per_block=w.steps_per_block, cache=self.cache,
                             token_budget=self.token_budget, scheduler=self.scheduler,
-                            max_batch_size=self.max_batch_size, advance=self.advance, canvas=self.canvas)
+                            max_batch_size=self.max_batch_size, advance=self.advance, canvas=self.canvas,
+                            profile=True)  # forward_fraction and MFU need exact forward times
 
 
 @dataclass

@@ -163,6 +163,9 @@ class EngineConfig:
     canvas: Canvas = field(default="auto", metadata={"help": (
         "full: prompt + every masked block (LLaDA's generate, Fast-dLLM); block: BlockServe's box; auto: full"
         " for bidirectional models, block for block-causal ones")})
+    profile: bool = field(default=False, metadata={"help": (
+        "synchronize the device after every forward so forward_s is exact (costs throughput on a GPU; "
+        "off, the host runs ahead of the device)")})
 
     def __post_init__(self) -> None:
         if self.block_length < 1 or self.steps_per_block < 1:

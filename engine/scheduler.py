@@ -28,8 +28,8 @@ class Scheduler:
         raise NotImplementedError
 
     def schedule(self, can_preempt: Callable[[Request], bool] = lambda r: True) -> List[Request]:
-        """Rows of the next forward, in admission order. Only rows for which
-        `can_preempt` holds (those at a block boundary) may be sent back to the queue."""
+        """Rows of the next forward, in admission order. Rows for which `can_preempt`
+        holds (those at a block boundary) are sent back to the queue first."""
         raise NotImplementedError
 
     def finish(self, req: Request) -> None:
@@ -76,9 +76,10 @@ class BlockServeScheduler(Scheduler):
     def schedule(self, can_preempt: Callable[[Request], bool] = lambda r: True) -> List[Request]:
         budget = self.cfg.token_budget
         while len(self.active) > 1 and batch_cost(self.active) > budget:
-            movable = [r for r in self.active[1:] if can_preempt(r)]
-            if not movable:
-                break
+            # rows at a block boundary go back first; if growth still breaks the budget
+            # (step advance: the others are mid-block), a mid-block row goes back too and
+            # redoes its block later (same tokens: a block is a function of its prefix)
+            movable = [r for r in self.active[1:] if can_preempt(r)] or self.active[1:]
             victim = max(movable, key=lambda r: r.seq)
             self.active.remove(victim)
             self.add(victim)
