@@ -1,5 +1,17 @@
-from .config import ModelConfig
-from .transformer import DLLM, KVCache, build_model
-from .weights import checkpoint_names
+"""Model definitions. Names are imported lazily, as in `engine`: the data side reads
+`ModelConfig` (engine.models.config, no torch) in CPU workers that must not import torch."""
+from __future__ import annotations
 
-__all__ = ["ModelConfig", "DLLM", "KVCache", "build_model", "checkpoint_names"]
+import importlib
+from typing import Any
+
+_EXPORTS = {"ModelConfig": ".config", "DLLM": ".transformer", "KVCache": ".transformer",
+            "build_model": ".transformer", "checkpoint_names": ".weights"}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'engine.models' has no attribute {name!r}")
+    return getattr(importlib.import_module(_EXPORTS[name], __name__), name)

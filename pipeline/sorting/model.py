@@ -3,10 +3,8 @@
 read without importing torch, since the ordering runs in data-side workers."""
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
-import sys
 from dataclasses import dataclass
 from typing import Any, Dict, Mapping, Union
 
@@ -16,24 +14,11 @@ DTYPE_BYTES = {"float32": 4, "float": 4, "float16": 2, "half": 2, "bfloat16": 2,
 
 
 def model_config_class() -> type:
-    """`engine.models.config.ModelConfig`. Loaded from its file when the engine is not
-    imported yet: `engine.models`'s package init imports the transformer (torch), which
-    a data worker must not pay for. The module is registered under its own name, so a
-    later `import engine.models` reuses it and there is one ModelConfig class."""
-    name = "engine.models.config"
-    mod = sys.modules.get(name)
-    if mod is None:
-        spec = importlib.util.find_spec("engine")  # finds the package without running it
-        path = os.path.join(list(spec.submodule_search_locations)[0], "models", "config.py")
-        file_spec = importlib.util.spec_from_file_location(name, path)
-        mod = importlib.util.module_from_spec(file_spec)
-        sys.modules[name] = mod
-        try:
-            file_spec.loader.exec_module(mod)
-        except BaseException:
-            del sys.modules[name]
-            raise
-    return mod.ModelConfig
+    """`engine.models.config.ModelConfig`, imported lazily (no torch: `engine` and
+    `engine.models` import their torch modules only on first use)."""
+    from engine.models.config import ModelConfig
+
+    return ModelConfig
 
 
 def read_model_config(model: Union[str, Mapping[str, Any], Any]) -> Any:
