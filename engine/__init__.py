@@ -13,7 +13,7 @@ _EXPORTS = {
     "EngineConfig": ".config",
     "SamplingParams": ".config",
     "Engine": ".engine",
-    "EngineStats": ".engine",
+    "EngineStats": ".stats",
     "BatchRecord": ".engine",
     "load_model": ".loader",
     "save_model": ".loader",

@@ -16,7 +16,7 @@ import itertools
 import random
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Sequence, Union
 
 import torch
@@ -26,38 +26,10 @@ from .decoding import propose, select, step_cap
 from .batch import Batch, grow_in_place, relayout
 from .models import DLLM
 from .scheduler import make_scheduler
+from .stats import EngineStats, ForwardFit
 from .sequence import Request, RequestOutput
 
 Prompt = Union[str, Sequence[int]]
-
-
-@dataclass
-class EngineStats:
-    """Counters since the engine started; `active`, `pending`, `budget_used` describe the last cycle."""
-
-    cycles: int = 0
-    steps: int = 0
-    forwards: int = 0
-    generated_tokens: int = 0
-    padded_cells: int = 0  # pad query columns forwarded
-    computed_cells: int = 0
-    forward_s: float = 0.0
-    busy_s: float = 0.0  # wall time inside step()
-    busy_cpu_s: float = 0.0  # CPU time of the stepping thread inside step(): unaffected by co-tenants' load
-    active: int = 0
-    pending: int = 0
-    budget_used: int = 0
-    token_budget: int = 0
-    finished: Dict[str, int] = field(default_factory=dict)
-
-    @property
-    def forward_tokens(self) -> int:
-        """Real (non-pad) query columns forwarded."""
-        return self.computed_cells - self.padded_cells
-
-    @property
-    def padding_fraction(self) -> float:
-        return self.padded_cells / self.computed_cells if self.computed_cells else 0.0
 
 
 # What one more forward costs, in query cells, beyond the cells it computes (kernel
@@ -65,7 +37,8 @@ class EngineStats:
 FORWARD_OVERHEAD_CELLS = 256
 
 
-def catch_up_groups(need: List[int], floor: int, after: Optional[List[int]] = None) -> List[List[int]]:
+def catch_up_groups(need: List[int], floor: int, after: Optional[List[int]] = None,
+                    overhead: float = FORWARD_OVERHEAD_CELLS) -> List[List[int]]:
     """Rows to bring up to date before the batch's forward, grouped by similar stretch.
 
     `need[i]` is how many columns row i must compute now (at least `floor`);
@@ -75,8 +48,8 @@ def catch_up_groups(need: List[int], floor: int, after: Optional[List[int]] = No
     rows with a long uncached stretch (just admitted, refreshing a prefix, or with a
     committed block to cache) are forwarded first in sub-batches of similar need.
     Picks the split with the fewest computed cells (dynamic programming over rows
-    sorted by need, FORWARD_OVERHEAD_CELLS per extra forward); [] when one forward is
-    cheapest."""
+    sorted by need, `overhead` cells per extra forward: the engine's online fit, or
+    FORWARD_OVERHEAD_CELLS before it has one); [] when one forward is cheapest."""
     n = len(need)
     after = after if after is not None else [floor] * n
     order = sorted((i for i in range(n) if need[i] > after[i]), key=lambda i: -need[i])
@@ -91,7 +64,7 @@ def catch_up_groups(need: List[int], floor: int, after: Optional[List[int]] = No
     best, cut = [0.0] + [float("inf")] * m, [0] * (m + 1)
     for k in range(1, m + 1):
         for j in range(k):  # last group = order[j:k], padded to d[j]
-            c = best[j] + (k - j) * d[j] + FORWARD_OVERHEAD_CELLS
+            c = best[j] + (k - j) * d[j] + overhead
             if c < best[k]:
                 best[k], cut[k] = c, j
     # the rest join the batch forward, as wide as its widest row
@@ -120,6 +93,7 @@ class Engine:
         self.device = model.device
         self.scheduler = make_scheduler(config)
         self.stats = EngineStats(token_budget=config.token_budget)
+        self.forward_fit = ForwardFit()  # forward time = a + b * cells, from this engine's own forwards
         self.batch_log: Optional[List[BatchRecord]] = [] if record_batches else None
         self._intake: List[Request] = []
         self._finished: List[RequestOutput] = []
@@ -292,7 +266,9 @@ class Engine:
             shift = int(self.mcfg.shift_logits)
             # once caught up, a row computes its block, and its suffix unless the dual cache holds it
             after = L + shift + (torch.zeros_like(b.tail) if self.cfg.cache == "dual" else b.tail)
-            for group in catch_up_groups((q1 - q0).tolist(), L + shift, after.tolist()):
+            overhead = self.forward_fit.overhead_cells(FORWARD_OVERHEAD_CELLS)
+            self.stats.forward_overhead_cells = overhead
+            for group in catch_up_groups((q1 - q0).tolist(), L + shift, after.tolist(), overhead):
                 self._forward(torch.tensor(group, device=self.device))
         logits = self._forward()
 
@@ -348,8 +324,11 @@ class Engine:
                     b.cached[idx] = prefix
             if self.cfg.profile and self.device.type == "cuda":  # exact forward_s, at the cost of a stall
                 torch.cuda.synchronize()
-        self.stats.forward_s += time.perf_counter() - t0
+        seconds = time.perf_counter() - t0
+        self.stats.forward_s += seconds
         cells, n_real = ids.shape[0] * T, int(real.sum())
+        if self.device.type != "cuda" or self.cfg.profile:  # timed to completion: fit on it
+            self.forward_fit.add(cells, seconds)
         self.stats.forwards += 1
         self.stats.computed_cells += cells
         self.stats.padded_cells += cells - n_real

@@ -297,3 +297,28 @@ def test_catch_up_groups_pick_the_fewest_cells():
                     groups, cur = (groups + [cur], [i]) if c else (groups, cur + [i])
                 best = min(best, cells(need, 8, groups + [cur]))
         assert got == best
+
+
+def test_forward_overhead_is_fitted_from_the_engines_own_forwards():
+    """ForwardFit recovers a / b from forwards of several sizes, keeps the default until
+    it can, and the engine feeds it: the catch-up planner reads a measured overhead."""
+    from engine.stats import ForwardFit
+
+    fit = ForwardFit()
+    assert fit.overhead_cells(256) == 256
+    for i in range(40):
+        cells = 32 * (1 + i % 7)
+        fit.add(cells, 0.002 + 1e-5 * cells)  # a = 2 ms, b = 10 us per cell: 200 cells
+    assert fit.overhead_cells(256) == pytest.approx(200.0, rel=1e-6)
+    same = ForwardFit()
+    for _ in range(40):
+        same.add(64, 0.01)  # one size only: undetermined
+    assert same.overhead_cells(256) == 256
+
+    model = build_model(ModelConfig.tiny("llada"), dtype=torch.float64, seed=0)
+    eng = Engine(model, EngineConfig(block_length=4, steps_per_block=4, cache="refresh", token_budget=400))
+    rng = random.Random(0)
+    eng.generate([[rng.randrange(3, 60) for _ in range(rng.randint(3, 60))] for _ in range(24)],
+                 SamplingParams(max_new_tokens=12, stop_token_ids=[]))
+    assert eng.forward_fit.count == eng.stats.forwards > 16
+    assert eng.stats.forward_overhead_cells >= 0

@@ -11,9 +11,9 @@ import random
 import pyarrow.parquet as pq
 import pytest
 
-from engine import tiny_tasks
-from engine.tiny_tasks import TASKS, blocks_needed, make_example, sample
-from engine.tiny_tokenizer import build_tokenizer, save_tokenizer
+from engine.tiny import tasks as tiny_tasks
+from engine.tiny.tasks import TASKS, blocks_needed, make_example, sample
+from engine.tiny.tokenizer import build_tokenizer, save_tokenizer
 from jobs.data import make_prompts
 
 EVAL = pq.read_table(make_prompts.EVAL_PATH).to_pydict()

@@ -1,0 +1,72 @@
+"""What an engine counts (EngineStats), and the online fit of what one more forward
+costs (ForwardFit), which the catch-up planner reads instead of a guessed constant."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Dict
+
+
+@dataclass
+class EngineStats:
+    """Counters since the engine started; `active`, `pending`, `budget_used` describe the last cycle."""
+
+    cycles: int = 0
+    steps: int = 0
+    forwards: int = 0
+    generated_tokens: int = 0
+    padded_cells: int = 0  # pad query columns forwarded
+    computed_cells: int = 0
+    forward_s: float = 0.0
+    busy_s: float = 0.0  # wall time inside step()
+    busy_cpu_s: float = 0.0  # CPU time of the stepping thread inside step(): unaffected by co-tenants' load
+    active: int = 0
+    pending: int = 0
+    budget_used: int = 0
+    token_budget: int = 0
+    finished: Dict[str, int] = field(default_factory=dict)
+    forward_overhead_cells: float = 0.0  # the catch-up planner's cost of one more forward, in cells (ForwardFit)
+
+    @property
+    def forward_tokens(self) -> int:
+        """Real (non-pad) query columns forwarded."""
+        return self.computed_cells - self.padded_cells
+
+    @property
+    def padding_fraction(self) -> float:
+        return self.padded_cells / self.computed_cells if self.computed_cells else 0.0
+
+
+@dataclass
+class ForwardFit:
+    """Least squares of forward seconds = a + b * cells over the engine's own forwards,
+    exponentially weighted (`decay` per forward) so it follows warm-up and load. a / b
+    is what one more forward costs in cells: kernel launches and per-layer host work on
+    a GPU, about 50 cells on a 2-core CPU for the tiny model."""
+
+    decay: float = 0.98
+    min_forwards: int = 16
+    max_cells: float = 4096.0
+    n: float = 0.0
+    sx: float = 0.0
+    sy: float = 0.0
+    sxx: float = 0.0
+    sxy: float = 0.0
+    count: int = 0
+
+    def add(self, cells: int, seconds: float) -> None:
+        d = self.decay
+        self.n, self.sx, self.sy = d * self.n + 1, d * self.sx + cells, d * self.sy + seconds
+        self.sxx, self.sxy = d * self.sxx + cells * cells, d * self.sxy + cells * seconds
+        self.count += 1
+
+    def overhead_cells(self, default: float) -> float:
+        """a / b, clamped to [0, max_cells]; `default` until the fit is determined
+        (too few forwards, all of one size, or time not growing with cells)."""
+        var = self.n * self.sxx - self.sx * self.sx
+        if self.count < self.min_forwards or var <= 1e-9 * self.n * self.sxx:
+            return default
+        b = (self.n * self.sxy - self.sx * self.sy) / var
+        if b <= 0:
+            return default
+        a = (self.sy - b * self.sx) / self.n
+        return min(max(a / b, 0.0), self.max_cells)
