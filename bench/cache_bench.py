@@ -159,7 +159,7 @@ def run_once(model, prompts, params, ecfg: EngineConfig) -> Dict[str, Any]:
              cells_per_forward_s=round(s.computed_cells / s.forward_s, 1) if s.forward_s else None,
              host_fraction=round(1 - s.forward_s / s.busy_s, 4) if s.busy_s else None,
              mean_busy_steps_per_block=round(sum(o.num_steps for o in outs) / blocks, 3) if blocks else None,
-             finished=dict(s.finished))
+             finished=dict(s.finished), **s.memory_figures())
     sig = [(o.token_ids, o.finish_reason, o.num_blocks, o.num_steps) for o in outs]
     return {"metrics": m, "outputs": sig}
 

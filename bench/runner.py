@@ -86,6 +86,9 @@ class RunResult:
     latencies_s: List[float] = field(default_factory=list, repr=False)
     output_digests: List[int] = field(default_factory=list, repr=False)  # hash of each request's tokens
     error: Optional[str] = None
+    peak_kv_over_budget: Optional[float] = None  # most K/V bytes alive / token_budget's K/V bytes
+    kv_bytes_copied_per_token: Optional[float] = None  # K/V moved by re-layouts, growth, catch-up gathers
+    host_ms_per_step: Optional[float] = None  # step() wall time outside forwards, per denoising step
 
     def summary(self) -> Dict[str, Any]:
         d = asdict(self)
@@ -163,6 +166,7 @@ def run(w: Workload, spec: RunSpec, deadline_s: Optional[float] = None) -> RunRe
         padding_fraction=st.padding_fraction, idle_row_fraction=idle,
         latency_p50_s=_quantile(lat, 0.5), latency_p99_s=_quantile(lat, 0.99),
         latency_mean_s=sum(lat) / max(1, len(lat)), cycles=st.cycles, forwards=st.forwards, steps=st.steps,
+        **st.memory_figures(),
         mean_rows=sum(len(b.request_ids) for b in log) / max(1, len(log)),
         max_rows=max((len(b.request_ids) for b in log), default=0), peak_cost=max((b.cost for b in log), default=0),
         mean_budget_use=(sum(b.cost for b in log) / max(1, len(log)) / spec.token_budget

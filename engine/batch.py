@@ -35,6 +35,7 @@ class Batch:
     mask: torch.Tensor  # attention mask [B, 1, W|1, W]
     row_params: RowParams  # per-row decoding parameters, built once per layout
     block_length: int
+    kv_copied: int = 0  # K/V bytes the last re-layout or in-box growth copied (EngineStats)
 
     @property
     def width(self) -> int:
@@ -95,6 +96,7 @@ def grow_in_place(old: Batch, grown: set, *, cache_mode: str, mask_token_id: int
     grew = torch.tensor([r in grown for r in old.rows], device=old.ids.device)
     if bool(old.frozen.any()) or (not full_canvas and int((old.lens + grew.long() * L).max()) != W):
         return False
+    old.kv_copied = 0
     if not full_canvas:
         g = torch.nonzero(grew).flatten()
         old.ids[g, : W - L] = old.ids[g, L:]
@@ -102,6 +104,7 @@ def grow_in_place(old: Batch, grown: set, *, cache_mode: str, mask_token_id: int
         if old.cache is not None and cache_mode == "persistent":
             for t in old.cache.k + old.cache.v:
                 t[g, :, : W - L] = t[g, :, L:]
+            old.kv_copied = old.cache.nbytes() * len(g) * (W - L) // (old.ids.shape[0] * W)
     # new tensors, not in-place writes: `cached` may have been set under inference_mode
     old.lens, old.tail, old.step, old.busy_steps, old.cached = start_next_block(
         old.lens, old.tail, old.step, old.busy_steps, old.cached, grew, L, cache_mode, full_canvas)
@@ -159,13 +162,14 @@ def relayout(old: Optional[Batch], rows: List[Request], grown: set, *, mcfg: Mod
     if bool(frozen.any()):  # a frozen row's block holds its last committed tokens: nothing to denoise
         cur = ids.gather(1, blk)
         ids.scatter_(1, blk, torch.where(frozen[:, None] & (cur == mcfg.mask_token_id), mcfg.pad_token_id, cur))
-    cache = None
+    cache, copied = None, 0
     if cache_mode != "none" and src_col is not None and bool((cached > 0).any()):
         # One indexed read per tensor builds the new box. Columns of rows without
         # cache hold some old row's finite K/V: overwritten before use or masked out.
         bi, hi = src.clamp(min=0)[:, None, None], torch.arange(mcfg.n_kv_heads, device=dev)[None, :, None]
         ci = src_col[:, None, :]
         cache = KVCache([k[bi, hi, ci] for k in old.cache.k], [v[bi, hi, ci] for v in old.cache.v])
+        copied = cache.nbytes()
     elif cache_mode != "none":
         cache = KVCache.empty(mcfg, B, W, dtype, dev)
     prompt_len = torch.tensor([r.prompt_len for r in rows], device=dev)
@@ -174,4 +178,4 @@ def relayout(old: Optional[Batch], rows: List[Request], grown: set, *, mcfg: Mod
                  mask=attention_mask(lens, prompt_len, W, L, mcfg.block_causal),
                  row_params=RowParams.build([r.params for r in rows], [r.noise_seed for r in rows], dev,
                                             first_position_default=first_position),
-                 block_length=L)
+                 block_length=L, kv_copied=copied)

@@ -93,6 +93,8 @@ class Engine:
         self.device = model.device
         self.scheduler = make_scheduler(config)
         self.stats = EngineStats(token_budget=config.token_budget)
+        self.stats.kv_budget_bytes = 0 if config.cache == "none" else (
+            config.token_budget * self.mcfg.kv_bytes_per_token(model.dtype.itemsize))
         self.forward_fit = ForwardFit()  # forward time = a + b * cells, from this engine's own forwards
         self.batch_log: Optional[List[BatchRecord]] = [] if record_batches else None
         self._intake: List[Request] = []
@@ -219,6 +221,7 @@ class Engine:
             return
         same_rows = old is not None and len(rows) == len(old.rows) and all(a is b for a, b in zip(rows, old.rows))
         if not same_rows or self._grown:
+            old_bytes = old.cache.nbytes() if old is not None and old.cache is not None else 0
             if not (same_rows and grow_in_place(
                     old, self._grown, cache_mode=self.cfg.cache, mask_token_id=self.mcfg.mask_token_id,
                     block_causal=self.mcfg.block_causal, full_canvas=self.full_canvas)):
@@ -227,6 +230,11 @@ class Engine:
                                       first_position=self.first_position, dtype=self.model.dtype,
                                       device=self.device)
             self._grown = set()
+            b = self.batch
+            new_bytes = b.cache.nbytes() if b.cache is not None else 0
+            self.stats.kv_bytes_copied += b.kv_copied
+            # a re-layout builds the new box while the old one is alive
+            self.stats.kv_peak_bytes = max(self.stats.kv_peak_bytes, new_bytes + (old_bytes if b is not old else 0))
         cost = len(rows) * self.batch.width
         self.stats.budget_used = cost
         if self.batch_log is not None:
@@ -327,6 +335,8 @@ class Engine:
         seconds = time.perf_counter() - t0
         self.stats.forward_s += seconds
         cells, n_real = ids.shape[0] * T, int(real.sum())
+        if idx is not None:  # attention read a gathered copy of these rows' K/V, layer by layer
+            self.stats.kv_bytes_copied += b.cache.nbytes() * len(idx) // b.ids.shape[0]
         if self.device.type != "cuda" or self.cfg.profile:  # timed to completion: fit on it
             self.forward_fit.add(cells, seconds)
         self.stats.forwards += 1

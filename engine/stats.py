@@ -3,7 +3,7 @@ costs (ForwardFit), which the catch-up planner reads instead of a guessed consta
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Dict
+from typing import Dict, Optional
 
 
 @dataclass
@@ -24,12 +24,27 @@ class EngineStats:
     budget_used: int = 0
     token_budget: int = 0
     finished: Dict[str, int] = field(default_factory=dict)
+    kv_bytes_copied: int = 0  # K/V moved: re-layout gathers, in-box growth shifts, catch-up attention gathers
+    kv_peak_bytes: int = 0  # most K/V bytes alive at once (the old and new box during a re-layout)
+    kv_budget_bytes: int = 0  # token_budget cells of K/V, one buffer (0 without a cache)
     forward_overhead_cells: float = 0.0  # the catch-up planner's cost of one more forward, in cells (ForwardFit)
 
     @property
     def forward_tokens(self) -> int:
         """Real (non-pad) query columns forwarded."""
         return self.computed_cells - self.padded_cells
+
+    @property
+    def host_s(self) -> float:
+        """Wall time inside step() outside forwards (exact with EngineConfig.profile on a GPU)."""
+        return self.busy_s - self.forward_s
+
+    def memory_figures(self) -> Dict[str, Optional[float]]:
+        """The figures the benchmarks report per run, under these names."""
+        return {"peak_kv_over_budget": self.kv_peak_bytes / self.kv_budget_bytes if self.kv_budget_bytes else None,
+                "kv_bytes_copied_per_token": self.kv_bytes_copied / self.generated_tokens
+                if self.generated_tokens else None,
+                "host_ms_per_step": 1e3 * self.host_s / self.steps if self.steps else None}
 
     @property
     def padding_fraction(self) -> float:

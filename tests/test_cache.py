@@ -154,3 +154,26 @@ def test_batch_area_never_exceeds_the_token_budget(models, name, cache, advance)
         return  # persistent is exact for block-causal models only: tokens depend on when K/V was cached
     for o, r in zip(outs, ref):
         assert (o.token_ids, o.finish_reason, o.num_blocks) == (r.token_ids, r.finish_reason, r.num_blocks)
+
+
+@pytest.mark.parametrize("cache", ["none", "refresh", "dual", "persistent"])
+def test_kv_memory_counters_bound_what_the_planner_assumes(models, cache):
+    """EngineStats counts K/V bytes copied and the peak alive: zero without a cache;
+    with one the peak stays within the
+    KV_COPIES buffers of the budget that engine.budget plans memory for."""
+    from engine.budget import KV_COPIES
+
+    prompts, params = workload(MODELS["llada-block-causal"][1], n=24, seed=3)
+    _, eng = run(models["llada-block-causal"], prompts, params, cache=cache, advance="step", canvas="block")
+    st = eng.stats
+    if cache == "none":
+        assert st.kv_bytes_copied == st.kv_peak_bytes == st.kv_budget_bytes == 0
+        return
+    cfg = eng.mcfg
+    assert st.kv_budget_bytes == eng.cfg.token_budget * 2 * cfg.n_layers * cfg.n_kv_heads * cfg.head_dim * 8
+    assert st.kv_bytes_copied > 0 or cache != "persistent"  # refresh and dual recompute at block starts
+    assert 0 < st.kv_peak_bytes <= KV_COPIES[cache] * st.kv_budget_bytes
+    figures = st.memory_figures()
+    assert figures["peak_kv_over_budget"] == st.kv_peak_bytes / st.kv_budget_bytes
+    assert figures["kv_bytes_copied_per_token"] == st.kv_bytes_copied / st.generated_tokens
+    assert figures["host_ms_per_step"] > 0
