@@ -24,6 +24,7 @@ import torch
 from .config import EngineConfig, SamplingParams
 from .decoding import propose, select, step_cap
 from .batch import Batch, grow_in_place, relayout
+from .budget import kv_bytes_per_token
 from .models import DLLM
 from .scheduler import make_scheduler
 from .stats import EngineStats, ForwardFit
@@ -94,7 +95,7 @@ class Engine:
         self.scheduler = make_scheduler(config)
         self.stats = EngineStats(token_budget=config.token_budget)
         self.stats.kv_budget_bytes = 0 if config.cache == "none" else (
-            config.token_budget * self.mcfg.kv_bytes_per_token(model.dtype.itemsize))
+            config.token_budget * kv_bytes_per_token(self.mcfg, model.dtype))
         self.forward_fit = ForwardFit()  # forward time = a + b * cells, from this engine's own forwards
         self.batch_log: Optional[List[BatchRecord]] = [] if record_batches else None
         self._intake: List[Request] = []
