@@ -100,7 +100,7 @@ SMOKE_SKEWED = SkewedSpec(n_requests=12, block_length=8, steps_per_block=8, diff
 def write_tiny_model(path: str, seed: int = 0, **overrides) -> str:
     """A random tiny LLaDA-style checkpoint (float32) plus the tiny char tokenizer, in the
     HF layout that engine.load_model and the pipeline's tokenizer loader read."""
-    from engine.tiny.tokenizer import save_tokenizer
+    from tiny.tokenizer import save_tokenizer
 
     ids = save_tokenizer(path)
     cfg = ModelConfig.tiny("llada", vocab_size=ids["vocab_size"], mask_token_id=ids["mask"],

@@ -11,9 +11,9 @@ import random
 import pyarrow.parquet as pq
 import pytest
 
-from engine.tiny import tasks as tiny_tasks
-from engine.tiny.tasks import TASKS, blocks_needed, make_example, sample
-from engine.tiny.tokenizer import build_tokenizer, save_tokenizer
+from tiny import tasks as tiny_tasks
+from tiny.tasks import TASKS, blocks_needed, make_example, sample
+from tiny.tokenizer import build_tokenizer, save_tokenizer
 from jobs.data import make_prompts
 
 EVAL = pq.read_table(make_prompts.EVAL_PATH).to_pydict()

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from engine import Engine, EngineConfig, SamplingParams, load_model
-from engine.tiny.tasks import TASKS, blocks_needed
+from tiny.tasks import TASKS, blocks_needed
 from jobs.data import make_prompts
 
 MODEL_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "engine", "assets", "tiny-dllm")
@@ -91,7 +91,7 @@ def test_training_rows_match_engine_layout():
 
     from engine.batch import attention_mask
     from engine.models import build_model
-    from engine.tiny.train import BLOCK, answer_blocks, encode, make_batch, model_config, sample_length
+    from tiny.train import BLOCK, answer_blocks, encode, make_batch, model_config, sample_length
 
     model = build_model(model_config(32, 2, 4, 64), dtype=torch.float64, seed=1)
     rows = [[("copy", "copy: abcdefghijklmnopqrst", "abcdefghijklmnopqrst"), ("first", "first: ab", "a")],

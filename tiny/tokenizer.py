@@ -16,7 +16,7 @@ from typing import Union
 
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 
-from engine.tiny.tasks import CHARS
+from tiny.tasks import CHARS
 
 PAD, EOS, MASK, UNK = "<|pad|>", "<|eos|>", "<|mask|>", "<|unk|>"
 SPECIALS: tuple[str, ...] = (PAD, EOS, MASK, UNK)  # ids 0..3, in this order

@@ -2,7 +2,7 @@
 
 Why: every command of the project must run offline on a CPU, so the default model is
 a ~0.9M-parameter block-causal dLLM (d=128, 4 layers) trained here from a seed, in
-about half an hour on one core of a busy 2-core box, on engine.tiny.tasks (answers
+about half an hour on one core of a busy 2-core box, on tiny.tasks (answers
 that end after 1..7 blocks of 8 tokens).
 
 Objective (masked diffusion over blocks, as the engine decodes): an answer is followed
@@ -23,9 +23,9 @@ attention and loss). Packing i.i.d. samples matters: in a probe, length-bucketed
 batches (one task and length per batch) were at loss 1.35 and copy 0% after ~6M
 training tokens, packed mixed batches at loss 0.21 and 47% exact match overall.
 
-    python -m engine.tiny.train --out engine/assets/tiny-dllm            # train (fixed steps, seed 0)
-    python -m engine.tiny.train --eval engine/assets/tiny-dllm           # per-task accuracy via the Engine
-    python -m engine.tiny.train --eval engine/assets/tiny-dllm --schedulers blockserve static sequential
+    python -m tiny.train --out engine/assets/tiny-dllm            # train (fixed steps, seed 0)
+    python -m tiny.train --eval engine/assets/tiny-dllm           # per-task accuracy via the Engine
+    python -m tiny.train --eval engine/assets/tiny-dllm --schedulers blockserve static sequential
 
 Training is a fixed number of optimizer steps (the LR schedule depends on it), so the
 same seed gives the same data, masks and initial weights; with the default --threads 1
@@ -50,8 +50,8 @@ import torch
 import torch.nn.functional as F
 
 from engine.models import DLLM, ModelConfig
-from engine.tiny.tasks import TASKS, sample
-from engine.tiny.tokenizer import EOS_ID, MASK_ID, PAD_ID, save_tokenizer, vocab
+from tiny.tasks import TASKS, sample
+from tiny.tokenizer import EOS_ID, MASK_ID, PAD_ID, save_tokenizer, vocab
 
 BLOCK = 8
 MAX_NEW_TOKENS = 56  # 7 blocks: the longest answer (48 chars) + EOS
@@ -321,7 +321,7 @@ def print_report(name: str, r: Dict) -> None:
 
 
 def quick_eval(model, limit: int = 240) -> Dict:
-    from engine.tiny.tokenizer import build_tokenizer
+    from tiny.tokenizer import build_tokenizer
     from transformers import PreTrainedTokenizerFast
 
     tok = PreTrainedTokenizerFast(tokenizer_object=build_tokenizer(), clean_up_tokenization_spaces=False)

@@ -27,7 +27,7 @@ import pyarrow.parquet as pq
 if __package__ in (None, ""):  # run as a script: make the repo root importable
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
-from engine.tiny.tasks import CHARS, sample  # noqa: E402
+from tiny.tasks import CHARS, sample  # noqa: E402
 
 TRAIN_SEED = 0
 EVAL_SEED = 12345
