@@ -391,7 +391,7 @@ def explain(result: Dict[str, Any]) -> List[str]:
         f"{rf['runs']['persistent']['forward_tokens_per_token']} real tokens per token but computes "
         f"{rf['runs']['persistent']['computed_cells_per_token']} cells (padding "
         f"{rf['runs']['persistent']['padding_fraction']}): what remains is what the catch-up sub-batches "
-        f"(engine.engine.catch_up_groups) pad, and the admitted rows' block computed twice.")
+        f"(engine.runner.catch_up_groups) pad, and the admitted rows' block computed twice.")
     a = result["advance"]
     for cm in ("persistent", "refresh"):
         r, b, s_ = a["ratios"][f"{cm}_step_over_block"], a["runs"][f"{cm}/block"], a["runs"][f"{cm}/step"]

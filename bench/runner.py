@@ -87,8 +87,9 @@ class RunResult:
     output_digests: List[int] = field(default_factory=list, repr=False)  # hash of each request's tokens
     error: Optional[str] = None
     peak_kv_over_budget: Optional[float] = None  # most K/V bytes alive / token_budget's K/V bytes
-    kv_bytes_copied_per_token: Optional[float] = None  # K/V moved by re-layouts, growth, catch-up gathers
+    kv_bytes_copied_per_token: Optional[float] = None  # K/V moved by slot moves, growth, shifts, catch-up reads
     host_ms_per_step: Optional[float] = None  # step() wall time outside forwards, per denoising step
+    syncs_per_step: Optional[float] = None  # device -> host reads of the loop per denoising step
 
     def summary(self) -> Dict[str, Any]:
         d = asdict(self)

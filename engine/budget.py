@@ -9,10 +9,14 @@ leaves most of an H200 idle or fails on the first wide batch. The model is simpl
 deliberately conservative (every term is an upper bound on what the engine allocates):
 
     weights + A * (kv + activations) + rows * L * logit_cell + margin  <=  free
-    kv          = copies * 2 * n_layers * n_kv_heads * head_dim * bytes
-    copies      = 2 with a cache (refresh, dual, persistent), 0 with none: a re-layout builds
-                  the new buffer while the old one is alive, and a sub-batch forward
-                  works on a gathered copy of its rows' K/V
+    kv          = copies * 2 * (n_layers + 1) * n_kv_heads * head_dim * bytes
+    copies      = 1 with a cache (refresh, dual, persistent), 0 with none. The K/V live in
+                  slots that outlive batches (engine/slots.py): one buffer per layer of
+                  rows_cap x cols_cap <= token_budget cells, viewed by each batch, so a
+                  join, leave or width change moves only the rows that must move and never
+                  builds a second box. The "+ 1" layer is the transient while the buffers
+                  grow (one layer at a time) or while a move, shift or catch-up read copies
+                  some rows of one layer
     activations = one layer's transients: (4 f + 12 d + 6 kv_dim) * bytes + 8 d (float32 norms)
     logit_cell  = embedding_size * bytes (LM head out) + vocab * 24 (float64 copy, softmax, temp)
     rows       <= min(max_batch_size, A / (min_prompt_len + L))
@@ -33,7 +37,7 @@ import torch
 
 from .models import ModelConfig
 
-KV_COPIES = {"none": 0, "refresh": 2, "dual": 2, "persistent": 2}  # live K/V buffers at the peak (see module doc)
+KV_COPIES = {"none": 0, "refresh": 1, "dual": 1, "persistent": 1}  # K/V buffers alive at the peak (see module doc)
 
 
 def dtype_bytes(dtype: torch.dtype) -> int:
@@ -51,10 +55,12 @@ def kv_bytes_per_token(cfg: ModelConfig, dtype: torch.dtype) -> int:
 
 
 def kv_peak_bytes_per_token(cfg: ModelConfig, dtype: torch.dtype, cache: str = "refresh") -> int:
-    """K/V bytes per column of batch area at the engine's peak (KV_COPIES buffers)."""
+    """K/V bytes per column of batch area at the engine's peak: KV_COPIES buffers and one
+    layer's transient."""
     if cache not in KV_COPIES:
         raise ValueError(f"cache must be one of {sorted(KV_COPIES)}, got {cache!r}")
-    return KV_COPIES[cache] * kv_bytes_per_token(cfg, dtype)
+    kv = kv_bytes_per_token(cfg, dtype)
+    return KV_COPIES[cache] * (kv + kv // cfg.n_layers)
 
 
 def activation_bytes_per_token(cfg: ModelConfig, dtype: torch.dtype, max_width: Optional[int] = None) -> int:

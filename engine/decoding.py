@@ -31,12 +31,20 @@ class RowParams:
     top_p: torch.Tensor
     top_k: torch.Tensor
     seeds: List[Optional[int]]  # noise seed per row, None when the row draws no noise
+    # host copies, so that the loop decides without reading the device
+    params: List  # the rows' SamplingParams
+    first_position_host: torch.Tensor  # CPU bool [B]
+    step_cap_host: torch.Tensor  # CPU long [B], see step_cap
+    any_entropy: bool
+    any_margin: bool
 
     @classmethod
     def build(cls, params: Sequence, seeds: Sequence[Optional[int]], device,
-              first_position_default: bool = False) -> "RowParams":
+              first_position_default: bool = False, block_length: int = 0, steps: int = 0) -> "RowParams":
+        """`block_length` and `steps` (EngineConfig) only set `step_cap_host`."""
         f64 = dict(dtype=torch.float64, device=device)
         first = [first_position_default if p.first_position is None else bool(p.first_position) for p in params]
+        cap = [steps if p.policy in ("fixed", "timestep") else max(steps, block_length) for p in params]
         return cls(policy=torch.tensor([POLICY_IDS[p.policy] for p in params], device=device),
                    threshold=torch.tensor([float(p.threshold) for p in params], **f64),
                    factor=torch.tensor([float(p.factor) for p in params], **f64),
@@ -45,7 +53,9 @@ class RowParams:
                    first_position=torch.tensor(first, dtype=torch.bool, device=device),
                    top_p=torch.tensor([float(p.top_p) for p in params], **f64),
                    top_k=torch.tensor([max(0, int(p.top_k)) for p in params], device=device),
-                   seeds=list(seeds))
+                   seeds=list(seeds), params=list(params), first_position_host=torch.tensor(first, dtype=torch.bool),
+                   step_cap_host=torch.tensor(cap), any_entropy=any(p.remasking == "entropy" for p in params),
+                   any_margin=any(p.remasking == "margin" for p in params))
 
 
 def fixed_schedule(step: torch.Tensor, block_length: int, steps: int) -> torch.Tensor:
@@ -67,7 +77,8 @@ def timestep_schedule(step: torch.Tensor, n_mask: torch.Tensor, steps: int) -> t
 
 def step_cap(rp: RowParams, block_length: int, steps: int) -> torch.Tensor:
     """[B] steps after which a row's block is committed whatever it holds: S for the
-    scheduled policies, max(S, L) for threshold and factor."""
+    scheduled policies, max(S, L) for threshold and factor (RowParams.step_cap_host
+    holds the same on the host)."""
     scheduled = (rp.policy == FIXED) | (rp.policy == TIMESTEP)
     return torch.where(scheduled, steps, max(steps, block_length))
 
@@ -95,7 +106,7 @@ def restrict(logits: torch.Tensor, temperature: float, top_k: int, top_p: float)
 
 
 def propose(logits: torch.Tensor, rp: RowParams, noise_keys: Optional[Sequence[Optional[int]]],
-            need: torch.Tensor):
+            need: torch.Tensor, need_idx: Optional[Sequence[torch.Tensor]] = None):
     """Candidate tokens x0 [B, L] and their float64 confidence [B, L] (0 where `need`
     is False: only masked positions are ever selected, and the float64 softmax over
     the vocabulary is the biggest host cost of a step). Rows at temperature > 0 take
@@ -108,21 +119,21 @@ def propose(logits: torch.Tensor, rp: RowParams, noise_keys: Optional[Sequence[O
     for i, key in enumerate(noise_keys or ()):
         if key is None:
             continue
-        g = torch.Generator(device=logits.device).manual_seed(key)
-        if float(rp.temperature[i]) > 0:
-            lg = restrict(logits[i].to(torch.float64), float(rp.temperature[i]), int(rp.top_k[i]),
-                          float(rp.top_p[i]))
-            noise = torch.rand(lg.shape, generator=g, dtype=torch.float64, device=lg.device)
+        gen = torch.Generator(device=logits.device).manual_seed(key)
+        p = rp.params[i]
+        if p.temperature > 0:
+            lg = restrict(logits[i].to(torch.float64), float(p.temperature), max(0, int(p.top_k)), float(p.top_p))
+            noise = torch.rand(lg.shape, generator=gen, dtype=torch.float64, device=lg.device)
             x0[i] = (lg - rp.temperature[i] * torch.log(-torch.log(noise))).argmax(-1)
-        if int(rp.remasking[i]) == RANDOM:
-            drawn[i] = torch.rand(x0.shape[1], generator=g, dtype=torch.float64, device=x0.device)
-    idx = need.nonzero(as_tuple=True)
+        if p.remasking == "random":
+            drawn[i] = torch.rand(x0.shape[1], generator=gen, dtype=torch.float64, device=x0.device)
+    idx = tuple(need_idx) if need_idx is not None else need.nonzero(as_tuple=True)
     probs = torch.softmax(logits[idx].to(torch.float64), dim=-1)
     rem = rp.remasking[idx[0]]
     c = probs.gather(-1, x0[idx][:, None]).squeeze(-1)
-    if bool((rem == ENTROPY).any()):  # Dream's neg_entropy
+    if rp.any_entropy:  # Dream's neg_entropy
         c = torch.where(rem == ENTROPY, (probs * torch.log(probs + 1e-10)).sum(-1), c)
-    if bool((rem == MARGIN).any()):  # Dream's topk_margin
+    if rp.any_margin:  # Dream's topk_margin
         top2 = probs.topk(2, dim=-1).values
         c = torch.where(rem == MARGIN, top2[:, 0] - top2[:, 1], c)
     conf = torch.zeros(x0.shape, dtype=torch.float64, device=x0.device)

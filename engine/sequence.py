@@ -1,12 +1,16 @@
-"""A request's lifetime state (Request) and what the engine hands back (RequestOutput)."""
+"""A request's lifetime state (Request), how a prompt becomes one (tokenize, validate),
+and what the engine hands back (RequestOutput)."""
 from __future__ import annotations
 
 import math
 import time
 from dataclasses import dataclass, field
-from typing import Any, List, Optional
+from typing import Any, List, Optional, Sequence, Tuple, Union
 
-from .config import SamplingParams
+from .config import EngineConfig, SamplingParams
+from .models import ModelConfig
+
+Prompt = Union[str, Sequence[int]]
 
 
 @dataclass
@@ -67,3 +71,40 @@ class Request:
     @property
     def final_width(self) -> int:
         return self.prompt_len + self.num_blocks_needed * self.block_length
+
+
+def tokenize(prompt: Prompt, tokenizer) -> Tuple[Optional[List[int]], Optional[str]]:
+    """(token ids, None), or (None, the message naming why the prompt cannot be used)."""
+    try:
+        if isinstance(prompt, str):
+            if tokenizer is None:
+                return None, "prompt is text but the engine has no tokenizer; pass token ids"
+            return list(tokenizer(prompt, add_special_tokens=False)["input_ids"]), None
+        ids = [int(t) for t in prompt]
+        if any(isinstance(t, bool) or t != int(t) for t in prompt):
+            raise TypeError
+        return ids, None
+    except Exception as e:  # noqa: BLE001 - any tokenizer failure is a per-row error
+        return None, f"prompt could not be tokenized: {type(e).__name__}: {e}"
+
+
+def validate(req: Request, mcfg: ModelConfig, cfg: EngineConfig, has_tokenizer: bool) -> Optional[str]:
+    """What makes `req` impossible to serve on this engine, or None."""
+    err = req.params.validate()
+    if err:
+        return err
+    if req.params.stop and not has_tokenizer:
+        return "stop strings need a tokenizer (the engine has none); use stop_token_ids"
+    if not req.prompt:
+        return "empty prompt"
+    bad = [t for t in req.prompt if not 0 <= t < mcfg.vocab_size]
+    if bad:
+        return f"token id {bad[0]} outside the vocabulary [0, {mcfg.vocab_size})"
+    if req.final_width > mcfg.max_seq_len:
+        return (f"prompt of {req.prompt_len} tokens + {req.num_blocks_needed} blocks of "
+                f"{cfg.block_length} exceeds the model context of {mcfg.max_seq_len} tokens")
+    if req.final_width > cfg.token_budget:
+        return (f"request needs {req.final_width} tokens of batch budget alone "
+                f"(prompt {req.prompt_len} + {req.num_blocks_needed} blocks of {cfg.block_length}), "
+                f"more than token_budget={cfg.token_budget}")
+    return None

@@ -24,10 +24,17 @@ class EngineStats:
     budget_used: int = 0
     token_budget: int = 0
     finished: Dict[str, int] = field(default_factory=dict)
-    kv_bytes_copied: int = 0  # K/V moved: re-layout gathers, in-box growth shifts, catch-up attention gathers
-    kv_peak_bytes: int = 0  # most K/V bytes alive at once (the old and new box during a re-layout)
+    # K/V bytes copied, by cause (engine.slots): buffer growth, a row moved into a freed
+    # slot, a persistent row's shift at a block start, a catch-up sub-batch's gathered read
+    kv_copied_by: Dict[str, int] = field(default_factory=lambda: dict(regrow=0, move=0, shift=0, catch_up=0))
+    kv_peak_bytes: int = 0  # most K/V bytes allocated at once (one layer more while the buffers grow)
     kv_budget_bytes: int = 0  # token_budget cells of K/V, one buffer (0 without a cache)
     forward_overhead_cells: float = 0.0  # the catch-up planner's cost of one more forward, in cells (ForwardFit)
+    syncs: int = 0  # device -> host reads by the loop (each one a stall on an accelerator)
+
+    @property
+    def kv_bytes_copied(self) -> int:
+        return sum(self.kv_copied_by.values())
 
     @property
     def forward_tokens(self) -> int:
@@ -44,7 +51,8 @@ class EngineStats:
         return {"peak_kv_over_budget": self.kv_peak_bytes / self.kv_budget_bytes if self.kv_budget_bytes else None,
                 "kv_bytes_copied_per_token": self.kv_bytes_copied / self.generated_tokens
                 if self.generated_tokens else None,
-                "host_ms_per_step": 1e3 * self.host_s / self.steps if self.steps else None}
+                "host_ms_per_step": 1e3 * self.host_s / self.steps if self.steps else None,
+                "syncs_per_step": self.syncs / self.steps if self.steps else None}
 
     @property
     def padding_fraction(self) -> float:

@@ -272,7 +272,7 @@ def test_catch_up_groups_pick_the_fewest_cells():
     stretch only when that computes fewer cells than padding the whole batch."""
     import itertools
 
-    from engine.engine import FORWARD_OVERHEAD_CELLS as C, catch_up_groups
+    from engine.runner import FORWARD_OVERHEAD_CELLS as C, catch_up_groups
 
     def cells(need, floor, groups):
         caught = {i for g in groups for i in g}
@@ -320,5 +320,5 @@ def test_forward_overhead_is_fitted_from_the_engines_own_forwards():
     rng = random.Random(0)
     eng.generate([[rng.randrange(3, 60) for _ in range(rng.randint(3, 60))] for _ in range(24)],
                  SamplingParams(max_new_tokens=12, stop_token_ids=[]))
-    assert eng.forward_fit.count == eng.stats.forwards > 16
+    assert eng.runner.fit.count == eng.stats.forwards > 16
     assert eng.stats.forward_overhead_cells >= 0

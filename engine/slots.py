@@ -1,0 +1,139 @@
+"""The K/V store that outlives batches: per layer one K and one V buffer
+[rows_cap, H_kv, cols_cap, D], of which a batch of B rows and width W sees the box
+view [:B, :, cols_cap - W:].
+
+Why: rebuilding the batch's K/V box whenever a row joins, leaves, or the box widens
+copies every row's K/V and holds two boxes at once. Here batch row i lives in slot i
+and every row ends at the buffer's last column (rows are left-padded to the box, and
+the box is right-aligned to the buffer's end), so:
+
+- a wider or narrower box is another view, nothing moves;
+- a joining row takes a free slot and is computed in place (no copy);
+- a leaving row's slot goes to a joining row, or else to the row in the highest slot
+  (that one row's K/V is copied, so slots stay 0..B-1);
+- a row that starts its next block under the block canvas shifts left by L inside its
+  own slot; its K/V move only under the persistent cache (refresh and dual recompute
+  the row at a block start), and only that row's;
+- the buffers grow only when the box outgrows them, one layer at a time (allocate the
+  new layer, copy the kept rows' box, free the old layer), to a capacity
+  rows_cap x cols_cap <= max(token_budget, B x W) with room in both dimensions.
+
+Memory: rows_cap * cols_cap * kv_bytes_per_token <= token_budget * kv_bytes_per_token
+(the scheduler keeps B x W <= token_budget), plus one layer's K and V while growing.
+Transients of a move, a shift or a catch-up sub-batch's attention read are one layer
+of the rows concerned."""
+from __future__ import annotations
+
+import math
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import torch
+
+from .models import KVCache, ModelConfig
+
+
+def place(old_rows: Sequence, rows: Sequence) -> Tuple[list, List[Tuple[int, int]]]:
+    """`rows` in slot order and the (from, to) slot moves that keep slots 0..B-1 filled.
+    A kept row stays in its slot unless that slot is >= B; joining rows fill the
+    other free slots (highest first, so new rows sit together for catch-up)."""
+    slot: Dict[object, int] = {r: i for i, r in enumerate(old_rows)}
+    B = len(rows)
+    out: list = [None] * B
+    movers, new = [], []
+    for r in rows:
+        s = slot.get(r)
+        if s is None:
+            new.append(r)
+        elif s < B:
+            out[s] = r
+        else:
+            movers.append(r)
+    holes = [i for i in range(B) if out[i] is None]
+    moves = [(slot[r], h) for r, h in zip(movers, holes)]
+    for r, h in zip(movers, holes):
+        out[h] = r
+    for r, h in zip(new, holes[len(movers):]):
+        out[h] = r
+    return out, moves
+
+
+class KVSlots:
+    """Per-layer K/V buffers that batches view; counts the bytes it copies and its peak."""
+
+    def __init__(self, mcfg: ModelConfig, token_budget: int, dtype: torch.dtype, device,
+                 max_rows: Optional[int] = None):
+        self.mcfg, self.budget, self.dtype, self.device = mcfg, token_budget, dtype, device
+        self.max_rows = max_rows
+        self.cell_bytes = mcfg.kv_bytes_per_token(dtype.itemsize)  # K and V of every layer, one column
+        self.k: List[torch.Tensor] = []
+        self.v: List[torch.Tensor] = []
+        self.rows_cap = self.cols_cap = 0
+        self.peak_bytes = 0
+        self.copied: Dict[str, int] = {"regrow": 0, "move": 0, "shift": 0}
+
+    @property
+    def nbytes(self) -> int:
+        return self.rows_cap * self.cols_cap * self.cell_bytes
+
+    def _layer_bytes(self, rows: int, cols: int) -> int:
+        return rows * cols * self.cell_bytes // self.mcfg.n_layers
+
+    def fit(self, rows: int, width: int, keep_rows: int, keep_width: int) -> None:
+        """Room for a `rows` x `width` box, keeping slots [0, keep_rows)'s last
+        `keep_width` columns. Grows both dimensions by sqrt(budget / area) so that the
+        next change of shape rarely needs another growth."""
+        if rows <= self.rows_cap and width <= self.cols_cap:
+            return
+        area = rows * width
+        room = max(self.budget, area)
+        R = max(rows, int(rows * math.sqrt(room / area)))
+        if self.max_rows:
+            R = max(rows, min(R, self.max_rows))
+        C = max(width, room // R)
+        shape = (R, self.mcfg.n_kv_heads, C, self.mcfg.head_dim)
+        keep_rows, keep_width = min(keep_rows, self.rows_cap), min(keep_width, self.cols_cap, C)
+        alive = self.nbytes
+        old_layer, new_layer = self._layer_bytes(self.rows_cap, self.cols_cap), self._layer_bytes(R, C)
+        for bufs in (self.k, self.v) if self.k else ():
+            for i, old in enumerate(bufs):
+                # zeros, not empty: masked-out pad keys must not hold NaN (NaN * 0 poisons attention)
+                new = torch.zeros(shape, dtype=self.dtype, device=self.device)
+                if keep_rows and keep_width:
+                    new[:keep_rows, :, C - keep_width:] = old[:keep_rows, :, self.cols_cap - keep_width:]
+                bufs[i] = new
+                alive += (new_layer - old_layer) // 2  # K or V of one layer: both are alive while it copies
+                self.peak_bytes = max(self.peak_bytes, alive + old_layer // 2)
+        if not self.k:
+            self.k = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(self.mcfg.n_layers)]
+            self.v = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(self.mcfg.n_layers)]
+        else:
+            self.copied["regrow"] += keep_rows * keep_width * self.cell_bytes
+        self.rows_cap, self.cols_cap = R, C
+        self.peak_bytes = max(self.peak_bytes, self.nbytes)
+
+    def move(self, moves: Sequence[Tuple[int, int]], width: int) -> None:
+        """Copy slots' last `width` columns from -> to (one indexed copy per buffer)."""
+        if not moves:
+            return
+        src = torch.tensor([m[0] for m in moves], device=self.device)
+        dst = torch.tensor([m[1] for m in moves], device=self.device)
+        c0 = self.cols_cap - width
+        for t in self.k + self.v:
+            t[dst, :, c0:] = t[src, :, c0:]
+        self.copied["move"] += len(moves) * width * self.cell_bytes
+
+    def shift(self, slots: Sequence[int], width: int, by: int) -> None:
+        """Move the last `width` columns of `slots` left by `by` columns (a row that
+        starts its next block keeps its cached prefix)."""
+        if not slots:
+            return
+        idx = torch.tensor(list(slots), device=self.device)
+        C = self.cols_cap
+        for t in self.k + self.v:
+            t[idx, :, C - width - by: C - by] = t[idx, :, C - width:]  # the read is a copy: no overlap
+        self.copied["shift"] += len(slots) * width * self.cell_bytes
+
+    def box(self, rows: int, width: int) -> KVCache:
+        """The batch's cache: views of the buffers, so forwards write into the slots."""
+        c0 = self.cols_cap - width
+        return KVCache([t[:rows, :, c0:] for t in self.k], [t[:rows, :, c0:] for t in self.v])
