@@ -167,12 +167,14 @@ class Engine:
         starting its next block shifts its cached prefix left by L."""
         slots, L = self.slots, self.cfg.block_length
         keep = {r for r, c in zip(b.rows, b.cached.tolist()) if c > 0}
-        old_width = old.width if old is not None else 0
         old_len = {r: n for r, n in zip(old.rows, old.lens.tolist())} if old is not None else {}
-        slots.move([(f, t) for f, t in moves if b.rows[t] in keep], old_width)
-        slots.fit(len(b.rows), b.width, keep_rows=min(len(old_len), len(b.rows)), keep_width=old_width if keep else 0)
-        shifted = [i for i, r in enumerate(b.rows) if r in keep and r in self._grown] if not self.full_canvas else []
-        slots.shift(shifted, max((old_len[b.rows[i]] for i in shifted), default=0), L)
+        widest = lambda slots_: max((old_len[b.rows[i]] for i in slots_), default=0)  # noqa: E731
+        moving = [(f, t) for f, t in moves if b.rows[t] in keep]
+        slots.move(moving, widest([t for _, t in moving]))
+        kept = [i for i, r in enumerate(b.rows) if r in keep]
+        slots.fit(len(b.rows), b.width, kept, widest(kept))
+        shifted = [i for i in kept if b.rows[i] in self._grown] if not self.full_canvas else []
+        slots.shift(shifted, widest(shifted), L)
         b.cache = slots.box(len(b.rows), b.width)
         self.stats.kv_peak_bytes = slots.peak_bytes
         for k in ("regrow", "move", "shift"):

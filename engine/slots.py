@@ -78,10 +78,10 @@ class KVSlots:
     def _layer_bytes(self, rows: int, cols: int) -> int:
         return rows * cols * self.cell_bytes // self.mcfg.n_layers
 
-    def fit(self, rows: int, width: int, keep_rows: int, keep_width: int) -> None:
-        """Room for a `rows` x `width` box, keeping slots [0, keep_rows)'s last
-        `keep_width` columns. Grows both dimensions by sqrt(budget / area) so that the
-        next change of shape rarely needs another growth."""
+    def fit(self, rows: int, width: int, keep: Sequence[int], keep_width: int) -> None:
+        """Room for a `rows` x `width` box, keeping the last `keep_width` columns of the
+        slots `keep` (rows whose cached K/V are worth keeping). Grows both dimensions by
+        sqrt(budget / area) so that the next change of shape rarely needs another growth."""
         if rows <= self.rows_cap and width <= self.cols_cap:
             return
         area = rows * width
@@ -91,15 +91,16 @@ class KVSlots:
             R = max(rows, min(R, self.max_rows))
         C = max(width, room // R)
         shape = (R, self.mcfg.n_kv_heads, C, self.mcfg.head_dim)
-        keep_rows, keep_width = min(keep_rows, self.rows_cap), min(keep_width, self.cols_cap, C)
+        keep_width = min(keep_width, self.cols_cap, C) if self.k else 0
+        idx = torch.tensor(list(keep), device=self.device) if keep and keep_width else None
         alive = self.nbytes
         old_layer, new_layer = self._layer_bytes(self.rows_cap, self.cols_cap), self._layer_bytes(R, C)
         for bufs in (self.k, self.v) if self.k else ():
             for i, old in enumerate(bufs):
                 # zeros, not empty: masked-out pad keys must not hold NaN (NaN * 0 poisons attention)
                 new = torch.zeros(shape, dtype=self.dtype, device=self.device)
-                if keep_rows and keep_width:
-                    new[:keep_rows, :, C - keep_width:] = old[:keep_rows, :, self.cols_cap - keep_width:]
+                if idx is not None:
+                    new[idx, :, C - keep_width:] = old[idx, :, self.cols_cap - keep_width:]
                 bufs[i] = new
                 alive += (new_layer - old_layer) // 2  # K or V of one layer: both are alive while it copies
                 self.peak_bytes = max(self.peak_bytes, alive + old_layer // 2)
@@ -107,7 +108,7 @@ class KVSlots:
             self.k = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(self.mcfg.n_layers)]
             self.v = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(self.mcfg.n_layers)]
         else:
-            self.copied["regrow"] += keep_rows * keep_width * self.cell_bytes
+            self.copied["regrow"] += len(keep) * keep_width * self.cell_bytes
         self.rows_cap, self.cols_cap = R, C
         self.peak_bytes = max(self.peak_bytes, self.nbytes)
 
