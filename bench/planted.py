@@ -165,10 +165,11 @@ class PlantedStops(nn.Module):
     # --- forward -----------------------------------------------------------------------
     def forward(self, ids: torch.Tensor, pos: torch.Tensor, mask: torch.Tensor,
                 cache: Optional[KVCache] = None, offset: int = 0, logits_last: Optional[int] = None,
-                logits_at: Optional[torch.Tensor] = None, rows: Optional[torch.Tensor] = None,
+                logits_at: Optional[torch.Tensor] = None, runs=None,
                 cols: Optional[torch.Tensor] = None, **kw) -> torch.Tensor:
         logits = self.model(ids, pos, mask, cache, offset, logits_last=logits_last, logits_at=logits_at,
-                            rows=rows, cols=cols, **kw)
+                            runs=runs, cols=cols, **kw)
+        rows = None if runs is None else torch.cat([torch.arange(a, b) for a, b in runs]).to(ids.device)
         B, n = logits.shape[:2]
         Tq = ids.shape[1]
         at = logits_at if logits_at is not None else torch.arange(Tq - n, Tq, device=ids.device)[None].expand(B, n)

@@ -12,7 +12,7 @@ import torch
 
 from .batch import Batch
 from .config import EngineConfig
-from .models import DLLM, KVCache
+from .models import DLLM
 from .stats import EngineStats, ForwardFit
 
 # What one more forward costs, in query cells, beyond the cells it computes (kernel
@@ -60,6 +60,17 @@ def catch_up_groups(need: List[int], floor: int, after: Optional[List[int]] = No
     return groups[::-1]
 
 
+def consecutive(rows: List[int]) -> List[List[int]]:
+    """Ascending `rows` split into runs of consecutive values."""
+    runs: List[List[int]] = []
+    for r in rows:
+        if runs and r == runs[-1][-1] + 1:
+            runs[-1].append(r)
+        else:
+            runs.append([r])
+    return runs
+
+
 class ModelRunner:
     def __init__(self, model: DLLM, cfg: EngineConfig, stats: EngineStats):
         self.model, self.cfg, self.mcfg, self.stats = model, cfg, model.config, stats
@@ -103,8 +114,8 @@ class ModelRunner:
         columns whose K/V are not final are computed and stored (`windows`); the
         query's other columns are padding. Rows' windows that all end at the box's edge
         are one slice of columns; otherwise (dual cache mid-block) each row's columns
-        are gathered. A group of consecutive rows attends to a view of their K/V slots;
-        any other group to a gathered copy (counted as catch-up copies)."""
+        are gathered. A group's rows attend to views of their K/V slots, one attention
+        per run of consecutive slots: nothing is copied."""
         L, W, dev, shift = self.cfg.block_length, b.width, self.device, self.shift
         cache = b.cache
         sel = None if group is None else torch.tensor(group)
@@ -124,17 +135,11 @@ class ModelRunner:
             at[:, 0] += rows(b.row_params.first_position_host & (b.step > 0)).long()
         pos = (qc - start[:, None]).clamp(min=0)
         qc_d, real_d = qc.to(dev), real.to(dev)
-        ids, mask, idx = b.ids, b.mask, None
+        ids, mask, runs = b.ids, b.mask, None
         if sel is not None:
-            a, n = group[0], len(group)
-            if group[-1] - a + 1 == n and cache is not None:  # consecutive slots: a view
-                ids, mask = ids[a:a + n], mask[a:a + n]
-                cache = KVCache([k[a:a + n] for k in cache.k], [v[a:a + n] for v in cache.v])
-            else:
-                idx = sel.to(dev)
-                ids, mask = ids[idx], mask[idx]
-                if cache is not None:  # attention reads a gathered copy of these rows' K/V, layer by layer
-                    self.stats.kv_copied_by["catch_up"] += n * cache.nbytes() // b.ids.shape[0]
+            idx = sel.to(dev)
+            ids, mask = ids[idx], mask[idx]
+            runs = [(g[0], g[-1] + 1) for g in consecutive(group)]
         tokens = torch.where(real_d, ids.gather(1, qc_d), self.mcfg.pad_token_id)
         qmask = mask if mask.shape[2] == 1 else mask.gather(2, qc_d[:, None, :, None].expand(-1, 1, -1, W))
         t0 = time.perf_counter()
@@ -143,7 +148,7 @@ class ModelRunner:
                 logits = self.model(tokens, pos.to(dev), qmask[..., W - T:], logits_at=at.to(dev))
             else:
                 logits = self.model(tokens, pos.to(dev), qmask, cache, W - T,
-                                    write=None if bool(write.all()) else write.to(dev), rows=idx,
+                                    write=None if bool(write.all()) else write.to(dev), runs=runs,
                                     cols=None if contiguous else qc_d, logits_at=at.to(dev))
                 b.cached[sel if sel is not None else slice(None)] = bs - start  # everything before the block is final
             if self.cfg.profile and dev.type == "cuda":  # exact forward_s, at the cost of a stall

@@ -58,30 +58,40 @@ def place(old_rows: Sequence, rows: Sequence) -> Tuple[list, List[Tuple[int, int
 
 
 class KVSlots:
-    """Per-layer K/V buffers that batches view; counts the bytes it copies and its peak."""
+    """Per-layer K/V buffers that batches view; counts the bytes it copies and its peak.
+
+    Each of the 2 x n_layers buffers is a view [rows_cap, H, cols_cap, D] of one flat
+    storage of `cells` columns, allocated (zeroed) once: a new shape re-views the same
+    storage and moves the kept rows to their new offsets, so nothing is allocated or
+    zeroed again and every column holds finite values (zeros or some row's old K/V),
+    as masked-out pad keys must (NaN * 0 poisons attention)."""
 
     def __init__(self, mcfg: ModelConfig, token_budget: int, dtype: torch.dtype, device,
                  max_rows: Optional[int] = None):
         self.mcfg, self.budget, self.dtype, self.device = mcfg, token_budget, dtype, device
         self.max_rows = max_rows
         self.cell_bytes = mcfg.kv_bytes_per_token(dtype.itemsize)  # K and V of every layer, one column
+        self.storage: List[torch.Tensor] = []  # K of every layer, then V
+        self.cells = 0  # columns the storage holds
         self.k: List[torch.Tensor] = []
         self.v: List[torch.Tensor] = []
         self.rows_cap = self.cols_cap = 0
         self.peak_bytes = 0
         self.copied: Dict[str, int] = {"regrow": 0, "move": 0, "shift": 0}
 
-    @property
-    def nbytes(self) -> int:
-        return self.rows_cap * self.cols_cap * self.cell_bytes
-
-    def _layer_bytes(self, rows: int, cols: int) -> int:
-        return rows * cols * self.cell_bytes // self.mcfg.n_layers
+    def _view(self, rows: int, cols: int) -> None:
+        H, D, n = self.mcfg.n_kv_heads, self.mcfg.head_dim, self.mcfg.n_layers
+        views = [t[: rows * H * cols * D].view(rows, H, cols, D) for t in self.storage]
+        self.k, self.v = views[:n], views[n:]
+        self.rows_cap, self.cols_cap = rows, cols
 
     def fit(self, rows: int, width: int, keep: Sequence[int], keep_width: int) -> None:
         """Room for a `rows` x `width` box, keeping the last `keep_width` columns of the
         slots `keep` (rows whose cached K/V are worth keeping). Grows both dimensions by
-        sqrt(budget / area) so that the next change of shape rarely needs another growth."""
+        sqrt(budget / area) so that the next change of shape rarely needs another. The
+        storage holds max(token_budget, area) columns: it grows (buffer by buffer, one
+        layer's K or V of transient) only when a batch is wider than the budget, which
+        the static baseline allows."""
         if rows <= self.rows_cap and width <= self.cols_cap:
             return
         area = rows * width
@@ -90,27 +100,36 @@ class KVSlots:
         if self.max_rows:
             R = max(rows, min(R, self.max_rows))
         C = max(width, room // R)
-        shape = (R, self.mcfg.n_kv_heads, C, self.mcfg.head_dim)
-        keep_width = min(keep_width, self.cols_cap, C) if self.k else 0
+        H, D, n_buffers = self.mcfg.n_kv_heads, self.mcfg.head_dim, 2 * self.mcfg.n_layers
+        keep_width = min(keep_width, self.cols_cap, C)
         idx = torch.tensor(list(keep), device=self.device) if keep and keep_width else None
-        alive = self.nbytes
-        old_layer, new_layer = self._layer_bytes(self.rows_cap, self.cols_cap), self._layer_bytes(R, C)
-        for bufs in (self.k, self.v) if self.k else ():
-            for i, old in enumerate(bufs):
-                # zeros, not empty: masked-out pad keys must not hold NaN (NaN * 0 poisons attention)
-                new = torch.zeros(shape, dtype=self.dtype, device=self.device)
-                if idx is not None:
-                    new[idx, :, C - keep_width:] = old[idx, :, self.cols_cap - keep_width:]
-                bufs[i] = new
-                alive += (new_layer - old_layer) // 2  # K or V of one layer: both are alive while it copies
-                self.peak_bytes = max(self.peak_bytes, alive + old_layer // 2)
-        if not self.k:
-            self.k = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(self.mcfg.n_layers)]
-            self.v = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(self.mcfg.n_layers)]
-        else:
-            self.copied["regrow"] += len(keep) * keep_width * self.cell_bytes
-        self.rows_cap, self.cols_cap = R, C
-        self.peak_bytes = max(self.peak_bytes, self.nbytes)
+        buffer_bytes = self.cell_bytes // n_buffers  # one column of one layer's K (or V)
+        grow = R * C > self.cells
+        alive = self.cells * n_buffers * buffer_bytes
+        old_cols, olds = self.cols_cap, self.k + self.v
+        self.k, self.v = [], []  # so that a replaced buffer is freed as soon as it is copied
+        for i in range(n_buffers):
+            kept = olds[i][idx, :, old_cols - keep_width:] if idx is not None else None  # a copy (indexed read)
+            if olds:
+                olds[i] = None
+            transient = kept.numel() * kept.element_size() if kept is not None else 0
+            if grow:  # allocate this buffer anew: the old one and its kept rows are alive meanwhile
+                new = torch.zeros(R * C * H * D, dtype=self.dtype, device=self.device)
+                transient += R * C * buffer_bytes
+                if i < len(self.storage):
+                    self.storage[i] = new
+                else:
+                    self.storage.append(new)
+            self.peak_bytes = max(self.peak_bytes, alive + transient)
+            if grow:
+                alive += (R * C - self.cells) * buffer_bytes
+            if kept is not None:
+                self.storage[i][: R * H * C * D].view(R, H, C, D)[idx, :, C - keep_width:] = kept
+        if grow:
+            self.cells = R * C
+        self._view(R, C)
+        self.copied["regrow"] += (len(keep) if idx is not None else 0) * keep_width * self.cell_bytes
+        self.peak_bytes = max(self.peak_bytes, self.cells * self.cell_bytes)
 
     def move(self, moves: Sequence[Tuple[int, int]], width: int) -> None:
         """Copy slots' last `width` columns from -> to (one indexed copy per buffer)."""

@@ -24,9 +24,9 @@ class EngineStats:
     budget_used: int = 0
     token_budget: int = 0
     finished: Dict[str, int] = field(default_factory=dict)
-    # K/V bytes copied, by cause (engine.slots): buffer growth, a row moved into a freed
-    # slot, a persistent row's shift at a block start, a catch-up sub-batch's gathered read
-    kv_copied_by: Dict[str, int] = field(default_factory=lambda: dict(regrow=0, move=0, shift=0, catch_up=0))
+    # K/V bytes copied, by cause (engine.slots): a new shape of the slots, a row moved into
+    # a freed slot, a persistent row's shift at a block start
+    kv_copied_by: Dict[str, int] = field(default_factory=lambda: dict(regrow=0, move=0, shift=0))
     kv_peak_bytes: int = 0  # most K/V bytes allocated at once (one layer more while the buffers grow)
     kv_budget_bytes: int = 0  # token_budget cells of K/V, one buffer (0 without a cache)
     forward_overhead_cells: float = 0.0  # the catch-up planner's cost of one more forward, in cells (ForwardFit)

@@ -5,7 +5,7 @@ earlier full-row step)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import List, Optional
+from typing import List, Optional, Sequence, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -67,33 +67,43 @@ class KVCache:
         return sum(t.numel() * t.element_size() for t in self.k + self.v)
 
     def attend(self, layer: int, k: torch.Tensor, v: torch.Tensor, offset: int, width: int,
-               write: Optional[torch.Tensor], rows: Optional[torch.Tensor], cols: Optional[torch.Tensor]):
+               write: Optional[torch.Tensor], runs: Optional[Sequence[Tuple[int, int]]],
+               cols: Optional[torch.Tensor]):
         """Store a forward's K/V [n, H_kv, T, D] and return the keys and values it attends
         to ([n, H_kv, width, D]). The T query columns are [offset, offset+T) of every row,
-        or `cols` [n, T] per row; the forward's rows are all of the cache's, or `rows`
-        (then the attended K/V are a one-layer gathered copy, never the whole cache).
+        or `cols` [n, T] per row; the forward's rows are all of the cache's, or the cache
+        rows of `runs` [(start, stop), ...] one after the other (then a list of one
+        (keys, values) view per run: attention reads the cache in place, never a copy).
         Only columns where `write` [n, 1, T, 1] holds are stored; the others keep the
         K/V already cached (padding, or columns whose K/V are final)."""
         K, V = self.k[layer], self.v[layer]
-        if rows is None and cols is None:
+        if runs is None:
+            return self._store(K, V, k, v, offset, width, write, cols)
+        out, o = [], 0
+        for a, b in runs:
+            part = slice(o, o + b - a)
+            out.append(self._store(K[a:b], V[a:b], k[part], v[part], offset, width,
+                                   None if write is None else write[part], None if cols is None else cols[part]))
+            o += b - a
+        return out
+
+    @staticmethod
+    def _store(K, V, k, v, offset: int, width: int, write, cols):
+        if cols is None:
             ck, cv = K[:, :, offset:offset + k.shape[2]], V[:, :, offset:offset + k.shape[2]]
             if write is not None:
                 k, v = torch.where(write, k, ck), torch.where(write, v, cv)
             ck.copy_(k)
             cv.copy_(v)
             return K[:, :, :width], V[:, :, :width]
-        n, T = k.shape[0], k.shape[2]
-        r = (rows if rows is not None else torch.arange(n, device=k.device))[:, None]
-        c = cols if cols is not None else torch.arange(offset, offset + T, device=k.device)[None].expand(n, T)
+        r = torch.arange(k.shape[0], device=k.device)[:, None]
         kt, vt = k.transpose(1, 2), v.transpose(1, 2)  # [n, T, H_kv, D], the layout of K[r, :, c]
         if write is not None:
-            w = write.reshape(n, T, 1, 1)
-            kt, vt = torch.where(w, kt, K[r, :, c]), torch.where(w, vt, V[r, :, c])
-        K[r, :, c] = kt
-        V[r, :, c] = vt
-        if rows is None:
-            return K[:, :, :width], V[:, :, :width]
-        return K[rows, :, :width], V[rows, :, :width]
+            w = write.reshape(k.shape[0], k.shape[2], 1, 1)
+            kt, vt = torch.where(w, kt, K[r, :, cols]), torch.where(w, vt, V[r, :, cols])
+        K[r, :, cols] = kt
+        V[r, :, cols] = vt
+        return K[:, :, :width], V[:, :, :width]
 
 
 class Layer(nn.Module):
@@ -112,7 +122,7 @@ class Layer(nn.Module):
         self.down = nn.Linear(f, d, bias=b)
 
     def forward(self, h, cos, sin, mask, cache: Optional[KVCache], idx: int, offset: int,
-                write: Optional[torch.Tensor] = None, rows: Optional[torch.Tensor] = None,
+                write: Optional[torch.Tensor] = None, runs: Optional[Sequence[Tuple[int, int]]] = None,
                 cols: Optional[torch.Tensor] = None):
         B, T, _ = h.shape
         H, Hkv, D = self.cfg.n_heads, self.cfg.n_kv_heads, self.cfg.head_dim
@@ -122,9 +132,16 @@ class Layer(nn.Module):
         v = self.v(x).view(B, T, Hkv, D).transpose(1, 2)
         q = q * cos + _rotate_half(q) * sin
         k = k * cos + _rotate_half(k) * sin
-        if cache is not None:
-            k, v = cache.attend(idx, k, v, offset, mask.shape[-1], write, rows, cols)
-        a = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=Hkv != H)
+        kv = cache.attend(idx, k, v, offset, mask.shape[-1], write, runs, cols) if cache is not None else (k, v)
+        if isinstance(kv, list):  # one attention per run of cache rows
+            a, o = [], 0
+            for kr, vr in kv:
+                part = slice(o, o + kr.shape[0])
+                a.append(F.scaled_dot_product_attention(q[part], kr, vr, attn_mask=mask[part], enable_gqa=Hkv != H))
+                o += kr.shape[0]
+            a = torch.cat(a)
+        else:
+            a = F.scaled_dot_product_attention(q, kv[0], kv[1], attn_mask=mask, enable_gqa=Hkv != H)
         h = h + self.o(a.transpose(1, 2).reshape(B, T, H * D))
         x = self.mlp_norm(h)
         return h + self.down(F.silu(self.gate(x)) * self.up(x))
@@ -154,12 +171,12 @@ class DLLM(nn.Module):
     def forward(self, ids: torch.Tensor, pos: torch.Tensor, mask: torch.Tensor,
                 cache: Optional[KVCache] = None, offset: int = 0,
                 logits_last: Optional[int] = None, write: Optional[torch.Tensor] = None,
-                rows: Optional[torch.Tensor] = None, cols: Optional[torch.Tensor] = None,
+                runs: Optional[Sequence[Tuple[int, int]]] = None, cols: Optional[torch.Tensor] = None,
                 logits_at: Optional[torch.Tensor] = None) -> torch.Tensor:
         """ids/pos [B, T]; mask bool [B, 1, T|1, K] (True = may attend) where K = T without a
         cache, or the number of cache columns attended with one. With a cache, this
         forward's K/V land in columns [offset, offset+T) (or `cols` [B, T]) of the cache
-        rows `rows` (all when None), only where `write` [B, T] is True when it is given
+        rows of `runs` [(start, stop), ...] (all rows when None), only where `write` [B, T] is True when it is given
         (the other columns are padding or already cached). Logits only for the last
         `logits_last` columns, or the query columns `logits_at` [B, n] (the LM head over
         every column is the biggest waste)."""
@@ -168,7 +185,7 @@ class DLLM(nn.Module):
         if write is not None:
             write = write[:, None, :, None]
         for i, layer in enumerate(self.layers):
-            h = layer(h, cos, sin, mask, cache, i, offset, write, rows, cols)
+            h = layer(h, cos, sin, mask, cache, i, offset, write, runs, cols)
         if logits_last is not None:
             h = h[:, -logits_last:]
         elif logits_at is not None:
