@@ -9,14 +9,13 @@ leaves most of an H200 idle or fails on the first wide batch. The model is simpl
 deliberately conservative (every term is an upper bound on what the engine allocates):
 
     weights + A * (kv + activations) + rows * L * logit_cell + margin  <=  free
-    kv          = copies * 2 * (n_layers + 1) * n_kv_heads * head_dim * bytes
+    kv          = copies * 2 * n_kv_heads * head_dim * bytes * (SLACK * n_layers + 1/2)
     copies      = 1 with a cache (refresh, dual, persistent), 0 with none. The K/V live in
-                  slots that outlive batches (engine/slots.py): one buffer per layer of
-                  rows_cap x cols_cap <= token_budget cells, viewed by each batch, so a
-                  join, leave or width change moves only the rows that must move and never
-                  builds a second box. The "+ 1" layer is the transient while the buffers
-                  grow (one layer at a time) or while a move, shift or catch-up read copies
-                  some rows of one layer
+                  slots that outlive batches (engine/slots.py): per layer one K and one V
+                  storage of SLACK x token_budget cells (SLACK = 1.05), allocated once and
+                  viewed by each batch, so a join, leave or width change moves only the
+                  rows that must move and never builds a second box. The "+ 1/2" is one
+                  layer's K (or V) of transient while rows are copied to a new shape
     activations = one layer's transients: (4 f + 12 d + 6 kv_dim) * bytes + 8 d (float32 norms)
     logit_cell  = embedding_size * bytes (LM head out) + vocab * 24 (float64 copy, softmax, temp)
     rows       <= min(max_batch_size, A / (min_prompt_len + L))
@@ -30,12 +29,14 @@ boolean [W, W] mask per row (A * max_width bytes).
 """
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass, replace
 from typing import Optional
 
 import torch
 
 from .models import ModelConfig
+from .slots import SLACK
 
 KV_COPIES = {"none": 0, "refresh": 1, "dual": 1, "persistent": 1}  # K/V buffers alive at the peak (see module doc)
 
@@ -60,7 +61,7 @@ def kv_peak_bytes_per_token(cfg: ModelConfig, dtype: torch.dtype, cache: str = "
     if cache not in KV_COPIES:
         raise ValueError(f"cache must be one of {sorted(KV_COPIES)}, got {cache!r}")
     kv = kv_bytes_per_token(cfg, dtype)
-    return KV_COPIES[cache] * (kv + kv // cfg.n_layers)
+    return KV_COPIES[cache] * (math.ceil(SLACK * kv) + kv // (2 * cfg.n_layers))
 
 
 def activation_bytes_per_token(cfg: ModelConfig, dtype: torch.dtype, max_width: Optional[int] = None) -> int:

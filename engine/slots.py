@@ -18,10 +18,10 @@ the box is right-aligned to the buffer's end), so:
   new layer, copy the kept rows' box, free the old layer), to a capacity
   rows_cap x cols_cap <= max(token_budget, B x W) with room in both dimensions.
 
-Memory: rows_cap * cols_cap * kv_bytes_per_token <= token_budget * kv_bytes_per_token
-(the scheduler keeps B x W <= token_budget), plus one layer's K and V while growing.
-Transients of a move, a shift or a catch-up sub-batch's attention read are one layer
-of the rows concerned."""
+Memory: rows_cap * cols_cap * kv_bytes_per_token <= SLACK * token_budget * kv_bytes_per_token
+(the scheduler keeps B x W <= token_budget), plus, while rows are copied (a new shape, a
+move, a shift), one layer's K or V of those rows. Catch-up sub-batches attend to their
+rows' slots in place (one attention per run of consecutive slots)."""
 from __future__ import annotations
 
 import math
@@ -30,6 +30,11 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import torch
 
 from .models import KVCache, ModelConfig
+
+# Columns the slots may hold beyond token_budget: a box near the budget that changes shape
+# (B x W ~ budget, B falling, W rising) needs a new shape less often (15 -> 8 reshapes at
+# B32 on bench/kv_bench.py's skewed run). engine.budget plans memory for it.
+SLACK = 1.05
 
 
 def place(old_rows: Sequence, rows: Sequence) -> Tuple[list, List[Tuple[int, int]]]:
@@ -87,18 +92,22 @@ class KVSlots:
 
     def fit(self, rows: int, width: int, keep: Sequence[int], keep_width: int) -> None:
         """Room for a `rows` x `width` box, keeping the last `keep_width` columns of the
-        slots `keep` (rows whose cached K/V are worth keeping). Grows both dimensions by
-        sqrt(budget / area) so that the next change of shape rarely needs another. The
-        storage holds max(token_budget, area) columns: it grows (buffer by buffer, one
-        layer's K or V of transient) only when a batch is wider than the budget, which
-        the static baseline allows."""
+        slots `keep` (rows whose cached K/V are worth keeping). The new shape spends
+        SLACK x token_budget columns: on more rows, room in both dimensions (sqrt of
+        the spare area each); on a wider box with no more rows, which is how the box
+        moves while rows finish and wider ones join, exactly the rows and all the room
+        to width. The storage grows (buffer by buffer, one layer's K or V of transient)
+        only when a batch is wider than that, which the static baseline allows."""
         if rows <= self.rows_cap and width <= self.cols_cap:
             return
         area = rows * width
-        room = max(self.budget, area)
-        R = max(rows, int(rows * math.sqrt(room / area)))
-        if self.max_rows:
-            R = max(rows, min(R, self.max_rows))
+        room = max(int(SLACK * self.budget), area)
+        if rows > self.rows_cap:  # more rows than slots: room in both dimensions
+            R = max(rows, int(rows * math.sqrt(room / area)))
+            if self.max_rows:
+                R = max(rows, min(R, self.max_rows))
+        else:  # a wider box, no more rows (rows leave while wider ones join): all the room to width
+            R = rows
         C = max(width, room // R)
         H, D, n_buffers = self.mcfg.n_kv_heads, self.mcfg.head_dim, 2 * self.mcfg.n_layers
         keep_width = min(keep_width, self.cols_cap, C)
