@@ -449,6 +449,9 @@ def plot(result: Dict[str, Any], path: str) -> Optional[str]:
     return path
 
 
+MEMORY_KEYS = ("peak_kv_over_budget", "kv_bytes_copied_per_token", "host_ms_per_step", "syncs_per_step")
+
+
 def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="tiny model and workload, for CI (~30 s)")
@@ -492,7 +495,9 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
                          "block_step_outputs_identical": result["advance"]["outputs_identical"],
                          "agreement_persistent_vs_none": {k: v["persistent_vs_none"]
                                                           for k, v in result["agreement"].items()},
-                         "agreement_refresh_vs_none": {k: v["refresh_vs_none"] for k, v in result["agreement"].items()}}
+                         "agreement_refresh_vs_none": {k: v["refresh_vs_none"] for k, v in result["agreement"].items()},
+                         "memory": {f"advance/{label}": {k: run.get(k) for k in MEMORY_KEYS}
+                                    for label, run in adv["runs"].items()}}
     result["summary"]["met_basis"] = ("met_cpu compares process-CPU tokens/s, met_wall wall-clock tokens/s; on a "
                                       "machine shared with other jobs the wall clock also measures their load "
                                       "(see cpu_share = cpu_s / wall_s of each run)")

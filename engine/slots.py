@@ -114,6 +114,7 @@ class KVSlots:
         idx = torch.tensor(list(keep), device=self.device) if keep and keep_width else None
         buffer_bytes = self.cell_bytes // n_buffers  # one column of one layer's K (or V)
         grow = R * C > self.cells
+        cells = max(room, R * C) if grow else self.cells  # the storage holds `room`: later shapes re-view it
         alive = self.cells * n_buffers * buffer_bytes
         old_cols, olds = self.cols_cap, self.k + self.v
         self.k, self.v = [], []  # so that a replaced buffer is freed as soon as it is copied
@@ -123,19 +124,18 @@ class KVSlots:
                 olds[i] = None
             transient = kept.numel() * kept.element_size() if kept is not None else 0
             if grow:  # allocate this buffer anew: the old one and its kept rows are alive meanwhile
-                new = torch.zeros(R * C * H * D, dtype=self.dtype, device=self.device)
-                transient += R * C * buffer_bytes
+                new = torch.zeros(cells * H * D, dtype=self.dtype, device=self.device)
+                transient += cells * buffer_bytes
                 if i < len(self.storage):
                     self.storage[i] = new
                 else:
                     self.storage.append(new)
             self.peak_bytes = max(self.peak_bytes, alive + transient)
             if grow:
-                alive += (R * C - self.cells) * buffer_bytes
+                alive += (cells - self.cells) * buffer_bytes
             if kept is not None:
                 self.storage[i][: R * H * C * D].view(R, H, C, D)[idx, :, C - keep_width:] = kept
-        if grow:
-            self.cells = R * C
+        self.cells = cells
         self._view(R, C)
         self.copied["regrow"] += (len(keep) if idx is not None else 0) * keep_width * self.cell_bytes
         self.peak_bytes = max(self.peak_bytes, self.cells * self.cell_bytes)

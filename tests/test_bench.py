@@ -120,7 +120,8 @@ def test_budget_arithmetic():
 
 
 EXPECTED_RUN_KEYS = {"tokens_per_s", "requests_per_s", "wall_s", "padding_fraction", "forward_fraction",
-                     "host_overhead", "latency_p50_s", "latency_p99_s", "scheduler", "token_budget"}
+                     "host_overhead", "latency_p50_s", "latency_p99_s", "scheduler", "token_budget",
+                     "peak_kv_over_budget", "kv_bytes_copied_per_token", "host_ms_per_step", "syncs_per_step"}
 
 
 def test_engine_bench_smoke_writes_json(tmp_path):
@@ -147,5 +148,22 @@ def test_gpu_bench_smoke_runs_on_cpu(tmp_path):
     labels = {r["label"] for r in saved["runs"]}
     assert {"static-B2", "blockserve@B2", "sequential"} <= labels
     assert all(r["mfu_wall"] > 0 and r["tokens_per_s"] > 0 for r in saved["runs"])
+    # the engine's memory and host-loop figures, so that the first H200 run shows them
+    assert all(r["syncs_per_step"] == 1.0 and r["host_ms_per_step"] > 0 for r in saved["runs"])
+    assert all(0 < r["peak_kv_over_budget"] <= 1.05 + 1 / 4 for r in saved["runs"] if r["scheduler"] == "blockserve")
     assert "blockserve@B2/static-B2" in saved["ratios"] and saved["auto_budget"]["token_budget"] > 0
     assert d["model"]["params"] == saved["model"]["params"]
+
+
+def test_kv_bench_smoke_reports_the_engine_figures(tmp_path):
+    """bench/kv_bench.py (without its baseline worktree here): one run per budget with the
+    memory and host-loop figures, and K/V copies by cause."""
+    from bench import kv_bench
+
+    d = kv_bench.main(["--smoke", "--out", str(tmp_path / "kv.json")])
+    runs = d["new"]["runs"]
+    assert set(runs) == {"refresh@B2", "refresh@B4", "persistent@B4"}
+    for r in runs.values():
+        assert r["syncs_per_step"] == 1.0 and r["host_ms_per_step"] > 0 and r["peak_kv_over_budget"] > 0
+        assert set(r["kv_copied_by_per_token"]) == {"regrow", "move", "shift"}
+        assert sum(r["kv_copied_by_per_token"].values()) == pytest.approx(r["kv_bytes_copied_per_token"])

@@ -71,6 +71,9 @@ def test_block_and_step_advance_give_identical_tokens(result):
         assert RATIO_KEYS <= set(r)
         assert r["steps_inverse"] > 1  # blocks end unevenly: step advance needs fewer denoising steps
     assert {"met_wall", "met_cpu", "expected"} <= set(adv)
+    mem = result["summary"]["memory"]
+    assert set(mem) == {f"advance/{k}" for k in adv["runs"]}
+    assert all(m["syncs_per_step"] == 1.0 and m["peak_kv_over_budget"] > 0 for m in mem.values())
 
 
 def test_agreement_on_bidirectional_models(result):
