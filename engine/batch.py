@@ -141,7 +141,7 @@ def relayout(old: Optional[Batch], rows: List[Request], grown: set, *, mcfg: Mod
     if bool(frozen.any()):  # a frozen row's block holds its last committed tokens: nothing to denoise
         cur = ids.gather(1, blk)
         ids.scatter_(1, blk, torch.where(frozen.to(dev)[:, None] & (cur == mcfg.mask_token_id), mcfg.pad_token_id, cur))
-    same_rows = old is not None and len(rows) == len(old.rows) and all(a is b for a, b in zip(rows, old.rows))
+    same_rows = old is not None and len(rows) == len(old.rows) and all(r is o for r, o in zip(rows, old.rows))
     prompt_len = old.prompt_len if same_rows else torch.tensor([r.prompt_len for r in rows])
     row_params = old.row_params if same_rows else RowParams.build(
         [r.params for r in rows], [r.noise_seed for r in rows], dev, first_position_default=first_position,

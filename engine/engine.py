@@ -148,7 +148,7 @@ class Engine:
             self.batch = None
             return
         rows, moves = place(old.rows if old is not None else [], rows)
-        if old is None or self._grown or len(rows) != len(old.rows) or any(a is not b for a, b in zip(rows, old.rows)):
+        if old is None or self._grown or len(rows) != len(old.rows) or any(r is not o for r, o in zip(rows, old.rows)):
             b = self.batch = relayout(old, rows, self._grown, mcfg=self.mcfg, block_length=self.cfg.block_length,
                                       steps_per_block=self.cfg.steps_per_block, cache_mode=self.cfg.cache,
                                       full_canvas=self.full_canvas, first_position=self.first_position,

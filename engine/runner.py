@@ -118,8 +118,8 @@ class ModelRunner:
         per run of consecutive slots: nothing is copied."""
         L, W, dev, shift = self.cfg.block_length, b.width, self.device, self.shift
         cache = b.cache
-        sel = None if group is None else torch.tensor(group)
-        rows = (lambda t: t) if sel is None else (lambda t: t[sel])
+        pick = slice(None) if group is None else torch.tensor(group)
+        rows = lambda t: t[pick]  # noqa: E731 - this forward's rows of a [B, ...] host tensor
         q0, q1, fresh = (rows(t) for t in self.windows(b))
         start, bs, plen = rows(b.start), rows(b.block_start), rows(b.prompt_len)
         T = int((q1 - q0).max())
@@ -136,8 +136,8 @@ class ModelRunner:
         pos = (qc - start[:, None]).clamp(min=0)
         qc_d, real_d = qc.to(dev), real.to(dev)
         ids, mask, runs = b.ids, b.mask, None
-        if sel is not None:
-            idx = sel.to(dev)
+        if group is not None:
+            idx = pick.to(dev)
             ids, mask = ids[idx], mask[idx]
             runs = [(g[0], g[-1] + 1) for g in consecutive(group)]
         tokens = torch.where(real_d, ids.gather(1, qc_d), self.mcfg.pad_token_id)
@@ -150,7 +150,7 @@ class ModelRunner:
                 logits = self.model(tokens, pos.to(dev), qmask, cache, W - T,
                                     write=None if bool(write.all()) else write.to(dev), runs=runs,
                                     cols=None if contiguous else qc_d, logits_at=at.to(dev))
-                b.cached[sel if sel is not None else slice(None)] = bs - start  # everything before the block is final
+                b.cached[pick] = bs - start  # everything before the block is final
             if self.cfg.profile and dev.type == "cuda":  # exact forward_s, at the cost of a stall
                 torch.cuda.synchronize()
         seconds = time.perf_counter() - t0
@@ -165,5 +165,5 @@ class ModelRunner:
         # prompt columns computed (with a cache: stored) by this forward
         lo = torch.maximum(first, torch.maximum(q0, fresh) if cache is not None else q0)
         fwd = (torch.minimum(q1, start + plen) - torch.maximum(lo, start)).clamp(min=0)
-        b.prompt_fwd[sel if sel is not None else slice(None)] += fwd
+        b.prompt_fwd[pick] += fwd
         return logits
