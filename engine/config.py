@@ -179,3 +179,8 @@ class EngineConfig:
             raise ValueError("token_budget must exceed block_length")
         if self.max_batch_size < 1:
             raise ValueError("max_batch_size must be >= 1")
+
+    def full_canvas(self, block_causal: bool) -> bool:
+        """Whether rows hold the full canvas on a model with this attention ("auto":
+        where a masked suffix is visible, i.e. bidirectional models)."""
+        return self.canvas == "full" or (self.canvas == "auto" and not block_causal)

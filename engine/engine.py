@@ -64,8 +64,7 @@ class Engine:
         self._in_flight = 0
         self.batch: Optional[Batch] = None
         self._grown: set = set()  # rows that committed a block and start their next one
-        # canvas="auto": the full canvas where a masked suffix is visible (bidirectional models)
-        self.full_canvas = config.canvas == "full" or (config.canvas == "auto" and not self.mcfg.block_causal)
+        self.full_canvas = config.full_canvas(self.mcfg.block_causal)
         self.first_position = self.mcfg.model_type == "Dream"  # Dream's block decoding (SamplingParams)
 
     # --- requests -----------------------------------------------------------------
