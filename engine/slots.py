@@ -14,9 +14,11 @@ the box is right-aligned to the buffer's end), so:
 - a row that starts its next block under the block canvas shifts left by L inside its
   own slot; its K/V move only under the persistent cache (refresh and dual recompute
   the row at a block start), and only that row's;
-- the buffers grow only when the box outgrows them, one layer at a time (allocate the
-  new layer, copy the kept rows' box, free the old layer), to a capacity
-  rows_cap x cols_cap <= max(token_budget, B x W) with room in both dimensions.
+- only when the box outgrows the view's shape do the buffers take a new one
+  rows_cap x cols_cap <= SLACK x token_budget: the same storage, viewed with another
+  row stride, the rows with cached K/V moved to their new offsets one buffer at a time
+  (the storage itself is allocated once, and again only for a batch wider than the
+  budget, which the static baseline allows).
 
 Memory: rows_cap * cols_cap * kv_bytes_per_token <= SLACK * token_budget * kv_bytes_per_token
 (the scheduler keeps B x W <= token_budget), plus, while rows are copied (a new shape, a
