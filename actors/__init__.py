@@ -1,6 +1,27 @@
 """blockray's Ray side: the engine actor (a Ray Data callable class owning one engine),
-its background engine loop and its metrics. Knows nothing of Parquet or S3."""
-from .engine_actor import OUTPUT_SCHEMA, DLLMEngineActor
-from .metrics import METRICS, EngineMetrics
+its background engine loop and its metrics, and the engine stage's dispatcher that sends
+a lost engine's batches to a live one. Knows nothing of Parquet or S3.
 
-__all__ = ["DLLMEngineActor", "OUTPUT_SCHEMA", "EngineMetrics", "METRICS"]
+Names are imported lazily: the dispatcher (actors/engine_router.py) runs in processes
+that must not import torch.
+"""
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+_EXPORTS = {
+    "DLLMEngineActor": ".engine_actor",
+    "EngineDispatcher": ".engine_router",
+    "OUTPUT_SCHEMA": ".schema",
+    "EngineMetrics": ".metrics",
+    "METRICS": ".metrics",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'actors' has no attribute {name!r}")
+    return getattr(importlib.import_module(_EXPORTS[name], __name__), name)

@@ -34,26 +34,9 @@ from engine import Engine, EngineConfig, RequestOutput, SamplingParams, load_mod
 
 from .engine_loop import EngineLoop, error_output
 from .metrics import EngineMetrics
+from .schema import OUTPUT_SCHEMA, STOP_TEXT  # noqa: F401 - re-exported
 
 logger = logging.getLogger(__name__)
-
-# Output columns and their Arrow types (fixed, so every batch has the same schema).
-OUTPUT_SCHEMA = pa.schema([
-    ("generated_token_ids", pa.list_(pa.int64())),
-    ("num_prompt_tokens", pa.int64()),
-    ("num_generated_tokens", pa.int64()),
-    ("num_blocks", pa.int64()),
-    ("num_steps", pa.int64()),
-    ("finish_reason", pa.string()),
-    ("error", pa.string()),
-    ("engine_rank", pa.int64()),
-    ("latency_s", pa.float64()),
-    ("sample_index", pa.int64()),  # 0..n-1: one output row per (input row, sample)
-    ("finished_at", pa.float64()),  # Unix time the engine returned the row (summary: generation phase)
-])
-# The engine's text of a row that had stop strings (cut before the first one, as vLLM
-# does); pipeline/stages.py's detokenize stage prefers it and drops the column.
-STOP_TEXT = "__stop_text"
 
 
 def resolve_device(device: str) -> torch.device:
@@ -304,7 +287,12 @@ class DLLMEngineActor:
         texts = [o.text if r.stop and o.finish_reason != "error" else None for r, o in zip(rows, outs)]
         return table.append_column(STOP_TEXT, pa.array(texts, pa.string()))
 
-    # --- introspection (tests, debugging) -------------------------------------------
+    # --- introspection (tests, debugging, the stage's dispatchers) -------------------
+    @property
+    def batches_in_flight(self) -> int:
+        """Calls of run_batch running now (actors/engine_router.py routes to the least busy engine)."""
+        return self._in_flight
+
     def batch_log(self) -> Optional[List[List[Any]]]:
         """Request ids (batch number, row) of every block cycle, when record_batches."""
         log = self.loop.engine.batch_log

@@ -15,10 +15,14 @@ split and for padding) and `random`. Reports, per order, from one run of each mo
 
     python bench/sorter_bench.py                       # writes bench/results/sorter_cpu.json
     python bench/sorter_bench.py --scale               # bench/results/sorter_scale.json + .png
+    python bench/sorter_bench.py --scale --driver-memory --scale-orders random
+                                                       # adds `driver_memory` to sorter_scale.json
 
 `--scale` (issue 17: bench/sorter_scale.py) runs the job at 1k, 4k and 16k rows and the
 ordering stage alone at 1M and 10M synthetic rows, for wall time, its linear fit, and
-the driver's peak memory.
+the driver's peak memory. `--driver-memory` runs only the job at the smallest and the
+largest of `--scale-rows`, each in a fresh driver process, for the driver's peak memory
+per row count, and writes it into the existing JSON (`driver_memory`; other keys kept).
 """
 from __future__ import annotations
 
@@ -135,6 +139,9 @@ def main(argv=None):
     ap.add_argument("--sort-window-rows", type=int, default=4096, help="--scale: the ordering's window")
     ap.add_argument("--reps", type=int, default=3, help="--scale: runs per mode at the smallest row count")
     ap.add_argument("--ordering-rows", default="1000000,10000000", help="--scale: ordering-only sizes ('' for none)")
+    ap.add_argument("--driver-memory", action="store_true",
+                    help="--scale: only the driver's peak memory at the smallest and largest --scale-rows, each run in "
+                         "a fresh driver process; merged into the JSON at --out as `driver_memory`")
     args = ap.parse_args(argv)
     if args.scale:
         return main_scale(args, argv)
@@ -200,6 +207,9 @@ def main_scale(args, argv):
     out = args.out or os.path.join(ROOT, "bench", "results", "sorter_scale.json")
     model = write_tiny_model(tempfile.mkdtemp(prefix="tiny-dllm-"), hidden_size=a.hidden_size, n_layers=a.layers,
                              n_heads=4, n_kv_heads=4, intermediate_size=4 * a.hidden_size)
+    command = "python bench/sorter_bench.py " + " ".join(sys.argv[1:] if argv is None else argv)
+    if args.driver_memory:
+        return _driver_memory(model, a, out, command)
     ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False,
              runtime_env={"env_vars": {"PYTHONPATH": ROOT}})
     ray.data.DataContext.get_current().enable_progress_bars = False
@@ -208,7 +218,7 @@ def main_scale(args, argv):
         result = sorter_scale.run_scale(model, a, log=lambda m: print(m, flush=True))
     finally:
         ray.shutdown()
-    result = {"command": "python bench/sorter_bench.py " + " ".join(sys.argv[1:] if argv is None else argv),
+    result = {"command": command,
               "workload": dict(dataclasses.asdict(a), engines=2, device="cpu (2 cores, shared with a co-tenant)",
                                cache="refresh", canvas="full (bidirectional tiny model)",
                                model="random tiny LLaDA-style (bench/workloads.write_tiny_model)"),
@@ -220,6 +230,34 @@ def main_scale(args, argv):
     with open(out, "w") as f:
         json.dump(result, f, indent=2, default=str)
     print(json.dumps(result["summary"], indent=2, default=str), flush=True)
+    return result
+
+
+def merge_driver_memory(result: dict, mem: dict) -> dict:
+    """`mem` (run_driver_memory's) into a scale result: as `driver_memory`, and its growth
+    and target into `summary` beside the shared-driver figures."""
+    result["driver_memory"] = mem
+    summary = result.setdefault("summary", {})
+    for key, value in mem.items():
+        if key.startswith("driver_rss_growth_mb_"):
+            summary[key + "_fresh_driver"] = value
+    summary.setdefault("targets", {}).update({k + " (fresh driver per run)": v for k, v in mem["target"].items()})
+    return result
+
+
+def _driver_memory(model: str, a, out: str, command: str):
+    """`--scale --driver-memory`: every run in a fresh driver (no Ray in this process);
+    the result goes into the JSON at `out` under `driver_memory`, other keys kept."""
+    from bench import sorter_scale
+
+    t0 = time.perf_counter()
+    mem = sorter_scale.run_driver_memory(model, a, log=lambda m: print(m, flush=True))
+    mem = {"command": command, "bench_wall_s": time.perf_counter() - t0, **mem}
+    result = merge_driver_memory(json.load(open(out)) if os.path.exists(out) else {}, mem)
+    os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
+    with open(out, "w") as f:
+        json.dump(result, f, indent=2, default=str)
+    print(json.dumps({k: v for k, v in mem.items() if k != "runs"}, indent=2, default=str), flush=True)
     return result
 
 

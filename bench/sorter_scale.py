@@ -14,11 +14,19 @@ memory shows what the pipeline keeps there, not what the bench built:
     tokenized rows at each of `ordering_rows`: wall time and driver peak RSS.
 
 Driver peak RSS is the kernel's high-water mark (VmHWM), reset before each run by
-writing 5 to /proc/self/clear_refs.
+writing 5 to /proc/self/clear_refs. In `run_scale` every run shares one driver process,
+so a later run's figure also carries what Ray kept from the runs before it;
+`run_driver_memory` (`sorter_bench.py --scale --driver-memory`) runs each job in a fresh
+driver process of its own, with a local Ray of its own, which is what a user's job is.
 """
 from __future__ import annotations
 
+import dataclasses
+import json
+import os
 import statistics
+import subprocess
+import sys
 import time
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Sequence
@@ -155,8 +163,9 @@ def run_job(model: str, sort: str, n: int, order: str, a: ScaleArgs) -> Dict[str
     src = _cpu_fraction(ray.data.range(n, override_num_blocks=max(1, n // cfg.batch_size)), cfg.cpu_stage_num_cpus)
     ds = src.map_batches(prompt_batch, fn_kwargs=dict(n=n, order=order, short_len=a.short_len),
                          batch_format="pyarrow", num_cpus=cfg.cpu_stage_num_cpus)
-    seen, rows, errors = set(), 0, 0
+    seen, rows, errors, first = set(), 0, 0, None
     for b in proc(ds).iter_batches(batch_size=None, batch_format="pyarrow"):
+        first = time.perf_counter() - t0 if first is None else first
         rows += b.num_rows
         seen.update(b.column("id").to_pylist())
         errors += sum(1 for e in b.column("error").to_pylist() if e)
@@ -168,6 +177,7 @@ def run_job(model: str, sort: str, n: int, order: str, a: ScaleArgs) -> Dict[str
     padded = sum(s["padded_cells"] for s in stats.values())
     computed = sum(s["computed_cells"] for s in stats.values())
     return {"sort": sort, "order": order, "rows": n, "wall_s": wall, "rows_per_s": n / wall,
+            "first_batch_s": first,  # start-up: from the run's start to its first output batch
             "rows_out": rows, "ids_exactly_once": rows == n == len(seen), "errors": errors,
             "padding_fraction": padded / computed if computed else None,
             "busy_s": busy, "busy_spread": _spread(busy), "busy_cpu_spread": _spread(busy_cpu),
@@ -200,6 +210,74 @@ def run_ordering(model: str, n: int, a: ScaleArgs) -> Dict[str, Any]:
     return {"rows": n, "batch_size": cfg.batch_size, "rows_out": rows, "wall_s": wall, "rows_per_s": n / wall,
             "driver_peak_rss_mb": peak_rss_mb(), "driver_rss_start_mb": start_rss,
             "driver_rss_rise_mb": peak_rss_mb() - start_rss}
+
+
+# --------------------------------------------------------------------------- a fresh driver per run
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_RESULT = "SORTER_SCALE_RESULT "
+
+
+def job_in_fresh_driver(model: str, sort: str, n: int, order: str, a: ScaleArgs,
+                        timeout_s: float = 3600) -> Dict[str, Any]:
+    """`run_job` in a new Python process that starts a local Ray of its own (2 CPUs), as a
+    user's job is its own driver: its driver memory carries nothing from other runs. Adds
+    `driver_rss_after_init_mb` (the process after imports and `ray.init`, before the run)."""
+    payload = json.dumps({"model": model, "sort": sort, "n": n, "order": order, "args": dataclasses.asdict(a)})
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH")) if p))
+    env.pop("RAY_ADDRESS", None)
+    proc = subprocess.run([sys.executable, "-c", "import sys; from bench.sorter_scale import _child; _child(sys.argv[1])",
+                           payload], cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout_s)
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith(_RESULT)]
+    if proc.returncode != 0 or not lines:
+        raise RuntimeError(f"fresh-driver run {sort}/{order}/{n} failed ({proc.returncode}): {proc.stderr[-3000:]}")
+    return json.loads(lines[-1][len(_RESULT):])
+
+
+def _child(payload: str) -> None:
+    import ray
+    import torch
+
+    p = json.loads(payload)
+    a = ScaleArgs(**{k: tuple(v) if isinstance(v, list) else v for k, v in p["args"].items()})
+    torch.set_num_threads(1)
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False,
+             runtime_env={"env_vars": {"PYTHONPATH": ROOT}})
+    ray.data.DataContext.get_current().enable_progress_bars = False
+    try:
+        after_init = rss_mb()
+        r = run_job(p["model"], p["sort"], p["n"], p["order"], a)
+    finally:
+        ray.shutdown()
+    r.update(driver_rss_after_init_mb=after_init, fresh_driver=True)
+    print(_RESULT + json.dumps(r, default=str), flush=True)
+
+
+def _k(n: int) -> str:
+    return f"{n // 1000}k" if n % 1000 == 0 else str(n)
+
+
+def run_driver_memory(model: str, a: ScaleArgs, log=print) -> Dict[str, Any]:
+    """The driver's peak memory at the smallest and the largest of `a.rows`, each mode and
+    order, every run in a fresh driver process (`job_in_fresh_driver`), modes interleaved;
+    and its growth from the smallest to the largest (`driver_rss_growth_mb_1k_to_16k` at
+    the defaults): the largest peak at the larger count minus the smallest at the smaller."""
+    small, big = min(a.rows), max(a.rows)
+    runs = []
+    for n in (small, big):
+        for order in a.orders:
+            for sort in ("none", "blendserve"):
+                r = job_in_fresh_driver(model, sort, n, order, a)
+                runs.append(r)
+                log(f"fresh driver: {sort:10s} {order:12s} {n:6d} rows: {r['wall_s']:7.1f} s, peak rss "
+                    f"{r['driver_peak_rss_mb']:.0f} MB (after ray.init {r['driver_rss_after_init_mb']:.0f} MB)")
+
+    def peaks(sort, n):
+        return [r["driver_peak_rss_mb"] for r in runs if r["sort"] == sort and r["rows"] == n]
+
+    growth = {s: max(peaks(s, big)) - min(peaks(s, small)) for s in ("blendserve", "none")}
+    return {"runs": runs, f"driver_rss_growth_mb_{_k(small)}_to_{_k(big)}": growth,
+            "target": {f"driver_rss_growth_{_k(small)}_to_{_k(big)}<=50MB": all(v <= 50 for v in growth.values())}}
 
 
 # --------------------------------------------------------------------------- summary
@@ -325,5 +403,6 @@ def run_scale(model: str, a: ScaleArgs, log=print) -> Dict[str, Any]:
             "peak_rss_reset": reset_peak_rss()}
 
 
-__all__ = ["ScaleArgs", "run_scale", "run_job", "run_ordering", "summarize", "plot", "linear_fit",
+__all__ = ["ScaleArgs", "run_scale", "run_job", "run_ordering", "run_driver_memory", "job_in_fresh_driver",
+           "summarize", "plot", "linear_fit",
            "prompt_batch", "token_batch", "peak_rss_mb", "rss_mb", "reset_peak_rss"]

@@ -4,8 +4,8 @@ Modelled on `ray.data.llm.build_llm_processor`: a processor is a fixed chain of
 `map_batches` stages derived from one config, applied lazily to a Dataset, so it
 composes with whatever the user reads from or writes to. Stages:
 
-    preprocess (user, per row) → [chat template] → tokenize → engine (actor pool)
-    → detokenize → postprocess (user, per row)
+    preprocess (user, per row) → [chat template] → tokenize → engines (a pool of
+    dispatchers, one engine actor each) → detokenize → postprocess (user, per row)
 
 Every stage adds columns and keeps the rest, so user columns reach the output as they
 came in (unless postprocess chooses otherwise).
@@ -18,9 +18,11 @@ from typing import Any, Callable, Dict, Optional
 import ray
 import ray.data
 
-from actors.engine_actor import OUTPUT_SCHEMA, DLLMEngineActor, new_rank_group
+from actors.engine_actor import DLLMEngineActor, new_rank_group
+from actors.engine_router import DISPATCHER_CPUS, EngineDispatcher
 from actors.metrics import new_run_id
 from actors.rank import rank_counter
+from actors.schema import ENGINE_RETRIES, OUTPUT_SCHEMA
 
 from .config import DLLMProcessorConfig
 from .model_source import with_local_model
@@ -31,7 +33,7 @@ from .stages import PRE_ERROR, TOKEN_IDS, DetokenizeUDF, TokenizeUDF, chat_stage
 RowFn = Callable[[Dict[str, Any]], Dict[str, Any]]
 
 # Columns the processor adds to every row.
-OUTPUT_COLUMNS = ("generated_text", *OUTPUT_SCHEMA.names)
+OUTPUT_COLUMNS = ("generated_text", *OUTPUT_SCHEMA.names, ENGINE_RETRIES.name)
 
 
 def _merge_preprocess(fn: RowFn) -> RowFn:
@@ -95,23 +97,35 @@ class DLLMProcessor:
             actor_cls, ctor = StatsEngineActor, dict(ctor, stats_sink=self._stats_sink)
 
         if cfg.wait_for_engines_s > 0 and ds.context.wait_for_min_actors_s <= 0:
+            # The dispatchers are ready once their engines are (actors/engine_router.py).
             # Shared by this dataset's lineage only (not the global DataContext).
             ds.context.wait_for_min_actors_s = cfg.wait_for_engines_s
-        # One pool of num_engines engines pulling blocks as they free up; they number
-        # themselves from a counter the driver owns, so a restarted engine still gets a rank of its own.
+        # One pool of num_engines dispatchers pulling blocks as they free up, each with an
+        # engine actor of its own, started and owned by the run's group actor; a lost engine's
+        # batches go to a live engine (actors/engine_router.py). Engines number themselves
+        # from the group, which the driver owns, so a restarted engine gets a rank of its own.
         group = new_rank_group()
         self._rank_counter = rank_counter(group)
+        engine_options = dict(num_cpus=res["num_cpus"], num_gpus=res["num_gpus"], scheduling_strategy="SPREAD",
+                              **({"resources": dict(cfg.resources_per_engine)} if cfg.resources_per_engine else {}))
+        ctor = dict(ctor, rank_group=group)
         engines = dict(
-            fn_constructor_kwargs=dict(ctor, rank_group=group),
-            # k calls in flight per actor, all feeding its one engine (see actors/engine_actor.py).
+            fn_constructor_kwargs=dict(
+                engine_cls=f"{actor_cls.__module__}.{actor_cls.__qualname__}", engine_kwargs=ctor,
+                engine_options=engine_options, group=self._rank_counter,  # the dataset holds the group
+                columns=[ctor[k] for k in ("token_ids_column", "error_column", "sampling_column", "seed_column",
+                                           "id_column")]),
+            # k calls in flight per dispatcher, all feeding its one engine (see actors/engine_actor.py).
             compute=ray.data.ActorPoolStrategy(size=cfg.num_engines, max_tasks_in_flight_per_actor=k,
                                                max_concurrent_calls_per_actor=k),
-            batch_size=cfg.batch_size, batch_format="pyarrow", num_cpus=res["num_cpus"],
-            num_gpus=res["num_gpus"] or None, udf_modifying_row_count=True,  # n > 1: a row per sample
-            **({"resources": dict(cfg.resources_per_engine)} if cfg.resources_per_engine else {}))
+            batch_size=cfg.batch_size, batch_format="pyarrow", num_cpus=DISPATCHER_CPUS,
+            udf_modifying_row_count=True,  # n > 1: a row per sample
+            # on the driver's node, else anywhere: a lost worker node then takes no dispatcher with it
+            label_selector={"ray.io/node-id": ray.get_runtime_context().get_node_id()},
+            fallback_strategy=[{"label_selector": {}}])
         if cfg.sort == "blendserve":  # lazy, streaming: windows ordered by a per-row key (pipeline/sorting)
             ds = order_dataset(ds, cfg, dict(num_cpus=cfg.cpu_stage_num_cpus), device=res["device"])
-        ds = ds.map_batches(actor_cls, **engines)
+        ds = ds.map_batches(EngineDispatcher, **engines)
         ds = ds.map_batches(with_local_model(DetokenizeUDF, cfg.model, self.storage), fn_constructor_kwargs=dict(
             model=cfg.model, detokenize=cfg.detokenize, skip_special_tokens=cfg.skip_special_tokens), **cpu_stage)
         if self.postprocess is not None:

@@ -96,6 +96,9 @@ def block_stats(table: pa.Table, reference_column: Optional[str] = "reference") 
         "last_finish": _min_max([f for f, ok in zip(finished, ran) if ok])[1],
         "input_rows": (sum(1 for k in table.column("sample_index").to_pylist() if not k)
                        if "sample_index" in names else table.num_rows),
+        # rows whose batch was sent to another engine because the engine running it was lost
+        "engine_retried_rows": (sum(1 for k in table.column("engine_retries").to_pylist() if k)
+                                if "engine_retries" in names else 0),
     }
     if reference_column and reference_column in table.column_names:
         refs = table.column(reference_column).to_pylist()
@@ -110,7 +113,7 @@ def block_stats(table: pa.Table, reference_column: Optional[str] = "reference") 
 def summarize(block_stats_list: Iterable[Dict[str, Any]], wall_s: float, **extra: Any) -> Dict[str, Any]:
     """One summary: rows, errors, generated tokens, tokens/s over the wall time, and
     exact-match accuracy over rows that have a reference (None when none has)."""
-    rows = errors = tokens = scored = matches = files = input_rows = 0
+    rows = errors = tokens = scored = matches = files = input_rows = retried = 0
     latency = 0.0
     reasons: Counter = Counter()
     kinds: Counter = Counter()
@@ -134,6 +137,7 @@ def summarize(block_stats_list: Iterable[Dict[str, Any]], wall_s: float, **extra
         starts.append(s.get("first_start"))
         ends.append(s.get("last_finish"))
         input_rows += s.get("input_rows", s["rows"])
+        retried += s.get("engine_retried_rows", 0)
         if "scored" in s:
             have_refs = True
             scored += s["scored"]
@@ -157,6 +161,8 @@ def summarize(block_stats_list: Iterable[Dict[str, Any]], wall_s: float, **extra
         "blocks_to_finish": {str(k): blocks_hist[k] for k in sorted(blocks_hist)},
         "finish_reasons": dict(sorted(reasons.items())),
         "error_fraction": errors / rows if rows else 0.0,
+        # rows run again on another engine because the engine running them was lost
+        "engine_retried_rows": retried,
         # most frequent distinct messages (counts per block's most frequent: a lower bound)
         "top_errors": [{"error": e, "count": n} for e, n in kinds.most_common(TOP_ERRORS)],
         "exact_match": (matches / scored if scored else None) if have_refs else None,

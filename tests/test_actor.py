@@ -112,3 +112,41 @@ def test_loop_fails_in_flight_rows_and_recovers(tiny_model_dir):
             loop.submit([5, 6], SamplingParams(max_new_tokens=4), "c")
     finally:
         loop.shutdown()
+
+
+def test_dispatcher_puts_engine_columns_on_the_whole_batch():
+    """The engine stage's dispatcher sends the engine only the columns it reads, with each
+    row's index, and puts the engine's columns back on the whole batch: pass-through columns
+    kept, a row per sample (row 1 with two samples here), an input column named like an
+    output column replaced, `engine_retries` added."""
+    from actors.engine_router import _ADDED, _ROW, EngineDispatcher
+    from actors.schema import ENGINE_RETRIES, STOP_TEXT
+
+    table = pa.table({"id": ["a", "b"], "payload": ["x", "y"], "engine_rank": [9, 9]})
+    rows = [0, 1, 1]
+    engine_out = {_ROW: pa.array(rows, pa.int64())}
+    for f in OUTPUT_SCHEMA:
+        engine_out[f.name] = pa.nulls(len(rows), f.type)
+    engine_out["engine_rank"] = pa.array([3, 3, 3], pa.int64())
+    engine_out["sample_index"] = pa.array([0, 0, 1], pa.int64())
+    engine_out[STOP_TEXT] = pa.nulls(len(rows), pa.string())
+    out = EngineDispatcher._merge(table, pa.table(engine_out), retries=1)
+    assert out.column_names == ["id", "payload", *_ADDED, ENGINE_RETRIES.name]
+    assert out.column("id").to_pylist() == ["a", "b", "b"] and out.column("payload").to_pylist() == ["x", "y", "y"]
+    assert out.column("engine_rank").to_pylist() == [3, 3, 3]
+    assert out.column("sample_index").to_pylist() == [0, 0, 1]
+    assert out.column(ENGINE_RETRIES.name).to_pylist() == [1, 1, 1]
+
+
+
+def test_dispatcher_imports_no_torch():
+    """The engine stage's dispatchers hold no engine: their module (and the group actor's)
+    loads in a fresh process without torch."""
+    import subprocess
+    import sys
+
+    from conftest import ROOT
+
+    code = "import sys, actors.engine_router, actors.rank, actors.schema; print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False", out.stderr

@@ -1,6 +1,14 @@
-"""Issue 7, A2: one of two engine actors is SIGKILLed mid-run; Ray Data restarts it
-(actor pools default to max_restarts=-1, max_task_retries=-1) and re-runs the batches it
-held; the run completes with every id exactly once and no error rows from the kill.
+"""Issue 7, A2 / issue 17, acceptance 5: one of two engines is SIGKILLed mid-run; the
+batches it held are run by the other engine at once, not after its restart; the run
+completes with every id exactly once and no error rows from the kill.
+
+How (actors/engine_router.py): the engine stage's Ray Data actors are dispatchers, each
+with an engine actor of its own (max_restarts=-1, max_task_retries=0). The calls in
+flight to a killed engine fail within about 2 s, and its dispatcher sends those batches to
+the live engine with the fewest batches in flight; Ray restarts the killed engine
+meanwhile, and it takes a new rank (above 1 here).
+Before (Ray Data's pool of engines, max_task_retries=-1) the batches waited for the
+killed actor's restart and ran there.
 
 The victim is found among the worker processes of *this* test's Ray (children of its
 raylet, itself a child of this process), never by name across the machine."""
@@ -20,17 +28,20 @@ from procs import children
 N = 24
 
 
-def _engine_pids():
-    pids = []
+def _engines():
+    """{pid: process title} of the engine actors of this test's Ray: `ray::EngineHost`,
+    `ray::EngineHost.run_batch` while it runs a batch (their dispatchers,
+    `MapWorker(MapBatches(EngineDispatcher))`, hold no engine)."""
+    out = {}
     for raylet in children(os.getpid()):
         for w in children(raylet):
             try:
-                cmd = open(f"/proc/{w}/cmdline", "rb").read().decode(errors="replace")
+                title = open(f"/proc/{w}/cmdline", "rb").read().decode(errors="replace").split("\0")[0]
             except OSError:
                 continue
-            if "DLLMEngineActor" in cmd:
-                pids.append(w)
-    return pids
+            if title.startswith("ray::EngineHost"):
+                out[w] = title
+    return out
 
 
 def test_engine_actor_killed_mid_run(tmp_path, tiny_model_dir, ray_local):
@@ -44,12 +55,13 @@ def test_engine_actor_killed_mid_run(tmp_path, tiny_model_dir, ray_local):
     def killer():
         deadline = time.time() + 240
         while time.time() < deadline:
-            pids = _engine_pids()
-            if len(pids) >= 2 and part_files(out):
-                os.kill(pids[0], signal.SIGKILL)
-                killed["pid"], killed["parts_before"] = pids[0], len(part_files(out))
+            engines = _engines()
+            busy = [pid for pid, title in engines.items() if title.endswith(".run_batch")]
+            if len(engines) >= 2 and busy:  # both engines up, the victim running a batch
+                os.kill(busy[0], signal.SIGKILL)
+                killed.update(pid=busy[0], t=time.time(), parts_before=len(part_files(out)))
                 return
-            time.sleep(0.05)
+            time.sleep(0.02)
 
     t = threading.Thread(target=killer, daemon=True)
     t.start()
@@ -61,3 +73,23 @@ def test_engine_actor_killed_mid_run(tmp_path, tiny_model_dir, ray_local):
     assert sorted(table.column("id").to_pylist()) == [f"k{i:02d}" for i in range(N)]  # exactly once
     assert not [e for e in table.column("error").to_pylist() if e]  # the kill caused no error rows
     assert summary["rows"] == N and summary["errors"] == 0
+
+    rows = table.select(["id", "engine_rank", "engine_retries", "finished_at", "latency_s"]).to_pylist()
+    for r in rows:
+        r["started_at"] = r["finished_at"] - r["latency_s"]  # when its engine took it
+    resent = [r for r in rows if r["engine_retries"]]
+    before = {r["engine_rank"] for r in rows if r["finished_at"] < killed["t"]}
+    restarted = {r["engine_rank"] for r in rows} - {0, 1}  # the killed engine, back under a new rank
+    print({"kill_t": killed["t"], "resent": resent, "ranks_before_kill": sorted(before),
+           "restarted_ranks": sorted(restarted),
+           "restarted_first_start": min((r["started_at"] for r in rows if r["engine_rank"] in restarted), default=None)})
+    # the killed engine held batches, and they were sent again...
+    assert resent, "no row was in flight on the killed engine"
+    assert summary["engine_retried_rows"] == len(resent)
+    # ...to the engine that was already running (the other original rank), not to the
+    # killed engine once restarted (a rank above 1)...
+    survivors = {r["engine_rank"] for r in resent}
+    assert len(survivors) == 1 and survivors <= {0, 1}, resent
+    # ...which took them before the restarted engine took any row: they did not wait for it.
+    took = max(r["started_at"] for r in resent)
+    assert all(took < r["started_at"] for r in rows if r["engine_rank"] in restarted), (took, restarted)

@@ -177,3 +177,18 @@ def test_cost_model_times_and_blocks():
     assert blocks(np.array([1, 32, 33]), 32).tolist() == [1, 1, 2]
     with pytest.raises(ValueError):
         work(np.array([1]), np.array([1]), 8, 4, cache="bogus")
+
+
+def test_row_budget_is_the_engines_sampling_params():
+    """The ordering reads a row's generation budget as the engine builds it
+    (SamplingParams.from_dict over the config's): vLLM's `max_tokens`, nulls dropped (an
+    Arrow struct column gives every row every key), the config's for no or a bad override."""
+    from engine import SamplingParams
+    from pipeline.sorting.order import _budget
+
+    base = SamplingParams(max_new_tokens=32)
+    assert _budget(None, base) == _budget({}, base) == 32
+    assert _budget({"max_tokens": 64}, base) == _budget({"max_new_tokens": 64, "max_tokens": None}, base) == 64
+    assert _budget({"temperature": 0.5, "max_tokens": None}, base) == 32
+    for bad in ({"max_tokens": 0}, {"max_tokens": "many"}, {"no_such_key": 1}, "max_tokens=8"):
+        assert _budget(bad, base) == 32, bad

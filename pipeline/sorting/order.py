@@ -35,6 +35,8 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import ray.data
 
+from engine.config import SamplingParams  # dataclasses only: no torch
+
 from ..config import DLLMProcessorConfig
 from ..stages import TOKEN_IDS
 from .cost import CostModel, Roofline
@@ -44,16 +46,19 @@ from .prefix import PREFIX_CHUNK, prefix_key
 COST_BUCKET_RATIO = 1.25
 
 
-def _budget(override: Any, default: int) -> int:
-    """A row's generation budget: its override's max_new_tokens (or vLLM's max_tokens)
-    when usable, else the default (a bad override is the engine's to report, as an error row)."""
-    if not isinstance(override, dict):
-        return default
-    value = override.get("max_new_tokens", override.get("max_tokens"))
+def _budget(override: Any, base: SamplingParams) -> int:
+    """A row's generation budget: max_new_tokens of the SamplingParams the engine builds for
+    it (`SamplingParams.from_dict`: the row's override over the config's, vLLM's names
+    accepted, null entries dropped as the engine drops them); the config's when the
+    override is not usable (a bad override is the engine's to report, as an error row)."""
+    if not override:
+        return base.max_new_tokens
     try:
-        return max(1, int(value)) if value else default
+        value = SamplingParams.from_dict({k: v for k, v in dict(override).items() if v is not None},
+                                         base).max_new_tokens
     except (TypeError, ValueError):
-        return default
+        return base.max_new_tokens
+    return value if isinstance(value, int) and value >= 1 else base.max_new_tokens
 
 
 def full_canvas(cfg: DLLMProcessorConfig) -> bool:
@@ -70,8 +75,9 @@ def full_canvas(cfg: DLLMProcessorConfig) -> bool:
 class SortWindowUDF:
     """Orders a window of rows by the key (see the module docstring)."""
 
-    def __init__(self, cost: Union[CostModel, Roofline], default_max_new: int, sampling_column: str, min_chunks: int):
-        self.cost, self.default_max_new = cost, default_max_new
+    def __init__(self, cost: Union[CostModel, Roofline], sampling: SamplingParams, sampling_column: str,
+                 min_chunks: int):
+        self.cost, self.sampling = cost, sampling
         self.sampling_column, self.min_chunks = sampling_column, min_chunks
 
     def keys(self, batch: pa.Table) -> Tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -82,7 +88,7 @@ class SortWindowUDF:
                           dtype=np.int64)
         over = (batch.column(self.sampling_column).to_pylist() if self.sampling_column in batch.column_names
                 else [None] * n)
-        gens = np.array([_budget(o, self.default_max_new) for o in over], dtype=np.int64)
+        gens = np.array([_budget(o, self.sampling) for o in over], dtype=np.int64)
         seconds = self.cost.times(lens, gens)
         bucket = np.floor(np.log(np.maximum(seconds, 1e-300)) / math.log(COST_BUCKET_RATIO)).astype(np.int64)
         prefix = np.zeros(n, dtype=np.int64)
@@ -119,7 +125,7 @@ def order_dataset(ds: ray.data.Dataset, cfg: DLLMProcessorConfig,
     remote = ray_remote_args or {}
     # A task stage (the UDF is stateless): no actor of its own to start before the first
     # window, which on a small machine delays the engines by seconds.
-    ordered = ds.map_batches(SortWindowUDF(cost, cfg.sampling.max_new_tokens, cfg.sampling_column, min_chunks),
+    ordered = ds.map_batches(SortWindowUDF(cost, cfg.sampling, cfg.sampling_column, min_chunks),
                              batch_format="pyarrow", batch_size=cfg.sort_window_rows, udf_modifying_row_count=False,
                              **remote)
     # Ray Data joins a stage's yields into one block; engines pull whole blocks, so cut the

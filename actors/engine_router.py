@@ -1,0 +1,230 @@
+"""The engine stage: a lost engine's batches go to a live engine at once.
+
+Why the engines are not Ray Data's pool actors themselves: Ray Data 2.60 binds each task
+of an actor pool to one actor. With the pool's defaults (max_restarts=-1,
+max_task_retries=-1) the batches a dead actor held are retried on that same actor once Ray
+has restarted it: after a model load, or, when its node is gone and no node has a free
+slot (a GPU, an `engine_slot`), only once a slot frees. With max_task_retries=0 they fail,
+and Ray Data fails the dataset (or, with `max_errored_blocks`, drops their rows). Nothing
+in the pool (ray/data/_internal/execution/operators/actor_pool_map_operator.py) hands such
+a task to another actor. So the pool holds dispatchers, and each engine is an actor of its
+own:
+
+- `EngineDispatcher`, the Ray Data callable class (one per engine; a twentieth of a CPU, no
+  GPU, no model, no torch; on the driver's node when there is room, so that a lost worker
+  node takes no dispatcher with it), has the run's group actor (actors/rank.py) start one
+  engine for it and sends every batch Ray Data gives it to that engine. While nothing
+  fails, the stage is a pool of engines pulling blocks (Ray Data hands the next block to a
+  dispatcher with a free call slot), as before.
+- `EngineHost` holds a `DLLMEngineActor` with the engine's CPUs, GPUs and custom
+  resources, `max_restarts=-1` and `max_task_retries=0`: when it dies, the calls in flight
+  to it fail (`ActorUnavailableError`, about 2 s after a SIGKILL here) instead of waiting
+  for its restart. The dispatcher sends each such batch again, at once, to the live engine
+  of the run with the fewest batches in flight, and sends its new batches there too until
+  its own engine answers again (Ray restarts it wherever a slot is free).
+- The group actor owns the engines, so an engine outlives its dispatcher: once Ray Data
+  has handed out every block it releases each dispatcher that falls idle, and the engine
+  of such a dispatcher is still there for a batch that a lost engine held. An engine whose
+  dispatcher is gone stops once no batch of the run is in flight.
+- A batch is yielded once, by the dispatcher, from the one engine call that returned, so
+  every row is written once; its `engine_retries` column counts the times it was sent again.
+
+The engine gets only the columns it reads (token ids, the tokenizer's error, sampling
+params, seed, id) and each row's index; the dispatcher puts the engine's columns back on the
+whole batch, so pass-through columns never travel to an engine.
+"""
+from __future__ import annotations
+
+import asyncio
+import importlib
+import logging
+import uuid
+from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
+
+import pyarrow as pa
+import ray
+
+from .schema import ENGINE_RETRIES, OUTPUT_SCHEMA, STOP_TEXT
+
+logger = logging.getLogger(__name__)
+
+# What the dispatcher asks of Ray Data: it only moves Arrow tables.
+DISPATCHER_CPUS = 0.05
+# An engine is lost when a call to it fails like this (not when its own code raises).
+ENGINE_LOST = (ray.exceptions.RayActorError, ray.exceptions.ObjectLostError)
+PROBE_S = 0.5  # how often a dispatcher asks whether its lost engine is back
+LOAD_TIMEOUT_S = 1.0  # an engine that does not say its load within this is skipped
+WATCH_S = 2.0  # how often an engine asks whether its dispatcher is still there
+_ROW = "__row"
+_ADDED = [*OUTPUT_SCHEMA.names, STOP_TEXT]
+
+
+class EngineHost:
+    """The actor that holds one engine: `engine_cls` ("module.Class", a DLLMEngineActor)
+    built from `kwargs`. A class of its own so that the dispatcher never imports the engine
+    (torch). Started by the run's group actor (`group`) for the dispatcher `dispatcher`
+    (`key`); once that dispatcher is gone it asks the group, every WATCH_S, to stop it."""
+
+    def __init__(self, engine_cls: str, kwargs: Dict[str, Any], *, group: Any = None, key: str = "",
+                 dispatcher: Any = None):
+        module, _, name = engine_cls.rpartition(".")
+        self.engine = getattr(importlib.import_module(module), name)(**kwargs)
+        self._group, self._key, self._dispatcher = group, key, dispatcher
+        self._watchdog: Optional[asyncio.Future] = None
+
+    async def ready(self) -> int:
+        self._watch()
+        return self.engine.rank
+
+    async def load(self) -> int:
+        self._watch()
+        return self.engine.batches_in_flight
+
+    async def run_batch(self, table: pa.Table) -> pa.Table:
+        self._watch()
+        return await self.engine.run_batch(table)
+
+    def _watch(self) -> None:
+        if self._dispatcher is not None and self._group is not None and self._watchdog is None:
+            self._watchdog = asyncio.ensure_future(self._stop_when_unneeded())
+
+    async def _stop_when_unneeded(self) -> None:
+        while True:
+            await asyncio.sleep(WATCH_S)
+            try:
+                await self._dispatcher.__ray_ready__.remote()  # any actor has it
+                continue
+            except ray.exceptions.ActorDiedError:
+                pass  # released by Ray Data (or failed for good)
+            except Exception:  # noqa: BLE001 - restarting, unreachable: ask again later
+                continue
+            try:
+                await self._group.release.remote(self._key)  # stops this actor when nothing is in flight
+            except Exception:  # noqa: BLE001 - the group is gone: so is this engine, its owner's child
+                return
+
+
+def _as_table(batch: Union[pa.Table, Dict[str, Any]]) -> pa.Table:
+    if isinstance(batch, pa.Table):
+        return batch
+    return pa.table({k: list(v) for k, v in batch.items()})
+
+
+class EngineDispatcher:
+    """Ray Data callable class of the engine stage; see the module docstring.
+
+    `engine_cls`, `engine_kwargs`: the engine actor ("module.Class") and its constructor
+    arguments; `engine_options`: its Ray options (num_cpus, num_gpus, resources,
+    scheduling_strategy); `group`: the run's group actor (actors/rank.py; a handle, which
+    the dataset holds while it exists, so the group and its engines live as long);
+    `columns`: the input columns the engine reads."""
+
+    def __init__(self, *, engine_cls: str, engine_kwargs: Dict[str, Any], engine_options: Dict[str, Any],
+                 group: "ray.actor.ActorHandle", columns: Sequence[Optional[str]]):
+        ctx = ray.get_runtime_context()
+        self._columns = list(dict.fromkeys(c for c in columns if c))
+        self._group = group
+        self._key = ctx.get_actor_id() or uuid.uuid4().hex  # the same across this dispatcher's restarts
+        # `current_actor` is a weak handle: it does not keep this dispatcher alive
+        self._engine = ray.get(self._group.start_engine.remote(self._key, engine_cls, engine_kwargs, engine_options,
+                                                               ctx.current_actor))
+        self._up = False  # its engine answers now
+        self._gone: Optional[BaseException] = None  # its engine cannot come back (a restart failed)
+        self._watcher: Optional[asyncio.Future] = None
+        if not ctx.was_current_actor_reconstructed:
+            # Ready when its engine is, as a pool of engines would be: every engine has loaded
+            # before rows flow, and Ray Data's wait_for_min_actors_s (wait_for_engines_s) and an
+            # engine that cannot start fail the job as before. A restarted dispatcher does not
+            # wait: the other engines take its batches meanwhile.
+            ray.get(self._engine.ready.remote())
+            self._up = True
+
+    async def __call__(self, batch: Union[pa.Table, Dict[str, Any]]):
+        yield await self.run_batch(batch)
+
+    async def run_batch(self, batch: Union[pa.Table, Dict[str, Any]]) -> pa.Table:
+        table = _as_table(batch)
+        send = table.select([c for c in self._columns if c in table.column_names]).append_column(
+            _ROW, pa.array(range(table.num_rows), pa.int64()))
+        retries = 0
+        self._group.track.remote(self._key, +1)  # an engine whose dispatcher is gone waits for these
+        try:
+            while True:
+                engine = await self._pick()
+                try:
+                    out = await engine.run_batch.remote(send)
+                    break
+                except ENGINE_LOST as e:
+                    retries += 1
+                    own = engine is self._engine
+                    if own:
+                        self._up = False
+                    logger.warning("%s engine lost with a batch of %d rows in flight; sending it to another "
+                                   "engine (%s: %s)", "this dispatcher's" if own else "another dispatcher's",
+                                   table.num_rows, type(e).__name__, (str(e).splitlines() or [""])[0])
+        finally:
+            self._group.track.remote(self._key, -1)
+        return self._merge(table, out, retries)
+
+    # --- routing ----------------------------------------------------------------------
+    async def _pick(self) -> "ray.actor.ActorHandle":
+        """Its own engine while it is up; else the live engine with the fewest batches in
+        flight; with none alive, wait (raise if its own engine cannot come back)."""
+        while True:
+            if self._up:
+                return self._engine
+            self._watch()
+            peers = await self._live_peers()
+            if peers:
+                return min(peers, key=lambda p: p[0])[1]
+            if self._gone is not None:
+                raise RuntimeError("no engine to run on: this dispatcher's engine failed to restart and no other "
+                                   f"engine answers ({self._gone})") from self._gone
+            await asyncio.sleep(PROBE_S)
+
+    async def _live_peers(self) -> List[Tuple[int, "ray.actor.ActorHandle"]]:
+        engines = await self._group.engines.remote()
+        others = [h for key, h in engines.items() if key != self._key]
+        loads = await asyncio.gather(*(self._load(h) for h in others))
+        return [(n, h) for n, h in zip(loads, others) if n is not None]
+
+    @staticmethod
+    async def _load(engine: "ray.actor.ActorHandle") -> Optional[int]:
+        try:
+            return await asyncio.wait_for(engine.load.remote(), LOAD_TIMEOUT_S)
+        except (asyncio.TimeoutError, *ENGINE_LOST):
+            return None  # lost, restarting, or not placed: not a candidate
+
+    def _watch(self) -> None:
+        """Start waiting for its own engine to answer again (Ray restarts it)."""
+        if self._gone is None and (self._watcher is None or self._watcher.done()):
+            self._watcher = asyncio.ensure_future(self._wait_for_engine())
+
+    async def _wait_for_engine(self) -> None:
+        while not self._up:
+            try:
+                rank = await self._engine.ready.remote()
+            except ray.exceptions.ActorDiedError as e:
+                if e.actor_init_failed:  # its restart failed: it stays dead
+                    self._gone = e
+                    return
+            except ENGINE_LOST:
+                pass
+            else:
+                logger.info("engine back (rank %d)", rank)
+                self._up = True
+                return
+            await asyncio.sleep(PROBE_S)
+
+    # --- output -------------------------------------------------------------------------
+    @staticmethod
+    def _merge(table: pa.Table, out: pa.Table, retries: int) -> pa.Table:
+        """The whole batch with the engine's columns (one row per output row of the engine,
+        which gives n rows for a row with n samples) and `engine_retries`."""
+        rows = out.column(_ROW)
+        base = table.drop_columns([c for c in (*_ADDED, ENGINE_RETRIES.name) if c in table.column_names])
+        if rows.to_pylist() != list(range(table.num_rows)):
+            base = base.take(rows)
+        for name in _ADDED:
+            base = base.append_column(out.schema.field(name), out.column(name))
+        return base.append_column(ENGINE_RETRIES, pa.array([retries] * out.num_rows, pa.int64()))
