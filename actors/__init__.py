@@ -7,8 +7,7 @@ that must not import torch.
 """
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from engine.lazy import lazy_exports
 
 _EXPORTS = {
     "DLLMEngineActor": ".engine_actor",
@@ -20,8 +19,4 @@ _EXPORTS = {
 
 __all__ = sorted(_EXPORTS)
 
-
-def __getattr__(name: str) -> Any:
-    if name not in _EXPORTS:
-        raise AttributeError(f"module 'actors' has no attribute {name!r}")
-    return getattr(importlib.import_module(_EXPORTS[name], __name__), name)
+__getattr__ = lazy_exports(__name__, _EXPORTS)

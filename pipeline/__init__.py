@@ -7,8 +7,7 @@ Ray or the engine.
 """
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from engine.lazy import lazy_exports
 
 _EXPORTS = {
     "DLLMProcessorConfig": ".config",
@@ -28,10 +27,4 @@ _EXPORTS = {
 
 __all__ = sorted(_EXPORTS)
 
-
-def __getattr__(name: str) -> Any:
-    if name not in _EXPORTS:
-        raise AttributeError(f"module 'pipeline' has no attribute {name!r}")
-    mod = _EXPORTS[name]
-    module = importlib.import_module(mod, __name__) if mod.startswith(".") else importlib.import_module(mod)
-    return getattr(module, name)
+__getattr__ = lazy_exports(__name__, _EXPORTS)

@@ -65,9 +65,9 @@ def full_canvas(cfg: DLLMProcessorConfig) -> bool:
     """The canvas the engines will use (EngineConfig.canvas, "auto" resolved from the
     model's config.json as the engine does); full when the config cannot be read here."""
     if cfg.engine.canvas != "auto":
-        return cfg.engine.canvas == "full"
+        return cfg.engine.full_canvas(block_causal=False)
     try:
-        return not read_model_config(cfg.model).block_causal
+        return cfg.engine.full_canvas(read_model_config(cfg.model).block_causal)
     except (OSError, ValueError, KeyError):
         return True
 
