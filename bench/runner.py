@@ -90,6 +90,7 @@ class RunResult:
     kv_bytes_copied_per_token: Optional[float] = None  # K/V moved by slot moves, growth, shifts, catch-up reads
     host_ms_per_step: Optional[float] = None  # step() wall time outside forwards, per denoising step
     syncs_per_step: Optional[float] = None  # device -> host reads of the loop per denoising step
+    kv_copied_by_per_token: Optional[Dict[str, float]] = None  # the K/V copies by cause (EngineStats.kv_copied_by)
 
     def summary(self) -> Dict[str, Any]:
         d = asdict(self)

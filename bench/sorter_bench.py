@@ -151,13 +151,12 @@ def main(argv=None):
     import torch
 
     torch.set_num_threads(1)
+    from bench.sorter_scale import start_local_ray
     from bench.workloads import write_tiny_model
 
     model = write_tiny_model(tempfile.mkdtemp(prefix="tiny-dllm-"), hidden_size=args.hidden_size,
                              n_layers=args.layers, n_heads=8, n_kv_heads=8, intermediate_size=4 * args.hidden_size)
-    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False,
-             runtime_env={"env_vars": {"PYTHONPATH": ROOT}})
-    ray.data.DataContext.get_current().enable_progress_bars = False
+    start_local_ray()
     result = {
         "command": "python bench/sorter_bench.py " + " ".join(sys.argv[1:] if argv is None else argv),
         "workload": {"rows": args.rows, "long_share": 0.2, "long_factor": 8, "short_prompt_tokens": args.short_len,
@@ -210,9 +209,7 @@ def main_scale(args, argv):
     command = "python bench/sorter_bench.py " + " ".join(sys.argv[1:] if argv is None else argv)
     if args.driver_memory:
         return _driver_memory(model, a, out, command)
-    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False,
-             runtime_env={"env_vars": {"PYTHONPATH": ROOT}})
-    ray.data.DataContext.get_current().enable_progress_bars = False
+    sorter_scale.start_local_ray()
     t0 = time.perf_counter()
     try:
         result = sorter_scale.run_scale(model, a, log=lambda m: print(m, flush=True))

@@ -234,6 +234,15 @@ def job_in_fresh_driver(model: str, sort: str, n: int, order: str, a: ScaleArgs,
     return json.loads(lines[-1][len(_RESULT):])
 
 
+def start_local_ray() -> None:
+    """A local Ray of 2 CPUs for one bench driver, its workers importing this repository."""
+    import ray
+
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False,
+             runtime_env={"env_vars": {"PYTHONPATH": ROOT}})
+    ray.data.DataContext.get_current().enable_progress_bars = False
+
+
 def _child(payload: str) -> None:
     import ray
     import torch
@@ -241,9 +250,7 @@ def _child(payload: str) -> None:
     p = json.loads(payload)
     a = ScaleArgs(**{k: tuple(v) if isinstance(v, list) else v for k, v in p["args"].items()})
     torch.set_num_threads(1)
-    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False,
-             runtime_env={"env_vars": {"PYTHONPATH": ROOT}})
-    ray.data.DataContext.get_current().enable_progress_bars = False
+    start_local_ray()
     try:
         after_init = rss_mb()
         r = run_job(p["model"], p["sort"], p["n"], p["order"], a)

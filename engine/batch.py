@@ -39,7 +39,6 @@ class Batch:
     row_params: RowParams  # per-row decoding parameters, built once per layout
     block_length: int
     cache: Optional[KVCache] = None  # the box view of the engine's KV slots
-    host_block: Optional[torch.Tensor] = None  # [B, L] the current blocks' tokens after the last step (host)
 
     def __post_init__(self):
         dev, L = self.ids.device, self.block_length
@@ -87,7 +86,7 @@ def start_next_block(lens: torch.Tensor, tail: torch.Tensor, step: torch.Tensor,
 
 
 def relayout(old: Optional[Batch], rows: List[Request], grown: set, *, mcfg: ModelConfig, block_length: int,
-             steps_per_block: int, cache_mode: str, full_canvas: bool, first_position: bool, device) -> Batch:
+             cache_mode: str, full_canvas: bool, first_position: bool, device) -> Batch:
     """The batch for `rows` (in slot order): kept rows are gathered from `old` (shifted
     to the new box, frozen if they were), rows in `grown` committed a block and start
     the next one, new rows are built from their tokens. `refresh` and `dual` recompute
@@ -141,11 +140,10 @@ def relayout(old: Optional[Batch], rows: List[Request], grown: set, *, mcfg: Mod
     if bool(frozen.any()):  # a frozen row's block holds its last committed tokens: nothing to denoise
         cur = ids.gather(1, blk)
         ids.scatter_(1, blk, torch.where(frozen.to(dev)[:, None] & (cur == mcfg.mask_token_id), mcfg.pad_token_id, cur))
-    same_rows = old is not None and len(rows) == len(old.rows) and all(r is o for r, o in zip(rows, old.rows))
+    same_rows = old is not None and rows == old.rows  # Request compares by identity
     prompt_len = old.prompt_len if same_rows else torch.tensor([r.prompt_len for r in rows])
     row_params = old.row_params if same_rows else RowParams.build(
-        [r.params for r in rows], [r.noise_seed for r in rows], dev, first_position_default=first_position,
-        block_length=L, steps=steps_per_block)
+        [r.params for r in rows], [r.noise_seed for r in rows], dev, first_position_default=first_position)
     return Batch(rows=list(rows), ids=ids, lens=lens, tail=tail, prompt_len=prompt_len, cached=cached, step=step,
                  busy_steps=busy, prompt_fwd=fwd, frozen=frozen, masked=masked,
                  mask=attention_mask(lens.to(dev), prompt_len.to(dev), W, L, mcfg.block_causal),

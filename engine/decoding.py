@@ -33,19 +33,18 @@ class RowParams:
     seeds: List[Optional[int]]  # noise seed per row, None when the row draws no noise
     # host copies, so that the loop decides without reading the device
     params: List  # the rows' SamplingParams
+    policy_host: torch.Tensor  # CPU [B]
     first_position_host: torch.Tensor  # CPU bool [B]
-    step_cap_host: torch.Tensor  # CPU long [B], see step_cap
     any_entropy: bool
     any_margin: bool
 
     @classmethod
     def build(cls, params: Sequence, seeds: Sequence[Optional[int]], device,
-              first_position_default: bool = False, block_length: int = 0, steps: int = 0) -> "RowParams":
-        """`block_length` and `steps` (EngineConfig) only set `step_cap_host`."""
+              first_position_default: bool = False) -> "RowParams":
         f64 = dict(dtype=torch.float64, device=device)
         first = [first_position_default if p.first_position is None else bool(p.first_position) for p in params]
-        cap = [steps if p.policy in ("fixed", "timestep") else max(steps, block_length) for p in params]
-        return cls(policy=torch.tensor([POLICY_IDS[p.policy] for p in params], device=device),
+        policy = torch.tensor([POLICY_IDS[p.policy] for p in params])
+        return cls(policy=policy.to(device),
                    threshold=torch.tensor([float(p.threshold) for p in params], **f64),
                    factor=torch.tensor([float(p.factor) for p in params], **f64),
                    temperature=torch.tensor([float(p.temperature) for p in params], **f64),
@@ -53,8 +52,9 @@ class RowParams:
                    first_position=torch.tensor(first, dtype=torch.bool, device=device),
                    top_p=torch.tensor([float(p.top_p) for p in params], **f64),
                    top_k=torch.tensor([max(0, int(p.top_k)) for p in params], device=device),
-                   seeds=list(seeds), params=list(params), first_position_host=torch.tensor(first, dtype=torch.bool),
-                   step_cap_host=torch.tensor(cap), any_entropy=any(p.remasking == "entropy" for p in params),
+                   seeds=list(seeds), params=list(params), policy_host=policy,
+                   first_position_host=torch.tensor(first, dtype=torch.bool),
+                   any_entropy=any(p.remasking == "entropy" for p in params),
                    any_margin=any(p.remasking == "margin" for p in params))
 
 
@@ -75,11 +75,11 @@ def timestep_schedule(step: torch.Tensor, n_mask: torch.Tensor, steps: int) -> t
     return torch.where(step >= steps - 1, n_mask, k)
 
 
-def step_cap(rp: RowParams, block_length: int, steps: int) -> torch.Tensor:
+def step_cap(policy: torch.Tensor, block_length: int, steps: int) -> torch.Tensor:
     """[B] steps after which a row's block is committed whatever it holds: S for the
-    scheduled policies, max(S, L) for threshold and factor (RowParams.step_cap_host
-    holds the same on the host)."""
-    scheduled = (rp.policy == FIXED) | (rp.policy == TIMESTEP)
+    scheduled policies, max(S, L) for threshold and factor. `policy`: RowParams.policy,
+    or its host copy policy_host."""
+    scheduled = (policy == FIXED) | (policy == TIMESTEP)
     return torch.where(scheduled, steps, max(steps, block_length))
 
 
@@ -170,7 +170,7 @@ def select(conf: torch.Tensor, is_mask: torch.Tensor, step: torch.Tensor, rp: Ro
     # scheduled policies fill the block by step S; threshold and factor run until it is
     # full (at most L steps, one token at least per step), forced at step max(S, L) only
     # if a model keeps proposing the mask token itself
-    last = (step >= step_cap(rp, block_length, steps) - 1)[:, None]
+    last = (step >= step_cap(rp.policy, block_length, steps) - 1)[:, None]
     sel = sel | last
     first = (rp.first_position & (step == 0))[:, None]
     col0 = torch.arange(conf.shape[1], device=conf.device)[None] == 0

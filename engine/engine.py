@@ -20,13 +20,13 @@ import random
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any, Dict, List, Optional, Sequence, Union
+from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 
 from .batch import Batch, relayout
 from .config import EngineConfig, SamplingParams
-from .decoding import propose, select
+from .decoding import propose, select, step_cap
 from .models import DLLM
 from .runner import ModelRunner
 from .scheduler import make_scheduler
@@ -120,10 +120,10 @@ class Engine:
             if self.batch is not None:
                 self.stats.cycles += 1
                 while True:
-                    done = self._denoise()
+                    done, blocks = self._denoise()
                     if self.cfg.advance == "step" or bool(done.all()):  # host values
                         break
-                self._commit(done)
+                self._commit(done, blocks)
         except Exception as e:  # noqa: BLE001 - a failing forward fails its rows, not the engine
             self._fail_active(e)
         self.stats.pending = self.scheduler.num_pending()
@@ -147,11 +147,10 @@ class Engine:
             self.batch = None
             return
         rows, moves = place(old.rows if old is not None else [], rows)
-        if old is None or self._grown or len(rows) != len(old.rows) or any(r is not o for r, o in zip(rows, old.rows)):
+        if old is None or self._grown or rows != old.rows:  # Request compares by identity
             b = self.batch = relayout(old, rows, self._grown, mcfg=self.mcfg, block_length=self.cfg.block_length,
-                                      steps_per_block=self.cfg.steps_per_block, cache_mode=self.cfg.cache,
-                                      full_canvas=self.full_canvas, first_position=self.first_position,
-                                      device=self.device)
+                                      cache_mode=self.cfg.cache, full_canvas=self.full_canvas,
+                                      first_position=self.first_position, device=self.device)
             if self.slots is not None:
                 self._lay_out_kv(old, b, moves)
             self._grown = set()
@@ -184,9 +183,9 @@ class Engine:
         self.stats.syncs += 1
         return t.cpu()
 
-    def _denoise(self) -> torch.Tensor:
-        """One denoising step for the whole batch; returns (on the host) which rows'
-        current block is complete."""
+    def _denoise(self) -> Tuple[torch.Tensor, torch.Tensor]:
+        """One denoising step for the whole batch; returns, on the host, which rows'
+        current block is complete and the blocks' tokens."""
         b, L, S = self.batch, self.cfg.block_length, self.cfg.steps_per_block
         mask_id = self.mcfg.mask_token_id
         cols = b.block_cols
@@ -207,9 +206,9 @@ class Engine:
         b.busy_steps += b.masked.any(1).long()
         b.step += 1
         self.stats.steps += 1
-        b.host_block = self._fetch(block)
-        b.masked = b.host_block == mask_id
-        return ~b.masked.any(1) | (b.step >= rp.step_cap_host)
+        blocks = self._fetch(block)
+        b.masked = blocks == mask_id
+        return ~b.masked.any(1) | (b.step >= step_cap(rp.policy_host, L, S)), blocks
 
     def _fail_active(self, exc: Exception) -> None:
         """The requests being served when the loop raised finish with an error naming it;
@@ -221,12 +220,12 @@ class Engine:
             self._finish(r, "error")
         self.batch, self._grown = None, set()
 
-    def _commit(self, done: torch.Tensor) -> None:
+    def _commit(self, done: torch.Tensor, blocks: torch.Tensor) -> None:
         """Append each completed block; a row whose block holds a stop token, or that
         reached its last block, leaves. Once per block, not per step; host values only."""
         b, L = self.batch, self.cfg.block_length
         for i in torch.nonzero(done & ~b.frozen).flatten().tolist():
-            r, blk = b.rows[i], b.host_block[i].tolist()
+            r, blk = b.rows[i], blocks[i].tolist()
             r.num_steps += int(b.busy_steps[i])
             r.prompt_forwarded = int(b.prompt_fwd[i])
             stop_at = next((j for j, t in enumerate(blk) if t in r.stop_ids), -1)

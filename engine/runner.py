@@ -6,7 +6,7 @@ receives index tensors, so a forward never waits on it."""
 from __future__ import annotations
 
 import time
-from typing import List, Optional
+from typing import List, Optional, Tuple
 
 import torch
 
@@ -60,14 +60,14 @@ def catch_up_groups(need: List[int], floor: int, after: Optional[List[int]] = No
     return groups[::-1]
 
 
-def consecutive(rows: List[int]) -> List[List[int]]:
-    """Ascending `rows` split into runs of consecutive values."""
-    runs: List[List[int]] = []
+def runs_of(rows: List[int]) -> List[Tuple[int, int]]:
+    """Ascending `rows` as [start, stop) runs of consecutive values."""
+    runs: List[Tuple[int, int]] = []
     for r in rows:
-        if runs and r == runs[-1][-1] + 1:
-            runs[-1].append(r)
+        if runs and r == runs[-1][1]:
+            runs[-1] = (runs[-1][0], r + 1)
         else:
-            runs.append([r])
+            runs.append((r, r + 1))
     return runs
 
 
@@ -139,7 +139,7 @@ class ModelRunner:
         if group is not None:
             idx = pick.to(dev)
             ids, mask = ids[idx], mask[idx]
-            runs = [(g[0], g[-1] + 1) for g in consecutive(group)]
+            runs = runs_of(group)
         tokens = torch.where(real_d, ids.gather(1, qc_d), self.mcfg.pad_token_id)
         qmask = mask if mask.shape[2] == 1 else mask.gather(2, qc_d[:, None, :, None].expand(-1, 1, -1, W))
         t0 = time.perf_counter()

@@ -118,12 +118,11 @@ class KVSlots:
         grow = R * C > self.cells
         cells = max(room, R * C) if grow else self.cells  # the storage holds `room`: later shapes re-view it
         alive = self.cells * n_buffers * buffer_bytes
-        old_cols, olds = self.cols_cap, self.k + self.v
+        old_cols, olds = self.cols_cap, self.k + self.v or [None] * n_buffers
         self.k, self.v = [], []  # so that a replaced buffer is freed as soon as it is copied
         for i in range(n_buffers):
             kept = olds[i][idx, :, old_cols - keep_width:] if idx is not None else None  # a copy (indexed read)
-            if olds:
-                olds[i] = None
+            olds[i] = None
             transient = kept.numel() * kept.element_size() if kept is not None else 0
             if grow:  # allocate this buffer anew: the old one and its kept rows are alive meanwhile
                 new = torch.zeros(cells * H * D, dtype=self.dtype, device=self.device)

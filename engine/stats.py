@@ -51,6 +51,8 @@ class EngineStats:
         return {"peak_kv_over_budget": self.kv_peak_bytes / self.kv_budget_bytes if self.kv_budget_bytes else None,
                 "kv_bytes_copied_per_token": self.kv_bytes_copied / self.generated_tokens
                 if self.generated_tokens else None,
+                "kv_copied_by_per_token": {k: v / self.generated_tokens for k, v in self.kv_copied_by.items()}
+                if self.generated_tokens else None,
                 "host_ms_per_step": 1e3 * self.host_s / self.steps if self.steps else None,
                 "syncs_per_step": self.syncs / self.steps if self.steps else None}
 

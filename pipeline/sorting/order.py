@@ -64,12 +64,11 @@ def _budget(override: Any, base: SamplingParams) -> int:
 def full_canvas(cfg: DLLMProcessorConfig) -> bool:
     """The canvas the engines will use (EngineConfig.canvas, "auto" resolved from the
     model's config.json as the engine does); full when the config cannot be read here."""
-    if cfg.engine.canvas != "auto":
-        return cfg.engine.full_canvas(block_causal=False)
     try:
-        return cfg.engine.full_canvas(read_model_config(cfg.model).block_causal)
+        block_causal = cfg.engine.canvas == "auto" and read_model_config(cfg.model).block_causal
     except (OSError, ValueError, KeyError):
         return True
+    return cfg.engine.full_canvas(block_causal)
 
 
 class SortWindowUDF:
