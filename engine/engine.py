@@ -6,7 +6,8 @@ requests join and leave at any step). Rows are left-padded to the batch's boundi
 (each row's current block sits `tail` columns before its end: 0 under the block canvas,
 its masked later blocks under the full canvas), and each denoising step runs one
 forward for the whole batch (engine.runner), after catch-up sub-batches for rows with
-a long uncached stretch.
+a long uncached stretch. D2F rows (engine.d2f) hold several blocks in flight, add and
+commit them at any step, and make their batch advance by steps.
 
 The host decides from host copies of the batch's bookkeeping; the device is read once
 per denoising step (the block's tokens after it, which say who finished and who hit a
@@ -264,7 +265,8 @@ class Engine:
 
     def _commit(self, done: torch.Tensor, blocks: torch.Tensor) -> None:
         """Append each completed block; a row whose block holds a stop token, or that
-        reached its last block, leaves. Once per block, not per step; host values only."""
+        reached its last block, leaves. Once per block, not per step (D2F rows: per step,
+        `_advance_d2f`); host values only."""
         b, L = self.batch, self.cfg.block_length
         if b.has_d2f:
             done = done & ~b.d2f_rows
