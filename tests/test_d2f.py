@@ -216,18 +216,27 @@ def test_budget_holds_while_rows_add_blocks_mid_step(model, cache):
     the budget, rows go back to the queue and come back exactly where they were."""
     rng = random.Random(4)
     prompts = [[rng.randrange(3, 60) for _ in range(rng.randint(12, 24))] for _ in range(8)]
-    params = [SamplingParams(max_new_tokens=6 * L, block_add_threshold=(0.1, 0.7)[i % 2], threshold=0.3,
-                             stop_token_ids=[]) if i % 3 else
-              SamplingParams(max_new_tokens=4 * L, policy="fixed", stop_token_ids=[]) for i in range(8)]
+    params = [SamplingParams(max_new_tokens=6 * L, block_add_threshold=(0.1, 0.7)[i % 2],
+                             decoded_token_threshold=(0.25, 0.5)[i % 2], threshold=0.9, stop_token_ids=[])
+              if i % 3 else SamplingParams(max_new_tokens=4 * L, policy="fixed", stop_token_ids=[]) for i in range(8)]
     budget = 130
-    outs, eng = run(model, prompts, params, cache=cache, token_budget=budget)
+    eng = Engine(model, EngineConfig(block_length=L, steps_per_block=L, cache=cache, token_budget=budget),
+                 record_batches=True)
+    ids = [eng.add_request(p, sp) for p, sp in zip(prompts, params)]
+    outs, used, in_flight = {}, [], []
+    while eng.has_unfinished():
+        outs.update((o.request_id, o) for o in eng.step())
+        if eng.batch is not None:  # the step's counters: cells of its forward, blocks in flight per row
+            used.append(eng.stats.budget_used)
+            in_flight.append(int(eng.batch.nact.max()))
+            assert eng.stats.budget_used == len(eng.batch.rows) * eng.batch.width
     log = eng.batch_log
-    assert max(b.cost for b in log) <= budget and all(b.cost == len(b.request_ids) * b.width for b in log)
-    assert eng.scheduler.preemptions > 0 and max(len(b.request_ids) for b in log) > 2
-    for o, pr, sp in zip(outs, prompts, params):
+    assert max(used) <= budget and max(b.cost for b in log) <= budget
+    assert max(in_flight) >= 3 and eng.scheduler.preemptions > 0 and max(len(b.request_ids) for b in log) > 2
+    for i, pr, sp in zip(ids, prompts, params):
         want = d2f_reference(model, pr, sp) if sp.d2f else \
             (lambda r: (r.token_ids, r.finish_reason))(run(model, [pr], [sp], scheduler="sequential")[0][0])
-        assert (o.token_ids, o.finish_reason) == want
+        assert (outs[i].token_ids, outs[i].finish_reason) == want
 
 
 def test_d2f_rows_fail_alone_where_they_cannot_run(model):
