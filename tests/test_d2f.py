@@ -194,8 +194,11 @@ def test_d2f_keeps_several_blocks_in_flight_and_saves_forwards(model):
     """tau_add < 1 overlaps blocks (a row is wider than prompt + committed + one block at
     some step) and takes fewer steps than tau_add = 1."""
     prompts, _ = d2f_workload(n=4, seed=2)
-    sp = lambda t: SamplingParams(max_new_tokens=6 * L, block_add_threshold=t, decoded_token_threshold=0.25,  # noqa: E731
-                                  threshold=0.9, stop_token_ids=[])
+
+    def sp(t):
+        return SamplingParams(max_new_tokens=6 * L, block_add_threshold=t, decoded_token_threshold=0.25,
+                              threshold=0.9, stop_token_ids=[])
+
     eng = Engine(model, EngineConfig(block_length=L, steps_per_block=L, cache="persistent", token_budget=300))
     widths = []
     eng.add_request(prompts[0], sp(0.1))
