@@ -178,10 +178,14 @@ class PlantedStops(nn.Module):
         T = self.stop_positions(ids, mask, cache, qcols, rows)[:, None]
         after = qpos >= T  # forced EOS
         masked = ids.gather(1, at) == self.config.mask_token_id
-        # c confident tokens per step: the leftmost c masked columns before T
-        c = self.tokens_per_step_for(T[:, 0], qpos[:, 0])[:, None]
-        order = (masked & ~after).long().cumsum(1)
-        confident = masked & ~after & (order <= c)
+        # c confident tokens per step: the leftmost c masked columns before T, c drawn for the
+        # block of the leftmost one (the engine asks for whole blocks: one, or a D2F row's window of
+        # several, whose c confident tokens spill into the next block when the first runs out)
+        open_ = masked & ~after
+        first = (open_.to(torch.uint8).argmax(1) // self.block_length * self.block_length)[:, None]
+        c = self.tokens_per_step_for(T[:, 0], qpos.gather(1, first)[:, 0])[:, None]
+        order = open_.long().cumsum(1)
+        confident = open_ & (order <= c)
         for t in set(self.config.stop_token_ids) | {self.config.mask_token_id}:
             logits[..., t] = torch.where(after, logits[..., t], torch.full_like(logits[..., t], -BIG))
         eos = self.config.eos_token_id

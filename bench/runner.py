@@ -85,6 +85,8 @@ class RunResult:
     loadavg: Optional[List[float]] = None  # 1-min load average before/after (CPU noise indicator)
     latencies_s: List[float] = field(default_factory=list, repr=False)
     output_digests: List[int] = field(default_factory=list, repr=False)  # hash of each request's tokens
+    request_steps: List[int] = field(default_factory=list, repr=False)  # each request's denoising steps
+    request_tokens: List[int] = field(default_factory=list, repr=False)  # each request's generated tokens
     error: Optional[str] = None
     peak_kv_over_budget: Optional[float] = None  # most K/V bytes alive / token_budget's K/V bytes
     kv_bytes_copied_per_token: Optional[float] = None  # K/V moved by slot moves, growth, shifts, catch-up reads
@@ -94,8 +96,8 @@ class RunResult:
 
     def summary(self) -> Dict[str, Any]:
         d = asdict(self)
-        d.pop("latencies_s")
-        d.pop("output_digests")
+        for k in ("latencies_s", "output_digests", "request_steps", "request_tokens"):
+            d.pop(k)
         if self.model_flops is not None:  # where the time goes: FLOP/s achieved, FLOPs spent per token
             d["model_flops_per_forward_s"] = self.model_flops / self.forward_s if self.forward_s else None
             d["model_flops_per_token"] = self.model_flops / self.tokens if self.tokens else None
@@ -178,7 +180,8 @@ def run(w: Workload, spec: RunSpec, deadline_s: Optional[float] = None) -> RunRe
         model_flops=(m1["flops"] - m0["flops"]) if meter else None,
         max_memory_bytes=torch.cuda.max_memory_allocated() if dev.type == "cuda" else None,
         loadavg=[load0, load1] if load0 is not None else None,
-        latencies_s=lat, output_digests=[hash(tuple(o.token_ids)) for o in done], error=error)
+        latencies_s=lat, output_digests=[hash(tuple(o.token_ids)) for o in done], error=error,
+        request_steps=[o.num_steps for o in done], request_tokens=[len(o.token_ids) for o in done])
 
 
 def warmup(w: Workload, n: int = 4) -> None:

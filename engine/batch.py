@@ -4,8 +4,12 @@ requests join, leave or start a new block.
 Rows are left-padded to the bounding-box width W and position ids count from the
 row's first real token. A row's current block ends `tail` columns before W: it is the
 row's last L columns under the block canvas (tail 0), and is followed by the row's
-still-masked later blocks under the full canvas. A re-layout rebuilds only the token
-ids and the bookkeeping; the rows' K/V stay where they are (engine.slots)."""
+still-masked later blocks under the full canvas. A D2F row (engine.d2f) has `nact`
+blocks in flight, its last nact L columns (block canvas only). The step decodes the
+batch's window, the last NB L columns before each row's tail (NB = the largest nact),
+as B x NB units of L positions, of which each row's last nact are its blocks. A
+re-layout rebuilds only the token ids and the bookkeeping; the rows' K/V stay where
+they are (engine.slots)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -39,10 +43,24 @@ class Batch:
     row_params: RowParams  # per-row decoding parameters, built once per layout
     block_length: int
     cache: Optional[KVCache] = None  # the box view of the engine's KV slots
+    nact: Optional[torch.Tensor] = None  # [B] blocks in flight (D2F rows; None: one each)
 
     def __post_init__(self):
         dev, L = self.ids.device, self.block_length
-        self.block_cols = (self.block_start[:, None] + torch.arange(L)[None]).to(dev)  # [B, L] device
+        if self.nact is None:
+            self.nact = torch.ones(len(self.rows), dtype=torch.long)
+        self.n_window = max(1, int(self.nact.max()))  # NB
+        self.d2f_rows = torch.tensor([r.d2f is not None for r in self.rows], dtype=torch.bool)
+        self.has_d2f = bool(self.d2f_rows.any())
+        n = self.n_window * L
+        self.window_start = self.width - self.tail - n  # [B] first column of the window (host)
+        self.block_cols = (self.window_start[:, None] + torch.arange(n)[None]).to(dev)  # [B, NB L] device
+        # which window positions are a block of the row (host, and device for the step's masks)
+        self.valid = torch.arange(n)[None] >= ((self.n_window - self.nact) * L)[:, None]
+        self.valid_dev = self.valid.to(dev) if self.n_window > 1 else None
+        self.unit_params = self.row_params
+        if self.n_window > 1:
+            self.unit_params = self.row_params.take(torch.arange(len(self.rows)).repeat_interleave(self.n_window))
 
     @property
     def width(self) -> int:
@@ -54,8 +72,8 @@ class Batch:
 
     @property
     def block_start(self) -> torch.Tensor:
-        """[B] first column of each row's current block."""
-        return self.width - self.tail - self.block_length
+        """[B] first column of each row's current block (a D2F row: of its first block in flight)."""
+        return self.width - self.tail - self.nact * self.block_length
 
 
 def attention_mask(lens: torch.Tensor, prompt_len: torch.Tensor, width: int, block_length: int,
@@ -117,7 +135,15 @@ def relayout(old: Optional[Batch], rows: List[Request], grown: set, *, mcfg: Mod
             cached = torch.where(kept, k_cached, 0)
         fwd = torch.where(kept, old.prompt_fwd[s], fwd)
         frozen = kept & old.frozen[s]
-        masked = torch.where((kept & ~grew)[:, None], old.masked[s], masked) & ~frozen[:, None]
+        masked = torch.where((kept & ~grew)[:, None], old.masked[s][:, -L:], masked) & ~frozen[:, None]
+    nact = torch.tensor([r.n_active for r in rows])
+    window = torch.zeros(B, max(1, int(nact.max())) * L, dtype=torch.bool)
+    window[:, -L:] = masked
+    for i, r in enumerate(rows):
+        if r.d2f is not None:
+            n = window.shape[1] - r.d2f.n_active * L
+            window[i, n:] = (torch.tensor(r.d2f.tokens(), dtype=torch.long) == mcfg.mask_token_id) & ~frozen[i]
+    masked = window
     W = int(lens.max())
     col = torch.arange(W)[None]
     start = W - lens
@@ -134,9 +160,11 @@ def relayout(old: Optional[Batch], rows: List[Request], grown: set, *, mcfg: Mod
         fresh = torch.full((len(new), W), mcfg.pad_token_id, dtype=torch.long)
         for j, i in enumerate(new):
             r = rows[i]
-            fresh[j, W - r.width:] = torch.tensor(r.prompt + r.generated + [mcfg.mask_token_id] * (L + r.tail))
+            inflight = r.d2f.tokens() if r.d2f is not None else [mcfg.mask_token_id] * (L + r.tail)
+            fresh[j, W - r.width:] = torch.tensor(r.prompt + r.generated + inflight)
         ids[torch.tensor(new, device=dev)] = fresh.to(dev)
-    blk = ((W - tail - L)[:, None] + torch.arange(L)[None]).to(dev)
+    n = masked.shape[1]  # the window: a frozen D2F row may have masks in every block it had in flight
+    blk = ((W - tail - n)[:, None] + torch.arange(n)[None]).to(dev)
     if bool(frozen.any()):  # a frozen row's block holds its last committed tokens: nothing to denoise
         cur = ids.gather(1, blk)
         ids.scatter_(1, blk, torch.where(frozen.to(dev)[:, None] & (cur == mcfg.mask_token_id), mcfg.pad_token_id, cur))
@@ -147,4 +175,4 @@ def relayout(old: Optional[Batch], rows: List[Request], grown: set, *, mcfg: Mod
     return Batch(rows=list(rows), ids=ids, lens=lens, tail=tail, prompt_len=prompt_len, cached=cached, step=step,
                  busy_steps=busy, prompt_fwd=fwd, frozen=frozen, masked=masked,
                  mask=attention_mask(lens.to(dev), prompt_len.to(dev), W, L, mcfg.block_causal),
-                 row_params=row_params, block_length=L)
+                 row_params=row_params, block_length=L, nact=nact)

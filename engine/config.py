@@ -44,7 +44,16 @@ class SamplingParams:
     confidence that ranks positions stays the model's own probability), `stop`
     (strings: the request ends at the block boundary after the first one, and its text
     is cut before it), `seed`, `n` (samples per row; the pipeline expands a row into n
-    requests with seeds derived from the row's). `from_dict` also takes `max_tokens`."""
+    requests with seeds derived from the row's). `from_dict` also takes `max_tokens`.
+
+    D2F (Discrete Diffusion Forcing, engine.d2f): `block_add_threshold` set (None: one
+    block at a time) keeps several blocks of the request in flight: a block is added
+    once the last one's decoded fraction reaches it, a block may force its most
+    confident token only once its predecessor's decoded fraction reaches
+    `decoded_token_threshold`, and `threshold` is D2F's skip_threshold (a token is
+    committed when its probability is strictly greater). D2F decodes
+    max_new_tokens // block_length whole blocks, with policy "threshold" and
+    low_confidence remasking, on block-causal models only."""
 
     max_new_tokens: int = field(default=64, metadata={"help": (
         "tokens to generate at most per row (vLLM: max_tokens); rounded up to whole blocks")})
@@ -73,6 +82,12 @@ class SamplingParams:
         "stop strings: a row ends at the block holding the first one, its text is cut before it")})
     n: int = field(default=1, metadata={"help": (
         "samples per row, with seeds derived from the row's (output rows carry sample_index)")})
+    block_add_threshold: Optional[float] = field(default=None, metadata={"help": (
+        "D2F pipelined decoding (block-causal models): add the next block once the last one's decoded "
+        "fraction reaches this; threshold is then D2F's skip_threshold (none: one block at a time)")})
+    decoded_token_threshold: float = field(default=0.95, metadata={"help": (
+        "D2F: a block forces its most confident token only once its predecessor's decoded fraction reaches "
+        "this")})
 
     ALIASES = {"max_tokens": "max_new_tokens"}  # vLLM's name -> ours
 
@@ -121,7 +136,19 @@ class SamplingParams:
             return f"n must be an integer >= 1, got {self.n!r}"
         if not float(self.temperature) >= 0.0:
             return f"temperature must be >= 0, got {self.temperature!r}"
+        if self.block_add_threshold is not None and not 0.0 <= float(self.block_add_threshold) <= 1.0:
+            return f"block_add_threshold must be in [0, 1] or null, got {self.block_add_threshold!r}"
+        if not 0.0 <= float(self.decoded_token_threshold) <= 1.0:
+            return f"decoded_token_threshold must be in [0, 1], got {self.decoded_token_threshold!r}"
+        if self.d2f and ((self.policy, self.remasking) != ("threshold", "low_confidence") or self.first_position):
+            return ("block_add_threshold (D2F) decodes with policy 'threshold', remasking 'low_confidence' "
+                    f"and no first_position, got {self.policy!r}, {self.remasking!r}, {self.first_position!r}")
         return None
+
+    @property
+    def d2f(self) -> bool:
+        """D2F pipelined block decoding (several blocks in flight)."""
+        return self.block_add_threshold is not None
 
 
 @dataclass

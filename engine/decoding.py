@@ -58,6 +58,20 @@ class RowParams:
                    any_margin=any(p.remasking == "margin" for p in params))
 
 
+    def take(self, index: torch.Tensor) -> "RowParams":
+        """The parameters of rows `index` (a host tensor): one entry per decoding unit
+        when rows hold several blocks in flight (D2F)."""
+        dev_index = index.to(self.policy.device)
+        pick = lambda t: t[dev_index]  # noqa: E731 - the device tensors
+        ix = index.tolist()
+        return RowParams(policy=pick(self.policy), threshold=pick(self.threshold), factor=pick(self.factor),
+                         temperature=pick(self.temperature), remasking=pick(self.remasking),
+                         first_position=pick(self.first_position), top_p=pick(self.top_p), top_k=pick(self.top_k),
+                         seeds=[self.seeds[i] for i in ix], params=[self.params[i] for i in ix],
+                         policy_host=self.policy_host[index], first_position_host=self.first_position_host[index],
+                         any_entropy=self.any_entropy, any_margin=self.any_margin)
+
+
 def fixed_schedule(step: torch.Tensor, block_length: int, steps: int) -> torch.Tensor:
     """LLaDA's schedule: L tokens over S steps as evenly as possible, earliest steps take
     the remainder. `step` [B] is each row's step index inside its block."""
@@ -175,3 +189,15 @@ def select(conf: torch.Tensor, is_mask: torch.Tensor, step: torch.Tensor, rp: Ro
     first = (rp.first_position & (step == 0))[:, None]
     col0 = torch.arange(conf.shape[1], device=conf.device)[None] == 0
     return torch.where(first, col0, sel) & is_mask
+
+
+def select_d2f(conf: torch.Tensor, is_mask: torch.Tensor, rp: RowParams, complete: torch.Tensor) -> torch.Tensor:
+    """D2F's rule for a block in flight (engine.d2f): every masked position whose
+    probability is strictly greater than the threshold (D2F's skip_threshold), and,
+    for a block in the complete state (`complete` [U]) that has none, its most
+    confident masked position. `conf` is the proposals' probability (D2F rows rank
+    with low_confidence)."""
+    conf = torch.where(is_mask, conf, torch.full_like(conf, -torch.inf))
+    over = (conf > rp.threshold[:, None]) & is_mask
+    force = complete & ~over.any(1)
+    return over | (force[:, None] & (_ranks(conf) == 0) & is_mask)

@@ -6,7 +6,8 @@ requests join and leave at any step). Rows are left-padded to the batch's boundi
 (each row's current block sits `tail` columns before its end: 0 under the block canvas,
 its masked later blocks under the full canvas), and each denoising step runs one
 forward for the whole batch (engine.runner), after catch-up sub-batches for rows with
-a long uncached stretch.
+a long uncached stretch. D2F rows (engine.d2f) hold several blocks in flight, add and
+commit them at any step, and make their batch advance by steps.
 
 The host decides from host copies of the batch's bookkeeping; the device is read once
 per denoising step (the block's tokens after it, which say who finished and who hit a
@@ -26,7 +27,8 @@ import torch
 
 from .batch import Batch, relayout
 from .config import EngineConfig, SamplingParams
-from .decoding import propose, select, step_cap
+from .d2f import D2FState
+from .decoding import propose, select, select_d2f, step_cap
 from .models import DLLM
 from .runner import ModelRunner
 from .scheduler import make_scheduler
@@ -63,7 +65,8 @@ class Engine:
         self._ids = itertools.count()
         self._in_flight = 0
         self.batch: Optional[Batch] = None
-        self._grown: set = set()  # rows that committed a block and start their next one
+        self._grown: set = set()  # rows that committed a block and start their next one (D2F: added one)
+        self._relayout = False  # D2F rows changed their blocks in flight: lay the batch out again
         self.full_canvas = config.full_canvas(self.mcfg.block_causal)
         self.first_position = self.mcfg.model_type == "Dream"  # Dream's block decoding (SamplingParams)
 
@@ -78,6 +81,9 @@ class Engine:
         stop = list(params.stop_token_ids) if params.stop_token_ids is not None else self.mcfg.stop_token_ids
         req = Request(request_id, ids or [], params, self.cfg.block_length, stop, full_canvas=self.full_canvas)
         req.error = error or validate(req, self.mcfg, self.cfg, self.tokenizer is not None)
+        if params.d2f and not req.error:
+            req.d2f = D2FState(float(params.block_add_threshold), float(params.decoded_token_threshold),
+                               self.cfg.block_length, req.num_blocks_needed, self.mcfg.mask_token_id, stop)
         if (params.temperature and params.temperature > 0) or params.remasking == "random":
             req.noise_seed = params.seed if params.seed is not None else random.getrandbits(62)
         with self._lock:
@@ -121,7 +127,8 @@ class Engine:
                 self.stats.cycles += 1
                 while True:
                     done, blocks = self._denoise()
-                    if self.cfg.advance == "step" or bool(done.all()):  # host values
+                    # D2F rows add and commit blocks at any step: a batch holding them advances by steps
+                    if self.cfg.advance == "step" or self.batch.has_d2f or bool(done.all()):  # host values
                         break
                 self._commit(done, blocks)
         except Exception as e:  # noqa: BLE001 - a failing forward fails its rows, not the engine
@@ -147,13 +154,13 @@ class Engine:
             self.batch = None
             return
         rows, moves = place(old.rows if old is not None else [], rows)
-        if old is None or self._grown or rows != old.rows:  # Request compares by identity
+        if old is None or self._grown or self._relayout or rows != old.rows:  # Request compares by identity
             b = self.batch = relayout(old, rows, self._grown, mcfg=self.mcfg, block_length=self.cfg.block_length,
                                       cache_mode=self.cfg.cache, full_canvas=self.full_canvas,
                                       first_position=self.first_position, device=self.device)
             if self.slots is not None:
                 self._lay_out_kv(old, b, moves)
-            self._grown = set()
+            self._grown, self._relayout = set(), False
         cost = len(rows) * self.batch.width
         self.stats.budget_used = cost
         if self.batch_log is not None:
@@ -185,30 +192,66 @@ class Engine:
 
     def _denoise(self) -> Tuple[torch.Tensor, torch.Tensor]:
         """One denoising step for the whole batch; returns, on the host, which rows'
-        current block is complete and the blocks' tokens."""
+        current block is complete and the window's tokens (engine.batch: each row's
+        current block, or NB blocks when D2F rows hold several in flight, decoded as
+        B x NB units of L positions)."""
         b, L, S = self.batch, self.cfg.block_length, self.cfg.steps_per_block
-        mask_id = self.mcfg.mask_token_id
+        mask_id, B, NB = self.mcfg.mask_token_id, len(self.batch.rows), self.batch.n_window
         cols = b.block_cols
-        block = b.ids.gather(1, cols)
-        is_mask = block == mask_id
+        window = b.ids.gather(1, cols)
+        is_mask = window == mask_id
+        if b.valid_dev is not None:  # only the rows' own blocks (not earlier committed ones) are denoised
+            is_mask &= b.valid_dev
         self.runner.catch_up(b)
         logits = self.runner.forward(b)
-        rp = b.row_params
-        keys = None
-        if any(s is not None for s in rp.seeds):
-            keys = [None if seed is None else hash((seed, len(r.generated), st)) & (2**62 - 1)
-                    for seed, r, st in zip(rp.seeds, b.rows, b.step.tolist())]
-        need_idx = [t.to(self.device) for t in b.masked.nonzero(as_tuple=True)]
-        x0, conf = propose(logits, rp, keys, is_mask, need_idx)
-        sel = select(conf, is_mask, b.step.to(self.device), rp, L, S)
-        block = torch.where(sel, x0, block)
-        b.ids.scatter_(1, cols, block)
+        rp = b.unit_params
+        keys = self._noise_keys(b)
+        units = lambda t: t.reshape(B * NB, L, *t.shape[2:])  # noqa: E731
+        need_idx = [t.to(self.device) for t in units(b.masked).nonzero(as_tuple=True)]
+        x0, conf = propose(units(logits), rp, keys, units(is_mask), need_idx)
+        step = b.step.repeat_interleave(NB) if NB > 1 else b.step
+        sel = select(conf, units(is_mask), step.to(self.device), rp, L, S)
+        if b.has_d2f:
+            complete = torch.tensor(self._d2f_complete(b), dtype=torch.bool)
+            d2f = b.d2f_rows.repeat_interleave(NB).to(self.device)[:, None]
+            sel = torch.where(d2f, select_d2f(conf, units(is_mask), rp, complete.to(self.device)), sel)
+        window = torch.where(sel.reshape(B, NB * L), x0.reshape(B, NB * L), window)
+        b.ids.scatter_(1, cols, window)
         b.busy_steps += b.masked.any(1).long()
         b.step += 1
         self.stats.steps += 1
-        blocks = self._fetch(block)
-        b.masked = blocks == mask_id
-        return ~b.masked.any(1) | (b.step >= step_cap(rp.policy_host, L, S)), blocks
+        blocks = self._fetch(window)
+        b.masked = (blocks == mask_id) & b.valid
+        done = ~b.masked[:, -L:].any(1) | (b.step >= step_cap(b.row_params.policy_host, L, S))
+        return done, blocks
+
+    def _noise_keys(self, b: Batch) -> Optional[List[Optional[int]]]:
+        """Per unit, the seed of its noise at this step (None: no row draws noise): a
+        row's block from (seed, tokens before it, step in the block); a D2F block from
+        (seed, tokens before it, the request's step)."""
+        rp, L, NB = b.row_params, self.cfg.block_length, b.n_window
+        if all(s is None for s in rp.seeds):
+            return None
+        keys: List[Optional[int]] = []
+        for seed, r, st, n in zip(rp.seeds, b.rows, b.step.tolist(), b.nact.tolist()):
+            row = [None] * (NB - n)
+            if seed is None:
+                row += [None] * n
+            elif r.d2f is not None:
+                row += [hash((seed, (r.d2f.first_active + j) * L, r.d2f.steps)) & (2**62 - 1) for j in range(n)]
+            else:
+                row.append(hash((seed, len(r.generated), st)) & (2**62 - 1))
+            keys += row
+        return keys
+
+    @staticmethod
+    def _d2f_complete(b: Batch) -> List[bool]:
+        """Per unit, whether it is a D2F block in the complete state (may force a token)."""
+        out: List[bool] = []
+        for r, n in zip(b.rows, b.nact.tolist()):
+            out += [False] * (b.n_window - n)
+            out += [blk.complete for blk in r.d2f.active] if r.d2f is not None else [False] * n
+        return out
 
     def _fail_active(self, exc: Exception) -> None:
         """The requests being served when the loop raised finish with an error naming it;
@@ -222,28 +265,58 @@ class Engine:
 
     def _commit(self, done: torch.Tensor, blocks: torch.Tensor) -> None:
         """Append each completed block; a row whose block holds a stop token, or that
-        reached its last block, leaves. Once per block, not per step; host values only."""
+        reached its last block, leaves. Once per block, not per step (D2F rows: per step,
+        `_advance_d2f`); host values only."""
         b, L = self.batch, self.cfg.block_length
+        if b.has_d2f:
+            done = done & ~b.d2f_rows
+            self._advance_d2f(blocks)
         for i in torch.nonzero(done & ~b.frozen).flatten().tolist():
-            r, blk = b.rows[i], blocks[i].tolist()
+            r, blk = b.rows[i], blocks[i, -L:].tolist()
             r.num_steps += int(b.busy_steps[i])
             r.prompt_forwarded = int(b.prompt_fwd[i])
-            stop_at = next((j for j, t in enumerate(blk) if t in r.stop_ids), -1)
-            n_before = len(r.generated)
-            r.generated.extend(blk)
-            budget = r.params.max_new_tokens
-            end = n_before + stop_at if stop_at >= 0 else budget
-            cut = self._stop_string(r, n_before, min(end, budget)) if r.params.stop else None
-            if cut is not None:
-                self._finish(r, "stop", *cut)
-            elif stop_at >= 0 and n_before + stop_at < budget:
-                self._finish(r, "stop", n_before + stop_at)
-            elif stop_at >= 0 or len(r.generated) >= r.num_blocks_needed * L:
-                self._finish(r, "length", budget)
+            if self._committed(r, blk):
+                b.frozen[i] = self.scheduler.is_frozen(r)  # a static batch keeps the finished row
             else:
                 self._grown.add(r)
+
+    def _advance_d2f(self, blocks: torch.Tensor) -> None:
+        """The D2F rows after the step (engine.d2f): their blocks in flight take the
+        step's tokens, leading finished blocks are committed (the row may leave), and
+        the next step's block is added (the row grows by L) and complete flags set."""
+        b, L = self.batch, self.cfg.block_length
+        for i in torch.nonzero(b.d2f_rows & ~b.frozen).flatten().tolist():
+            r, st = b.rows[i], b.rows[i].d2f
+            before = st.n_active
+            done = st.observe(blocks[i, -before * L:].tolist())
+            r.num_steps = st.steps
+            r.prompt_forwarded = int(b.prompt_fwd[i])
+            if done and self._committed(r, done):
+                b.frozen[i] = self.scheduler.is_frozen(r)
+                self._relayout = True  # a frozen row's blocks stop being denoised
                 continue
-            b.frozen[i] = self.scheduler.is_frozen(r)  # a static batch keeps the finished row
+            if st.plan():
+                self._grown.add(r)
+            self._relayout |= st.n_active != before
+
+    def _committed(self, r: Request, blk: List[int]) -> bool:
+        """Append committed tokens `blk` to `r`; True when the request finished (a stop
+        token or string in them, or its last block)."""
+        stop_at = next((j for j, t in enumerate(blk) if t in r.stop_ids), -1)
+        n_before = len(r.generated)
+        r.generated.extend(blk)
+        budget = r.params.max_new_tokens
+        end = n_before + stop_at if stop_at >= 0 else budget
+        cut = self._stop_string(r, n_before, min(end, budget)) if r.params.stop else None
+        if cut is not None:
+            self._finish(r, "stop", *cut)
+        elif stop_at >= 0 and n_before + stop_at < budget:
+            self._finish(r, "stop", n_before + stop_at)
+        elif stop_at >= 0 or len(r.generated) >= r.num_blocks_needed * self.cfg.block_length:
+            self._finish(r, "length", budget)
+        else:
+            return False
+        return True
 
     def _stop_string(self, req: Request, n_before: int, n_max: int):
         """(tokens, text) when a stop string appears in the first `n_max` generated

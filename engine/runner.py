@@ -102,15 +102,17 @@ class ModelRunner:
         q0, q1, _ = self.windows(b)
         L = self.cfg.block_length
         # once caught up, a row computes its block, and its suffix unless the dual cache holds it
-        after = L + self.shift + (torch.zeros_like(b.tail) if self.cfg.cache == "dual" else b.tail)
+        after = b.nact * L + self.shift + (torch.zeros_like(b.tail) if self.cfg.cache == "dual" else b.tail)
         overhead = self.fit.overhead_cells(FORWARD_OVERHEAD_CELLS)
         self.stats.forward_overhead_cells = overhead
         for group in catch_up_groups((q1 - q0).tolist(), L + self.shift, after.tolist(), overhead):
             self.forward(b, group)
 
     def forward(self, b: Batch, group: Optional[List[int]] = None) -> torch.Tensor:
-        """Block logits [n, L, V] for the rows `group` (ascending; all rows when None),
-        read for Dream from the column before each position. With a cache only the
+        """Window logits [n, NB L, V] for the rows `group` (ascending; all rows when None):
+        each row's current block, or the batch's window of NB blocks when D2F rows hold
+        several in flight (positions outside a row's blocks are clamped into its query and
+        ignored); read for Dream from the column before each position. With a cache only the
         columns whose K/V are not final are computed and stored (`windows`); the
         query's other columns are padding. Rows' windows that all end at the box's edge
         are one slice of columns; otherwise (dual cache mid-block) each row's columns
@@ -129,7 +131,9 @@ class ModelRunner:
         qc = qcols.clamp(min=0)
         real = qcols >= q0[:, None]
         write = real & (qcols >= fresh[:, None])
-        at = bs[:, None] - shift - first[:, None] + torch.arange(L)[None]
+        at = rows(b.window_start)[:, None] - shift - first[:, None] + torch.arange(b.n_window * L)[None]
+        if b.n_window > 1:
+            at = at.clamp(min=0)
         if shift and self.cfg.cache != "none":  # Fast-dLLM's Dream: a cached step reads the
             # block's first position (committed at the block's first step) from itself
             at[:, 0] += rows(b.row_params.first_position_host & (b.step > 0)).long()

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from typing import Any, List, Optional, Sequence, Tuple, Union
 
 from .config import EngineConfig, SamplingParams
+from .d2f import D2FState
 from .models import ModelConfig
 
 Prompt = Union[str, Sequence[int]]
@@ -44,6 +45,7 @@ class Request:
     noise_seed: Optional[int] = None  # Gumbel seed when temperature > 0
     prompt_forwarded: int = 0  # prompt tokens forwarded over the request's life (cache accounting)
     full_canvas: bool = False  # the row holds all its blocks from admission (EngineConfig.canvas)
+    d2f: Optional[D2FState] = None  # D2F rows: the blocks in flight (SamplingParams.block_add_threshold)
 
     @property
     def prompt_len(self) -> int:
@@ -55,18 +57,28 @@ class Request:
 
     @property
     def num_blocks_needed(self) -> int:
+        if self.params.d2f:  # D2F's count: whole blocks only
+            return self.params.max_new_tokens // self.block_length
         return math.ceil(self.params.max_new_tokens / self.block_length)
 
     @property
+    def n_active(self) -> int:
+        """Blocks in flight: 1, or a D2F row's."""
+        return self.d2f.n_active if self.d2f is not None else 1
+
+    @property
     def width(self) -> int:
-        """Columns the row occupies: prompt + committed + current block, and under the
-        full canvas the still-masked later blocks too (then fixed from admission)."""
-        return self.final_width if self.full_canvas else self.prompt_len + len(self.generated) + self.block_length
+        """Columns the row occupies: prompt + committed + current block (a D2F row: every
+        block in flight), and under the full canvas the still-masked later blocks too
+        (then fixed from admission)."""
+        if self.full_canvas:
+            return self.final_width
+        return self.prompt_len + len(self.generated) + self.n_active * self.block_length
 
     @property
     def tail(self) -> int:
         """Columns after the current block (the masked suffix of the full canvas)."""
-        return self.width - self.prompt_len - len(self.generated) - self.block_length
+        return self.width - self.prompt_len - len(self.generated) - self.n_active * self.block_length
 
     @property
     def final_width(self) -> int:
@@ -100,6 +112,10 @@ def validate(req: Request, mcfg: ModelConfig, cfg: EngineConfig, has_tokenizer: 
     bad = [t for t in req.prompt if not 0 <= t < mcfg.vocab_size]
     if bad:
         return f"token id {bad[0]} outside the vocabulary [0, {mcfg.vocab_size})"
+    if req.params.d2f:
+        err = d2f_unsupported(req, mcfg, cfg)
+        if err:
+            return err
     if req.final_width > mcfg.max_seq_len:
         return (f"prompt of {req.prompt_len} tokens + {req.num_blocks_needed} blocks of "
                 f"{cfg.block_length} exceeds the model context of {mcfg.max_seq_len} tokens")
@@ -108,3 +124,21 @@ def validate(req: Request, mcfg: ModelConfig, cfg: EngineConfig, has_tokenizer: 
                 f"(prompt {req.prompt_len} + {req.num_blocks_needed} blocks of {cfg.block_length}), "
                 f"more than token_budget={cfg.token_budget}")
     return None
+
+
+def d2f_unsupported(req: Request, mcfg: ModelConfig, cfg: EngineConfig) -> Optional[str]:
+    """Why this engine cannot serve `req` with D2F decoding, or None."""
+    why = None
+    if not mcfg.block_causal:
+        why = ("needs block-causal attention (its blocks are decoded against unfinished predecessors); this "
+               "model is bidirectional (config.json dllm_attention)")
+    elif mcfg.shift_logits:
+        why = f"is implemented for unshifted logits (LLaDA); {mcfg.model_type} reads each position from the one before"
+    elif req.full_canvas:
+        why = "needs the block canvas (EngineConfig.canvas 'block' or 'auto')"
+    elif cfg.cache == "dual":
+        why = "forwards every block in flight; cache 'dual' forwards one: use none, refresh or persistent"
+    elif req.params.max_new_tokens < req.block_length:
+        why = (f"decodes max_new_tokens // block_length whole blocks: max_new_tokens={req.params.max_new_tokens} "
+               f"< block_length={req.block_length}")
+    return f"block_add_threshold (D2F decoding) {why}" if why else None

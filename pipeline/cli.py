@@ -168,6 +168,11 @@ def build_parser() -> argparse.ArgumentParser:
     add_config_options(p, e, EngineConfig, dataclass_defaults=False)
     d = p.add_argument_group("sampling (SamplingParams; defaults: the model's blockray.json, else the value shown)")
     add_config_options(p, d, SamplingParams, dataclass_defaults=False)
+    from engine.presets import PRESETS
+    d.add_argument("--preset", choices=sorted(PRESETS), default=None,
+                   help="named engine + sampling settings over the model's blockray.json, under the flags given: "
+                        + "; ".join(f"{k}: {v.engine | v.sampling} ({v.source})" for k, v in PRESETS.items())
+                        .replace("%", "%%") + " (default: none)")
     r = p.add_argument_group("ray")
     r.add_argument("--address", default=None, help="cluster to join (default: $RAY_ADDRESS, else start a local Ray)")
     r.add_argument("--num-cpus", type=int, default=None, help="CPUs of a local Ray (default: the machine's)")
@@ -184,6 +189,11 @@ def build_config(args: argparse.Namespace, num_gpus_in_cluster: float, storage: 
     from .model_source import resolve_model
 
     eng_kw, smp_kw = split_settings(model_settings(resolve_model(args.model, storage, weights=False)))
+    if getattr(args, "preset", None):
+        from engine.presets import get
+
+        eng_kw.update(get(args.preset).engine)
+        smp_kw.update(get(args.preset).sampling)
     for cls, kw in ((EngineConfig, eng_kw), (SamplingParams, smp_kw)):
         for f in dataclasses.fields(cls):
             if getattr(args, f.name, None) is not None:

@@ -152,6 +152,9 @@ def test_gpu_bench_smoke_runs_on_cpu(tmp_path):
     assert all(r["syncs_per_step"] == 1.0 and r["host_ms_per_step"] > 0 for r in saved["runs"])
     assert all(0 < r["peak_kv_over_budget"] <= 1.05 + 1 / 4 for r in saved["runs"] if r["scheduler"] == "blockserve")
     assert "blockserve@B2/static-B2" in saved["ratios"] and saved["auto_budget"]["token_budget"] > 0
+    # the D2F variant (issue 25): semi-AR and D2F on the same weights read as block-causal
+    assert {"blockserve+block-causal@B2", "blockserve+d2f-0.7@B2", "d2f-sequential"} <= labels
+    assert "blockserve+d2f-0.7@B2/semi-AR tokens per step" in saved["ratios"]
     assert d["model"]["params"] == saved["model"]["params"]
 
 
@@ -167,3 +170,19 @@ def test_kv_bench_smoke_reports_the_engine_figures(tmp_path):
         assert r["syncs_per_step"] == 1.0 and r["host_ms_per_step"] > 0 and r["peak_kv_over_budget"] > 0
         assert set(r["kv_copied_by_per_token"]) == {"regrow", "move", "shift"}
         assert sum(r["kv_copied_by_per_token"].values()) == pytest.approx(r["kv_bytes_copied_per_token"])
+
+
+def test_d2f_bench_smoke_writes_the_three_tables(tmp_path):
+    """bench/d2f_bench.py: the step histogram, the batching table and D2F against semi-AR,
+    from the engine's counters; D2F at tau_add <= 0.7 takes fewer steps for the same tokens."""
+    from bench import d2f_bench
+
+    d = d2f_bench.main(["--smoke", "--out", str(tmp_path / "d2f.json")])
+    h = d["step_histogram"]
+    assert len(h["steps"]) == d["workload"]["n_requests"] and sum(h["counts"].values()) == len(h["steps"])
+    assert set(d["batching"]) == {1, 4, "one_at_a_time", "requests"} and d["batching"][4]["gain_over_one_at_a_time"] > 0
+    v = d["d2f_vs_semi_ar"]
+    for t in d2f_bench.TAUS:
+        assert v[f"d2f-{t}"]["same_tokens_per_request"] and v[f"d2f-{t}"]["requests_with_more_steps"] == 0
+    assert d["d2f_fewer_forwards_per_token_at_tau_add_le_0.7"] is True
+    assert (tmp_path / "d2f.png").stat().st_size > 0

@@ -77,3 +77,17 @@ def test_existing_flag_names_keep_working(tmp_path):
     assert (args.model, args.num_engines, args.sort, args.apply_chat_template) == ("m", 3, "none", True)
     assert (args.max_new_tokens, args.stop_token_ids, args.resume, args.seed) == (8, [1, 2], False, 7)
     assert parse_args([]).block_length is None  # unset: the model's blockray.json, then EngineConfig's
+
+
+def test_presets_apply_under_the_flags_given():
+    """--preset d2f-gsm8k sets D2F-LLaDA's gsm8k settings over the model's blockray.json;
+    a flag given beside it still wins."""
+    from pipeline.cli import build_config
+
+    cfg = build_config(parse_args(["--preset", "d2f-gsm8k", "--block-length", "32"]), 0)
+    s = cfg.sampling
+    assert (cfg.engine.block_length, cfg.engine.cache) == (32, "persistent")
+    assert (s.block_add_threshold, s.decoded_token_threshold, s.threshold, s.max_new_tokens) == (0.7, 0.95, 0.9, 512)
+    h = build_config(parse_args(["--preset", "d2f-humaneval"]), 0)
+    assert (h.engine.block_length, h.sampling.block_add_threshold) == (32, 0.1)
+    assert build_config(parse_args([]), 0).sampling.block_add_threshold is None  # the default: one block at a time

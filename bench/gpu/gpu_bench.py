@@ -116,6 +116,25 @@ class Report:
         os.replace(tmp, self.path)
 
 
+D2F_TAU_ADD = 0.7  # d2f-gsm8k (engine/presets.py)
+
+
+def d2f_workload(w, tau_add: Optional[float]):
+    """`w` on the same weights read as block-causal (the attention mask is the engine's, from
+    the config; the weights do not change), decoded by D2F at `tau_add` with D2F-LLaDA's
+    other settings, or semi-AR when None."""
+    import copy
+
+    from bench.d2f_bench import with_d2f
+
+    inner = copy.copy(w.model.model)  # shares every parameter; only its config differs
+    inner.config = dataclasses.replace(inner.config, dllm_attention="block_causal")
+    wrapped = copy.copy(w.model)
+    wrapped._modules = dict(wrapped._modules)  # its own module table, so the original keeps its model
+    wrapped.model, wrapped.config = inner, inner.config
+    return with_d2f(dataclasses.replace(w, model=wrapped), tau_add)
+
+
 def run_one(w, spec: RunSpec, peak: float, deadline: float, rep: Report) -> Optional[Dict[str, Any]]:
     left = deadline - time.perf_counter()
     if left < 15:
@@ -156,8 +175,16 @@ def ratios(runs: List[Dict[str, Any]]) -> Dict[str, float]:
         b = label.split("@B")[-1] if "@B" in label else None
         if b and f"static-B{b}" in by:
             out[f"{label}/static-B{b}"] = r["tokens_per_s"] / by[f"static-B{b}"]["tokens_per_s"]
-        if b and label.startswith("blockserve+") and f"blockserve@B{b}" in by:
+        if b and label.startswith("blockserve+") and "d2f" not in label and "block-causal" not in label \
+                and f"blockserve@B{b}" in by:
             out[f"blockserve@B{b}/{label}"] = by[f"blockserve@B{b}"]["tokens_per_s"] / r["tokens_per_s"]
+        semi = by.get(f"blockserve+block-causal@B{b}")
+        if b and "+d2f-" in label and semi:  # D2F against semi-AR on the same block-causal model
+            out[f"{label}/semi-AR"] = r["tokens_per_s"] / semi["tokens_per_s"]
+            out[f"{label}/semi-AR tokens per step"] = r["tokens_per_step"] / semi["tokens_per_step"]
+            if by.get("d2f-sequential"):
+                out[f"{label}/d2f-sequential requests/s"] = (r["requests_per_s"]
+                                                             / by["d2f-sequential"]["requests_per_s"])
     return out
 
 
@@ -239,6 +266,9 @@ def main(argv=None) -> Dict[str, Any]:
     # then the cost of the full canvas (the same cache on the block canvas)
     variants = ["step", "canvas-block"] + (["persistent", "persistent+step"] if args.canvas == "block" else [])
     queue += [("variant", v) for v in variants if v not in rep.data["modes_unsupported"]]
+    # D2F (issue 25): the same weights read as block-causal, semi-AR against D2F at the budget of
+    # static-B, and D2F one request at a time (the characterisation's batching gain)
+    queue += [("d2f", None), ("d2f", D2F_TAU_ADD), ("d2f-sequential", D2F_TAU_ADD)]
     for b in sizes[1:]:
         queue += [("static", b), ("blockserve", b)]
     queue.append(("auto", None))
@@ -257,6 +287,19 @@ def main(argv=None) -> Dict[str, Any]:
                 continue
             spec_r = dataclasses.replace(variant_spec(arg, budgets[main_b], args.cache, f"B{main_b}", args.canvas),
                                          max_batch_size=max_rows)
+        elif kind in ("d2f", "d2f-sequential"):
+            if main_b not in budgets:
+                continue
+            w_run = d2f_workload(w, arg)
+            label = "d2f-sequential" if kind == "d2f-sequential" else (
+                f"blockserve+block-causal@B{main_b}" if arg is None else f"blockserve+d2f-{arg}@B{main_b}")
+            spec_r = RunSpec(label, "sequential" if kind == "d2f-sequential" else "blockserve", budgets[main_b],
+                             max_batch_size=1 if kind == "d2f-sequential" else max_rows, cache="persistent",
+                             advance="step", canvas="block", n_requests=n_seq if kind == "d2f-sequential" else None)
+            run_one(w_run, spec_r, pk, deadline, rep)
+            rep.data["ratios"] = ratios(rep.data["runs"])
+            rep.save()
+            continue
         else:
             if plan.token_budget < widest:
                 rep.data["skipped"].append({"label": "blockserve@auto", "why": "auto budget below the widest request"})
