@@ -30,6 +30,7 @@ from typing import Any, Dict, List, Optional, Tuple, Union
 
 import fsspec
 
+from .checkpoint_check import stop_sources
 from .config import DLLMProcessorConfig
 from .reader import DuplicateIds, InputError, PromptParquetDatasource, read_prompts
 from .storage import StorageOptions, describe_error, get_filesystem, protocol_of
@@ -323,6 +324,7 @@ def run_offline(input: Union[str, List[str]], output: str, config: DLLMProcessor
         duplicate_ids=checked.duplicates.to_dict() if checked.duplicates else None,
     )
     summary.update(run_record(config, checked.model_dir or config.model))
+    summary["stop_token_ids"] = stop_sources(checked.model_dir or config.model, config.sampling.stop_token_ids)
     summary["status"] = "failed" if summary["error_fraction"] > max_error_fraction else "ok"
     summary["summary_file"] = write_json((out_fs, out_path), SUMMARY_FILE, summary)
     if summary["status"] == "failed":
