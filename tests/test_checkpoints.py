@@ -20,6 +20,7 @@ from safetensors.torch import save_file
 
 from checkpoints import DREAM_CONFIG, LAYOUTS, LLADA_CONFIG, write_layout, write_lora
 from conftest import ROOT, read_parts
+from procs import ray_temp_dir
 from engine import Engine, EngineConfig, ModelConfig, SamplingParams, build_model, load_model, save_model
 from engine.loader import read_config
 from pipeline import DLLMProcessorConfig
@@ -82,7 +83,8 @@ def test_published_layout_loads_generates_and_passes_the_preflight(name, publish
     assert checked.source.num_rows == 10
 
 
-JOBS = [("LLaDA-8B-Instruct", None, "auto"), ("LLaDA-8B-Base", None, "auto"), ("Dream-v0-Instruct-7B", None, "auto"),
+# LLaDA-8B-Instruct's 10-row job is the real command with the D2F adapter (below).
+JOBS = [("LLaDA-8B-Base", None, "auto"), ("Dream-v0-Instruct-7B", None, "auto"),
         ("Dream-v0-Base-7B", "D2F_Dream_Base_7B_Lora", "block_causal")]
 
 
@@ -156,8 +158,9 @@ def test_d2f_adapter_job_with_block_causal_matches_the_hand_merged_model(publish
            "block_causal", "--input", inp, "--output", str(tmp_path / "out"), "--dtype", "float64",
            "--num-engines", "1", "--batch-size", "5", "--block-length", "4", "--steps-per-block", "4",
            "--max-new-tokens", "8", "--policy", "fixed", "--cache", "refresh", "--num-cpus", "2",
-           "--temp-dir", str(tmp_path / "ray"), "--no-enable-metrics"]
-    res = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=400)
+           "--no-enable-metrics"]
+    with ray_temp_dir() as ray_tmp:  # short: Ray's unix sockets live under it
+        res = subprocess.run(cmd + ["--temp-dir", ray_tmp], cwd=ROOT, capture_output=True, text=True, timeout=400)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     assert "126348 (chat template end of turn <|eot_id|>)" in res.stdout  # the summary names the stops' source
     got = {r["id"]: r["generated_token_ids"] for r in read_parts(str(tmp_path / "out")).to_pylist()}
