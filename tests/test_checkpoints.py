@@ -76,8 +76,7 @@ def test_published_layout_loads_generates_and_passes_the_preflight(name, publish
     assert tok.convert_tokens_to_ids(mask[0]) == mask[1] == model.config.mask_token_id
     outs = Engine(model, ENGINE, tokenizer=tok).generate([CHAT[family], "copy: the"], SAMPLING)
     assert [o.error for o in outs] == [None, None]
-    assert all(o.finish_reason in ("stop", "length") and 0 < len(o.token_ids) <= 8 or o.finish_reason == "stop"
-               for o in outs)
+    assert all(o.finish_reason in ("stop", "length") and len(o.token_ids) <= 8 for o in outs)
     checked = preflight(_messages_input(str(tmp_path / "in.parquet")), str(tmp_path / "out"),
                         DLLMProcessorConfig(model=published[name], engine=ENGINE, sampling=SAMPLING))
     assert checked.source.num_rows == 10
@@ -196,6 +195,24 @@ def test_dream_im_end_ends_the_row_and_stays_out_of_the_text(published):
     assert list(out.token_ids) == list(orig[:p])
     assert out.num_blocks == p // 4 + 1  # the first block that holds it
     assert out.text == tok.decode(orig[:p], skip_special_tokens=True) and "<|im_end|>" not in out.text
+
+
+def test_stop_ids_are_the_union_of_the_checkpoint_files_without_a_vocab_size_rule(tmp_path):
+    """eos lists kept whole, generation_config.json read, the end-of-turn token found
+    through the chat template in a resized vocabulary (no rule on vocab_size)."""
+    from engine.models.stops import checkpoint_stop_ids
+
+    root = _tiny("llada", tmp_path / "m", eos_token_id=[1, 5])
+    (tmp_path / "m" / "generation_config.json").write_text(json.dumps({"eos_token_id": [5, 7]}))
+    assert read_config(root).stop_ids == [1, 5, 7]
+    (tmp_path / "m" / "tokenizer_config.json").write_text(json.dumps({
+        "chat_template": "{% for m in messages %}{{ m['content'] }}<|eot_id|>{% endfor %}",
+        "added_tokens_decoder": {"90": {"content": "<|eot_id|>", "special": True},
+                                 "91": {"content": "<|im_end|>", "special": True}}}))
+    assert checkpoint_stop_ids(root) == {1: "config.json eos_token_id", 5: "config.json eos_token_id",
+                                         7: "generation_config.json eos_token_id",
+                                         90: "chat template end of turn <|eot_id|>"}  # <|im_end|>: not in the template
+    assert ModelConfig.from_hf(json.load(open(os.path.join(root, "config.json")))).stop_token_ids == [1, 5]
 
 
 # --- refusals: nothing silently ignored ------------------------------------------------
