@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Any, Dict, Optional
+from typing import Any, Dict, Optional, Tuple
 
 from .model_source import ModelSourceError, classify, resolve_model
 from .storage import StorageOptions
@@ -39,16 +39,47 @@ def model_config(model_dir: str, attention: str = "auto") -> Any:
     return cfg
 
 
-def check_checkpoint(model_dir: str, *, weights_here: bool, adapter: Optional[str] = None,
+class RemoteFiles:
+    """engine.models.checkpoint's file operations on an fsspec filesystem: byte ranges only,
+    so a remote model's shard headers are checked without downloading its weights."""
+
+    def __init__(self, fs: Any):
+        self.fs = fs
+
+    def read(self, path: str, start: int, end: int) -> bytes:
+        return self.fs.cat_file(path, start=start, end=end)
+
+    def size(self, path: str) -> int:
+        return int(self.fs.size(path))
+
+    def isfile(self, path: str) -> bool:
+        return bool(self.fs.isfile(path))
+
+    def names(self, path: str) -> list:
+        return [p.rstrip("/").rsplit("/", 1)[-1] for p in self.fs.ls(path, detail=False)]
+
+
+def check_checkpoint(model_dir: str, *, model: Optional[str] = None, adapter: Optional[str] = None,
                      attention: str = "auto", storage: Optional[StorageOptions] = None) -> Any:
-    """The ModelConfig the engines will build, after every check; `weights_here`: the
-    safetensors files are in `model_dir` (not a metadata-only copy of a remote model)."""
-    from engine.models.checkpoint import CheckpointError, check_weights
+    """The ModelConfig the engines will build, after every check. `model`: what --model
+    named when `model_dir` is a metadata-only copy of it: the shard headers of an
+    object-storage model are then read remotely (byte ranges); a hub model's weights are
+    checked by the engines that download them."""
+    from engine.models.checkpoint import CheckpointError, LocalFiles, check_weights
+
+    from .storage import get_filesystem
 
     cfg = model_config(model_dir, attention)
-    if weights_here:
+    where: Optional[Tuple[str, Any]] = (model_dir, LocalFiles)
+    if model is not None and not classify(model).is_local:
+        if classify(model).kind == "remote":
+            fs, root = get_filesystem(model, storage)
+            where = (root, RemoteFiles(fs))
+        else:
+            where = None
+    if where is not None:
         try:
-            check_weights(model_dir, cfg)
+            check_weights(where[0], cfg, where[1])
         except (CheckpointError, FileNotFoundError) as e:
             raise CheckpointRefused(f"{e} (--model)") from e
     if adapter:

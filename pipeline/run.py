@@ -99,7 +99,7 @@ def check_model(model: str, needs_tokenizer: bool, storage: Optional[StorageOpti
     from .checkpoint_check import CheckpointRefused, check_checkpoint
     from .model_source import ModelSourceError, classify, resolve_model
 
-    remote = not classify(model).is_local
+    given, remote = model, not classify(model).is_local
     if remote:
         try:
             model = resolve_model(model, storage, weights=False)
@@ -111,7 +111,7 @@ def check_model(model: str, needs_tokenizer: bool, storage: Optional[StorageOpti
     if not os.path.isfile(cfg):
         raise JobError(f"model: {model} has no config.json (--model)")
     try:  # config.json through the family, shard headers, the adapter (pipeline/checkpoint_check.py)
-        check_checkpoint(model, weights_here=not remote, adapter=adapter, attention=attention, storage=storage)
+        check_checkpoint(model, model=given, adapter=adapter, attention=attention, storage=storage)
     except CheckpointRefused as e:
         raise JobError(f"model: {e}") from e
     if needs_tokenizer:

@@ -341,3 +341,25 @@ def test_truncated_safetensors_is_refused_by_the_preflight(tiny_model_dir, tmp_p
     assert res.returncode == 2, res.stdout[-2000:] + res.stderr[-2000:]
     assert "model.safetensors is truncated" in res.stderr and "(--model)" in res.stderr, res.stderr
     assert "blockray offline eval:" not in res.stdout  # refused in the preflight, before Ray started
+
+
+def test_s3_model_shard_headers_and_s3_adapter_are_checked_without_downloading_weights(
+        tiny_model_dir, s3fs_client, s3_storage, tmp_path, monkeypatch):
+    """An object-storage model's shard headers are read remotely (byte ranges: a truncated
+    shard is refused in the preflight, its weights never downloaded); an s3:// adapter is
+    fetched into the node's cache by --model's rules and checked against the base."""
+    import uuid
+
+    monkeypatch.setenv("BLOCKRAY_MODEL_CACHE", str(tmp_path / "cache"))
+    bucket = f"models-{uuid.uuid4().hex[:8]}"
+    s3fs_client.mkdir(bucket)
+    s3fs_client.put(tiny_model_dir.rstrip("/") + "/", f"{bucket}/tiny/", recursive=True)
+    adapter = write_lora(str(tmp_path / "lora"), read_config(tiny_model_dir), targets=["q_proj", "v_proj"])
+    s3fs_client.put(adapter + "/", f"{bucket}/lora/", recursive=True)
+    local = check_model(f"s3://{bucket}/tiny", needs_tokenizer=False, storage=s3_storage,
+                        adapter=f"s3://{bucket}/lora")
+    assert not [f for f in os.listdir(local) if f.endswith(".safetensors")]  # a metadata-only copy
+    data = s3fs_client.cat_file(f"{bucket}/tiny/model.safetensors")
+    s3fs_client.pipe(f"{bucket}/tiny/model.safetensors", data[: len(data) // 2])
+    with pytest.raises(JobError, match=r"model\.safetensors is truncated: .* \(--model\)"):
+        check_model(f"s3://{bucket}/tiny", needs_tokenizer=False, storage=s3_storage)

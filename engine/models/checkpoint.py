@@ -26,6 +26,22 @@ class MissingWeight(CheckpointError, KeyError):
         return str(self.args[0])
 
 
+class LocalFiles:
+    """The four file operations the header checks need, on local disk; an object-storage
+    model passes an adapter of its fsspec filesystem with the same methods
+    (pipeline/checkpoint_check.py), so only header bytes are read there too."""
+
+    @staticmethod
+    def read(path: str, start: int, end: int) -> bytes:
+        with open(path, "rb") as f:
+            f.seek(start)
+            return f.read(end - start)
+
+    size = staticmethod(os.path.getsize)
+    isfile = staticmethod(os.path.isfile)
+    names = staticmethod(os.listdir)
+
+
 @dataclass(frozen=True)
 class TensorInfo:
     file: str
@@ -33,22 +49,21 @@ class TensorInfo:
     shape: Tuple[int, ...]
 
 
-def read_header(path: str) -> Dict[str, TensorInfo]:
+def read_header(path: str, files=LocalFiles) -> Dict[str, TensorInfo]:
     """{name: TensorInfo} from a .safetensors file's header; CheckpointError when the file is
     not a whole safetensors file (truncated, or not one at all)."""
-    size = os.path.getsize(path)
-    with open(path, "rb") as f:
-        head = f.read(8)
-        if len(head) < 8:
-            raise CheckpointError(f"{path} is {size} bytes: not a safetensors file (truncated?)")
-        (n,) = struct.unpack("<Q", head)
-        if n > _MAX_HEADER or 8 + n > size:
-            raise CheckpointError(f"{path} is truncated or not a safetensors file: its header says {n} bytes of "
-                                  f"metadata, the file has {size} bytes")
-        try:
-            meta = json.loads(f.read(n))
-        except ValueError as e:
-            raise CheckpointError(f"{path}: its safetensors header is not valid JSON ({e}); truncated?") from e
+    size = files.size(path)
+    head = files.read(path, 0, 8) if size >= 8 else b""
+    if len(head) < 8:
+        raise CheckpointError(f"{path} is {size} bytes: not a safetensors file (truncated?)")
+    (n,) = struct.unpack("<Q", head)
+    if n > _MAX_HEADER or 8 + n > size:
+        raise CheckpointError(f"{path} is truncated or not a safetensors file: its header says {n} bytes of "
+                              f"metadata, the file has {size} bytes")
+    try:
+        meta = json.loads(files.read(path, 8, 8 + n))
+    except ValueError as e:
+        raise CheckpointError(f"{path}: its safetensors header is not valid JSON ({e}); truncated?") from e
     out, end = {}, 0
     for name, info in meta.items():
         if name == "__metadata__":
@@ -61,38 +76,38 @@ def read_header(path: str) -> Dict[str, TensorInfo]:
     return out
 
 
-def read_tensors(model_dir: str) -> Dict[str, TensorInfo]:
+def read_tensors(model_dir: str, files=LocalFiles) -> Dict[str, TensorInfo]:
     """Every tensor of the checkpoint, from the shard index (each shard it names, which must
     hold the tensors the index assigns it) or from every *.safetensors file."""
-    index = os.path.join(model_dir, INDEX_FILE)
-    if os.path.isfile(index):
-        with open(index) as f:
-            weight_map = json.load(f)["weight_map"]
+    index = f"{model_dir.rstrip('/')}/{INDEX_FILE}"
+    if files.isfile(index):
+        weight_map = json.loads(files.read(index, 0, files.size(index)))["weight_map"]
         out: Dict[str, TensorInfo] = {}
         for shard in sorted(set(weight_map.values())):
-            path = os.path.join(model_dir, shard)
-            if not os.path.isfile(path):
+            path = f"{model_dir.rstrip('/')}/{shard}"
+            if not files.isfile(path):
                 raise CheckpointError(f"{INDEX_FILE} in {model_dir} names shard {shard}, which is missing")
-            out.update(read_header(path))
+            out.update(read_header(path, files))
         lost = sorted(k for k, shard in weight_map.items() if k not in out or os.path.basename(out[k].file) != shard)
         if lost:
             raise CheckpointError(f"{INDEX_FILE} in {model_dir} places {lost[0]!r} in {weight_map[lost[0]]}, which "
                                   f"does not hold it ({len(lost)} such tensor(s))")
         return out
-    files = sorted(f for f in os.listdir(model_dir) if f.endswith(".safetensors"))
-    if not files:
+    shards = sorted(f for f in files.names(model_dir) if f.endswith(".safetensors"))
+    if not shards:
         raise FileNotFoundError(f"{model_dir} holds no weights (no *.safetensors files)")
     out = {}
-    for name in files:
-        out.update(read_header(os.path.join(model_dir, name)))
+    for name in shards:
+        out.update(read_header(f"{model_dir.rstrip('/')}/{name}", files))
     return out
 
 
-def check_weights(model_dir: str, cfg) -> Dict[str, TensorInfo]:
+def check_weights(model_dir: str, cfg, files=LocalFiles) -> Dict[str, TensorInfo]:
     """The checkpoint's tensors, refused (CheckpointError, MissingWeight) unless they are
-    exactly the ones `cfg` (a ModelConfig) implies, with its shapes."""
+    exactly the ones `cfg` (a ModelConfig) implies, with its shapes. `files`: where they
+    are read (LocalFiles, or an object store's adapter)."""
     family = cfg.family
-    have = read_tensors(str(model_dir))
+    have = read_tensors(str(model_dir), files)
     want = family.checkpoint_shapes(cfg)
     for key, shape in want.items():
         if key not in have:
@@ -106,4 +121,4 @@ def check_weights(model_dir: str, cfg) -> Dict[str, TensorInfo]:
     return have
 
 
-__all__ = ["check_weights", "read_tensors", "read_header", "CheckpointError", "MissingWeight", "TensorInfo"]
+__all__ = ["check_weights", "read_tensors", "read_header", "LocalFiles", "CheckpointError", "MissingWeight", "TensorInfo"]

@@ -2,10 +2,11 @@
 back to) the Hugging Face `config.json` of LLaDA or Dream."""
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass, field
 from typing import Any, Dict, List, Optional
 
-from .families import Family, family_named, family_for
+from .families import Family, family_for, family_named
 
 
 @dataclass
@@ -22,8 +23,8 @@ class ModelConfig:
     pad_token_id: Optional[int] = None
     eot_token_id: Optional[int] = None  # blockray's own key; checkpoints name theirs in the chat template
     eos_token_ids: Optional[List[int]] = None  # config.json's eos_token_id when it is a list
-    # Every id that ends a row, with where each came from (engine.models.stops, set by
-    # engine.loader from config.json, generation_config.json and the chat template).
+    # Every id that ends a row (engine.models.stops: set by engine.loader from config.json,
+    # generation_config.json and the chat template); None: config.json's eos (and eot).
     stop_ids: Optional[List[int]] = None
     embedding_size: Optional[int] = None  # rows of the embedding (>= vocab_size, padded)
     rope_theta: float = 10000.0
@@ -33,7 +34,7 @@ class ModelConfig:
     linear_bias: bool = False  # LLaDA include_bias: every linear has a bias
     max_seq_len: int = 4096
     dllm_attention: str = "bidirectional"  # or "block_causal"
-    extra: Dict[str, Any] = field(default_factory=dict)  # unknown keys, written back unchanged
+    extra: Dict[str, Any] = field(default_factory=dict)  # keys known to be irrelevant, written back unchanged
 
     def __post_init__(self) -> None:
         if self.embedding_size is None:
@@ -78,13 +79,7 @@ class ModelConfig:
         return 2 * self.n_layers * self.n_kv_heads * self.head_dim * bytes_per_element
 
     def num_params(self) -> int:
-        total = 0
-        for shape in self.family.param_shapes(self).values():
-            n = 1
-            for s in shape:
-                n *= s
-            total += n
-        return total
+        return sum(math.prod(shape) for shape in self.family.param_shapes(self).values())
 
     @classmethod
     def tiny(cls, model_type: str = "llada", **kw: Any) -> "ModelConfig":
