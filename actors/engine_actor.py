@@ -107,7 +107,8 @@ class DLLMEngineActor:
                  record_batches: bool = False, warmup: bool = True,
                  seed_column: Optional[str] = None, id_column: Optional[str] = "id",
                  token_ids_column: str = "prompt_token_ids", sampling_column: str = "sampling_params",
-                 error_column: str = "error", model_storage: Any = None, run_id: str = ""):
+                 error_column: str = "error", model_storage: Any = None, run_id: str = "",
+                 adapter: Optional[str] = None, attention: str = "auto"):
         from pipeline.model_source import model_name, resolve_model  # lazy: pipeline imports this module
 
         if torch_threads:
@@ -126,7 +127,8 @@ class DLLMEngineActor:
         self.model_name, self.run_id = model_name(model), run_id
         self.model_dir = resolve_model(model, model_storage)  # also where stop strings' tokenizer is
         self.model, _ = load_model(self.model_dir, dtype=resolve_dtype(dtype, self.device), device=self.device,
-                                   tokenizer=False)
+                                   tokenizer=False, attention=attention,
+                                   adapter=resolve_model(adapter, model_storage, kind="adapter") if adapter else None)
         if warmup:
             self._warmup()
         self.metrics = self._make_metrics(enable_metrics)
@@ -236,19 +238,14 @@ class DLLMEngineActor:
         """Give the engine the model's tokenizer (stop strings are decided on the text);
         loaded once, at the first row that has stop strings."""
         if self._tokenizer is None:
-            from transformers import AutoTokenizer
-            from transformers.utils import logging as hf_logging
+            from engine.tokenizer import load_tokenizer
 
-            path = self.model_dir
-            level = hf_logging.get_verbosity()
-            hf_logging.set_verbosity_error()  # "model of type llada" noise from config.json
             try:
-                self._tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True, trust_remote_code=False)
+                self._tokenizer = load_tokenizer(self.model_dir)
             except Exception:  # noqa: BLE001 - no tokenizer: such rows fail, the rest run
-                logger.warning("no tokenizer for stop strings in %s", path, exc_info=True)
+                logger.warning("no tokenizer for stop strings in %s", self.model_dir, exc_info=True)
+            if self._tokenizer is None:
                 return False
-            finally:
-                hf_logging.set_verbosity(level)
             self.loop.engine.tokenizer = self._tokenizer
         return True
 

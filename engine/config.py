@@ -21,8 +21,9 @@ def not_one_of(name: str, value: Any, kind: Any) -> Optional[str]:
 
 @dataclass
 class SamplingParams:
-    """Per-request decoding settings. `stop_token_ids=None` means the model's EOS
-    (and EoT where the config has one).
+    """Per-request decoding settings. `stop_token_ids=None` means the checkpoint's stop
+    ids (engine.models.stops: config.json's and generation_config.json's eos_token_id and
+    the chat template's end-of-turn token).
 
     Which masked positions of the current block get their token at a step:
     - `policy`: `fixed` (LLaDA: the block's masks split evenly over `steps_per_block`
@@ -66,7 +67,9 @@ class SamplingParams:
     temperature: float = field(default=0.0, metadata={"help": (
         "0: greedy; > 0: sample the proposals with float64 Gumbel noise")})
     stop_token_ids: Optional[Sequence[int]] = field(default=None, metadata={"help": (
-        "token ids that end a row (none: the model's EOS, and EoT where it has one)")})
+        "token ids that end a row (none: the checkpoint's: config.json's and generation_config.json's "
+        "eos_token_id and the chat template's end-of-turn token, <|eot_id|> / <|im_end|>, where the tokenizer "
+        "defines it; the job summary lists them with their source)")})
     seed: Optional[int] = field(default=None, metadata={"help": (
         "seed of the sampling noise and random remasking; per row, a row's tokens never depend on its batch")})
     remasking: Remasking = field(default="low_confidence", metadata={"help": (

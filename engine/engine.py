@@ -68,7 +68,7 @@ class Engine:
         self._grown: set = set()  # rows that committed a block and start their next one (D2F: added one)
         self._relayout = False  # D2F rows changed their blocks in flight: lay the batch out again
         self.full_canvas = config.full_canvas(self.mcfg.block_causal)
-        self.first_position = self.mcfg.model_type == "Dream"  # Dream's block decoding (SamplingParams)
+        self.first_position = self.mcfg.family.first_position  # the family's block decoding (SamplingParams)
 
     # --- requests -----------------------------------------------------------------
     def add_request(self, prompt: Prompt, params: SamplingParams = SamplingParams(),

@@ -1,6 +1,8 @@
 """Load and save models in the Hugging Face directory layout (config.json +
 *.safetensors, optionally sharded with an index, + tokenizer files), from local disk
-only: nothing is fetched from a hub."""
+only: nothing is fetched from a hub. Parsing, weight names and shapes come from the
+model's family (engine.models.families); a PEFT LoRA adapter is merged at load time
+(engine.models.lora)."""
 from __future__ import annotations
 
 import json
@@ -13,60 +15,69 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from .models import DLLM, ModelConfig, checkpoint_names
+from .models.checkpoint import check_weights
+from .models.lora import read_adapter
+from .models.stops import checkpoint_stop_ids
+from .tokenizer import load_tokenizer
 
-_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
-
-
-def _weight_files(root: Path) -> Dict[str, Path]:
-    """{checkpoint key: file} from the shard index, or from every *.safetensors file."""
-    index = root / "model.safetensors.index.json"
-    if index.exists():
-        weight_map = json.loads(index.read_text())["weight_map"]
-        return {k: root / f for k, f in weight_map.items()}
-    files = sorted(root.glob("*.safetensors"))
-    if not files:
-        raise FileNotFoundError(f"no *.safetensors files in model directory {root}")
-    out = {}
-    for f in files:
-        with safe_open(str(f), framework="pt") as fh:
-            out.update({k: f for k in fh.keys()})
-    return out
+ATTENTIONS = ("auto", "bidirectional", "block_causal")
 
 
-def load_model(path: str | os.PathLike, dtype: torch.dtype = torch.bfloat16, device="cpu",
-               tokenizer: bool = True) -> Tuple[DLLM, Optional[object]]:
-    """(model, tokenizer) from a local HF-style directory; tokenizer is None when the
-    directory has no tokenizer files. A missing or misshaped weight names its key."""
+def with_attention(cfg: ModelConfig, attention: str = "auto") -> ModelConfig:
+    """`cfg` with its attention overridden: "auto" keeps what the checkpoint declares
+    (bidirectional when it declares nothing); D2F adapters run "block_causal" on an
+    unchanged LLaDA or Dream folder."""
+    if attention not in ATTENTIONS:
+        raise ValueError(f"attention must be one of {ATTENTIONS}, got {attention!r}")
+    if attention != "auto":
+        cfg.dllm_attention = attention
+    return cfg
+
+
+def read_config(path: str | os.PathLike, attention: str = "auto") -> ModelConfig:
+    """The ModelConfig of a model folder (parsed through its family), with its stop ids
+    read from the checkpoint and `attention` applied. ValueError names any config.json key
+    the engine would not honour."""
     root = Path(path)
     if not (root / "config.json").is_file():
         raise FileNotFoundError(f"model directory {root} has no config.json")
-    cfg = ModelConfig.from_hf(json.loads((root / "config.json").read_text()))
+    hf = json.loads((root / "config.json").read_text())
+    cfg = with_attention(ModelConfig.from_hf(hf), attention)
+    cfg.stop_ids = list(checkpoint_stop_ids(str(root), hf))
+    return cfg
+
+
+def load_model(path: str | os.PathLike, dtype: torch.dtype = torch.bfloat16, device="cpu",
+               tokenizer: bool = True, adapter: Optional[str | os.PathLike] = None,
+               attention: str = "auto") -> Tuple[DLLM, Optional[object]]:
+    """(model, tokenizer) from a local HF-style directory; tokenizer is None when the
+    directory has no tokenizer files. `adapter`: a local PEFT LoRA folder merged into the
+    weights here; `attention`: "auto" | "bidirectional" | "block_causal". A config key or
+    tensor the engine would not honour, a missing or misshaped weight, or an adapter that
+    does not fit is refused (ValueError; KeyError for a missing weight) naming it."""
+    root = Path(path)
+    cfg = read_config(root, attention)
+    infos = check_weights(str(root), cfg)
     with torch.device("meta"):
         model = DLLM(cfg)
-    files = _weight_files(root)
+    shapes = {n: tuple(p.shape) for n, p in model.named_parameters()}
+    assert shapes == cfg.family.param_shapes(cfg), "the family's param_shapes disagree with DLLM"
+    lora = read_adapter(str(adapter), cfg, shapes) if adapter is not None else None
     state = {}
-    handles: Dict[Path, object] = {}
+    handles: Dict[str, object] = {}
     try:
-        for name, key in checkpoint_names(cfg, [n for n, _ in model.named_parameters()]).items():
-            if key not in files:
-                raise KeyError(f"weight {key!r} missing from checkpoint {root}")
-            fh = handles.get(files[key]) or handles.setdefault(
-                files[key], safe_open(str(files[key]), framework="pt", device="cpu"))
+        for name, key in checkpoint_names(cfg, shapes).items():
+            file = infos[key].file
+            fh = handles.get(file) or handles.setdefault(file, safe_open(file, framework="pt", device="cpu"))
             t = fh.get_tensor(key)
-            want = tuple(model.get_parameter(name).shape)
-            if tuple(t.shape) != want:
-                raise ValueError(f"weight {key!r} has shape {tuple(t.shape)}, expected {want} from config.json")
+            if lora is not None:
+                t = lora.merge(name, t, dtype)
             state[name] = t.to(device=device, dtype=dtype)
     finally:
         handles.clear()
     model.load_state_dict(state, assign=True, strict=True)
     model.eval()
-    tok = None
-    if tokenizer and any((root / f).exists() for f in _TOKENIZER_FILES):
-        from transformers import AutoTokenizer
-
-        tok = AutoTokenizer.from_pretrained(str(root), local_files_only=True, trust_remote_code=False)
-    return model, tok
+    return model, (load_tokenizer(str(root)) if tokenizer else None)
 
 
 def save_model(model: DLLM, path: str | os.PathLike, max_shard_bytes: Optional[int] = None) -> None:

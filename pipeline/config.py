@@ -15,6 +15,7 @@ from typing import Any, Dict, Optional
 from engine.config import EngineConfig, SamplingParams
 
 SORT_MODES = ("none", "blendserve")
+ATTENTIONS = ("auto", "bidirectional", "block_causal")  # = engine.loader.ATTENTIONS (no torch here)
 
 
 @dataclass
@@ -31,6 +32,13 @@ class DLLMProcessorConfig:
     model: str = field(metadata={"help": (
         "local Hugging Face style directory (config.json, *.safetensors, tokenizer files), s3://… URL or hub "
         "id")})
+    adapter: Optional[str] = field(default=None, metadata={"help": (
+        "PEFT LoRA adapter merged into the model's weights at load time (a local folder with adapter_config.json "
+        "+ adapter_model.safetensors, an s3://… URL or a hub id, fetched and cached as --model is), e.g. "
+        "SJTU-Deng-Lab/D2F_LLaDA_Instruct_8B_Lora")})
+    attention: str = field(default="auto", metadata={"choices": ATTENTIONS, "help": (
+        "the model's attention: auto = what the checkpoint declares (dllm_attention in config.json), else "
+        "bidirectional; block_causal for D2F adapters (prompt bidirectional, block j sees the prompt and blocks <= j)")})
     num_engines: int = field(default=1, metadata={"help": "engine actors; one GPU each when the cluster has GPUs"})
     batch_size: int = field(default=16, metadata={"help": "rows per map_batches call into an engine actor"})
     engine: EngineConfig = field(default_factory=EngineConfig)
@@ -119,6 +127,8 @@ class DLLMProcessorConfig:
             raise ValueError(f"sort_window_rows must be >= 1, got {self.sort_window_rows!r}")
         if self.sort_min_prefix < 0:
             raise ValueError(f"sort_min_prefix must be >= 0, got {self.sort_min_prefix!r}")
+        if self.attention not in ATTENTIONS:
+            raise ValueError(f"attention must be one of {ATTENTIONS}, got {self.attention!r}")
         if self.sort not in SORT_MODES:
             raise ValueError(f"sort must be one of {SORT_MODES}, got {self.sort!r}")
         err = self.sampling.validate()

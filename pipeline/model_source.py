@@ -93,14 +93,19 @@ def remote_listing(url: str, storage: Optional[StorageOptions] = None) -> Dict[s
             if info.get("type", "file") == "file" and p.startswith(root + "/")}
 
 
-def check_listing(url: str, files: Dict[str, int], index: Optional[dict] = None) -> None:
-    """config.json and weights present; with a shard index, every shard it names present."""
+# What each kind of folder must hold: a model its config.json, a PEFT adapter its adapter_config.json.
+REQUIRED_FILE = {"model": "config.json", "adapter": "adapter_config.json"}
+
+
+def check_listing(url: str, files: Dict[str, int], index: Optional[dict] = None, kind: str = "model") -> None:
+    """config.json (an adapter: adapter_config.json) and weights present; with a shard
+    index, every shard it names present."""
     if not files:
-        raise ModelSourceError(f"model {url} does not exist or is empty")
-    if "config.json" not in files:
-        raise ModelSourceError(f"model {url} has no config.json")
+        raise ModelSourceError(f"{kind} {url} does not exist or is empty")
+    if REQUIRED_FILE[kind] not in files:
+        raise ModelSourceError(f"{kind} {url} has no {REQUIRED_FILE[kind]}")
     if not any(f.endswith(".safetensors") for f in files):
-        raise ModelSourceError(f"model {url} holds no weights (*.safetensors)")
+        raise ModelSourceError(f"{kind} {url} holds no weights (*.safetensors)")
     if index is not None:
         missing = sorted(set(index.get("weight_map", {}).values()) - set(files))
         if missing:
@@ -158,12 +163,13 @@ def _download(url: str, wanted: Dict[str, int], local: str, storage: Optional[St
     logger.info("model %s downloaded in %.1f s", url, time.time() - t0)
 
 
-def fetch_remote(url: str, storage: Optional[StorageOptions] = None, *, weights: bool = True) -> str:
+def fetch_remote(url: str, storage: Optional[StorageOptions] = None, *, weights: bool = True,
+                 kind: str = "model") -> str:
     """The node-local verified copy of the model at `url` (without weights: a metadata-only
     copy, unless the full copy is already there), downloading it under the node's lock."""
     url = url.rstrip("/")
     files = remote_listing(url, storage)
-    check_listing(url, files, _read_index(url, files, storage))
+    check_listing(url, files, _read_index(url, files, storage), kind)
     full = cache_dir(url)
     wanted = files if weights else {r: s for r, s in files.items() if not _is_weight(r)}
     os.makedirs(cache_root(), exist_ok=True)
@@ -214,12 +220,14 @@ def model_name(model: str) -> str:
     return model.rstrip("/").rsplit("/", 1)[-1] or model
 
 
-def resolve_model(model: str, storage: Optional[StorageOptions] = None, *, weights: bool = True) -> str:
+def resolve_model(model: str, storage: Optional[StorageOptions] = None, *, weights: bool = True,
+                  kind: str = "model") -> str:
     """A local directory holding `model` (weights=False: at least its config, tokenizer and
-    settings). Local directories are returned unchanged, without any check."""
+    settings). Local directories are returned unchanged, without any check. `kind`
+    "adapter": a PEFT adapter folder (--adapter), fetched and cached by the same rules."""
     src = classify(model)
     if src.kind == "remote":
-        return fetch_remote(src.spec, storage, weights=weights)
+        return fetch_remote(src.spec, storage, weights=weights, kind=kind)
     if src.kind == "hub":
         return fetch_hub(src.spec, weights=weights)
     return src.spec

@@ -89,7 +89,7 @@ class DLLMProcessor:
             record_batches=cfg.record_batches, token_ids_column=TOKEN_IDS,
             sampling_column=cfg.sampling_column, error_column=PRE_ERROR, model_storage=self.storage,
             seed_column=cfg.seed_column, id_column=cfg.id_column,
-            run_id=self.run_id)
+            run_id=self.run_id, adapter=cfg.adapter, attention=cfg.attention)
         if cfg.collect_engine_stats:
             from actors.engine_stats import EngineStatsSink, StatsEngineActor
 
@@ -149,7 +149,8 @@ def build_processor(config: DLLMProcessorConfig, preprocess: Optional[RowFn] = N
 
     storage = (storage or StorageOptions()).resolved()  # once, here: every actor talks to the same endpoint
     try:
-        check_model(config.model, needs_tokenizer=False, storage=storage)
+        check_model(config.model, needs_tokenizer=False, storage=storage, adapter=config.adapter,
+                    attention=config.attention)
     except JobError as e:
         raise ValueError(str(e).removesuffix(" (--model)")) from None
     return DLLMProcessor(config, preprocess, postprocess, storage, run_id or new_run_id())

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import json
 import os
 import time
 from dataclasses import dataclass
@@ -31,6 +30,7 @@ from typing import Any, Dict, List, Optional, Tuple, Union
 
 import fsspec
 
+from .checkpoint_check import stop_sources
 from .config import DLLMProcessorConfig
 from .reader import DuplicateIds, InputError, PromptParquetDatasource, read_prompts
 from .storage import StorageOptions, describe_error, get_filesystem, protocol_of
@@ -76,57 +76,30 @@ class Preflight:
     model_dir: Optional[str] = None
 
 
-def _read_json(path: str) -> Dict[str, Any]:
-    with open(path) as f:
-        return json.load(f)
-
-
-def remote_code_hint(model: str) -> Optional[str]:
-    """What in a model directory asks transformers to run code shipped with it: an
-    `auto_map` in tokenizer_config.json or config.json, or a tokenizer class that
-    transformers does not have. None when nothing does."""
-    hints = []
-    for name in ("tokenizer_config.json", "config.json"):
-        try:
-            cfg = _read_json(os.path.join(model, name))
-        except (OSError, ValueError):
-            continue
-        if isinstance(cfg, dict) and cfg.get("auto_map"):
-            hints.append(f"{name} auto_map {json.dumps(cfg['auto_map'])[:200]}")
-        cls = cfg.get("tokenizer_class") if isinstance(cfg, dict) else None
-        if name == "tokenizer_config.json" and cls:
-            import transformers
-
-            if not hasattr(transformers, cls) and not hasattr(transformers, f"{cls}Fast"):
-                hints.append(f"{name} tokenizer_class {cls!r}")
-    return "; ".join(hints) or None
-
-
 def check_tokenizer(model: str) -> None:
     """Load the tokenizer once, as the stages will (never with remote code): a model that
     needs its own code, or whose tokenizer does not load, is refused here, not in a stage."""
+    from engine.tokenizer import NeedsRemoteCode
+
     try:
         load_tokenizer(model)
+    except NeedsRemoteCode as e:
+        raise JobError(f"model: {e} (--model)") from e
     except Exception as e:  # noqa: BLE001
-        hint = remote_code_hint(model)
-        if hint:
-            raise JobError(f"model: {model} needs remote code ({hint}), which blockray never runs; use a "
-                           "checkpoint whose tokenizer transformers loads by itself (e.g. tokenizer.json with "
-                           "\"tokenizer_class\": \"PreTrainedTokenizerFast\") (--model)") from e
         raise JobError(f"model: the tokenizer in {model} does not load: {describe_error(e)} (--model)") from e
 
 
-def check_model(model: str, needs_tokenizer: bool, storage: Optional[StorageOptions] = None) -> str:
+def check_model(model: str, needs_tokenizer: bool, storage: Optional[StorageOptions] = None,
+                adapter: Optional[str] = None, attention: str = "auto") -> str:
     """A model the engines can load: config.json of a supported model (parsed by the
     engine's own parser, never by transformers' remote code) and weights; a tokenizer that
     loads when prompts are text. A remote model (s3://…, a hub id) is checked on a copy of
     everything but its weights (pipeline/model_source.py), its weights on the remote
     listing. Returns the local directory checked."""
-    from engine.models.config import ModelConfig
-
+    from .checkpoint_check import CheckpointRefused, check_checkpoint
     from .model_source import ModelSourceError, classify, resolve_model
 
-    remote = not classify(model).is_local
+    given, remote = model, not classify(model).is_local
     if remote:
         try:
             model = resolve_model(model, storage, weights=False)
@@ -137,18 +110,10 @@ def check_model(model: str, needs_tokenizer: bool, storage: Optional[StorageOpti
         raise JobError(f"model: {model} is not a directory (--model)")
     if not os.path.isfile(cfg):
         raise JobError(f"model: {model} has no config.json (--model)")
-    try:
-        hf = _read_json(cfg)
-    except Exception as e:  # noqa: BLE001
-        raise JobError(f"model: {cfg} is not valid JSON: {e}") from e
-    try:
-        ModelConfig.from_hf(hf)
-    except KeyError as e:
-        raise JobError(f"model: {cfg} lacks {e} (--model)") from e
-    except Exception as e:  # noqa: BLE001
-        raise JobError(f"model: {cfg}: {type(e).__name__}: {e} (--model)") from e
-    if not remote and not any(n.endswith(".safetensors") for n in os.listdir(model)):  # all engine.loader reads
-        raise JobError(f"model: {model} holds no weights (*.safetensors) (--model)")
+    try:  # config.json through the family, shard headers, the adapter (pipeline/checkpoint_check.py)
+        check_checkpoint(model, model=given, adapter=adapter, attention=attention, storage=storage)
+    except CheckpointRefused as e:
+        raise JobError(f"model: {e}") from e
     if needs_tokenizer:
         if not has_tokenizer(model):
             raise JobError(f"model: {model} has no tokenizer files, needed for text prompts (--model)")
@@ -266,7 +231,7 @@ def preflight(input: Union[str, List[str]], output: str, config: DLLMProcessorCo
         raise JobError(f"{e} (--input)") from e
     needs_tokenizer = check_columns(source, config)
     names = source.schema.names if source.schema is not None else []
-    model_dir = check_model(config.model, needs_tokenizer, storage)
+    model_dir = check_model(config.model, needs_tokenizer, storage, config.adapter, config.attention)
     check_chat_template(config, names, model_dir)
     try:
         keys = completed_keys(out_fs, out_path, id_column) if resume else []
@@ -359,6 +324,7 @@ def run_offline(input: Union[str, List[str]], output: str, config: DLLMProcessor
         duplicate_ids=checked.duplicates.to_dict() if checked.duplicates else None,
     )
     summary.update(run_record(config, checked.model_dir or config.model))
+    summary["stop_token_ids"] = stop_sources(checked.model_dir or config.model, config.sampling.stop_token_ids)
     summary["status"] = "failed" if summary["error_fraction"] > max_error_fraction else "ok"
     summary["summary_file"] = write_json((out_fs, out_path), SUMMARY_FILE, summary)
     if summary["status"] == "failed":

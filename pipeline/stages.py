@@ -18,6 +18,8 @@ from typing import Any, Callable, Dict, List, Optional, Set, Tuple
 
 import pyarrow as pa
 
+from engine.tokenizer import has_tokenizer  # noqa: F401 - pipeline.run imports it from here
+
 logger = logging.getLogger(__name__)
 
 # Internal columns, dropped before rows leave the processor.
@@ -27,30 +29,15 @@ STOP_TEXT = "__stop_text"  # = actors.engine_actor.STOP_TEXT (not imported: that
 INTERNAL_COLUMNS = (TOKEN_IDS, PRE_ERROR, STOP_TEXT)
 TEXT_PROMPT = "__prompt_text"
 
-_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
-
-
-def has_tokenizer(model: str) -> bool:
-    return any(os.path.exists(os.path.join(model, f)) for f in _TOKENIZER_FILES)
-
 
 @functools.lru_cache(maxsize=4)
 def load_tokenizer(model: str):
     """The Hugging Face tokenizer in the model directory (None when it has none); loaded
-    from local files only, as the engine's loader does."""
-    if not has_tokenizer(model):
-        return None
-    from transformers import AutoTokenizer
-    from transformers.utils import logging as hf_logging
+    from local files only, never with remote code, as the engine's loader does
+    (engine/tokenizer.py: Dream's DreamTokenizer as transformers' Qwen2Tokenizer)."""
+    from engine.tokenizer import load_tokenizer as load
 
-    level = hf_logging.get_verbosity()
-    hf_logging.set_verbosity_error()  # silence "model of type llada" noise from config.json
-    try:
-        # trust_remote_code=False, explicitly: never run a model directory's code, and never
-        # let transformers ask an interactive [y/N] question (preflight refuses such models).
-        return AutoTokenizer.from_pretrained(model, local_files_only=True, trust_remote_code=False)
-    finally:
-        hf_logging.set_verbosity(level)
+    return load(model)
 
 
 def _set(table: pa.Table, name: str, values: List[Any], type_: pa.DataType) -> pa.Table:

@@ -230,6 +230,8 @@ def format_summary(summary: Dict[str, Any]) -> str:
         *(["latency p50/90/99  " + " / ".join(f"{summary['latency_s'][q]:.2f}" for q in ("p50", "p90", "p99"))
            + " s"] if (summary.get("latency_s") or {}).get("p50") is not None else []),
         f"finish reasons     {summary['finish_reasons']}",
+        *(["stop token ids     " + ", ".join(f"{t} ({src})" for t, src in summary["stop_token_ids"].items())]
+          if summary.get("stop_token_ids") else []),
     ]
     if em is not None:
         lines.append(f"exact match        {em:.3f} ({summary['exact_matches']}/{summary['scored_rows']})")

@@ -2,10 +2,11 @@
 back to) the Hugging Face `config.json` of LLaDA or Dream."""
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass, field
 from typing import Any, Dict, List, Optional
 
-LLADA_8B_EOT = 126348  # LLaDA-8B-Instruct's <|eot_id|>; its config.json does not name it
+from .families import Family, family_for, family_named
 
 
 @dataclass
@@ -20,7 +21,11 @@ class ModelConfig:
     mask_token_id: int
     eos_token_id: int
     pad_token_id: Optional[int] = None
-    eot_token_id: Optional[int] = None
+    eot_token_id: Optional[int] = None  # blockray's own key; checkpoints name theirs in the chat template
+    eos_token_ids: Optional[List[int]] = None  # config.json's eos_token_id when it is a list
+    # Every id that ends a row (engine.models.stops: set by engine.loader from config.json,
+    # generation_config.json and the chat template); None: config.json's eos (and eot).
+    stop_ids: Optional[List[int]] = None
     embedding_size: Optional[int] = None  # rows of the embedding (>= vocab_size, padded)
     rope_theta: float = 10000.0
     rms_norm_eps: float = 1e-5
@@ -29,7 +34,7 @@ class ModelConfig:
     linear_bias: bool = False  # LLaDA include_bias: every linear has a bias
     max_seq_len: int = 4096
     dllm_attention: str = "bidirectional"  # or "block_causal"
-    extra: Dict[str, Any] = field(default_factory=dict)  # unknown keys, written back unchanged
+    extra: Dict[str, Any] = field(default_factory=dict)  # keys known to be irrelevant, written back unchanged
 
     def __post_init__(self) -> None:
         if self.embedding_size is None:
@@ -46,9 +51,13 @@ class ModelConfig:
         return self.hidden_size // self.n_heads
 
     @property
+    def family(self) -> Family:
+        return family_named(self.model_type)
+
+    @property
     def shift_logits(self) -> bool:
         """Dream predicts token i from position i-1 (it was adapted from an AR model)."""
-        return self.model_type == "Dream"
+        return self.family.shift_logits
 
     @property
     def block_causal(self) -> bool:
@@ -56,8 +65,11 @@ class ModelConfig:
 
     @property
     def stop_token_ids(self) -> List[int]:
-        ids = [self.eos_token_id]
-        if self.eot_token_id is not None and self.eot_token_id != self.eos_token_id:
+        """The checkpoint's stop ids when the loader found them, else config.json's."""
+        if self.stop_ids is not None:
+            return list(self.stop_ids)
+        ids = list(self.eos_token_ids or [self.eos_token_id])
+        if self.eot_token_id is not None and self.eot_token_id not in ids:
             ids.append(self.eot_token_id)
         return ids
 
@@ -67,10 +79,7 @@ class ModelConfig:
         return 2 * self.n_layers * self.n_kv_heads * self.head_dim * bytes_per_element
 
     def num_params(self) -> int:
-        d, f, kv = self.hidden_size, self.intermediate_size, self.n_kv_heads * self.head_dim
-        per_layer = d * d * 2 + d * kv * 2 + 3 * d * f + 2 * d
-        head = 0 if self.tie_word_embeddings else self.embedding_size * d
-        return self.embedding_size * d + self.n_layers * per_layer + d + head
+        return sum(math.prod(shape) for shape in self.family.param_shapes(self).values())
 
     @classmethod
     def tiny(cls, model_type: str = "llada", **kw: Any) -> "ModelConfig":
@@ -85,67 +94,20 @@ class ModelConfig:
     # --- Hugging Face config.json ---------------------------------------------------
     @classmethod
     def from_hf(cls, hf: Dict[str, Any]) -> "ModelConfig":
-        mt = hf.get("model_type")
-        if mt is None and "d_model" in hf:
-            mt = "llada"
-        if mt in ("llada", "LLaDA"):
-            known = dict(
-                model_type="llada", vocab_size=hf["vocab_size"], hidden_size=hf["d_model"],
-                n_layers=hf["n_layers"], n_heads=hf["n_heads"],
-                n_kv_heads=hf.get("n_kv_heads") or hf["n_heads"],
-                intermediate_size=hf["mlp_hidden_size"], mask_token_id=hf.get("mask_token_id", 126336),
-                eos_token_id=hf.get("eos_token_id", 126081), pad_token_id=hf.get("pad_token_id"),
-                eot_token_id=hf.get("eot_token_id", LLADA_8B_EOT if hf["vocab_size"] == 126464 else None),
-                embedding_size=hf.get("embedding_size"), rope_theta=hf.get("rope_theta", 10000.0),
-                rms_norm_eps=hf.get("rms_norm_eps", 1e-5), tie_word_embeddings=hf.get("weight_tying", False),
-                linear_bias=hf.get("include_bias", False),
-                qkv_bias=hf.get("include_bias", False) or hf.get("include_qkv_bias", False),
-                max_seq_len=hf.get("max_sequence_length", 4096),
-                dllm_attention=hf.get("dllm_attention", "bidirectional"),
-            )
-            used = {"model_type", "vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "mlp_hidden_size",
-                    "mask_token_id", "eos_token_id", "pad_token_id", "eot_token_id", "embedding_size", "rope_theta",
-                    "rms_norm_eps", "weight_tying", "include_bias", "include_qkv_bias", "max_sequence_length",
-                    "dllm_attention"}
-        elif mt == "Dream":
-            known = dict(
-                model_type="Dream", vocab_size=hf["vocab_size"], hidden_size=hf["hidden_size"],
-                n_layers=hf["num_hidden_layers"], n_heads=hf["num_attention_heads"],
-                n_kv_heads=hf.get("num_key_value_heads") or hf["num_attention_heads"],
-                intermediate_size=hf["intermediate_size"], mask_token_id=hf.get("mask_token_id", 151666),
-                eos_token_id=hf.get("eos_token_id", 151643), pad_token_id=hf.get("pad_token_id"),
-                eot_token_id=hf.get("eot_token_id"), rope_theta=hf.get("rope_theta", 10000.0),
-                rms_norm_eps=hf.get("rms_norm_eps", 1e-6), tie_word_embeddings=hf.get("tie_word_embeddings", False),
-                qkv_bias=True, max_seq_len=hf.get("max_position_embeddings", 32768),
-                dllm_attention=hf.get("dllm_attention", "bidirectional"),
-            )
-            used = {"model_type", "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
-                    "num_key_value_heads", "intermediate_size", "mask_token_id", "eos_token_id", "pad_token_id",
-                    "eot_token_id", "rope_theta", "rms_norm_eps", "tie_word_embeddings", "max_position_embeddings",
-                    "dllm_attention"}
-        else:
-            raise ValueError(f"unsupported model_type {mt!r} in config.json (expected 'llada' or 'Dream')")
-        for key, val in list(known.items()):
-            if isinstance(val, list):  # some configs list several EOS ids
-                known[key] = val[0]
-        return cls(**known, extra={k: v for k, v in hf.items() if k not in used})
+        """Parse config.json through its family (engine.models.families): a key the engine
+        would not honour is refused (ConfigRefused, a ValueError), as is a family it does
+        not implement; keys known to be irrelevant are kept in `extra`."""
+        family = family_for(hf)
+        family.check_config(hf)
+        cfg = cls(**family.parse(hf))
+        written = cfg.to_hf()
+        cfg.extra = {k: v for k, v in hf.items() if k not in family.honoured and k not in written}
+        return cfg
 
     def to_hf(self) -> Dict[str, Any]:
-        if self.model_type == "llada":
-            hf = dict(model_type="llada", vocab_size=self.vocab_size, embedding_size=self.embedding_size,
-                      d_model=self.hidden_size, n_layers=self.n_layers, n_heads=self.n_heads,
-                      n_kv_heads=self.n_kv_heads, mlp_hidden_size=self.intermediate_size,
-                      rope_theta=self.rope_theta, rms_norm_eps=self.rms_norm_eps,
-                      weight_tying=self.tie_word_embeddings, include_bias=self.linear_bias,
-                      include_qkv_bias=self.qkv_bias, max_sequence_length=self.max_seq_len)
-        else:
-            hf = dict(model_type="Dream", architectures=["DreamModel"], vocab_size=self.vocab_size,
-                      hidden_size=self.hidden_size, num_hidden_layers=self.n_layers,
-                      num_attention_heads=self.n_heads, num_key_value_heads=self.n_kv_heads,
-                      intermediate_size=self.intermediate_size, rope_theta=self.rope_theta,
-                      rms_norm_eps=self.rms_norm_eps, tie_word_embeddings=self.tie_word_embeddings,
-                      max_position_embeddings=self.max_seq_len)
-        hf.update(mask_token_id=self.mask_token_id, eos_token_id=self.eos_token_id,
+        hf = self.family.to_hf(self)
+        eos = self.eos_token_ids if self.eos_token_ids and len(self.eos_token_ids) > 1 else self.eos_token_id
+        hf.update(mask_token_id=self.mask_token_id, eos_token_id=eos,
                   pad_token_id=self.pad_token_id, dllm_attention=self.dllm_attention)
         if self.eot_token_id is not None:
             hf["eot_token_id"] = self.eot_token_id

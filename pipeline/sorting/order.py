@@ -65,7 +65,9 @@ def full_canvas(cfg: DLLMProcessorConfig) -> bool:
     """The canvas the engines will use (EngineConfig.canvas, "auto" resolved from the
     model's config.json as the engine does); full when the config cannot be read here."""
     try:
-        block_causal = cfg.engine.canvas == "auto" and read_model_config(cfg.model).block_causal
+        declared = cfg.attention == "block_causal" or (  # --attention overrides the checkpoint
+            cfg.attention == "auto" and read_model_config(cfg.model).block_causal)
+        block_causal = cfg.engine.canvas == "auto" and declared
     except (OSError, ValueError, KeyError):
         return True
     return cfg.engine.full_canvas(block_causal)

@@ -1,0 +1,52 @@
+"""The model-family registry: one module per family (llada.py, dream.py); the loader,
+the preflight and the sorter's cost model all reach a family through `family_for`
+(config.json) or `family_named` (ModelConfig.model_type). A new family is one new
+module and one line in FAMILIES. Torch-free."""
+from __future__ import annotations
+
+from typing import Any, Dict, Mapping
+
+from .base import ConfigRefused, Family, FamilyNotSupported
+from .dream import DREAM
+from .llada import LLADA
+
+FAMILIES: Dict[str, Family] = {f.model_type: f for f in (LLADA, DREAM)}
+_ALIASES = {"LLaDA": "llada", "dream": "Dream"}
+
+# Published families the engine does not implement: (test on config.json, one-line name).
+_NOT_IMPLEMENTED = (
+    (lambda hf: hf.get("model_type") in ("llada", "LLaDA") and "d_model" not in hf
+     and ("num_experts" in hf or "hidden_size" in hf),
+     "LLaDA-MoE (inclusionAI/LLaDA-MoE-7B-A1B: model_type 'llada' with Hugging Face style keys and "
+     "mixture-of-experts layers)"),
+    (lambda hf: str(hf.get("model_type", "")).lower() in ("llada2_moe", "llada2", "llada_moe"),
+     "LLaDA2.x / LLaDA-MoE (mixture-of-experts)"),
+    (lambda hf: "gemma" in str(hf.get("model_type", "")).lower(), "DiffusionGemma / Gemma"),
+)
+
+
+def supported() -> str:
+    return "; ".join(f"{f.name} (model_type {f.model_type!r}: {f.examples})" for f in FAMILIES.values())
+
+
+def family_for(hf: Mapping[str, Any]) -> Family:
+    """The family a config.json describes; FamilyNotSupported (one line naming the family)
+    for a family the engine does not implement."""
+    for test, name in _NOT_IMPLEMENTED:
+        if test(hf):
+            raise FamilyNotSupported(f"{name} is not supported by blockray; supported: {supported()}")
+    mt = hf.get("model_type")
+    if mt is None and "d_model" in hf:
+        mt = "llada"
+    mt = _ALIASES.get(mt, mt)
+    if mt not in FAMILIES:
+        raise FamilyNotSupported(f"model_type {hf.get('model_type')!r} in config.json is not a family blockray "
+                                 f"supports; supported: {supported()}")
+    return FAMILIES[mt]
+
+
+def family_named(model_type: str) -> Family:
+    return FAMILIES[_ALIASES.get(model_type, model_type)]
+
+
+__all__ = ["FAMILIES", "Family", "ConfigRefused", "FamilyNotSupported", "family_for", "family_named", "supported"]

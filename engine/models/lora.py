@@ -1,0 +1,181 @@
+"""PEFT LoRA adapters (adapter_config.json + adapter_model.safetensors), merged into the
+base weights once at load time: W += scale * B A, computed in float32 (float64 for a
+float64 model) and cast to the model's dtype, so serving costs nothing extra and needs no
+peft at run time. PEFT module names are the base checkpoint's own weight names (the
+family's), so one mapping serves every family. Options that would change the result
+and are not implemented (DoRA, modules_to_save, bias training, rank/alpha patterns, ...)
+are refused, never ignored."""
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Dict, List, Mapping, Tuple, Union
+
+if TYPE_CHECKING:
+    import torch
+
+ADAPTER_CONFIG = "adapter_config.json"
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
+
+# adapter_config.json keys that cannot change the merged weights (training, init, hub
+# bookkeeping) or that PEFT itself ignores for nn.Linear layers
+_IGNORED = {"peft_type", "task_type", "base_model_name_or_path", "revision", "inference_mode", "lora_dropout",
+            "init_lora_weights", "loftq_config", "eva_config", "corda_config", "auto_mapping", "megatron_core",
+            "megatron_config", "exclude_modules", "peft_version", "fan_in_fan_out"}
+_HONOURED = {"r", "lora_alpha", "use_rslora", "target_modules"}
+# options implemented only at their "off" value: key -> (accepted values, what it would need)
+_OFF_ONLY = {
+    "use_dora": ((False, None), "DoRA (weight-decomposed LoRA) is not implemented"),
+    "modules_to_save": ((None, []), "modules_to_save (full copies of trained modules) is not implemented"),
+    "bias": (("none",), "trained biases (bias != 'none') are not implemented"),
+    "lora_bias": ((False, None), "trained LoRA biases are not implemented"),
+    "rank_pattern": (({}, None), "per-module ranks (rank_pattern) are not implemented"),
+    "alpha_pattern": (({}, None), "per-module alphas (alpha_pattern) are not implemented"),
+    "layers_to_transform": ((None, []), "layers_to_transform is not implemented"),
+    "layers_pattern": ((None, [], ""), "layers_pattern is not implemented"),
+    "layer_replication": ((None, []), "layer_replication is not implemented"),
+    "trainable_token_indices": ((None, {}, []), "trainable_token_indices is not implemented"),
+    "target_parameters": ((None, []), "target_parameters (LoRA on parameters) is not implemented"),
+    "use_qalora": ((False, None), "QALoRA is not implemented"),
+}
+
+
+class AdapterError(ValueError):
+    """The adapter cannot be applied as it is; the message says why."""
+
+
+@dataclass(frozen=True)
+class LoraConfig:
+    r: int
+    lora_alpha: float
+    use_rslora: bool
+    target_modules: Union[str, List[str]]
+
+    @property
+    def scale(self) -> float:
+        """PEFT's scaling: alpha / r, or alpha / sqrt(r) with rsLoRA."""
+        return self.lora_alpha / (math.sqrt(self.r) if self.use_rslora else self.r)
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any], where: str = ADAPTER_CONFIG) -> "LoraConfig":
+        kind = d.get("peft_type", "LORA")
+        if str(kind).upper() != "LORA":
+            raise AdapterError(f"{where}: peft_type {kind!r} is not supported (blockray merges LoRA adapters only)")
+        for key, value in d.items():
+            if key in _HONOURED or key in _IGNORED:
+                continue
+            if key in _OFF_ONLY:
+                ok, why = _OFF_ONLY[key]
+                if value not in ok:
+                    raise AdapterError(f"{where}: {key}={value!r}: {why} by blockray; refusing rather than serving a "
+                                       "different model")
+            elif value not in (None, False, {}, [], ""):
+                raise AdapterError(f"{where}: option {key}={str(value)[:80]!r} is not one blockray knows; refusing "
+                                   "rather than ignoring it")
+        if "r" not in d or "target_modules" not in d:
+            raise AdapterError(f"{where}: needs r and target_modules")
+        targets = d["target_modules"]
+        return cls(r=int(d["r"]), lora_alpha=float(d.get("lora_alpha", 8)), use_rslora=bool(d.get("use_rslora")),
+                   target_modules=targets if isinstance(targets, str) else list(targets))
+
+    def targets(self, module: str) -> bool:
+        """PEFT's rule: a regex string must match the whole module name; a list names
+        module-name suffixes ('all-linear': every linear layer but the output head)."""
+        t = self.target_modules
+        if t == "all-linear":
+            return True
+        if isinstance(t, str):
+            return re.fullmatch(t, module) is not None
+        return any(module == x or module.endswith("." + x) for x in t)
+
+
+@dataclass
+class Adapter:
+    """{internal parameter name: (A [r, in], B [out, r])} and the scale."""
+
+    config: LoraConfig
+    pairs: Dict[str, Tuple[torch.Tensor, torch.Tensor]]
+    path: str
+
+    def delta(self, name: str, dtype: "torch.dtype") -> "torch.Tensor":
+        a, b = self.pairs[name]
+        return self.config.scale * (b.to(dtype) @ a.to(dtype))
+
+    def merge(self, name: str, weight: "torch.Tensor", dtype: "torch.dtype") -> "torch.Tensor":
+        """`weight` + scale * B A in float32 (float64 when `dtype` is), for the caller to cast."""
+        import torch
+
+        if name not in self.pairs:
+            return weight
+        cd = torch.float64 if dtype == torch.float64 else torch.float32
+        return weight.to(cd) + self.delta(name, cd)
+
+
+def plan_adapter(path: str, cfg, shapes: Mapping[str, Tuple[int, ...]]) -> Tuple[LoraConfig, Dict[str, Dict[str, str]]]:
+    """(the adapter's LoraConfig, {internal parameter name: {"lora_A": key, "lora_B": key}})
+    for the LoRA folder `path` on a model `cfg` (a ModelConfig) whose parameters have
+    `shapes`, from adapter_config.json and the safetensors header only (torch-free: the
+    preflight calls it). Every tensor must be a lora_A / lora_B of one targeted linear
+    weight of the base model, with the adapter's rank and the base's shapes."""
+    from .checkpoint import read_header
+
+    root = str(path)
+    cpath, wpath = os.path.join(root, ADAPTER_CONFIG), os.path.join(root, ADAPTER_WEIGHTS)
+    if not os.path.isfile(cpath):
+        raise AdapterError(f"adapter {root} has no {ADAPTER_CONFIG} (a PEFT LoRA adapter folder is expected)")
+    if not os.path.isfile(wpath):
+        bins = [f for f in os.listdir(root) if f.endswith(".bin")]
+        raise AdapterError(f"adapter {root} has no {ADAPTER_WEIGHTS}" + (
+            f" ({bins[0]} is a pickle, which blockray never loads: convert it to safetensors)" if bins else ""))
+    with open(cpath) as f:
+        lcfg = LoraConfig.from_dict(json.load(f), cpath)
+    family = cfg.family
+    by_key = {family.checkpoint_name(n): n for n in shapes}
+    found: Dict[str, Dict[str, str]] = {}
+    have = read_header(wpath)
+    for key in have:
+        m = re.fullmatch(r"(?:base_model\.model\.)?(.+)\.(lora_A|lora_B)(?:\.[\w-]+)?\.weight", key)
+        if m is None:
+            what = ("a DoRA magnitude (not implemented)" if "lora_magnitude_vector" in key else
+                    "LoRA on an embedding (not implemented)" if "lora_embedding" in key else
+                    "not a lora_A / lora_B weight (modules_to_save or trained biases are not implemented)")
+            raise AdapterError(f"adapter {root}: tensor {key!r} is {what}")
+        module, part = m.group(1), m.group(2)
+        name = by_key.get(module + ".weight")
+        if name is None or len(shapes[name]) != 2 or name.startswith("embed"):
+            raise AdapterError(f"adapter {root}: {key!r} targets {module!r}, which is not a linear weight of the "
+                               f"{family.name} base model (its weights are named like "
+                               f"{family.checkpoint_name('layers.0.q.weight')!r}): a different base model?")
+        if not lcfg.targets(module):
+            raise AdapterError(f"adapter {root}: {key!r} is for {module!r}, which target_modules "
+                               f"{lcfg.target_modules!r} does not name")
+        found.setdefault(name, {})[part] = key
+    for name, parts in found.items():
+        module = family.checkpoint_name(name).removesuffix(".weight")
+        if set(parts) != {"lora_A", "lora_B"}:
+            raise AdapterError(f"adapter {root}: {module!r} has {sorted(parts)} but not both lora_A and lora_B")
+        a, b = have[parts["lora_A"]].shape, have[parts["lora_B"]].shape
+        out, inp = shapes[name]
+        if a != (lcfg.r, inp) or b != (out, lcfg.r):
+            raise AdapterError(f"adapter {root}: {module!r} has lora_A {a} and lora_B {b}, expected "
+                               f"({lcfg.r}, {inp}) and ({out}, {lcfg.r}) for r={lcfg.r} and the base weight "
+                               f"{(out, inp)}: the adapter was trained for a different base model")
+    if not found:
+        raise AdapterError(f"adapter {root} holds no LoRA weights")
+    return lcfg, found
+
+
+def read_adapter(path: str, cfg, shapes: Mapping[str, Tuple[int, ...]]) -> Adapter:
+    """The adapter of `plan_adapter`, with its tensors."""
+    from safetensors import safe_open
+
+    lcfg, plan = plan_adapter(path, cfg, shapes)
+    with safe_open(os.path.join(str(path), ADAPTER_WEIGHTS), framework="pt") as fh:
+        pairs = {name: (fh.get_tensor(p["lora_A"]), fh.get_tensor(p["lora_B"])) for name, p in plan.items()}
+    return Adapter(lcfg, pairs, str(path))
+
+
+__all__ = ["LoraConfig", "Adapter", "AdapterError", "read_adapter", "plan_adapter", "ADAPTER_CONFIG", "ADAPTER_WEIGHTS"]

@@ -1,0 +1,88 @@
+"""The checkpoint's tokenizer from local files, never with remote code.
+
+A checkpoint whose tokenizer_config.json names a class transformers lacks (with an
+`auto_map` to its own tokenization_*.py) is read with the transformers class it is a
+copy of when its files are that class's format: Dream's DreamTokenizer is transformers'
+Qwen2Tokenizer (same pre-tokenizer regex, NFC normalisation, byte-level BPE over
+vocab.json + merges.txt), so those files load with Qwen2Tokenizer and keep
+tokenizer_config.json's added tokens, special tokens and chat template. Anything else
+that needs the checkpoint's code is refused with a message naming what is needed."""
+from __future__ import annotations
+
+import json
+import os
+from typing import Any, Dict, Optional, Tuple
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
+
+# tokenizer_class shipped as remote code -> (the transformers class it copies, the files it reads)
+COPIES: Dict[str, Tuple[str, Tuple[str, ...]]] = {
+    "DreamTokenizer": ("Qwen2Tokenizer", ("vocab.json", "merges.txt")),
+}
+
+
+class NeedsRemoteCode(ValueError):
+    """The tokenizer can only be built by code shipped with the checkpoint."""
+
+
+def has_tokenizer(model_dir: str) -> bool:
+    return any(os.path.exists(os.path.join(model_dir, f)) for f in TOKENIZER_FILES)
+
+
+def _tokenizer_config(model_dir: str) -> Dict[str, Any]:
+    try:
+        with open(os.path.join(model_dir, "tokenizer_config.json"), encoding="utf-8") as f:
+            cfg = json.load(f)
+    except (OSError, ValueError):
+        return {}
+    return cfg if isinstance(cfg, dict) else {}
+
+
+def tokenizer_class(model_dir: str) -> Tuple[Optional[str], Optional[str]]:
+    """(the transformers class to load with, or None for AutoTokenizer; the remote class
+    it stands in for). Raises NeedsRemoteCode when no transformers class reads the files."""
+    import transformers
+
+    cfg = _tokenizer_config(model_dir)
+    cls = cfg.get("tokenizer_class")
+    if not cls or hasattr(transformers, cls) or hasattr(transformers, cls.removesuffix("Fast")):
+        return None, None
+    base = cls.removesuffix("Fast")
+    if base in COPIES:
+        target, files = COPIES[base]
+        missing = [f for f in files if not os.path.isfile(os.path.join(model_dir, f))]
+        if not missing:
+            return target, cls
+        need = f"{base} is transformers' {target}, read from {' + '.join(files)}; {', '.join(missing)} missing"
+    else:
+        known = "; ".join(f"{k} (as {v[0]} over {' + '.join(v[1])})" for k, v in COPIES.items())
+        need = (f"transformers has no {cls!r} and it is not a known copy of a transformers class (known: {known}); "
+                "give the checkpoint a tokenizer.json with \"tokenizer_class\": \"PreTrainedTokenizerFast\", or name "
+                "the transformers class its files are for")
+    auto = cfg.get("auto_map")
+    where = f"tokenizer_config.json tokenizer_class {cls!r}" + (f" (auto_map {json.dumps(auto)[:160]})" if auto else "")
+    raise NeedsRemoteCode(f"{model_dir} needs remote code for its tokenizer ({where}), which blockray never runs: "
+                          f"{need}")
+
+
+def load_tokenizer(model_dir: str):
+    """The tokenizer in `model_dir`, or None when it has no tokenizer files."""
+    if not has_tokenizer(model_dir):
+        return None
+    import transformers
+    from transformers.utils import logging as hf_logging
+
+    target, _ = tokenizer_class(model_dir)
+    level = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()  # silence "model of type llada" noise from config.json
+    try:
+        if target is not None:
+            return getattr(transformers, target).from_pretrained(model_dir, local_files_only=True)
+        # trust_remote_code=False, explicitly: never run a model directory's code, and never
+        # let transformers ask an interactive [y/N] question.
+        return transformers.AutoTokenizer.from_pretrained(model_dir, local_files_only=True, trust_remote_code=False)
+    finally:
+        hf_logging.set_verbosity(level)
+
+
+__all__ = ["load_tokenizer", "has_tokenizer", "tokenizer_class", "NeedsRemoteCode", "COPIES", "TOKENIZER_FILES"]

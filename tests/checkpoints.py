@@ -1,0 +1,237 @@
+"""The file sets of published checkpoints, rebuilt from their metadata with tiny random
+weights: config.json with every published key (only the sizes shrunk: hidden 16, one
+layer; the real vocabulary sizes, so every special id sits where it does in the real
+model), generation_config.json, tokenizer_config.json with its added tokens, specials and
+chat template, special_tokens_map.json, the shard index naming, and PEFT LoRA adapters
+(adapter_config.json + adapter_model.safetensors under PEFT's key names).
+
+Sources (read with the search tool): GSAI-ML/LLaDA-8B-Instruct config.json as vendored in
+public repositories (e.g. a LLaDA-100M tutorial copying it key for key), Dream-org's
+Dream-v0-Instruct-7B generation_config.json (monash-yann/dllm-research,
+models/Dream-7B-Instruct/), Qwen2.5's tokenizer layout for Dream (151643 byte-level BPE
+entries in vocab.json, then the added tokens from 151643; Dream adds <|beginoftext|>
+151665 and <|mask|> 151666), LLaDA's special ids (126080 <|startoftext|>, 126081
+<|endoftext|>, 126336 <|mdm_mask|>, 126346-126348 header / <|eot_id|>). Dream's
+vocab.json here is a small valid byte-level BPE vocabulary (256 byte symbols, a few
+merges) padded with unreachable fillers to the real size."""
+from __future__ import annotations
+
+import json
+import os
+from typing import Dict, List, Optional
+
+import torch
+from safetensors.torch import save_file
+
+from engine import ModelConfig, build_model, save_model
+
+TINY = dict(hidden=16, layers=1, heads=2, kv_heads=1, ffn=32)
+
+LLADA_CONFIG = {
+    "activation_type": "silu", "alibi": False, "alibi_bias_max": 8.0, "architectures": ["LLaDAModelLM"],
+    "attention_dropout": 0.0, "attention_layer_norm": False, "attention_layer_norm_with_affine": True,
+    "auto_map": {"AutoConfig": "configuration_llada.LLaDAConfig", "AutoModelForCausalLM": "modeling_llada.LLaDAModelLM",
+                 "AutoModel": "modeling_llada.LLaDAModelLM"},
+    "bias_for_layer_norm": False, "block_group_size": 1, "block_type": "llama", "d_model": 4096,
+    "embedding_dropout": 0.0, "embedding_size": 126464, "eos_token_id": 126081, "flash_attention": False,
+    "include_bias": False, "include_qkv_bias": False, "init_cutoff_factor": None, "init_device": "meta",
+    "init_fn": "mitchell", "init_std": 0.02, "input_emb_norm": False, "layer_norm_type": "rms",
+    "layer_norm_with_affine": True, "mask_token_id": 126336, "max_sequence_length": 4096, "mlp_hidden_size": 12288,
+    "mlp_ratio": 4, "model_type": "llada", "multi_query_attention": None, "n_heads": 32, "n_kv_heads": 32,
+    "n_layers": 32, "pad_token_id": 126081, "precision": "amp_bf16", "residual_dropout": 0.0, "rms_norm_eps": 1e-05,
+    "rope": True, "rope_full_precision": True, "rope_theta": 500000.0, "scale_logits": False,
+    "transformers_version": "4.46.3", "use_cache": False, "vocab_size": 126464, "weight_tying": False,
+}
+LLADA_GENERATION = {"_from_model_config": True, "bos_token_id": 126080, "eos_token_id": 126081,
+                    "pad_token_id": 126081, "transformers_version": "4.46.3"}
+LLADA_SPECIAL = {126080: "<|startoftext|>", 126081: "<|endoftext|>", 126336: "<|mdm_mask|>",
+                 126346: "<|start_header_id|>", 126347: "<|end_header_id|>", 126348: "<|eot_id|>"}
+LLADA_TEMPLATE = ("{% set loop_messages = messages %}{% for message in loop_messages %}{% set content = "
+                  "'<|start_header_id|>' + message['role'] + '<|end_header_id|>\n\n'+ message['content'] | trim + "
+                  "'<|eot_id|>' %}{% if loop.index0 == 0 %}{% set content = bos_token + content %}{% endif %}"
+                  "{{ content }}{% endfor %}{% if add_generation_prompt %}"
+                  "{{ '<|start_header_id|>assistant<|end_header_id|>\n\n' }}{% endif %}")
+
+DREAM_CONFIG = {
+    "architectures": ["DreamModel"], "attention_dropout": 0.0,
+    "auto_map": {"AutoConfig": "configuration_dream.DreamConfig", "AutoModel": "modeling_dream.DreamModel"},
+    "bos_token_id": 151643, "eos_token_id": 151643, "hidden_act": "silu", "hidden_size": 3584,
+    "initializer_range": 0.02, "intermediate_size": 18944, "mask_token_id": 151666,
+    "max_position_embeddings": 131072, "max_window_layers": 28, "model_type": "Dream", "num_attention_heads": 28,
+    "num_hidden_layers": 28, "num_key_value_heads": 4, "pad_token_id": 151643, "rms_norm_eps": 1e-06,
+    "rope_scaling": None, "rope_theta": 1000000.0, "sliding_window": None, "tie_word_embeddings": False,
+    "torch_dtype": "bfloat16", "transformers_version": "4.46.2", "use_cache": True, "use_sliding_window": False,
+    "vocab_size": 152064,
+}
+DREAM_GENERATION = {"_from_model_config": True, "alg": "origin", "alg_temp": None, "bos_token_id": 151643,
+                    "eos_token_id": 151643, "eps": 0.001, "mask_token_id": None, "output_history": False,
+                    "pad_token_id": 151643, "steps": 512, "temperature": 0.0, "top_k": None, "top_p": None,
+                    "transformers_version": "4.46.2"}
+QWEN_BASE_VOCAB = 151643
+DREAM_ADDED = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|object_ref_start|>", "<|object_ref_end|>",
+               "<|box_start|>", "<|box_end|>", "<|quad_start|>", "<|quad_end|>", "<|vision_start|>", "<|vision_end|>",
+               "<|vision_pad|>", "<|image_pad|>", "<|video_pad|>", "<tool_call>", "</tool_call>", "<|fim_prefix|>",
+               "<|fim_middle|>", "<|fim_suffix|>", "<|fim_pad|>", "<|repo_name|>", "<|file_sep|>", "<|beginoftext|>",
+               "<|mask|>"]  # ids 151643.. in this order
+DREAM_NOT_SPECIAL = {"<tool_call>", "</tool_call>", "<|fim_prefix|>", "<|fim_middle|>", "<|fim_suffix|>",
+                     "<|fim_pad|>", "<|repo_name|>", "<|file_sep|>"}
+DREAM_TEMPLATE = ("{% if messages[0]['role'] == 'system' %}{{ '<|im_start|>system\n' + messages[0]['content'] + "
+                  "'<|im_end|>\n' }}{% else %}{{ '<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n' }}"
+                  "{% endif %}{% for message in messages %}{% if message['role'] != 'system' %}"
+                  "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>\n' }}{% endif %}"
+                  "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
+MERGES = ["Ġ t", "h e", "Ġt he", "Ġ a", "i n", "e r", "o n", "Ġ c", "o p", "Ġc op", "Ġcop y"]
+
+
+def _dump(path: str, obj) -> None:
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(obj, f, indent=2, ensure_ascii=False)
+
+
+def bytes_to_unicode() -> Dict[int, str]:
+    """GPT-2's byte -> printable character table (byte-level BPE's alphabet)."""
+    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    cs, n = bs[:], 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return dict(zip(bs, map(chr, cs)))
+
+
+def bpe_vocab(size: int, special: Optional[Dict[int, str]] = None) -> Dict[str, int]:
+    """A valid byte-level BPE vocabulary of exactly `size` ids: the 256 byte symbols, the
+    MERGES results, `special` at their ids, unreachable fillers elsewhere."""
+    b2u = bytes_to_unicode()
+    vocab = {b2u[b]: i for i, b in enumerate(range(256))}
+    for m in MERGES:
+        vocab.setdefault(m.replace(" ", ""), len(vocab))
+    special = special or {}
+    for i in range(len(vocab), size):
+        vocab[special.get(i, f"<|filler_{i}|>")] = i
+    return vocab
+
+
+def _weights(root: str, hf: dict, n_shards: int, seed: int) -> ModelConfig:
+    """Random weights under the real key names, in `n_shards` shards with the real index
+    naming (model-0000i-of-0000n.safetensors + model.safetensors.index.json)."""
+    cfg = ModelConfig.from_hf(hf)
+    model = build_model(cfg, dtype=torch.float32, seed=seed)
+    total = sum(p.numel() * 4 for p in model.parameters())
+    save_model(model, root, max_shard_bytes=total // n_shards + 1)
+    index = json.load(open(os.path.join(root, "model.safetensors.index.json")))
+    index["metadata"] = {"total_size": total}
+    _dump(os.path.join(root, "model.safetensors.index.json"), index)
+    return cfg
+
+
+def write_llada(root: str, variant: str = "Instruct", seed: int = 0, **tiny) -> str:
+    """GSAI-ML/LLaDA-8B-{Instruct,Base}'s file set: config.json, generation_config.json,
+    tokenizer.json (PreTrainedTokenizerFast) with the special ids at their real places,
+    tokenizer_config.json (+ chat template), special_tokens_map.json, 6 shards."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    t = {**TINY, **tiny}
+    os.makedirs(root, exist_ok=True)
+    hf = dict(LLADA_CONFIG, d_model=t["hidden"], n_layers=t["layers"], n_heads=t["heads"], n_kv_heads=t["heads"],
+              mlp_hidden_size=t["ffn"])
+    _weights(root, hf, 6, seed)
+    _dump(os.path.join(root, "config.json"), hf)
+    _dump(os.path.join(root, "generation_config.json"), LLADA_GENERATION)
+    vocab = bpe_vocab(126464, LLADA_SPECIAL)
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[tuple(m.split()) for m in MERGES]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens(list(LLADA_SPECIAL.values()))
+    tok.save(os.path.join(root, "tokenizer.json"))
+    for i, s in LLADA_SPECIAL.items():
+        assert tok.token_to_id(s) == i, (s, tok.token_to_id(s))
+    specials = dict(bos_token="<|startoftext|>", eos_token="<|endoftext|>", pad_token="<|endoftext|>")
+    _dump(os.path.join(root, "tokenizer_config.json"), dict(
+        specials, tokenizer_class="PreTrainedTokenizerFast", add_bos_token=False, add_eos_token=False,
+        clean_up_tokenization_spaces=False, model_max_length=1000000000000000019884624838656,
+        chat_template=LLADA_TEMPLATE,
+        added_tokens_decoder={str(i): {"content": s, "lstrip": False, "normalized": False, "rstrip": False,
+                                       "single_word": False, "special": True} for i, s in LLADA_SPECIAL.items()}))
+    _dump(os.path.join(root, "special_tokens_map.json"), specials)
+    for name in ("configuration_llada.py", "modeling_llada.py"):  # documentation only: never imported
+        with open(os.path.join(root, name), "w") as f:
+            f.write(f"raise RuntimeError('remote code {name} ran')\n")
+    return root
+
+
+def write_dream(root: str, variant: str = "Instruct", seed: int = 0, **tiny) -> str:
+    """Dream-org/Dream-v0-{Instruct,Base}-7B's file set: config.json, generation_config.json,
+    vocab.json + merges.txt (no tokenizer.json), tokenizer_config.json naming DreamTokenizer
+    with an auto_map to tokenization_dream.py, its added tokens from 151643 and the chat
+    template, special_tokens_map.json, 4 shards."""
+    t = {**TINY, **tiny}
+    os.makedirs(root, exist_ok=True)
+    hf = dict(DREAM_CONFIG, hidden_size=t["hidden"], num_hidden_layers=t["layers"], num_attention_heads=t["heads"],
+              num_key_value_heads=t["kv_heads"], intermediate_size=t["ffn"])
+    _weights(root, hf, 4, seed)
+    _dump(os.path.join(root, "config.json"), hf)
+    _dump(os.path.join(root, "generation_config.json"), DREAM_GENERATION)
+    _dump(os.path.join(root, "vocab.json"), bpe_vocab(QWEN_BASE_VOCAB))
+    with open(os.path.join(root, "merges.txt"), "w", encoding="utf-8") as f:
+        f.write("#version: 0.2\n" + "\n".join(MERGES) + "\n")
+    added = {QWEN_BASE_VOCAB + i: s for i, s in enumerate(DREAM_ADDED)}
+    specials = dict(bos_token="<|beginoftext|>", eos_token="<|endoftext|>", pad_token="<|endoftext|>",
+                    mask_token="<|mask|>", additional_special_tokens=["<|im_start|>", "<|im_end|>"])
+    _dump(os.path.join(root, "tokenizer_config.json"), dict(
+        specials, add_bos_token=False, add_prefix_space=False, auto_map={
+            "AutoTokenizer": ["tokenization_dream.DreamTokenizer", None]},
+        added_tokens_decoder={str(i): {"content": s, "lstrip": False, "normalized": False, "rstrip": False,
+                                       "single_word": False, "special": s not in DREAM_NOT_SPECIAL}
+                              for i, s in added.items()},
+        chat_template=DREAM_TEMPLATE, clean_up_tokenization_spaces=False, errors="replace",
+        model_max_length=131072, split_special_tokens=False, tokenizer_class="DreamTokenizer", unk_token=None))
+    _dump(os.path.join(root, "special_tokens_map.json"), specials)
+    for name in ("tokenization_dream.py", "configuration_dream.py", "modeling_dream.py", "generation_utils.py"):
+        with open(os.path.join(root, name), "w") as f:
+            f.write(f"raise RuntimeError('remote code {name} ran')\n")
+    return root
+
+
+# module names D2F's adapters target (SJTU-Deng-Lab/D2F_LLaDA_Instruct_8B_Lora, D2F_Dream_Base_7B_Lora)
+D2F_TARGETS = {"llada": ["q_proj", "k_proj", "v_proj", "attn_out"], "Dream": ["q_proj", "k_proj", "v_proj", "o_proj"]}
+
+
+def write_lora(root: str, cfg: ModelConfig, r: int = 4, lora_alpha: float = 8.0, use_rslora: bool = False,
+               targets: Optional[List[str]] = None, seed: int = 1, base: str = "", **config) -> str:
+    """A PEFT LoRA adapter for `cfg`'s layout: adapter_config.json with the keys PEFT writes
+    and random lora_A / lora_B (B non-zero, unlike a fresh adapter) under PEFT's names
+    (base_model.model.<module>.lora_A.weight)."""
+    os.makedirs(root, exist_ok=True)
+    targets = targets or D2F_TARGETS[cfg.model_type]
+    _dump(os.path.join(root, "adapter_config.json"), {
+        "alpha_pattern": {}, "auto_mapping": None, "base_model_name_or_path": base, "bias": "none",
+        "corda_config": None, "eva_config": None, "exclude_modules": None, "fan_in_fan_out": False,
+        "inference_mode": True, "init_lora_weights": True, "layer_replication": None, "layers_pattern": None,
+        "layers_to_transform": None, "loftq_config": {}, "lora_alpha": lora_alpha, "lora_bias": False,
+        "lora_dropout": 0.05, "megatron_config": None, "megatron_core": "megatron.core", "modules_to_save": None,
+        "peft_type": "LORA", "r": r, "rank_pattern": {}, "revision": None, "target_modules": targets,
+        "task_type": "CAUSAL_LM", "trainable_token_indices": None, "use_dora": False, "use_rslora": use_rslora,
+        **config})
+    g = torch.Generator().manual_seed(seed)
+    shapes = cfg.family.param_shapes(cfg)
+    tensors = {}
+    for name, shape in shapes.items():
+        key = cfg.family.checkpoint_name(name)
+        module = key.removesuffix(".weight")
+        if not key.endswith(".weight") or len(shape) != 2 or module.rsplit(".", 1)[-1] not in targets:
+            continue
+        tensors[f"base_model.model.{module}.lora_A.weight"] = torch.randn(r, shape[1], generator=g) / shape[1] ** 0.5
+        tensors[f"base_model.model.{module}.lora_B.weight"] = torch.randn(shape[0], r, generator=g) * 0.5
+    save_file(tensors, os.path.join(root, "adapter_model.safetensors"), metadata={"format": "pt"})
+    return root
+
+
+LAYOUTS = {"LLaDA-8B-Instruct": (write_llada, "Instruct"), "LLaDA-8B-Base": (write_llada, "Base"),
+           "Dream-v0-Instruct-7B": (write_dream, "Instruct"), "Dream-v0-Base-7B": (write_dream, "Base")}
+
+
+def write_layout(name: str, root: str, seed: int = 0) -> str:
+    fn, variant = LAYOUTS[name]
+    return fn(root, variant, seed=seed)

@@ -1,0 +1,365 @@
+"""Issue 22: the published checkpoints served as published (tests/checkpoints.py rebuilds
+their file sets with tiny weights and real vocabulary sizes): load_model + generate, the
+stop ids and where they come from, the rendered chat prompt, the job's preflight and a
+10-row run; PEFT LoRA adapters merged exactly; block-causal attention on request; every
+setting the engine would ignore refused with its message."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from checkpoints import DREAM_CONFIG, LAYOUTS, LLADA_CONFIG, write_layout, write_lora
+from conftest import ROOT, read_parts
+from procs import ray_temp_dir
+from engine import Engine, EngineConfig, ModelConfig, SamplingParams, build_model, load_model, save_model
+from engine.loader import read_config
+from pipeline import DLLMProcessorConfig
+from pipeline.run import JobError, check_model, preflight, run_offline
+
+ENGINE = EngineConfig(block_length=4, steps_per_block=4, cache="refresh", token_budget=2048, max_batch_size=8)
+SAMPLING = SamplingParams(max_new_tokens=8, policy="fixed")
+MESSAGES = [[{"role": "user", "content": f"copy: {'abcdefgh'[: i % 8 + 1]}"}] for i in range(10)]
+STOPS = {
+    "llada": {126081: "config.json eos_token_id", 126348: "chat template end of turn <|eot_id|>"},
+    "Dream": {151643: "config.json eos_token_id", 151645: "chat template end of turn <|im_end|>"},
+}
+CHAT = {
+    "llada": "<|startoftext|><|start_header_id|>user<|end_header_id|>\n\ncopy: abc<|eot_id|>"
+             "<|start_header_id|>assistant<|end_header_id|>\n\n",
+    "Dream": "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n<|im_start|>user\ncopy: abc<|im_end|>\n"
+             "<|im_start|>assistant\n",
+}
+
+
+@pytest.fixture(scope="module")
+def published(tmp_path_factory):
+    """{name: folder} of every published layout and the two D2F adapters."""
+    root = tmp_path_factory.mktemp("published")
+    dirs = {name: write_layout(name, str(root / name), seed=i) for i, name in enumerate(LAYOUTS)}
+    dirs["D2F_LLaDA_Instruct_8B_Lora"] = write_lora(str(root / "D2F_LLaDA_Instruct_8B_Lora"),
+                                                    read_config(dirs["LLaDA-8B-Instruct"]),
+                                                    base="GSAI-ML/LLaDA-8B-Instruct")
+    dirs["D2F_Dream_Base_7B_Lora"] = write_lora(str(root / "D2F_Dream_Base_7B_Lora"),
+                                                read_config(dirs["Dream-v0-Base-7B"]),
+                                                base="Dream-org/Dream-v0-Base-7B")
+    return dirs
+
+
+def _messages_input(path: str) -> str:
+    pq.write_table(pa.table({"id": [f"m{i}" for i in range(10)], "messages": MESSAGES}), path)
+    return path
+
+
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_published_layout_loads_generates_and_passes_the_preflight(name, published, tmp_path):
+    model, tok = load_model(published[name], dtype=torch.float32)
+    family = model.config.model_type
+    assert type(tok).__name__ == ("Qwen2Tokenizer" if family == "Dream" else "TokenizersBackend")
+    assert read_config(published[name]).stop_ids == list(STOPS[family])  # the union, in order
+    from engine.models.stops import checkpoint_stop_ids
+
+    assert checkpoint_stop_ids(published[name]) == STOPS[family]
+    assert model.config.stop_token_ids == list(STOPS[family])
+    msgs = [{"role": "user", "content": "copy: abc"}]
+    assert tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True) == CHAT[family]
+    mask = {"llada": ("<|mdm_mask|>", 126336), "Dream": ("<|mask|>", 151666)}[family]
+    assert tok.convert_tokens_to_ids(mask[0]) == mask[1] == model.config.mask_token_id
+    outs = Engine(model, ENGINE, tokenizer=tok).generate([CHAT[family], "copy: the"], SAMPLING)
+    assert [o.error for o in outs] == [None, None]
+    assert all(o.finish_reason in ("stop", "length") and len(o.token_ids) <= 8 for o in outs)
+    checked = preflight(_messages_input(str(tmp_path / "in.parquet")), str(tmp_path / "out"),
+                        DLLMProcessorConfig(model=published[name], engine=ENGINE, sampling=SAMPLING))
+    assert checked.source.num_rows == 10
+
+
+# LLaDA-8B-Instruct's 10-row job is the real command with the D2F adapter (below).
+JOBS = [("LLaDA-8B-Base", None, "auto"), ("Dream-v0-Instruct-7B", None, "auto"),
+        ("Dream-v0-Base-7B", "D2F_Dream_Base_7B_Lora", "block_causal")]
+
+
+@pytest.mark.parametrize("name,adapter,attention", JOBS)
+def test_published_layout_ten_row_job(name, adapter, attention, published, ray_local, tmp_path):
+    """The job (preflight, chat template, tokenize, engine, detokenize, writer) on 10 rows
+    of chat messages; the summary names the stop ids and where they came from."""
+    config = DLLMProcessorConfig(model=published[name], adapter=published.get(adapter), attention=attention,
+                                 batch_size=5, engine=ENGINE, sampling=SAMPLING, enable_metrics=False)
+    summary = run_offline(_messages_input(str(tmp_path / "in.parquet")), str(tmp_path / "out"), config)
+    assert (summary["rows"], summary["errors"], summary["status"]) == (10, 0, "ok")
+    family = read_config(published[name]).model_type
+    assert summary["stop_token_ids"] == {str(t): s for t, s in STOPS[family].items()}
+    rows = read_parts(str(tmp_path / "out")).to_pylist()
+    assert sorted(r["id"] for r in rows) == [f"m{i}" for i in range(10)]
+    assert all(r["prompt"].endswith(CHAT[family][-20:]) for r in rows)  # rendered with the checkpoint's template
+
+
+def _hand_merged(base: str, adapter: str, dtype=torch.float64):
+    """The base model with W += alpha/r * B A done here, from the adapter's own files."""
+    model, tok = load_model(base, dtype=dtype)
+    acfg = json.load(open(os.path.join(adapter, "adapter_config.json")))
+    scale = acfg["lora_alpha"] / (acfg["r"] ** 0.5 if acfg["use_rslora"] else acfg["r"])
+    by_key = {model.config.family.checkpoint_name(n): n for n, _ in model.named_parameters()}
+    with safe_open(os.path.join(adapter, "adapter_model.safetensors"), "pt") as fh, torch.no_grad():
+        for key in fh.keys():
+            if ".lora_A." in key:
+                module = key.removeprefix("base_model.model.").removesuffix(".lora_A.weight")
+                a, b = fh.get_tensor(key).to(dtype), fh.get_tensor(key.replace("lora_A", "lora_B")).to(dtype)
+                model.get_parameter(by_key[module + ".weight"]).add_(scale * (b @ a))
+    return model, tok
+
+
+@pytest.mark.parametrize("family", ["llada", "Dream"])
+@pytest.mark.parametrize("use_rslora", [False, True])
+def test_lora_merge_equals_the_unmerged_computation(family, use_rslora, tmp_path):
+    """W' x == W x + scale * B (A x) in float64 for every targeted module (r=4, alpha=12)."""
+    cfg = ModelConfig.tiny(family, vocab_size=96, mask_token_id=95)
+    base = tmp_path / "base"
+    save_model(build_model(cfg, dtype=torch.float64, seed=3), base)
+    adapter = write_lora(str(tmp_path / "lora"), cfg, r=4, lora_alpha=12.0, use_rslora=use_rslora, seed=5)
+    plain, _ = load_model(base, dtype=torch.float64)
+    merged, _ = load_model(base, dtype=torch.float64, adapter=adapter)
+    scale = 12.0 / (2.0 if use_rslora else 4.0)
+    x = torch.randn(7, cfg.hidden_size, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    by_key = {cfg.family.checkpoint_name(n): n for n, _ in plain.named_parameters()}
+    n = 0
+    with safe_open(os.path.join(adapter, "adapter_model.safetensors"), "pt") as fh:
+        for key in fh.keys():
+            if ".lora_A." not in key:
+                continue
+            name = by_key[key.removeprefix("base_model.model.").removesuffix(".lora_A.weight") + ".weight"]
+            a, b = fh.get_tensor(key).double(), fh.get_tensor(key.replace("lora_A", "lora_B")).double()
+            want = x @ plain.get_parameter(name).T + scale * ((x @ a.T) @ b.T)
+            assert torch.allclose(x @ merged.get_parameter(name).T, want, rtol=1e-12, atol=1e-12), name
+            n += 1
+    assert n == cfg.n_layers * 4
+    untouched = [k for k, _ in plain.named_parameters() if not any(f".{m}." in k for m in "qkvo")]
+    assert all(torch.equal(plain.get_parameter(k), merged.get_parameter(k)) for k in untouched)
+
+
+def test_d2f_adapter_job_with_block_causal_matches_the_hand_merged_model(published, tmp_path):
+    """`blockray --model LLaDA-8B-Instruct --adapter D2F_LLaDA_Instruct_8B_Lora --attention
+    block_causal` (the real command, exit 0) gives, row for row, the tokens of the same
+    model merged by hand with block-causal attention."""
+    base, adapter = published["LLaDA-8B-Instruct"], published["D2F_LLaDA_Instruct_8B_Lora"]
+    prompts = [f"copy: {'abcdefgh'[: i % 8 + 1]}" for i in range(10)]
+    inp = str(tmp_path / "in.parquet")
+    pq.write_table(pa.table({"id": [f"p{i}" for i in range(10)], "prompt": prompts}), inp)
+    cmd = [sys.executable, "jobs/offline_eval.py", "--model", base, "--adapter", adapter, "--attention",
+           "block_causal", "--input", inp, "--output", str(tmp_path / "out"), "--dtype", "float64",
+           "--num-engines", "1", "--batch-size", "5", "--block-length", "4", "--steps-per-block", "4",
+           "--max-new-tokens", "8", "--policy", "fixed", "--cache", "refresh", "--num-cpus", "2",
+           "--no-enable-metrics"]
+    with ray_temp_dir() as ray_tmp:  # short: Ray's unix sockets live under it
+        res = subprocess.run(cmd + ["--temp-dir", ray_tmp], cwd=ROOT, capture_output=True, text=True, timeout=400)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    assert "126348 (chat template end of turn <|eot_id|>)" in res.stdout  # the summary names the stops' source
+    got = {r["id"]: r["generated_token_ids"] for r in read_parts(str(tmp_path / "out")).to_pylist()}
+    model, tok = _hand_merged(base, adapter)
+    model.config.dllm_attention = "block_causal"
+    ref = Engine(model, ENGINE, tokenizer=tok).generate(prompts, SAMPLING)
+    assert got == {f"p{i}": list(o.token_ids) for i, o in enumerate(ref)}
+    plain, _ = load_model(base, dtype=torch.float64, attention="block_causal")
+    assert [o.token_ids for o in Engine(plain, ENGINE, tokenizer=tok).generate(prompts, SAMPLING)] != [
+        o.token_ids for o in ref]  # the adapter changes the tokens: the comparison means something
+
+
+def test_dream_im_end_ends_the_row_and_stays_out_of_the_text(published):
+    """A <|im_end|> the model produces ends the row with finish_reason "stop" in the first
+    block that holds it, and is not in generated_text. The model is the Dream layout with
+    the embedding and output rows of one token t and <|im_end|> swapped: it computes
+    exactly what the original does, with <|im_end|> wherever the original produced t."""
+    model, tok = load_model(published["Dream-v0-Instruct-7B"], dtype=torch.float64)
+    prompt = "user: copy: abc\nassistant:"  # neither t nor <|im_end|> in the prompt: the swap is exact
+    free = SamplingParams(max_new_tokens=16, policy="fixed", stop_token_ids=[])
+    orig = Engine(model, ENGINE, tokenizer=tok).generate([prompt], free)[0].token_ids
+    ids = tok(prompt, add_special_tokens=False)["input_ids"]
+    im_end = 151645
+    assert im_end not in ids and im_end not in orig
+    p = next(j for j in range(4, 16) if orig[j] not in orig[:j] and orig[j] not in ids and orig[j] < 151643)
+    t = orig[p]
+    with torch.no_grad():
+        for w in (model.embed.weight, model.lm_head.weight):
+            w[[t, im_end]] = w[[im_end, t]]
+    assert model.config.stop_token_ids == [151643, im_end]
+    out = Engine(model, ENGINE, tokenizer=tok).generate([prompt], SamplingParams(max_new_tokens=16, policy="fixed"))[0]
+    assert out.finish_reason == "stop"
+    assert list(out.token_ids) == list(orig[:p])
+    assert out.num_blocks == p // 4 + 1  # the first block that holds it
+    assert out.text == tok.decode(orig[:p], skip_special_tokens=True) and "<|im_end|>" not in out.text
+
+
+def test_stop_ids_are_the_union_of_the_checkpoint_files_without_a_vocab_size_rule(tmp_path):
+    """eos lists kept whole, generation_config.json read, the end-of-turn token found
+    through the chat template in a resized vocabulary (no rule on vocab_size)."""
+    from engine.models.stops import checkpoint_stop_ids
+
+    root = _tiny("llada", tmp_path / "m", eos_token_id=[1, 5])
+    (tmp_path / "m" / "generation_config.json").write_text(json.dumps({"eos_token_id": [5, 7]}))
+    assert read_config(root).stop_ids == [1, 5, 7]
+    (tmp_path / "m" / "tokenizer_config.json").write_text(json.dumps({
+        "chat_template": "{% for m in messages %}{{ m['content'] }}<|eot_id|>{% endfor %}",
+        "added_tokens_decoder": {"90": {"content": "<|eot_id|>", "special": True},
+                                 "91": {"content": "<|im_end|>", "special": True}}}))
+    assert checkpoint_stop_ids(root) == {1: "config.json eos_token_id", 5: "config.json eos_token_id",
+                                         7: "generation_config.json eos_token_id",
+                                         90: "chat template end of turn <|eot_id|>"}  # <|im_end|>: not in the template
+    assert ModelConfig.from_hf(json.load(open(os.path.join(root, "config.json")))).stop_token_ids == [1, 5]
+
+
+# --- refusals: nothing silently ignored ------------------------------------------------
+
+REFUSED = [
+    ("llada", {"attention_layer_norm": True}, "attention_layer_norm=True is not supported by blockray's LLaDA model"),
+    ("llada", {"activation_type": "gelu"}, "activation_type='gelu' is not supported by blockray's LLaDA model"),
+    ("llada", {"block_type": "sequential"}, "block_type='sequential' is not supported"),
+    ("llada", {"scale_logits": True}, "scale_logits=True is not supported"),
+    ("llada", {"input_emb_norm": True}, "input_emb_norm=True is not supported"),
+    ("Dream", {"rope_scaling": {"type": "yarn", "factor": 4.0}}, "rope_scaling={'type': 'yarn', 'factor': 4.0} is not "
+                                                                 "supported by blockray's Dream model"),
+    ("Dream", {"use_sliding_window": True}, "use_sliding_window=True is not supported"),
+    ("Dream", {"shiny_new_option": 3}, "config.json key 'shiny_new_option' (= '3') is not one blockray's Dream model "
+                                       "honours"),
+]
+
+
+def _tiny(family: str, root, **extra_config) -> str:
+    """A tiny checkpoint whose config.json carries the published keys of its family."""
+    cfg = ModelConfig.tiny(family, vocab_size=96, mask_token_id=95)
+    save_model(build_model(cfg, seed=0), root)
+    published = {k: v for k, v in (LLADA_CONFIG if family == "llada" else DREAM_CONFIG).items()
+                 if k not in cfg.to_hf() and k not in cfg.family.honoured}
+    with open(os.path.join(root, "config.json"), "w") as f:
+        json.dump({**published, **cfg.to_hf(), **extra_config}, f)
+    return str(root)
+
+
+@pytest.mark.parametrize("family,change,message", REFUSED, ids=[next(iter(c)) for _, c, _ in REFUSED])
+def test_setting_the_engine_would_ignore_is_refused(family, change, message, tmp_path):
+    root = _tiny(family, tmp_path / "m", **change)
+    if change.get("attention_layer_norm"):  # with the q/k norm tensors such a checkpoint holds
+        extra = {f"model.transformer.blocks.0.{n}_norm.weight": torch.ones(32) for n in "qk"}
+        save_file(extra, str(tmp_path / "m" / "norms.safetensors"))
+    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)").replace("[", r"\[")):
+        load_model(root)
+    with pytest.raises(JobError, match=r"\(--model\)") as e:
+        check_model(root, needs_tokenizer=False)
+    assert message in str(e.value)
+
+
+def test_published_keys_are_all_accounted_for(tmp_path):
+    """Every key of the published configs is honoured or listed as irrelevant (or at its
+    one supported value): the tiny copies with all of them load."""
+    for family in ("llada", "Dream"):
+        model, _ = load_model(_tiny(family, tmp_path / family), dtype=torch.float32)
+        assert model.config.family.name == {"llada": "LLaDA", "Dream": "Dream"}[family]
+
+
+def test_unused_tensor_is_refused(tmp_path):
+    root = _tiny("llada", tmp_path / "m")
+    save_file({"model.transformer.blocks.0.q_norm.weight": torch.ones(32)}, str(tmp_path / "m" / "extra.safetensors"))
+    msg = "holds 1 tensor(s) blockray's LLaDA model does not use, e.g. 'model.transformer.blocks.0.q_norm.weight'"
+    with pytest.raises(ValueError, match=msg.replace("(", r"\(").replace(")", r"\)")):
+        load_model(root)
+    with pytest.raises(JobError) as e:
+        check_model(root, needs_tokenizer=False)
+    assert msg in str(e.value)
+
+
+def test_llada_moe_is_not_supported(tmp_path):
+    root = tmp_path / "moe"
+    root.mkdir()
+    (root / "config.json").write_text(json.dumps({
+        "model_type": "llada", "architectures": ["LLaDAMoEModelLM"], "hidden_size": 2048, "num_hidden_layers": 16,
+        "num_attention_heads": 16, "num_experts": 64, "num_experts_per_tok": 8, "vocab_size": 157184}))
+    with pytest.raises(ValueError, match=r"^LLaDA-MoE .* is not supported by blockray; supported: LLaDA"):
+        ModelConfig.from_hf(json.loads((root / "config.json").read_text()))
+    with pytest.raises(JobError, match="LLaDA-MoE .* is not supported") as e:
+        check_model(str(root), needs_tokenizer=False)
+    assert "lacks" not in str(e.value) and "\n" not in str(e.value)
+
+
+ADAPTER_REFUSED = [({"use_dora": True}, "use_dora=True: DoRA"), ({"modules_to_save": ["lm_head"]}, "modules_to_save"),
+                   ({"bias": "all"}, "bias='all': trained biases"), ({"peft_type": "IA3"}, "peft_type 'IA3'")]
+
+
+@pytest.mark.parametrize("change,message", ADAPTER_REFUSED, ids=[next(iter(c)) for c, _ in ADAPTER_REFUSED])
+def test_adapter_options_not_implemented_are_refused(change, message, tmp_path):
+    root = _tiny("llada", tmp_path / "m")
+    adapter = write_lora(str(tmp_path / "lora"), read_config(root), **change)
+    with pytest.raises(ValueError, match=message.replace("(", r"\(")):
+        load_model(root, adapter=adapter)
+    with pytest.raises(JobError, match=r"\(--adapter\)"):
+        check_model(root, needs_tokenizer=False, adapter=adapter)
+
+
+def test_adapter_for_another_base_is_refused(tmp_path):
+    root = _tiny("llada", tmp_path / "m")
+    other = ModelConfig.tiny("llada", vocab_size=96, mask_token_id=95, hidden_size=48, n_heads=4)
+    adapter = write_lora(str(tmp_path / "lora"), other)
+    with pytest.raises(ValueError, match=r"has lora_A \(4, 48\) .* expected \(4, 32\) .* different base model"):
+        load_model(root, adapter=adapter)
+    dream_adapter = write_lora(str(tmp_path / "dream-lora"), ModelConfig.tiny("Dream", vocab_size=96, mask_token_id=95))
+    with pytest.raises(ValueError, match="not a linear weight of the LLaDA base model"):
+        load_model(root, adapter=dream_adapter)
+
+
+def test_tokenizer_needing_remote_code_names_what_is_needed(published, tmp_path):
+    """Dream without merges.txt cannot be read as Qwen2Tokenizer: refused, naming the file;
+    the message never blames config.json's auto_map (the engine never uses it)."""
+    d = tmp_path / "dream"
+    shutil.copytree(published["Dream-v0-Instruct-7B"], d)
+    os.remove(d / "merges.txt")
+    with pytest.raises(JobError) as e:
+        check_model(str(d), needs_tokenizer=True)
+    msg = str(e.value)
+    assert "needs remote code" in msg and "DreamTokenizer is transformers' Qwen2Tokenizer" in msg
+    assert "merges.txt missing" in msg and "config.json auto_map" not in msg
+
+
+def test_truncated_safetensors_is_refused_by_the_preflight(tiny_model_dir, tmp_path):
+    """Issue 23 case 10: a truncated model.safetensors is refused by the real CLI's
+    preflight (exit 2, one line naming the file) from the shard headers alone."""
+    model = tmp_path / "model"
+    shutil.copytree(tiny_model_dir, model)
+    weights = model / "model.safetensors"
+    size = weights.stat().st_size
+    with open(weights, "r+b") as f:
+        f.truncate(size // 2)
+    inp = str(tmp_path / "in.parquet")
+    pq.write_table(pa.table({"id": ["a", "b"], "prompt": ["copy: a", "copy: b"]}), inp)
+    res = subprocess.run([sys.executable, "jobs/offline_eval.py", "--model", str(model), "--input", inp, "--output",
+                          str(tmp_path / "out")], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert res.returncode == 2, res.stdout[-2000:] + res.stderr[-2000:]
+    assert "model.safetensors is truncated" in res.stderr and "(--model)" in res.stderr, res.stderr
+    assert "blockray offline eval:" not in res.stdout  # refused in the preflight, before Ray started
+
+
+def test_s3_model_shard_headers_and_s3_adapter_are_checked_without_downloading_weights(
+        tiny_model_dir, s3fs_client, s3_storage, tmp_path, monkeypatch):
+    """An object-storage model's shard headers are read remotely (byte ranges: a truncated
+    shard is refused in the preflight, its weights never downloaded); an s3:// adapter is
+    fetched into the node's cache by --model's rules and checked against the base."""
+    import uuid
+
+    monkeypatch.setenv("BLOCKRAY_MODEL_CACHE", str(tmp_path / "cache"))
+    bucket = f"models-{uuid.uuid4().hex[:8]}"
+    s3fs_client.mkdir(bucket)
+    s3fs_client.put(tiny_model_dir.rstrip("/") + "/", f"{bucket}/tiny/", recursive=True)
+    adapter = write_lora(str(tmp_path / "lora"), read_config(tiny_model_dir), targets=["q_proj", "v_proj"])
+    s3fs_client.put(adapter + "/", f"{bucket}/lora/", recursive=True)
+    local = check_model(f"s3://{bucket}/tiny", needs_tokenizer=False, storage=s3_storage,
+                        adapter=f"s3://{bucket}/lora")
+    assert not [f for f in os.listdir(local) if f.endswith(".safetensors")]  # a metadata-only copy
+    data = s3fs_client.cat_file(f"{bucket}/tiny/model.safetensors")
+    s3fs_client.pipe(f"{bucket}/tiny/model.safetensors", data[: len(data) // 2])
+    with pytest.raises(JobError, match=r"model\.safetensors is truncated: .* \(--model\)"):
+        check_model(f"s3://{bucket}/tiny", needs_tokenizer=False, storage=s3_storage)
