@@ -74,11 +74,12 @@ class Chart:
 
 
 def nice_max(v: float) -> float:
-    """The smallest 1, 2 or 5 times a power of ten at or above v (an axis' top)."""
+    """The smallest of 1, 1.2, 1.5, 2, 2.5, 3, 4, 5, 6, 8 times a power of ten at or above v
+    (an axis' top)."""
     if v <= 0:
         return 1.0
     p = 10 ** math.floor(math.log10(v))
-    return next(m * p for m in (1, 2, 5, 10) if m * p >= v)
+    return next(m * p for m in (1, 1.2, 1.5, 2, 2.5, 3, 4, 5, 6, 8, 10) if m * p >= v * (1 - 1e-9))
 
 
 def fmt(v: Any) -> str:

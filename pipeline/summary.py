@@ -121,8 +121,8 @@ def block_stats(table: pa.Table, reference_column: Optional[str] = "reference") 
         "blocks_hist": dict(Counter(int(b) for b, ok in zip(blocks, ran) if ok and b is not None)),
         "steps_hist": dict(Counter(int(n) for n, ok in zip(steps, ran) if ok and n is not None)),
         # generated tokens by the Unix second the engine returned their row (tokens/s over time)
-        "tokens_by_second": dict(_sum_by((int(f), n or 0) for f, n, ok in zip(finished or [None] * len(ran), tokens,
-                                                                            ran) if ok and f is not None)),
+        "tokens_by_second": dict(_sum_by((int(f), n or 0) for f, n, ok in zip(finished, tokens, ran)
+                                         if ok and f is not None)),
         "engine_rows": dict(Counter(int(r) for r in ranks if r is not None and r >= 0)),
         "first_start": _min_max(starts)[0],
         "last_finish": _min_max([f for f, ok in zip(finished, ran) if ok])[1],

@@ -31,9 +31,10 @@ DASHBOARD = os.path.join(ROOT, "actors", "grafana_dashboard.json")
 OUT = os.path.join(ROOT, "out", "test_watch")  # the run's output: report.html, screenshots/
 SHOTS = os.path.join(OUT, "screenshots")
 MODEL_TAG = "tiny-dllm"  # the embedded model's metrics tag (last path component)
-# Enough rows, two at a time per engine, for the engines to outlive a dashboard page load
-# and a few Prometheus scrapes on a loaded 2-core machine.
-RUN_ARGS = ["--limit", "96", "--max-batch-size", "2", "--num-engines", "2", "--num-cpus", "2"]
+# Enough rows, two at a time per engine, for about ten seconds of generation on 2 cores: a
+# few Prometheus scrapes while the counters move, and a tokens/s curve in the report.
+ROWS = 240
+RUN_ARGS = ["--limit", str(ROWS), "--max-batch-size", "2", "--num-engines", "2", "--num-cpus", "2"]
 
 
 @dataclass
@@ -191,7 +192,7 @@ def test_report_renders_its_plots(watched):
     report = os.path.join(OUT, "report.html")
     assert f"report             file://{report}" in watched.text()
     summary = json.load(open(os.path.join(OUT, "summary.json")))
-    assert summary["report_file"] == f"file://{report}" and summary["rows"] == 96
+    assert summary["report_file"] == f"file://{report}" and summary["rows"] == ROWS
     with sync_playwright() as p:
         browser = launch_chromium(p)
         page = browser.new_page(viewport={"width": 1340, "height": 900})
@@ -216,4 +217,4 @@ def test_report_renders_its_plots(watched):
     bars = {p["title"]: p["tall"] for p in plots}
     assert bars["Busy time per engine"] == 2 and bars["Blocks to finish"] >= 1, bars
     # the histograms count every row the engines ran
-    assert sum(summary["steps_to_finish"].values()) == sum(summary["blocks_to_finish"].values()) == 96
+    assert sum(summary["steps_to_finish"].values()) == sum(summary["blocks_to_finish"].values()) == ROWS
