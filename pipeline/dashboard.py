@@ -1,12 +1,12 @@
 """The Ray dashboard of a run: whether a local Ray starts one, on which port, and where
 to open it.
 
-Off by default for a local Ray, by measurement on a 2-core machine (an idle local Ray of 2
-CPUs, token auth on, twice each way; README "Watching a run"): the dashboard adds 11
-processes (21 instead of 10), about 0.9 GB of memory (1.75 GB instead of 0.82), 3-4
-CPU-seconds to the start (12.5-13.5 instead of 9.1-9.6) and about 0.035 of a core while
-idle (0.10 instead of 0.065); ray.init took 23-33 s with it against 8-15 s without on the
-shared, loaded machine. Every local run would pay that for a page few of them open; a run
+Off by default for a local Ray, by measurement on a 2-core machine (bench/dashboard_cost.py,
+an idle local Ray of 2 CPUs with token auth, 4 runs each way; README "Watching a run"): the
+dashboard adds 11 processes (21 instead of 10), 0.94 GB of memory (1.75 GB instead of
+0.81), 1-4 CPU-seconds to the start (10.4-13.5 instead of 8.6-9.6) and 0.02-0.04 of a core
+while idle; ray.init's wall time was dominated by the shared machine's load (8-39 s
+without, 20-33 s with). Every local run would pay that for a page few of them open; a run
 against a cluster (--address, `ray job submit`) uses the cluster's dashboard as before.
 """
 from __future__ import annotations
@@ -16,8 +16,8 @@ from typing import Any, Dict, Optional
 DASHBOARD_PORT = 8265  # Ray's own default
 DASHBOARD_HOST = "127.0.0.1"  # loopback only: reach it from elsewhere through an SSH tunnel
 DEFAULT_ON = False
-COST = ("on a 2-core machine it added 11 processes, 0.9 GB of memory, 3-4 CPU-s to the start, "
-        "ray.init 23-33 s instead of 8-15 s, and 0.035 of a core idle")
+COST = ("on a 2-core machine it added 11 processes, 0.94 GB of memory, 1-4 CPU-s to the start "
+        "and 0.02-0.04 of a core idle; bench/dashboard_cost.py")
 
 
 def local_ray_options(dashboard: bool, port: Optional[int] = None) -> Dict[str, Any]:
