@@ -40,7 +40,7 @@ class Chart:
             return f'<p class="empty">{html.escape(self.title)}: no data</p>'
         left, right, top, bottom = 60, 12, 28, 44
         w, h = self.width - left - right, self.height - top - bottom
-        vmax = nice_max(max(self.values))
+        vmax, grid = nice_axis(max(self.values))
         n = len(self.values)
         step = w / n
         y = lambda v: top + h - h * v / vmax  # noqa: E731
@@ -48,8 +48,8 @@ class Chart:
                  f'height="{self.height}" viewBox="0 0 {self.width} {self.height}">',
                  f'<title>{html.escape(self.title)}</title>',
                  f'<text x="{left}" y="16" class="t">{html.escape(self.title)}</text>']
-        for i in range(5):  # horizontal grid and y ticks
-            v = vmax * i / 4
+        for i in range(grid + 1):  # horizontal grid and y ticks
+            v = vmax * i / grid
             parts.append(f'<line x1="{left}" x2="{left + w}" y1="{y(v):.1f}" y2="{y(v):.1f}" class="g"/>'
                          f'<text x="{left - 4}" y="{y(v) + 4:.1f}" class="yt">{fmt(v)}</text>')
         if self.line:
@@ -73,13 +73,17 @@ class Chart:
         return "".join(parts)
 
 
-def nice_max(v: float) -> float:
-    """The smallest of 1, 1.2, 1.5, 2, 2.5, 3, 4, 5, 6, 8 times a power of ten at or above v
-    (an axis' top)."""
+# an axis' top as mantissa x 10^k, and the number of grid steps that keeps its ticks round
+AXIS_STEPS = {1: 5, 1.2: 4, 1.5: 3, 2: 4, 2.5: 5, 3: 3, 4: 4, 5: 5, 6: 3, 8: 4, 10: 5}
+
+
+def nice_axis(v: float) -> "tuple[float, int]":
+    """(top, grid steps) of a y axis reaching v: the smallest round top at or above it."""
     if v <= 0:
-        return 1.0
+        return 1.0, 5
     p = 10 ** math.floor(math.log10(v))
-    return next(m * p for m in (1, 1.2, 1.5, 2, 2.5, 3, 4, 5, 6, 8, 10) if m * p >= v * (1 - 1e-9))
+    m = next(m for m in AXIS_STEPS if m * p >= v * (1 - 1e-9))
+    return m * p, AXIS_STEPS[m]
 
 
 def fmt(v: Any) -> str:

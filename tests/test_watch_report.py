@@ -10,7 +10,7 @@ import pytest
 
 from pipeline.cli import parse_args
 from pipeline.dashboard import dashboard_url, local_ray_options
-from pipeline.report import Chart, contiguous, nice_max, render_report
+from pipeline.report import Chart, contiguous, nice_axis, render_report
 from pipeline.summary import block_stats, format_summary, summarize, tokens_over_time
 from watch_tools import grafana_regex_escape, substitute
 
@@ -42,7 +42,8 @@ def test_tokens_over_time_keeps_at_most_60_bins():
 def test_histograms_get_their_empty_bins_back():
     assert contiguous({"2": 1, "5": 4}) == {"2": 1, "3": 0, "4": 0, "5": 4}
     assert contiguous({}) == {}
-    assert [nice_max(v) for v in (0, 0.3, 3, 7, 10, 11, 600)] == pytest.approx([1.0, 0.3, 3, 8, 10, 12, 600])
+    assert [nice_axis(v)[0] for v in (0, 0.3, 3, 7, 10, 11, 600)] == pytest.approx([1.0, 0.3, 3, 8, 10, 12, 600])
+    assert nice_axis(24) == (25, 5) and nice_axis(110) == (120, 4)
 
 
 def test_report_page_is_self_contained_and_escapes_what_it_shows():
