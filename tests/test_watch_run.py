@@ -177,7 +177,7 @@ def test_a_renamed_metric_empties_its_panel(scraped):
     target["expr"] = target["expr"].replace("ray_blockray_generated_tokens_total", "ray_blockray_tokens_generated_total")
     empty = empty_panel_queries(url, broken, chosen, tags, start, end)
     assert len(empty) == 1 and "ray_blockray_tokens_generated_total" in empty[0], empty
-    # a tag renamed in a query empties it too (the run's series no longer match)
+    # another run chosen in the run variable: none of this run's series shows
     other = {**chosen, "run": ["not-" + tags["run"]]}
     assert len(empty_panel_queries(url, dashboard, other, tags, start, end)) == 14
 
