@@ -308,12 +308,13 @@ def run_offline(input: Union[str, List[str]], output: str, config: DLLMProcessor
                 rows_per_file: Optional[int] = 256, allow_duplicate_ids: bool = False,
                 max_error_fraction: float = MAX_ERROR_FRACTION,
                 preflighted: Optional[Preflight] = None, run_id: Optional[str] = None,
-                report: bool = True) -> Dict[str, Any]:
+                report: bool = False) -> Dict[str, Any]:
     """Read prompts, generate, stream results to `output`, write `summary.json` beside
     them and return the summary. With `resume` (default) ids already in `output`'s part
     files are skipped; `overwrite` starts from scratch instead. `preflighted`: what
     `preflight` returned for these same arguments, when the caller already ran it.
-    `report`: also write report.html (pipeline/report.py), with the engines' own stats.
+    `report`: also write report.html (pipeline/report.py), with the engines' own stats
+    (the job, pipeline/cli.py, does unless --no-report).
 
     Raises JobError for anything that stops the run (nothing else: an unexpected error
     on the way becomes one too), and ErrorFractionExceeded (a JobError, after
