@@ -116,6 +116,7 @@ def build_parser() -> argparse.ArgumentParser:
     from engine.config import EngineConfig, SamplingParams
 
     from .config import DLLMProcessorConfig
+    from .dashboard import COST, DASHBOARD_PORT, DEFAULT_ON
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog=__doc__.split("\n\n")[1],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -177,6 +178,14 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--address", default=None, help="cluster to join (default: $RAY_ADDRESS, else start a local Ray)")
     r.add_argument("--num-cpus", type=int, default=None, help="CPUs of a local Ray (default: the machine's)")
     r.add_argument("--temp-dir", default=None, help="session folder of a local Ray (default: Ray's, /tmp/ray)")
+    r.add_argument("--dashboard", action=argparse.BooleanOptionalAction, default=DEFAULT_ON,
+                   help=f"start the Ray dashboard with a local Ray, on 127.0.0.1, and print its URL; with --address the "
+                        f"cluster's dashboard is used (default: {'on' if DEFAULT_ON else 'off'}: {COST})")
+    r.add_argument("--dashboard-port", type=int, default=DASHBOARD_PORT,
+                   help=f"port of a local Ray's dashboard (default: {DASHBOARD_PORT})")
+    io.add_argument("--report", action=argparse.BooleanOptionalAction, default=True,
+                    help="write report.html (plots of latency, blocks and steps to finish, tokens/s, engines, errors) "
+                         "beside summary.json (default: on)")
     return p
 
 
@@ -278,20 +287,24 @@ def run_job(args: argparse.Namespace) -> int:
         checked = preflight(job_input, output, build_config(args, 0, storage), **options)
     except (JobError, ValueError) as e:
         return fail(str(e))
+    from .dashboard import announce, local_ray_options
+
     address = args.address or os.environ.get("RAY_ADDRESS")
     if address:
-        ray.init(address=address)
+        context = ray.init(address=address)
     else:  # address="local": never join a stale cluster left in /tmp/ray
-        ray.init(address="local", num_cpus=args.num_cpus, include_dashboard=False, _temp_dir=args.temp_dir,
-                 runtime_env={"env_vars": {"PYTHONPATH": os.pathsep.join(
-                     [ROOT] + [x for x in os.environ.get("PYTHONPATH", "").split(os.pathsep) if x])}})
+        context = ray.init(address="local", num_cpus=args.num_cpus, _temp_dir=args.temp_dir,
+                           **local_ray_options(args.dashboard, args.dashboard_port),
+                           runtime_env={"env_vars": {"PYTHONPATH": os.pathsep.join(
+                               [ROOT] + [x for x in os.environ.get("PYTHONPATH", "").split(os.pathsep) if x])}})
+    announce(context, local=not address)
     try:
         config = build_config(args, ray.cluster_resources().get("GPU", 0), storage)
         print(f"blockray offline eval: run={run_id} model={args.model} engines={config.num_engines} "
               f"engine={dataclasses.asdict(config.engine)} sampling={dataclasses.asdict(config.sampling)}", flush=True)
         summary = run_offline(job_input, output, config, reference_column=args.reference_column,
                               rows_per_file=args.rows_per_file or None, preflighted=checked, run_id=run_id,
-                              **options)
+                              report=args.report, **options)
     except ErrorFractionExceeded as e:
         print_summary(e.summary)
         return fail(str(e))
@@ -310,7 +323,7 @@ def print_summary(summary: dict) -> None:
     print(format_summary(summary))
     print("SUMMARY_JSON " + json.dumps({k: summary.get(k) for k in (
         "rows", "errors", "generated_tokens", "tokens_per_s", "wall_s", "exact_match", "rows_skipped",
-        "rows_processed", "summary_file", "status", "top_errors", "duplicate_ids", "run_id")}), flush=True)
+        "rows_processed", "summary_file", "status", "top_errors", "duplicate_ids", "run_id", "report_file")}), flush=True)
 
 
 def entry_point() -> None:

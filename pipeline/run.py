@@ -23,6 +23,8 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import json
+import logging
 import os
 import time
 from dataclasses import dataclass
@@ -271,11 +273,14 @@ def run_offline(input: Union[str, List[str]], output: str, config: DLLMProcessor
                 reference_column: Optional[str] = "reference", overwrite: bool = False, resume: bool = True,
                 rows_per_file: Optional[int] = 256, allow_duplicate_ids: bool = False,
                 max_error_fraction: float = MAX_ERROR_FRACTION,
-                preflighted: Optional[Preflight] = None, run_id: Optional[str] = None) -> Dict[str, Any]:
+                preflighted: Optional[Preflight] = None, run_id: Optional[str] = None,
+                report: bool = False) -> Dict[str, Any]:
     """Read prompts, generate, stream results to `output`, write `summary.json` beside
     them and return the summary. With `resume` (default) ids already in `output`'s part
     files are skipped; `overwrite` starts from scratch instead. `preflighted`: what
     `preflight` returned for these same arguments, when the caller already ran it.
+    `report`: also write report.html (pipeline/report.py), with the engines' own stats
+    (the job, pipeline/cli.py, does unless --no-report).
 
     Raises JobError for anything that stops the run (nothing else: an unexpected error
     on the way becomes one too), and ErrorFractionExceeded (a JobError, after
@@ -291,15 +296,19 @@ def run_offline(input: Union[str, List[str]], output: str, config: DLLMProcessor
     source, done, out_fs, out_path = checked.source, checked.done, checked.out_fs, checked.out_path
     if config.id_column != id_column:  # per-row seeds derive from the job's ids
         config = dataclasses.replace(config, id_column=id_column)
+    if report and not config.collect_engine_stats:  # per-engine busy time and padding for the report
+        config = dataclasses.replace(config, collect_engine_stats=True)
 
     # --- run ------------------------------------------------------------------------------
     stats_fn = functools.partial(block_stats, reference_column=reference_column)
     write_returns: List[Dict[str, Any]] = []
+    engines: Dict[Any, Any] = {}
     if source.num_rows:
         try:  # building the processor checks the model: inside, too
-            ds = build_processor_for(config, storage, run_id)(
-                read_prompts(input, rows_per_block=config.batch_size, source=source))
+            processor = build_processor_for(config, storage, run_id)
+            ds = processor(read_prompts(input, rows_per_block=config.batch_size, source=source))
             sink = write_results(ds, (out_fs, out_path), rows_per_file=rows_per_file, stats_fn=stats_fn)
+            engines = engine_figures(processor) if report else {}
         except Exception as e:  # noqa: BLE001
             raise JobError(f"run failed, no summary written: {describe_error(e)}. Part files already in "
                            f"{out_fs.unstrip_protocol(out_path)} are complete (temporaries stay under _tmp/): "
@@ -326,10 +335,29 @@ def run_offline(input: Union[str, List[str]], output: str, config: DLLMProcessor
     summary.update(run_record(config, checked.model_dir or config.model))
     summary["stop_token_ids"] = stop_sources(checked.model_dir or config.model, config.sampling.stop_token_ids)
     summary["status"] = "failed" if summary["error_fraction"] > max_error_fraction else "ok"
+    if report:
+        from .report import write_report
+
+        summary["engines"] = engines
+        summary["report_file"] = write_report((out_fs, out_path), summary)
     summary["summary_file"] = write_json((out_fs, out_path), SUMMARY_FILE, summary)
     if summary["status"] == "failed":
         raise ErrorFractionExceeded(error_fraction_message(summary, max_error_fraction), summary)
     return summary
+
+
+def engine_figures(processor: Any) -> Dict[str, Dict[str, Any]]:
+    """{engine rank: busy_s, forward_s, steps, generated tokens, padding fraction} as the
+    engines last posted them (config.collect_engine_stats); {} when none did."""
+    keep = ("busy_s", "forward_s", "cycles", "steps", "generated_tokens", "padded_cells", "computed_cells")
+    try:
+        posted = getattr(processor, "engine_stats", dict)()
+    except Exception as e:  # noqa: BLE001 - the report then says "no engine stats"; the run stands
+        logging.getLogger(__name__).warning("engine stats not read: %s", describe_error(e))
+        return {}
+    return {str(rank): {**{k: st.get(k) for k in keep}, "padding_fraction": (
+        st["padded_cells"] / st["computed_cells"] if st.get("computed_cells") else 0.0)}
+        for rank, st in sorted(posted.items())}
 
 
 def build_processor_for(config: DLLMProcessorConfig, storage: Optional[StorageOptions] = None,

@@ -72,6 +72,30 @@ def _min_max(values: List[Optional[float]]) -> "tuple[Optional[float], Optional[
     return (min(vals), max(vals)) if vals else (None, None)
 
 
+def _sum_by(pairs: Iterable["tuple[Any, int]"]) -> Counter:
+    out: Counter = Counter()
+    for k, n in pairs:
+        out[k] += n
+    return out
+
+
+# tokens/s over time is kept in at most this many equal bins of the generation phase
+TIME_BINS = 60
+
+
+def tokens_over_time(by_second: Dict[int, int]) -> Optional[Dict[str, Any]]:
+    """{"start": Unix s, "bin_s": width, "tokens_per_s": [...]} over at most TIME_BINS bins
+    of whole seconds, from {second: generated tokens}; None when nothing was generated."""
+    if not by_second:
+        return None
+    start, end = min(by_second), max(by_second) + 1
+    width = max(1, math.ceil((end - start) / TIME_BINS))
+    bins = [0] * math.ceil((end - start) / width)
+    for sec, n in by_second.items():
+        bins[(sec - start) // width] += n
+    return {"start": start, "bin_s": width, "tokens_per_s": [round(n / width, 3) for n in bins]}
+
+
 def block_stats(table: pa.Table, reference_column: Optional[str] = "reference") -> Dict[str, Any]:
     """Counts of one output block (see `summarize` for their meaning)."""
     errors = table.column("error").to_pylist()
@@ -79,6 +103,9 @@ def block_stats(table: pa.Table, reference_column: Optional[str] = "reference") 
     latencies = table.column("latency_s").to_pylist()
     names = table.column_names
     blocks = table.column("num_blocks").to_pylist() if "num_blocks" in names else [None] * table.num_rows
+    steps = table.column("num_steps").to_pylist() if "num_steps" in names else [None] * table.num_rows
+    tokens = table.column("num_generated_tokens").to_pylist()
+    ranks = table.column("engine_rank").to_pylist() if "engine_rank" in names else [None] * table.num_rows
     ran = [e is None for e in errors]
     finished = table.column("finished_at").to_pylist() if "finished_at" in names else []
     starts = [f - (lat or 0.0) for f, lat, ok in zip(finished, latencies, ran) if f is not None and ok]
@@ -92,6 +119,11 @@ def block_stats(table: pa.Table, reference_column: Optional[str] = "reference") 
         # rows the engine ran (not error rows): their latency and blocks to finish
         "latency_hist": dict(Counter(latency_bucket(lat or 0.0) for lat, ok in zip(latencies, ran) if ok)),
         "blocks_hist": dict(Counter(int(b) for b, ok in zip(blocks, ran) if ok and b is not None)),
+        "steps_hist": dict(Counter(int(n) for n, ok in zip(steps, ran) if ok and n is not None)),
+        # generated tokens by the Unix second the engine returned their row (tokens/s over time)
+        "tokens_by_second": dict(_sum_by((int(f), n or 0) for f, n, ok in zip(finished, tokens, ran)
+                                         if ok and f is not None)),
+        "engine_rows": dict(Counter(int(r) for r in ranks if r is not None and r >= 0)),
         "first_start": _min_max(starts)[0],
         "last_finish": _min_max([f for f, ok in zip(finished, ran) if ok])[1],
         "input_rows": (sum(1 for k in table.column("sample_index").to_pylist() if not k)
@@ -119,6 +151,9 @@ def summarize(block_stats_list: Iterable[Dict[str, Any]], wall_s: float, **extra
     kinds: Counter = Counter()
     lat_hist: Counter = Counter()
     blocks_hist: Counter = Counter()
+    steps_hist: Counter = Counter()
+    by_second: Counter = Counter()
+    engine_rows: Counter = Counter()
     starts: List[Optional[float]] = []
     ends: List[Optional[float]] = []
     have_refs = False
@@ -134,6 +169,9 @@ def summarize(block_stats_list: Iterable[Dict[str, Any]], wall_s: float, **extra
         kinds.update(s.get("error_counts", {}))
         lat_hist.update({int(k): v for k, v in s.get("latency_hist", {}).items()})
         blocks_hist.update({int(k): v for k, v in s.get("blocks_hist", {}).items()})
+        steps_hist.update({int(k): v for k, v in s.get("steps_hist", {}).items()})
+        by_second.update({int(k): v for k, v in s.get("tokens_by_second", {}).items()})
+        engine_rows.update({int(k): v for k, v in s.get("engine_rows", {}).items()})
         starts.append(s.get("first_start"))
         ends.append(s.get("last_finish"))
         input_rows += s.get("input_rows", s["rows"])
@@ -157,8 +195,14 @@ def summarize(block_stats_list: Iterable[Dict[str, Any]], wall_s: float, **extra
         "mean_latency_s": latency / rows if rows else 0.0,
         # per-row latency (arrival at the engine to its result) of the rows the engine ran
         "latency_s": percentiles(lat_hist),
+        # their latency histogram: {bucket's middle latency in s: rows}
+        "latency_histogram": {f"{bucket_seconds(k):.6g}": lat_hist[k] for k in sorted(lat_hist)},
         # rows the engine ran, by the number of blocks they took (a dLLM's "length")
         "blocks_to_finish": {str(k): blocks_hist[k] for k in sorted(blocks_hist)},
+        # ... and by the denoising steps they took (the engine's per-request count, num_steps)
+        "steps_to_finish": {str(k): steps_hist[k] for k in sorted(steps_hist)},
+        "tokens_over_time": tokens_over_time(by_second),
+        "engine_rows": {str(k): engine_rows[k] for k in sorted(engine_rows)},  # rows by engine_rank
         "finish_reasons": dict(sorted(reasons.items())),
         "error_fraction": errors / rows if rows else 0.0,
         # rows run again on another engine because the engine running them was lost
@@ -242,4 +286,6 @@ def format_summary(summary: Dict[str, Any]) -> str:
         lines.append(f"resumed            {summary['rows_skipped']} rows already in the output skipped")
     if summary.get("output"):
         lines.append(f"output             {summary['output']}")
+    if summary.get("report_file"):
+        lines.append(f"report             {summary['report_file']}")
     return "\n".join(lines)
