@@ -18,6 +18,8 @@ from typing import Any, Callable, Dict, List, Optional, Set, Tuple
 
 import pyarrow as pa
 
+from .row_values import parse_messages, parse_token_ids, row_error
+
 logger = logging.getLogger(__name__)
 
 # Internal columns, dropped before rows leave the processor.
@@ -51,6 +53,18 @@ def load_tokenizer(model: str):
         return AutoTokenizer.from_pretrained(model, local_files_only=True, trust_remote_code=False)
     finally:
         hf_logging.set_verbosity(level)
+
+
+@functools.lru_cache(maxsize=4)
+def vocab_size(model: str) -> Optional[int]:
+    """The model's vocabulary size from its config.json (None when it cannot be read here):
+    pre-tokenized ids past it are refused per row before they reach an engine."""
+    try:
+        from .sorting.model import read_model_config
+
+        return int(read_model_config(model).vocab_size)
+    except Exception:  # noqa: BLE001 - the engine checks the vocabulary as well
+        return None
 
 
 def _set(table: pa.Table, name: str, values: List[Any], type_: pa.DataType) -> pa.Table:
@@ -168,9 +182,9 @@ def chat_template_stage(batch: pa.Table, *, model: str, messages_column: str, ch
                                  "(--chat-template PATH)")
             if not messages:
                 raise ValueError(f"{messages_column!r} is empty")
-            texts[i] = render_chat(tok, messages, chat_template)
+            texts[i] = render_chat(tok, parse_messages(messages, messages_column), chat_template)
         except Exception as e:  # noqa: BLE001 - per-row error
-            errors[i] = f"chat template failed: {type(e).__name__}: {e}"
+            errors[i] = row_error(e, "chat template failed")
     batch = _set(batch, TEXT_PROMPT, texts, pa.string())
     if keep_prompt:
         batch = _set(batch, prompt_column, [t if t is not None else g for t, g in zip(texts, given)], pa.string())
@@ -205,11 +219,12 @@ def tokenize_stage(batch: pa.Table, *, model: str, prompt_column: str, prompt_to
         source, texts = "chat template", batch.column(TEXT_PROMPT).to_pylist()
     elif prompt_token_ids_column in names:
         source, texts = None, None
+        vocab = vocab_size(model)
         for i, v in enumerate(batch.column(prompt_token_ids_column).to_pylist()):
-            try:
-                ids[i] = None if v is None else [int(t) for t in v]
-            except (TypeError, ValueError) as e:  # per-row error: not a list of integers
-                errors[i] = errors[i] or f"{prompt_token_ids_column!r} is not a list of token ids: {e}"
+            try:  # per-row error: not a list of integers in the vocabulary
+                ids[i] = parse_token_ids(v, prompt_token_ids_column, vocab)
+            except Exception as e:  # noqa: BLE001
+                errors[i] = errors[i] or row_error(e, f"{prompt_token_ids_column!r} is not a list of token ids")
     elif prompt_column in names:
         source, col = prompt_column, batch.column(prompt_column)
         if pa.types.is_string(col.type) or pa.types.is_large_string(col.type):
