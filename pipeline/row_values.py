@@ -153,6 +153,8 @@ def parse_token_ids(value: Any, column: str, vocab_size: Optional[int] = None) -
         return None
     if not _is_list(value):
         raise RowValueError(f"{column!r} must be a list of token ids, got {value!r:.80} ({type(value).__name__})")
+    if not len(value):
+        raise RowValueError(f"empty prompt ({column!r} is an empty list)")
     hi = (vocab_size - 1) if vocab_size else INT64[1]
     out = []
     for i, t in enumerate(list(value)):

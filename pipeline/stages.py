@@ -249,7 +249,8 @@ def tokenize_stage(batch: pa.Table, *, model: str, prompt_column: str, prompt_to
             elif not isinstance(text, str):
                 errors[i] = f"{source!r} is not a string (got {type(text).__name__})"
             elif not text:
-                errors[i] = "empty prompt"
+                errors[i] = "empty prompt" if source == prompt_column else (
+                    f"empty prompt (the chat template renders {chat['messages_column']!r} as no text)")
             elif not text.strip():
                 errors[i] = f"empty prompt ({source!r} is only whitespace)"
             elif tok is None:
