@@ -27,7 +27,7 @@ from conftest import ROOT, read_parts
 from procs import ray_temp_dir
 
 TINY = ["--block-length", "4", "--steps-per-block", "4", "--max-new-tokens", "8", "--token-budget", "1024",
-        "--num-cpus", "2"]
+        "--num-cpus", "2", "--num-engines", "1"]
 SP = pa.struct([("top_p", pa.string()), ("stop_token_ids", pa.list_(pa.float64())), ("max_tokens", pa.int64())])
 
 
@@ -100,14 +100,14 @@ def test_bad_rows_are_error_rows_and_resume_refuses_other_settings(tmp_path):
     check_rows(rows, want_a)
     print(f"run a: {time.time() - t0:.1f} s")
     # case 6: more rows resumed into that output with another budget: refused before Ray starts
-    res = cli("--input", a, b, "--output", out, "--seed-column", "seed", "--max-new-tokens", "12",
+    res = cli("--input", b, "--output", out, "--seed-column", "seed", "--max-new-tokens", "12",
               "--max-error-fraction", "1")
     assert res.returncode == 2 and "blockray offline eval:" not in res.stdout, res.stderr[-3000:]
     err = last_error(res)
     assert "written with other settings" in err and "sampling.max_new_tokens: 8 -> 12" in err, err
     assert "--resume-mismatch allow" in err
     # ... unless mixing is asked for: cases 1 (a list), 3b, 5; summary.json keeps both runs
-    res = cli("--input", a, b, "--output", out, "--seed-column", "seed", "--max-new-tokens", "12",
+    res = cli("--input", b, "--output", out, "--seed-column", "seed", "--max-new-tokens", "12",
               "--max-error-fraction", "1", "--resume-mismatch", "allow")
     assert res.returncode == 0, res.stderr[-3000:]
     rows = rows_by_key(out)
