@@ -17,7 +17,11 @@ generation or with an error saying why.
 - Resume (default): part files are complete or absent (pipeline/writer.py), so a rerun
   with the same output reads the ids of the part files already there and leaves those
   rows out before the engines; `summary.json` (written last) marks a finished run and
-  reports `rows_skipped` / `rows_processed`.
+  reports `rows_skipped` / `rows_processed`. A resume into an output written with other
+  settings is refused, naming them (pipeline/run_record.py; `resume_mismatch="allow"`), and
+  `summary.json` lists every run that wrote the output (`runs`).
+- One writer per output: the run holds a lease in it (pipeline/output_lock.py) from the
+  preflight to its end; a second run on the output is refused naming the holder.
 """
 from __future__ import annotations
 
