@@ -140,8 +140,8 @@ def test_sorter_refuses_a_huge_budget_at_no_cost():
 # Per-row values of a field: a pool of candidates, written into a column of a random
 # Arrow type (a candidate the type cannot hold is left out). The oracle decides from the
 # value the column holds (what a stage reads back) whether the row is usable.
-NUMBERS = [None, 0, 1, 2, 3, -3, 7.5, 2.0, 0.5, NAN, INF, -INF, 2**63, 2**64 - 1, 1e30, "abc", "0.5", [1.0], [INF],
-           {"a": 1}]
+NUMBERS = [None, 0, 1, 2, 3, -3, 7.5, 2.0, 0.5, NAN, INF, -INF, 2**63, 2**64 - 1, 1e30, "abc", "0.5", "fixed",
+           [1.0], [INF], [2.5], {"a": 1}]
 TYPES = {"int64": pa.int64(), "uint64": pa.uint64(), "float64": pa.float64(), "string": pa.string(),
          "list<double>": pa.list_(pa.float64()), "struct": pa.struct([("a", pa.int64())])}
 # field -> (key in the sampling struct or None for a column of its own, ok(value))
@@ -159,9 +159,14 @@ def _float_in(lo, hi, lo_open=False):
     return ok
 
 
+def _ints(v) -> bool:
+    return isinstance(v, list) and all(_int_in(-(2**63), 2**63 - 1)(t) for t in v)
+
+
 SAMPLING_FIELDS = {"max_tokens": _int_in(1, 8), "top_p": _float_in(0.0, 1.0, lo_open=True),
                    "temperature": _float_in(0.0, 1e300), "top_k": _int_in(-1, 2**63), "n": _int_in(1, 3),
-                   "seed": _int_in(-(2**63), 2**63 - 1)}
+                   "seed": _int_in(-(2**63), 2**63 - 1), "stop_token_ids": _ints,
+                   "policy": lambda v: v in ("fixed", "threshold", "factor", "timestep")}
 
 
 def _fits(value: Any, tp: pa.DataType) -> Any:
