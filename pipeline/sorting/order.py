@@ -47,15 +47,20 @@ from .prefix import PREFIX_CHUNK, prefix_key
 COST_BUCKET_RATIO = 1.25
 
 
-def _budget(override: Any, base: SamplingParams) -> int:
+def row_budget(override: Any, base: SamplingParams, column: str = "sampling_params") -> Optional[int]:
     """A row's generation budget: max_new_tokens of the SamplingParams the engine builds for
-    it (pipeline/row_values.py, the one parser of per-row values the engine actor uses too);
-    the config's when the override is not usable (a bad override is the engine's to report,
-    as an error row)."""
+    it (pipeline/row_values.py, the one parser of per-row values, which the engine actor
+    uses too); None when the override does not parse (the engine reports it, as an error row)."""
     try:
-        return parse_sampling(override, base).max_new_tokens
+        return parse_sampling(override, base, column).max_new_tokens
     except RowValueError:
-        return base.max_new_tokens
+        return None
+
+
+def _budget(override: Any, base: SamplingParams) -> int:
+    """row_budget, the config's when the override is not usable."""
+    budget = row_budget(override, base)
+    return base.max_new_tokens if budget is None else budget
 
 
 def full_canvas(cfg: DLLMProcessorConfig) -> bool:
@@ -83,12 +88,9 @@ class SortWindowUDF:
         n = batch.num_rows
         over = (batch.column(self.sampling_column).to_pylist() if self.sampling_column in batch.column_names
                 else [None] * n)
-        gens, refused = np.zeros(n, dtype=np.float64), np.zeros(n, dtype=bool)
-        for i, o in enumerate(over):
-            try:
-                gens[i] = parse_sampling(o, self.sampling, self.sampling_column).max_new_tokens
-            except RowValueError:
-                refused[i] = True
+        budgets = [row_budget(o, self.sampling, self.sampling_column) for o in over]
+        refused = np.array([g is None for g in budgets], dtype=bool)
+        gens = np.array([1 if g is None else g for g in budgets], dtype=np.float64)
         if self.max_width is not None:
             L = float(self.cost.block_length)
             refused |= lens + np.ceil(gens / L) * L > self.max_width
