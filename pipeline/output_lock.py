@@ -65,7 +65,7 @@ class OutputLock:
         try:
             with self.fs.open(self.path, "rb") as fh:
                 value = json.loads(fh.read())
-        except FileNotFoundError:
+        except (FileNotFoundError, NotADirectoryError):
             return None
         except ValueError:  # half-written by a local writer that died: nobody's
             return None

@@ -282,6 +282,8 @@ def preflight(input: Union[str, List[str]], output: str, config: DLLMProcessorCo
         lock.check()  # changes nothing: taken once every check has passed
     except OutputLocked as e:
         raise JobError(f"{e} (--output)") from e
+    except Exception:  # noqa: BLE001 - an output that cannot be read: the write probe below names why
+        pass
     try:
         source = PromptParquetDatasource(input, storage, id_column=id_column, limit=limit)
     except InputError as e:
