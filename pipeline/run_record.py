@@ -105,7 +105,7 @@ def read_json(fs: fsspec.AbstractFileSystem, path: str) -> Optional[Dict[str, An
     try:
         with fs.open(path, "rb") as fh:
             value = json.loads(fh.read())
-    except (FileNotFoundError, ValueError):
+    except (OSError, ValueError):  # absent, or a path through a file: nothing recorded there
         return None
     return value if isinstance(value, dict) else None
 
