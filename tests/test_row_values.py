@@ -259,7 +259,7 @@ def actor():
 FIELD_WORDS = {"max_tokens": ("max_tokens", "max_new_tokens"), "seed": ("seed",)}
 
 
-@settings(max_examples=30, deadline=None, derandomize=True,
+@settings(max_examples=30, deadline=None, derandomize=True, database=None,
           suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
 @given(case=batches())
 def test_random_per_row_values_never_fail_the_batch(actor, case):
