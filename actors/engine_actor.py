@@ -31,6 +31,7 @@ import pyarrow as pa
 import torch
 
 from engine import Engine, EngineConfig, RequestOutput, SamplingParams, load_model
+from pipeline.row_values import RowValueError, parse_sampling, parse_seed
 
 from .engine_loop import EngineLoop, error_output
 from .metrics import EngineMetrics
@@ -62,12 +63,10 @@ def _as_table(batch: Union[pa.Table, Dict[str, Any]]) -> pa.Table:
 
 
 def _row_params(base: SamplingParams, override: Any) -> SamplingParams:
-    """`base` with the non-null entries of a per-row dict applied, vLLM's names accepted
-    (`SamplingParams.from_dict`); unknown keys raise a ValueError naming them. Null
-    entries are dropped first: an Arrow struct column gives every row every key."""
-    if not override:
-        return base
-    return SamplingParams.from_dict({k: v for k, v in dict(override).items() if v is not None}, base)
+    """`base` with the non-null entries of a per-row dict applied, vLLM's names accepted,
+    each coerced to its field's type and validated (pipeline/row_values.py, the one parser
+    of per-row values); raises a ValueError naming the field or the unknown keys."""
+    return parse_sampling(override, base)
 
 
 def derive_seed(*parts: Any) -> int:
@@ -203,7 +202,10 @@ class DLLMEngineActor:
         rows: List[_Sample] = []
         futures = []
         for i, (prompt, err, override, seed, row_id) in enumerate(zip(*cols)):
-            params, err = self._params(prompt, err, override, seed, row_id)
+            try:
+                params, err = self._params(prompt, err, override, seed, row_id)
+            except Exception as e:  # noqa: BLE001 - whatever one row raises is that row's error
+                params, err = None, f"row could not be prepared: {type(e).__name__}: {e}"
             if params is None:
                 rows.append(_Sample(i, 0, False))
                 futures.append(self._done(error_output((seq, i, 0), prompt or [], err)))
@@ -222,14 +224,12 @@ class DLLMEngineActor:
         if prompt is None:
             return None, f"missing {self.token_ids_column!r}"
         try:
-            params = _row_params(self.sampling, override)
-            explicit = dict(override).get("seed") if override else None
-            params = dataclasses.replace(params, seed=row_seed(explicit, seed, self.sampling.seed, row_id))
-        except Exception as e:  # noqa: BLE001 - a bad per-row override fails that row only
-            return None, f"bad {self.sampling_column}: {e}"
-        bad = params.validate()
-        if bad:
-            return None, f"bad {self.sampling_column}: {bad}"
+            params = parse_sampling(override, self.sampling, self.sampling_column)
+            seed = parse_seed(seed, self.seed_column)
+            own = params.seed if override and override.get("seed") is not None else None
+            params = dataclasses.replace(params, seed=row_seed(own, seed, self.sampling.seed, row_id))
+        except RowValueError as e:  # a bad per-row value fails that row only, naming the field
+            return None, str(e)
         if params.stop and not self._ensure_tokenizer():
             return None, "stop strings need the model's tokenizer, and the model has none; use stop_token_ids"
         return params, ""

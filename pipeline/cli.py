@@ -143,6 +143,10 @@ def build_parser() -> argparse.ArgumentParser:
                     help="share of rows that may fail (error rows) before the job exits non-zero; every row is "
                          "written either way; 1: never fail (default: 0, any failed row fails the job, as "
                          "ray.data.llm does by default)")
+    io.add_argument("--resume-mismatch", choices=["refuse", "allow"], default="refuse",
+                    help="resuming into an output written with other settings (model, adapter, engine or sampling "
+                         "config, chat template, blockray version): refuse, naming what differs, or allow mixing "
+                         "them (summary.json lists every run) (default: refuse)")
     io.add_argument("--allow-duplicate-ids", action="store_true",
                     help="generate every row even when ids repeat, and report them in summary.json "
                          "(default: off, refuse)")
@@ -256,9 +260,9 @@ def report_internal_error(e: BaseException) -> int:
     return 1
 
 
-def fail(message: str) -> int:
+def fail(message: str, code: int = 2) -> int:
     print(f"error: {message}", file=sys.stderr, flush=True)
-    return 2
+    return code
 
 
 def run_job(args: argparse.Namespace) -> int:
@@ -266,8 +270,9 @@ def run_job(args: argparse.Namespace) -> int:
 
     from actors.metrics import new_run_id
 
-    from .run import MAX_ERROR_FRACTION, ErrorFractionExceeded, JobError, preflight, run_offline
-    from .storage import StorageOptions
+    from .run import MAX_ERROR_FRACTION, JobError, preflight
+    from .signals import Interrupted, StopOnSignal, stop_cleanly
+    from .storage import StorageOptions, describe_error
 
     if args.secret_access_key is not None:  # never echo the value
         return fail("--secret-access-key is no longer accepted: a job's command line is shown by `ray job list` "
@@ -282,22 +287,50 @@ def run_job(args: argparse.Namespace) -> int:
     options = dict(storage=storage, limit=args.limit, id_column=args.id_column, overwrite=args.overwrite,
                    resume=args.resume, allow_duplicate_ids=args.allow_duplicate_ids,
                    max_error_fraction=MAX_ERROR_FRACTION if args.max_error_fraction is None
-                   else args.max_error_fraction)
-    try:  # fail fast, before Ray or any engine starts: bad options, input, output or model
-        checked = preflight(job_input, output, build_config(args, 0, storage), **options)
-    except (JobError, ValueError) as e:
-        return fail(str(e))
-    from .dashboard import announce, local_ray_options
+                   else args.max_error_fraction, resume_mismatch=args.resume_mismatch)
+    job: Dict[str, Any] = {}  # what the clean stop on a signal releases
+    stop = StopOnSignal(cleanup=lambda signum: stop_cleanly(job.get("checked")))
+    stop.install()  # Ctrl-C / SIGTERM: a clean stop, exit 130 / 143 (pipeline/signals.py)
+    try:
+        try:  # fail fast, before Ray or any engine starts: bad options, input, output or model
+            checked = job["checked"] = preflight(job_input, output, build_config(args, 0, storage), run_id=run_id,
+                                                 **options)
+        except (JobError, ValueError) as e:
+            return fail(str(e))
+        from .dashboard import announce, local_ray_options
 
-    address = args.address or os.environ.get("RAY_ADDRESS")
-    if address:
-        context = ray.init(address=address)
-    else:  # address="local": never join a stale cluster left in /tmp/ray
-        context = ray.init(address="local", num_cpus=args.num_cpus, _temp_dir=args.temp_dir,
-                           **local_ray_options(args.dashboard, args.dashboard_port),
-                           runtime_env={"env_vars": {"PYTHONPATH": os.pathsep.join(
-                               [ROOT] + [x for x in os.environ.get("PYTHONPATH", "").split(os.pathsep) if x])}})
-    announce(context, local=not address)
+        address = args.address or os.environ.get("RAY_ADDRESS")
+        try:
+            if address:
+                context = ray.init(address=address)
+            else:  # address="local": never join a stale cluster left in /tmp/ray
+                context = ray.init(address="local", num_cpus=args.num_cpus, _temp_dir=args.temp_dir,
+                                   **local_ray_options(args.dashboard, args.dashboard_port),
+                                   runtime_env={"env_vars": {"PYTHONPATH": os.pathsep.join(
+                                       [ROOT] + [x for x in os.environ.get("PYTHONPATH", "").split(os.pathsep) if x])}})
+        except Exception as e:  # noqa: BLE001 - not a bug of blockray: say what to try
+            return fail(f"Ray did not start: {describe_error(e)}. Try again (a loaded node can time out while it "
+                        "starts), give it fewer CPUs (--num-cpus), a short --temp-dir on a disk with free space, or "
+                        "join a running cluster (--address, RAY_ADDRESS)")
+        announce(context, local=not address)
+        return _run_on_ray(args, run_id, output, storage, job_input, options, checked, stop)
+    except Interrupted as e:
+        stop_cleanly(job.get("checked"))
+        return fail(f"interrupted ({e}): the part files already written are complete and kept; rerun with the "
+                    "same --output to resume", e.exit_code)
+    finally:
+        stop.done.set()
+        if job.get("checked") is not None:
+            job["checked"].release()
+
+
+def _run_on_ray(args: argparse.Namespace, run_id: str, output: str, storage: Any, job_input: Any,
+                options: Dict[str, Any], checked: Any, stop: Any) -> int:
+    import ray
+
+    from .run import ErrorFractionExceeded, JobError, run_offline
+
+    stop.install()  # again: ray.init replaces SIGTERM's handler with one that aborts
     try:
         config = build_config(args, ray.cluster_resources().get("GPU", 0), storage)
         print(f"blockray offline eval: run={run_id} model={args.model} engines={config.num_engines} "

@@ -17,7 +17,11 @@ generation or with an error saying why.
 - Resume (default): part files are complete or absent (pipeline/writer.py), so a rerun
   with the same output reads the ids of the part files already there and leaves those
   rows out before the engines; `summary.json` (written last) marks a finished run and
-  reports `rows_skipped` / `rows_processed`.
+  reports `rows_skipped` / `rows_processed`. A resume into an output written with other
+  settings is refused, naming them (pipeline/run_record.py; `resume_mismatch="allow"`), and
+  `summary.json` lists every run that wrote the output (`runs`).
+- One writer per output: the run holds a lease in it (pipeline/output_lock.py) from the
+  preflight to its end; a second run on the output is refused naming the holder.
 """
 from __future__ import annotations
 
@@ -33,9 +37,11 @@ import fsspec
 
 from .checkpoint_check import stop_sources
 from .config import DLLMProcessorConfig
+from .output_lock import OutputLock, OutputLocked
 from .reader import DuplicateIds, InputError, PromptParquetDatasource, read_prompts
 from .storage import StorageOptions, describe_error, get_filesystem, protocol_of
 from .stages import has_tokenizer, load_tokenizer, resolve_chat_template, template_of
+from .run_record import RECORD_FILE, build_record, check_resume, history_entry, read_json, run_history
 from .summary import block_stats, run_record, summarize
 from .writer import check_output, completed_keys, prepare_output, write_json, write_results
 
@@ -75,6 +81,14 @@ class Preflight:
     out_path: str
     duplicates: Optional[DuplicateIds] = None
     model_dir: Optional[str] = None
+    lock: Optional[OutputLock] = None  # this run's lease on the output, held until the run ends
+    record: Optional[Dict[str, Any]] = None  # what writes the output (pipeline/run_record.py)
+    history: List[Dict[str, Any]] = dataclasses.field(default_factory=list)  # earlier runs on it
+    settings_changed: List[str] = dataclasses.field(default_factory=list)  # vs the record kept (allowed)
+
+    def release(self) -> None:
+        if self.lock is not None:
+            self.lock.release()
 
 
 def check_tokenizer(model: str) -> None:
@@ -209,12 +223,15 @@ def _check_fraction(max_error_fraction: float) -> None:
 def preflight(input: Union[str, List[str]], output: str, config: DLLMProcessorConfig, *,
               storage: Optional[StorageOptions] = None, limit: Optional[int] = None, id_column: str = "id",
               overwrite: bool = False, resume: bool = True, allow_duplicate_ids: bool = False,
-              max_error_fraction: float = MAX_ERROR_FRACTION) -> Preflight:
+              max_error_fraction: float = MAX_ERROR_FRACTION, resume_mismatch: str = "refuse",
+              run_id: str = "") -> Preflight:
     """The job-level checks, before any engine (or Ray) work: output apart from the input,
     input readable with a prompt column in every file, agreeing column types and unique
     ids, model and tokenizer loadable, output writable. Raises JobError naming the
     option to fix. Nothing in the output is removed (overwrite) or created until every
-    other check has passed: the output is prepared last."""
+    other check has passed: the output is prepared last, under this run's lease on it
+    (`Preflight.lock`, released by run_offline), with the run record a resume is checked
+    against (`resume_mismatch="allow"` mixes settings on purpose)."""
     _check_fraction(max_error_fraction)
     resume = resume and not overwrite
     try:
@@ -226,6 +243,13 @@ def preflight(input: Union[str, List[str]], output: str, config: DLLMProcessorCo
         check_output(out_fs, out_path, overwrite=overwrite, resume=resume)  # reachable; changes nothing
     except Exception as e:  # noqa: BLE001
         raise JobError(f"output {output} cannot be used: {type(e).__name__}: {e} (--output)") from e
+    lock = OutputLock(out_fs, out_path, run_id)
+    try:
+        lock.check()  # changes nothing: taken once every check has passed
+    except OutputLocked as e:
+        raise JobError(f"{e} (--output)") from e
+    except Exception:  # noqa: BLE001 - an output that cannot be read: the write probe below names why
+        pass
     try:
         source = PromptParquetDatasource(input, storage, id_column=id_column, limit=limit)
     except InputError as e:
@@ -233,7 +257,7 @@ def preflight(input: Union[str, List[str]], output: str, config: DLLMProcessorCo
     needs_tokenizer = check_columns(source, config)
     names = source.schema.names if source.schema is not None else []
     model_dir = check_model(config.model, needs_tokenizer, storage, config.adapter, config.attention)
-    check_chat_template(config, names, model_dir)
+    record = build_record(config, model_dir, check_chat_template(config, names, model_dir))
     try:
         keys = completed_keys(out_fs, out_path, id_column) if resume else []
     except Exception as e:  # noqa: BLE001
@@ -243,6 +267,11 @@ def preflight(input: Union[str, List[str]], output: str, config: DLLMProcessorCo
     if len(keys) != len(set(keys)) and not allow_duplicate_ids:  # (id, sample_index) written twice
         raise JobError(f"output {out_fs.unstrip_protocol(out_path)} already holds duplicate ids; "
                        "rerun with --overwrite")
+    changed: List[str] = []
+    if keys:
+        changed, refusal = check_resume(out_fs, out_path, record, resume_mismatch, out_fs.unstrip_protocol(out_path))
+        if refusal:
+            raise JobError(f"{refusal} (--output, --resume-mismatch)")
     try:
         duplicates = source.scan_ids(exclude_ids=done)
     except Exception as e:  # noqa: BLE001
@@ -252,11 +281,20 @@ def preflight(input: Union[str, List[str]], output: str, config: DLLMProcessorCo
                        f"({duplicates.extra_rows} extra rows), first: {', '.join(map(repr, duplicates.first))}; "
                        "make ids unique, or pass --allow-duplicate-ids to generate every row and report them "
                        "(--input, --id-column)")
+    history = run_history(read_json(out_fs, f"{out_path.rstrip('/')}/{SUMMARY_FILE}")) if resume else []
+    try:
+        lock.acquire()
+    except OutputLocked as e:
+        raise JobError(f"{e} (--output)") from e
+    except Exception as e:  # noqa: BLE001
+        raise JobError(f"output {output} is not writable: {describe_error(e)} (--output)") from e
     try:
         prepare_output(out_fs, out_path, overwrite=overwrite, resume=resume)
+        write_json((out_fs, out_path), RECORD_FILE, record)
     except Exception as e:  # noqa: BLE001
+        lock.release()
         raise JobError(f"output {output} cannot be used: {type(e).__name__}: {e} (--output)") from e
-    return Preflight(source, done, out_fs, out_path, duplicates, model_dir)
+    return Preflight(source, done, out_fs, out_path, duplicates, model_dir, lock, record, history, changed)
 
 
 def error_fraction_message(summary: Dict[str, Any], max_error_fraction: float) -> str:
@@ -271,7 +309,7 @@ def run_offline(input: Union[str, List[str]], output: str, config: DLLMProcessor
                 storage: Optional[StorageOptions] = None, limit: Optional[int] = None, id_column: str = "id",
                 reference_column: Optional[str] = "reference", overwrite: bool = False, resume: bool = True,
                 rows_per_file: Optional[int] = 256, allow_duplicate_ids: bool = False,
-                max_error_fraction: float = MAX_ERROR_FRACTION,
+                max_error_fraction: float = MAX_ERROR_FRACTION, resume_mismatch: str = "refuse",
                 preflighted: Optional[Preflight] = None, run_id: Optional[str] = None,
                 report: bool = False) -> Dict[str, Any]:
     """Read prompts, generate, stream results to `output`, write `summary.json` beside
@@ -291,7 +329,19 @@ def run_offline(input: Union[str, List[str]], output: str, config: DLLMProcessor
         run_id = new_run_id()
     checked = preflighted or preflight(
         input, output, config, storage=storage, limit=limit, id_column=id_column, overwrite=overwrite,
-        resume=resume, allow_duplicate_ids=allow_duplicate_ids, max_error_fraction=max_error_fraction)
+        resume=resume, allow_duplicate_ids=allow_duplicate_ids, max_error_fraction=max_error_fraction,
+        resume_mismatch=resume_mismatch, run_id=run_id)
+    try:
+        return _run(checked, input, config, storage, id_column, reference_column, rows_per_file, max_error_fraction,
+                    run_id, t0, report)
+    finally:
+        checked.release()
+
+
+def _run(checked: Preflight, input: Union[str, List[str]], config: DLLMProcessorConfig,
+         storage: Optional[StorageOptions], id_column: str, reference_column: Optional[str],
+         rows_per_file: Optional[int], max_error_fraction: float, run_id: str, t0: float,
+         report: bool) -> Dict[str, Any]:
     source, done, out_fs, out_path = checked.source, checked.done, checked.out_fs, checked.out_path
     if config.id_column != id_column:  # per-row seeds derive from the job's ids
         config = dataclasses.replace(config, id_column=id_column)
@@ -334,6 +384,9 @@ def run_offline(input: Union[str, List[str]], output: str, config: DLLMProcessor
     summary.update(run_record(config, checked.model_dir or config.model))
     summary["stop_token_ids"] = stop_sources(checked.model_dir or config.model, config.sampling.stop_token_ids)
     summary["status"] = "failed" if summary["error_fraction"] > max_error_fraction else "ok"
+    summary["finished_at"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+    summary["run_record"] = checked.record
+    summary["runs"] = [*checked.history, history_entry(summary, checked.settings_changed)]
     if report:
         from .report import write_report
 

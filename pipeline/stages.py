@@ -20,6 +20,8 @@ import pyarrow as pa
 
 from engine.tokenizer import has_tokenizer  # noqa: F401 - pipeline.run imports it from here
 
+from .row_values import parse_messages, parse_token_ids, row_error
+
 logger = logging.getLogger(__name__)
 
 # Internal columns, dropped before rows leave the processor.
@@ -38,6 +40,18 @@ def load_tokenizer(model: str):
     from engine.tokenizer import load_tokenizer as load
 
     return load(model)
+
+
+@functools.lru_cache(maxsize=4)
+def vocab_size(model: str) -> Optional[int]:
+    """The model's vocabulary size from its config.json (None when it cannot be read here):
+    pre-tokenized ids past it are refused per row before they reach an engine."""
+    try:
+        from .sorting.model import read_model_config
+
+        return int(read_model_config(model).vocab_size)
+    except Exception:  # noqa: BLE001 - the engine checks the vocabulary as well
+        return None
 
 
 def _set(table: pa.Table, name: str, values: List[Any], type_: pa.DataType) -> pa.Table:
@@ -155,9 +169,9 @@ def chat_template_stage(batch: pa.Table, *, model: str, messages_column: str, ch
                                  "(--chat-template PATH)")
             if not messages:
                 raise ValueError(f"{messages_column!r} is empty")
-            texts[i] = render_chat(tok, messages, chat_template)
+            texts[i] = render_chat(tok, parse_messages(messages, messages_column), chat_template)
         except Exception as e:  # noqa: BLE001 - per-row error
-            errors[i] = f"chat template failed: {type(e).__name__}: {e}"
+            errors[i] = row_error(e, "chat template failed")
     batch = _set(batch, TEXT_PROMPT, texts, pa.string())
     if keep_prompt:
         batch = _set(batch, prompt_column, [t if t is not None else g for t, g in zip(texts, given)], pa.string())
@@ -192,11 +206,12 @@ def tokenize_stage(batch: pa.Table, *, model: str, prompt_column: str, prompt_to
         source, texts = "chat template", batch.column(TEXT_PROMPT).to_pylist()
     elif prompt_token_ids_column in names:
         source, texts = None, None
+        vocab = vocab_size(model)
         for i, v in enumerate(batch.column(prompt_token_ids_column).to_pylist()):
-            try:
-                ids[i] = None if v is None else [int(t) for t in v]
-            except (TypeError, ValueError) as e:  # per-row error: not a list of integers
-                errors[i] = errors[i] or f"{prompt_token_ids_column!r} is not a list of token ids: {e}"
+            try:  # per-row error: not a list of integers in the vocabulary
+                ids[i] = parse_token_ids(v, prompt_token_ids_column, vocab)
+            except Exception as e:  # noqa: BLE001
+                errors[i] = errors[i] or row_error(e, f"{prompt_token_ids_column!r} is not a list of token ids")
     elif prompt_column in names:
         source, col = prompt_column, batch.column(prompt_column)
         if pa.types.is_string(col.type) or pa.types.is_large_string(col.type):
@@ -221,7 +236,8 @@ def tokenize_stage(batch: pa.Table, *, model: str, prompt_column: str, prompt_to
             elif not isinstance(text, str):
                 errors[i] = f"{source!r} is not a string (got {type(text).__name__})"
             elif not text:
-                errors[i] = "empty prompt"
+                errors[i] = "empty prompt" if source == prompt_column else (
+                    f"empty prompt (the chat template renders {chat['messages_column']!r} as no text)")
             elif not text.strip():
                 errors[i] = f"empty prompt ({source!r} is only whitespace)"
             elif tok is None:

@@ -38,6 +38,7 @@ import ray.data
 from engine.config import SamplingParams  # dataclasses only: no torch
 
 from ..config import DLLMProcessorConfig
+from ..row_values import RowValueError, parse_sampling
 from ..stages import TOKEN_IDS
 from .cost import CostModel, Roofline
 from .model import ModelProfile, device_profile, read_model_config
@@ -46,19 +47,20 @@ from .prefix import PREFIX_CHUNK, prefix_key
 COST_BUCKET_RATIO = 1.25
 
 
-def _budget(override: Any, base: SamplingParams) -> int:
+def row_budget(override: Any, base: SamplingParams, column: str = "sampling_params") -> Optional[int]:
     """A row's generation budget: max_new_tokens of the SamplingParams the engine builds for
-    it (`SamplingParams.from_dict`: the row's override over the config's, vLLM's names
-    accepted, null entries dropped as the engine drops them); the config's when the
-    override is not usable (a bad override is the engine's to report, as an error row)."""
-    if not override:
-        return base.max_new_tokens
+    it (pipeline/row_values.py, the one parser of per-row values, which the engine actor
+    uses too); None when the override does not parse (the engine reports it, as an error row)."""
     try:
-        value = SamplingParams.from_dict({k: v for k, v in dict(override).items() if v is not None},
-                                         base).max_new_tokens
-    except (TypeError, ValueError):
-        return base.max_new_tokens
-    return value if isinstance(value, int) and value >= 1 else base.max_new_tokens
+        return parse_sampling(override, base, column).max_new_tokens
+    except RowValueError:
+        return None
+
+
+def _budget(override: Any, base: SamplingParams) -> int:
+    """row_budget, the config's when the override is not usable."""
+    budget = row_budget(override, base)
+    return base.max_new_tokens if budget is None else budget
 
 
 def full_canvas(cfg: DLLMProcessorConfig) -> bool:
@@ -77,9 +79,25 @@ class SortWindowUDF:
     """Orders a window of rows by the key (see the module docstring)."""
 
     def __init__(self, cost: Union[CostModel, Roofline], sampling: SamplingParams, sampling_column: str,
-                 min_chunks: int):
+                 min_chunks: int, max_width: Optional[int] = None):
         self.cost, self.sampling = cost, sampling
-        self.sampling_column, self.min_chunks = sampling_column, min_chunks
+        self.sampling_column, self.min_chunks, self.max_width = sampling_column, min_chunks, max_width
+
+    def budgets(self, batch: pa.Table, lens: np.ndarray) -> Tuple[np.ndarray, np.ndarray]:
+        """(max_new_tokens, refused) per row: a row whose override does not parse, or whose
+        final width (prompt + whole blocks) exceeds what the engines accept (`max_width`),
+        is refused by the engine (an error row) and costs nothing to order."""
+        n = batch.num_rows
+        over = (batch.column(self.sampling_column).to_pylist() if self.sampling_column in batch.column_names
+                else [None] * n)
+        budgets = [row_budget(o, self.sampling, self.sampling_column) for o in over]
+        refused = np.array([g is None for g in budgets], dtype=bool)
+        gens = np.array([1 if g is None else g for g in budgets], dtype=np.float64)
+        if self.max_width is not None:
+            L = float(self.cost.block_length)
+            refused |= lens + np.ceil(gens / L) * L > self.max_width
+        gens[refused] = 1.0
+        return gens, refused
 
     def keys(self, batch: pa.Table) -> Tuple[np.ndarray, np.ndarray, np.ndarray]:
         """(cost bucket, prefix group, prompt length) per row."""
@@ -87,11 +105,10 @@ class SortWindowUDF:
         ids = batch.column(TOKEN_IDS) if TOKEN_IDS in batch.column_names else None
         lens = np.asarray(pc.fill_null(pc.list_value_length(ids), 0).to_pylist() if ids is not None else [0] * n,
                           dtype=np.int64)
-        over = (batch.column(self.sampling_column).to_pylist() if self.sampling_column in batch.column_names
-                else [None] * n)
-        gens = np.array([_budget(o, self.sampling) for o in over], dtype=np.int64)
+        gens, refused = self.budgets(batch, lens)
         seconds = self.cost.times(lens, gens)
         bucket = np.floor(np.log(np.maximum(seconds, 1e-300)) / math.log(COST_BUCKET_RATIO)).astype(np.int64)
+        bucket[refused] = np.iinfo(np.int64).max  # first: their error rows come back at once
         prefix = np.zeros(n, dtype=np.int64)
         if self.min_chunks and ids is not None:
             heads = pc.list_slice(ids, 0, self.min_chunks * PREFIX_CHUNK).to_pylist()
@@ -102,6 +119,15 @@ class SortWindowUDF:
     def __call__(self, batch: pa.Table) -> pa.Table:
         bucket, prefix, lens = self.keys(batch)
         return batch.take(pa.array(np.lexsort((-lens, prefix, -bucket)), pa.int64()))  # the last key is the primary one
+
+
+def max_width(cfg: DLLMProcessorConfig) -> int:
+    """The widest request the engines accept: token_budget, and the model's context where
+    its config.json is readable here (engine/sequence.py `validate` refuses wider ones)."""
+    try:
+        return min(cfg.engine.token_budget, int(read_model_config(cfg.model).max_seq_len))
+    except (OSError, ValueError, KeyError):
+        return cfg.engine.token_budget
 
 
 def cost_model(cfg: DLLMProcessorConfig, device: str = "cpu") -> Union[Roofline, CostModel]:
@@ -126,7 +152,7 @@ def order_dataset(ds: ray.data.Dataset, cfg: DLLMProcessorConfig,
     remote = ray_remote_args or {}
     # A task stage (the UDF is stateless): no actor of its own to start before the first
     # window, which on a small machine delays the engines by seconds.
-    ordered = ds.map_batches(SortWindowUDF(cost, cfg.sampling, cfg.sampling_column, min_chunks),
+    ordered = ds.map_batches(SortWindowUDF(cost, cfg.sampling, cfg.sampling_column, min_chunks, max_width(cfg)),
                              batch_format="pyarrow", batch_size=cfg.sort_window_rows, udf_modifying_row_count=False,
                              **remote)
     # Ray Data joins a stage's yields into one block; engines pull whole blocks, so cut the
