@@ -24,10 +24,9 @@ from conftest import read_parts
 from test_reference_decoding import L, S, reference_decode, workload
 from engine import Engine, EngineConfig, ModelConfig, SamplingParams, build_model, load_model
 from engine.loader import read_config
-from engine.models.families import FamilyNotSupported
 from engine.models.families.moe import MoESpec
 from pipeline import DLLMProcessorConfig
-from pipeline.run import JobError, check_model, run_offline
+from pipeline.run import run_offline
 
 torch.set_num_threads(1)
 
@@ -168,7 +167,7 @@ def test_published_layout_loads_and_runs_through_the_job(published_moe, ray_loca
     assert model.layers[1].router.weight.dtype == torch.float32  # routers stay float32
     assert tok.convert_tokens_to_ids("<|mask|>") == 156895
     engine = EngineConfig(block_length=4, steps_per_block=4, cache="none", token_budget=2048, max_batch_size=8)
-    sampling = SamplingParams(max_new_tokens=8, policy="fixed")
+    sampling = SamplingParams(max_new_tokens=4, policy="fixed")  # one block: the 157184-wide head is slow on CPU
     msgs = [[{"role": "user", "content": f"copy: {'abcdefgh'[: i % 8 + 1]}"}] for i in range(10)]
     pq.write_table(pa.table({"id": [f"m{i}" for i in range(10)], "messages": msgs}), str(tmp_path / "in.parquet"))
     config = DLLMProcessorConfig(model=published_moe, batch_size=5, engine=engine, sampling=sampling,
@@ -178,8 +177,3 @@ def test_published_layout_loads_and_runs_through_the_job(published_moe, ray_loca
     rows = read_parts(str(tmp_path / "out")).to_pylist()
     assert sorted(r["id"] for r in rows) == [f"m{i}" for i in range(10)]
     assert all(r["prompt"].endswith("<role>ASSISTANT</role>") for r in rows)
-
-
-def test_llada2_is_refused_with_its_name(tmp_path):
-    with pytest.raises(FamilyNotSupported, match=r"^LLaDA2\.x .* is not supported by blockray"):
-        ModelConfig.from_hf({"model_type": "llada2_moe", "hidden_size": 2048, "num_experts": 256})
