@@ -11,6 +11,7 @@ every scheduler must give exactly its tokens; the published layout loads through
 load_model and runs through the job."""
 from __future__ import annotations
 
+import json
 import math
 
 import pyarrow as pa
@@ -177,3 +178,11 @@ def test_published_layout_loads_and_runs_through_the_job(published_moe, ray_loca
     rows = read_parts(str(tmp_path / "out")).to_pylist()
     assert sorted(r["id"] for r in rows) == [f"m{i}" for i in range(10)]
     assert all(r["prompt"].endswith("<role>ASSISTANT</role>") for r in rows)
+
+
+def test_moe_bench_smoke(tmp_path):
+    from bench import moe_bench
+
+    data = moe_bench.main(["--smoke", "--out", str(tmp_path / "moe.json")])  # asserts batched == one at a time
+    assert json.load(open(tmp_path / "moe.json"))["tokens"] == data["tokens"] > 0
+    assert 0 < data["share"]["moe_ffn_share_of_forward"] < 1
