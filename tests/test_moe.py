@@ -186,3 +186,14 @@ def test_moe_bench_smoke(tmp_path):
     data = moe_bench.main(["--smoke", "--out", str(tmp_path / "moe.json")])  # asserts batched == one at a time
     assert json.load(open(tmp_path / "moe.json"))["tokens"] == data["tokens"] > 0
     assert 0 < data["share"]["moe_ffn_share_of_forward"] < 1
+
+
+@pytest.mark.parametrize("change,message", [({"moe_router_score_function": "sigmoid"}, "moe_router_score_function"),
+                                            ({"clip_qkv": 8.0}, "clip_qkv"), ({"capacity_factor": 1.25}, "capacity_factor")])
+def test_llada_moe_settings_the_engine_would_ignore_are_refused(change, message):
+    from checkpoints import LLADA_MOE_CONFIG
+    from engine.models.families import ConfigRefused
+
+    ModelConfig.from_hf(LLADA_MOE_CONFIG)  # the published keys are all accounted for
+    with pytest.raises(ConfigRefused, match=message):
+        ModelConfig.from_hf({**LLADA_MOE_CONFIG, **change})
