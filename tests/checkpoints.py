@@ -146,6 +146,13 @@ def _weights(root: str, hf: dict, n_shards: int, seed: int) -> ModelConfig:
     return cfg
 
 
+def _remote_code_stubs(root: str, names) -> None:
+    """The checkpoint's own .py files: documentation only, they fail loudly if imported."""
+    for name in names:
+        with open(os.path.join(root, name), "w") as f:
+            f.write(f"raise RuntimeError('remote code {name} ran')\n")
+
+
 def _fast_tokenizer(root: str, size: int, special: Dict[int, str], specials: Dict[str, str], template: str) -> None:
     """tokenizer.json (PreTrainedTokenizerFast) of `size` ids with `special` at their real
     ids, tokenizer_config.json (+ chat template, added tokens), special_tokens_map.json."""
@@ -180,9 +187,7 @@ def write_llada(root: str, variant: str = "Instruct", seed: int = 0, **tiny) -> 
     _dump(os.path.join(root, "generation_config.json"), LLADA_GENERATION)
     _fast_tokenizer(root, 126464, LLADA_SPECIAL, dict(bos_token="<|startoftext|>", eos_token="<|endoftext|>",
                                                       pad_token="<|endoftext|>"), LLADA_TEMPLATE)
-    for name in ("configuration_llada.py", "modeling_llada.py"):  # documentation only: never imported
-        with open(os.path.join(root, name), "w") as f:
-            f.write(f"raise RuntimeError('remote code {name} ran')\n")
+    _remote_code_stubs(root, ("configuration_llada.py", "modeling_llada.py"))
     return root
 
 
@@ -213,9 +218,8 @@ def write_dream(root: str, variant: str = "Instruct", seed: int = 0, **tiny) -> 
         chat_template=DREAM_TEMPLATE, clean_up_tokenization_spaces=False, errors="replace",
         model_max_length=131072, split_special_tokens=False, tokenizer_class="DreamTokenizer", unk_token=None))
     _dump(os.path.join(root, "special_tokens_map.json"), specials)
-    for name in ("tokenization_dream.py", "configuration_dream.py", "modeling_dream.py", "generation_utils.py"):
-        with open(os.path.join(root, name), "w") as f:
-            f.write(f"raise RuntimeError('remote code {name} ran')\n")
+    _remote_code_stubs(root, ("tokenization_dream.py", "configuration_dream.py", "modeling_dream.py",
+                              "generation_utils.py"))
     return root
 
 
@@ -234,9 +238,7 @@ def write_llada_moe(root: str, variant: str = "Instruct", seed: int = 0, **tiny)
     _dump(os.path.join(root, "config.json"), hf)
     _fast_tokenizer(root, 157184, LING_SPECIAL, dict(eos_token="<|endoftext|>", pad_token="<|endoftext|>",
                                                       mask_token="<|mask|>"), LING_TEMPLATE)
-    for name in ("configuration_lladamoe.py", "modeling_lladamoe.py"):  # documentation only: never imported
-        with open(os.path.join(root, name), "w") as f:
-            f.write(f"raise RuntimeError('remote code {name} ran')\n")
+    _remote_code_stubs(root, ("configuration_lladamoe.py", "modeling_lladamoe.py"))
     return root
 
 
