@@ -154,6 +154,10 @@ def test_active_parameters_per_token_reach_the_budget_and_the_cost_model():
     router = 2.0 * 32 * 8  # one MoE layer's router
     assert ModelProfile(cfg).linear_flops_per_token() == ModelProfile(dense).linear_flops_per_token() + router
     assert cfg.active_params() < cfg.num_params()
+    import pickle  # the sorter ships the profile to data workers as config.json's dict
+
+    again = pickle.loads(pickle.dumps(ModelProfile(cfg)))
+    assert again.config.moe == cfg.moe and again.linear_flops_per_token() == ModelProfile(cfg).linear_flops_per_token()
 
 
 @pytest.fixture(scope="module")
@@ -197,3 +201,28 @@ def test_llada_moe_settings_the_engine_would_ignore_are_refused(change, message)
     ModelConfig.from_hf(LLADA_MOE_CONFIG)  # the published keys are all accounted for
     with pytest.raises(ConfigRefused, match=message):
         ModelConfig.from_hf({**LLADA_MOE_CONFIG, **change})
+
+
+def test_group_limited_sigmoid_routing_equals_llada2s_published_gate():
+    """route() with LLaDA2's settings against LLaDA2MoeGate.forward (modeling_llada2_moe.py):
+    sigmoid scores, expert bias for selection only, top-2 sum per group, topk_group groups,
+    -inf outside them, weights gathered from the unbiased scores, renormalised, scaled."""
+    from engine.models.moe import route
+
+    g = torch.Generator().manual_seed(0)
+    E, n_group, topk_group, k, scale = 16, 4, 2, 4, 2.5
+    logits, bias = torch.randn(50, E, generator=g, dtype=torch.float64), torch.randn(E, generator=g, dtype=torch.float64)
+    spec = MoESpec(num_experts=E, top_k=k, expert_size=8, dense_size=8, dense_layers=(False,), score="sigmoid",
+                   expert_bias=True, bias_in_weights=False, renormalize=True, scaling=scale, n_group=n_group,
+                   topk_group=topk_group)
+    scores = torch.sigmoid(logits)
+    routing = scores + bias
+    group_scores = routing.view(50, n_group, -1).topk(2, dim=-1)[0].sum(dim=-1)
+    group_mask = torch.zeros_like(group_scores).scatter_(1, torch.topk(group_scores, topk_group, -1, sorted=False)[1], 1)
+    score_mask = group_mask.unsqueeze(-1).expand(50, n_group, E // n_group).reshape(50, -1)
+    _, idx = torch.topk(routing.masked_fill(~score_mask.bool(), float("-inf")), k=k, dim=-1)
+    w = torch.gather(scores, 1, idx)
+    w = w / (w.sum(-1, keepdim=True) + 1e-20) * scale
+    experts, weights = route(logits, spec, bias)
+    assert torch.equal(experts, idx)
+    torch.testing.assert_close(weights, w, rtol=0, atol=0)

@@ -40,10 +40,10 @@ def route(scores_logits: torch.Tensor, spec: MoESpec, bias) -> Tuple[torch.Tenso
         N, E = choice.shape
         groups = choice.view(N, spec.n_group, E // spec.n_group).topk(2, -1).values.sum(-1)
         keep = torch.zeros_like(groups, dtype=torch.bool).scatter_(1, groups.topk(spec.topk_group, -1).indices, True)
-        choice = choice.masked_fill(~keep.repeat_interleave(E // spec.n_group, 1), 0.0)
+        choice = choice.masked_fill(~keep.repeat_interleave(E // spec.n_group, 1), float("-inf"))
     experts = choice.topk(spec.top_k, -1).indices
     weights = scores.gather(1, experts)
-    if spec.renormalize:
+    if spec.renormalize and spec.top_k > 1:
         weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
     return experts, weights * spec.scaling
 
