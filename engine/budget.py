@@ -68,7 +68,7 @@ def activation_bytes_per_token(cfg: ModelConfig, dtype: torch.dtype, max_width: 
     """Transients of one layer's forward (inference mode frees the previous layer's):
     norm temporaries in float32, q/k/v and their RoPE temporaries, the MLP's gate, up,
     silu and product, residuals; plus the block-causal mask's row of `max_width` bools."""
-    b, d, f = dtype_bytes(dtype), cfg.hidden_size, cfg.intermediate_size
+    b, d, f = dtype_bytes(dtype), cfg.hidden_size, math.ceil(cfg.active_intermediate_size)  # MoE: active experts
     kv_dim = cfg.n_kv_heads * cfg.head_dim
     per = (4 * f + 12 * d + 6 * kv_dim) * b + 8 * d
     if cfg.block_causal:

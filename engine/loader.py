@@ -72,7 +72,8 @@ def load_model(path: str | os.PathLike, dtype: torch.dtype = torch.bfloat16, dev
             t = fh.get_tensor(key)
             if lora is not None:
                 t = lora.merge(name, t, dtype)
-            state[name] = t.to(device=device, dtype=dtype)
+            keep = cfg.family.keeps_float32(name) and dtype.itemsize < 4  # routers stay float32
+            state[name] = t.to(device=device, dtype=torch.float32 if keep else dtype)
     finally:
         handles.clear()
     model.load_state_dict(state, assign=True, strict=True)

@@ -67,6 +67,26 @@ DREAM_GENERATION = {"_from_model_config": True, "alg": "origin", "alg_temp": Non
                     "eos_token_id": 151643, "eps": 0.001, "mask_token_id": None, "output_history": False,
                     "pad_token_id": 151643, "steps": 512, "temperature": 0.0, "top_k": None, "top_p": None,
                     "transformers_version": "4.46.2"}
+# The keys of the published LLaDAMoEConfig (configuration_lladamoe.py) at LLaDA-MoE-7B-A1B's
+# sizes (16 layers, 64 experts, top-8, expert width 1024); sizes are shrunk by write_llada_moe.
+LLADA_MOE_CONFIG = {
+    "architectures": ["LLaDAMoEModelLM"], "attention_bias": False, "attention_dropout": 0.0,
+    "auto_map": {"AutoConfig": "configuration_lladamoe.LLaDAConfig", "AutoModel": "modeling_lladamoe.LLaDAMoEModelLM"},
+    "clip_qkv": None, "dense_intermediate_size": 8192, "eos_token_id": 156892, "expert_intermediate_size": 1024,
+    "hidden_act": "silu", "hidden_size": 2048, "initializer_range": 0.02, "max_position_embeddings": 8192,
+    "model_type": "llada", "moe_layer_freq": [1] * 16, "moe_router_enable_expert_bias": False,
+    "moe_router_score_function": "softmax", "norm_topk_prob": False, "num_attention_heads": 16, "num_experts": 64,
+    "num_experts_per_tok": 8, "num_hidden_layers": 16, "num_key_value_heads": 16, "output_router_logits": False,
+    "pad_token_id": 156892, "partial_rotary_factor": 1, "qk_layernorm": True, "rms_norm_eps": 1e-05,
+    "rope_scaling": None, "rope_theta": 50000, "routed_scaling_factor": 1, "router_aux_loss_coef": 0.01,
+    "router_num_group": None, "router_topk_group": None, "shared_expert_intermediate_size": None,
+    "tie_word_embeddings": False, "torch_dtype": "bfloat16", "transformers_version": "4.46.3", "use_cache": False,
+    "vocab_size": 157184,
+}
+LING_SPECIAL = {156891: "<|startoftext|>", 156892: "<|endoftext|>", 156895: "<|mask|>", 156900: "<role>",
+                156901: "</role>", 156902: "<|role_end|>"}
+LING_TEMPLATE = ("{% for message in messages %}{{ '<role>' + message['role'] | upper + '</role>' + message['content'] "
+                 "+ '<|role_end|>' }}{% endfor %}{% if add_generation_prompt %}{{ '<role>ASSISTANT</role>' }}{% endif %}")
 QWEN_BASE_VOCAB = 151643
 DREAM_ADDED = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|object_ref_start|>", "<|object_ref_end|>",
                "<|box_start|>", "<|box_end|>", "<|quad_start|>", "<|quad_end|>", "<|vision_start|>", "<|vision_end|>",
@@ -126,12 +146,38 @@ def _weights(root: str, hf: dict, n_shards: int, seed: int) -> ModelConfig:
     return cfg
 
 
+def _remote_code_stubs(root: str, names) -> None:
+    """The checkpoint's own .py files: documentation only, they fail loudly if imported."""
+    for name in names:
+        with open(os.path.join(root, name), "w") as f:
+            f.write(f"raise RuntimeError('remote code {name} ran')\n")
+
+
+def _fast_tokenizer(root: str, size: int, special: Dict[int, str], specials: Dict[str, str], template: str) -> None:
+    """tokenizer.json (PreTrainedTokenizerFast) of `size` ids with `special` at their real
+    ids, tokenizer_config.json (+ chat template, added tokens), special_tokens_map.json."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    tok = Tokenizer(models.BPE(vocab=bpe_vocab(size, special), merges=[tuple(m.split()) for m in MERGES]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens(list(special.values()))
+    tok.save(os.path.join(root, "tokenizer.json"))
+    for i, s in special.items():
+        assert tok.token_to_id(s) == i, (s, tok.token_to_id(s))
+    _dump(os.path.join(root, "tokenizer_config.json"), dict(
+        specials, tokenizer_class="PreTrainedTokenizerFast", add_bos_token=False, add_eos_token=False,
+        clean_up_tokenization_spaces=False, model_max_length=1000000000000000019884624838656,
+        chat_template=template,
+        added_tokens_decoder={str(i): {"content": s, "lstrip": False, "normalized": False, "rstrip": False,
+                                       "single_word": False, "special": True} for i, s in special.items()}))
+    _dump(os.path.join(root, "special_tokens_map.json"), specials)
+
+
 def write_llada(root: str, variant: str = "Instruct", seed: int = 0, **tiny) -> str:
     """GSAI-ML/LLaDA-8B-{Instruct,Base}'s file set: config.json, generation_config.json,
     tokenizer.json (PreTrainedTokenizerFast) with the special ids at their real places,
     tokenizer_config.json (+ chat template), special_tokens_map.json, 6 shards."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-
     t = {**TINY, **tiny}
     os.makedirs(root, exist_ok=True)
     hf = dict(LLADA_CONFIG, d_model=t["hidden"], n_layers=t["layers"], n_heads=t["heads"], n_kv_heads=t["heads"],
@@ -139,25 +185,9 @@ def write_llada(root: str, variant: str = "Instruct", seed: int = 0, **tiny) -> 
     _weights(root, hf, 6, seed)
     _dump(os.path.join(root, "config.json"), hf)
     _dump(os.path.join(root, "generation_config.json"), LLADA_GENERATION)
-    vocab = bpe_vocab(126464, LLADA_SPECIAL)
-    tok = Tokenizer(models.BPE(vocab=vocab, merges=[tuple(m.split()) for m in MERGES]))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    tok.add_special_tokens(list(LLADA_SPECIAL.values()))
-    tok.save(os.path.join(root, "tokenizer.json"))
-    for i, s in LLADA_SPECIAL.items():
-        assert tok.token_to_id(s) == i, (s, tok.token_to_id(s))
-    specials = dict(bos_token="<|startoftext|>", eos_token="<|endoftext|>", pad_token="<|endoftext|>")
-    _dump(os.path.join(root, "tokenizer_config.json"), dict(
-        specials, tokenizer_class="PreTrainedTokenizerFast", add_bos_token=False, add_eos_token=False,
-        clean_up_tokenization_spaces=False, model_max_length=1000000000000000019884624838656,
-        chat_template=LLADA_TEMPLATE,
-        added_tokens_decoder={str(i): {"content": s, "lstrip": False, "normalized": False, "rstrip": False,
-                                       "single_word": False, "special": True} for i, s in LLADA_SPECIAL.items()}))
-    _dump(os.path.join(root, "special_tokens_map.json"), specials)
-    for name in ("configuration_llada.py", "modeling_llada.py"):  # documentation only: never imported
-        with open(os.path.join(root, name), "w") as f:
-            f.write(f"raise RuntimeError('remote code {name} ran')\n")
+    _fast_tokenizer(root, 126464, LLADA_SPECIAL, dict(bos_token="<|startoftext|>", eos_token="<|endoftext|>",
+                                                      pad_token="<|endoftext|>"), LLADA_TEMPLATE)
+    _remote_code_stubs(root, ("configuration_llada.py", "modeling_llada.py"))
     return root
 
 
@@ -188,9 +218,27 @@ def write_dream(root: str, variant: str = "Instruct", seed: int = 0, **tiny) -> 
         chat_template=DREAM_TEMPLATE, clean_up_tokenization_spaces=False, errors="replace",
         model_max_length=131072, split_special_tokens=False, tokenizer_class="DreamTokenizer", unk_token=None))
     _dump(os.path.join(root, "special_tokens_map.json"), specials)
-    for name in ("tokenization_dream.py", "configuration_dream.py", "modeling_dream.py", "generation_utils.py"):
-        with open(os.path.join(root, name), "w") as f:
-            f.write(f"raise RuntimeError('remote code {name} ran')\n")
+    _remote_code_stubs(root, ("tokenization_dream.py", "configuration_dream.py", "modeling_dream.py",
+                              "generation_utils.py"))
+    return root
+
+
+def write_llada_moe(root: str, variant: str = "Instruct", seed: int = 0, **tiny) -> str:
+    """inclusionAI/LLaDA-MoE-7B-A1B-{Instruct,Base}'s file set: config.json (model_type
+    'llada' with Hugging Face keys, every key of the published LLaDAMoEConfig; sizes shrunk
+    to hidden 16, 2 layers of 4 experts, top-2), the real vocabulary 157184 with
+    <|endoftext|> 156892 and <|mask|> 156895, tokenizer.json + tokenizer_config.json with
+    a Ling-style chat template, 3 shards with the index, the remote-code files."""
+    t = {**TINY, **tiny}
+    os.makedirs(root, exist_ok=True)
+    hf = dict(LLADA_MOE_CONFIG, hidden_size=t["hidden"], num_attention_heads=t["heads"], num_key_value_heads=t["heads"],
+              dense_intermediate_size=t["ffn"], expert_intermediate_size=t["ffn"] // 2, num_hidden_layers=2,
+              moe_layer_freq=[1, 1], num_experts=4, num_experts_per_tok=2)
+    _weights(root, hf, 3, seed)
+    _dump(os.path.join(root, "config.json"), hf)
+    _fast_tokenizer(root, 157184, LING_SPECIAL, dict(eos_token="<|endoftext|>", pad_token="<|endoftext|>",
+                                                      mask_token="<|mask|>"), LING_TEMPLATE)
+    _remote_code_stubs(root, ("configuration_lladamoe.py", "modeling_lladamoe.py"))
     return root
 
 
@@ -230,8 +278,9 @@ def write_lora(root: str, cfg: ModelConfig, r: int = 4, lora_alpha: float = 8.0,
 
 LAYOUTS = {"LLaDA-8B-Instruct": (write_llada, "Instruct"), "LLaDA-8B-Base": (write_llada, "Base"),
            "Dream-v0-Instruct-7B": (write_dream, "Instruct"), "Dream-v0-Base-7B": (write_dream, "Base")}
+MOE_LAYOUTS = {"LLaDA-MoE-7B-A1B-Instruct": (write_llada_moe, "Instruct")}
 
 
 def write_layout(name: str, root: str, seed: int = 0) -> str:
-    fn, variant = LAYOUTS[name]
+    fn, variant = {**LAYOUTS, **MOE_LAYOUTS}[name]
     return fn(root, variant, seed=seed)

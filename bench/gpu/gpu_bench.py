@@ -39,6 +39,7 @@ import torch  # noqa: E402
 from engine import Engine, EngineConfig, ModelConfig, SamplingParams, build_model  # noqa: E402
 from engine.budget import plan_token_budget, weight_bytes  # noqa: E402
 from engine.models import DLLM  # noqa: E402
+from engine.models.families.moe import MoESpec  # noqa: E402
 from engine.models.transformer import init_weights_  # noqa: E402
 from bench.engine_bench import git_state, variant_spec  # noqa: E402
 from bench.runner import RunSpec, _sync as sync, _widest, run, warmup  # noqa: E402
@@ -47,6 +48,15 @@ from bench.workloads import SMOKE_SKEWED, SkewedSpec, skewed  # noqa: E402
 LLADA_8B = dict(model_type="llada", vocab_size=126464, hidden_size=4096, n_layers=32, n_heads=32, n_kv_heads=32,
                 intermediate_size=12288, mask_token_id=126336, eos_token_id=126081, eot_token_id=126348,
                 rope_theta=500000.0, max_seq_len=4096)
+# inclusionAI/LLaDA-MoE-7B-A1B's shape (--shape llada-moe-7b): 16 layers of 64 experts, top-8 of width 1024
+LLADA_MOE_7B = dict(model_type="llada_moe", vocab_size=157184, hidden_size=2048, n_layers=16, n_heads=16,
+                    n_kv_heads=16, intermediate_size=8192, mask_token_id=156895, eos_token_id=156892,
+                    rope_theta=50000.0, max_seq_len=8192, qk_norm=True,
+                    moe=MoESpec(num_experts=64, top_k=8, expert_size=1024, dense_size=8192, dense_layers=(False,) * 16))
+SMOKE_MOE = dict(model_type="llada_moe", vocab_size=2048, hidden_size=64, n_layers=2, n_heads=4, n_kv_heads=4,
+                 intermediate_size=192, mask_token_id=2047, eos_token_id=1, max_seq_len=1024, qk_norm=True,
+                 moe=MoESpec(num_experts=4, top_k=2, expert_size=32, dense_size=192, dense_layers=(True, False)))
+SHAPES = ("llada-8b", "llada-moe-7b")
 SMOKE_SHAPE = dict(model_type="llada", vocab_size=2048, hidden_size=64, n_layers=2, n_heads=4, n_kv_heads=4,
                    intermediate_size=192, mask_token_id=2047, eos_token_id=1, max_seq_len=1024)
 
@@ -201,6 +211,8 @@ def parse_args(argv=None):
                     help="every run's canvas (default full: what LLaDA's and Fast-dLLM's users decode)")
     ap.add_argument("--cache", default="dual", choices=["none", "refresh", "persistent", "dual"],
                     help="every run's cache (default dual: Fast-dLLM's fastest)")
+    ap.add_argument("--shape", default="llada-8b", choices=SHAPES,
+                    help="model shape (random weights): LLaDA-8B, or LLaDA-MoE-7B-A1B's experts")
     return ap.parse_args(argv)
 
 
@@ -231,10 +243,12 @@ def main(argv=None) -> Dict[str, Any]:
     t = time.perf_counter()
     peak = matmul_peak(device, dtype, 512 if smoke else 8192)
     rep.data["matmul_peak"] = peak
-    cfg = ModelConfig(**(SMOKE_SHAPE if smoke else LLADA_8B))
+    moe = args.shape == "llada-moe-7b"
+    cfg = ModelConfig(**((SMOKE_MOE if moe else SMOKE_SHAPE) if smoke else (LLADA_MOE_7B if moe else LLADA_8B)))
     model = build_on_device(cfg, dtype, device)
     sync(device)
-    rep.data["model"] = {"config": cfg.to_hf(), "params": cfg.num_params(), "dtype": str(dtype),
+    rep.data["model"] = {"config": cfg.to_hf(), "params": cfg.num_params(), "active_params": cfg.active_params(),
+                         "shape": args.shape, "dtype": str(dtype),
                          "build_s": time.perf_counter() - t}
     print(f"peak {peak['flops_per_s'] / 1e12:.1f} TFLOP/s; model {cfg.num_params() / 1e9:.2f}B params built in "
           f"{rep.data['model']['build_s']:.1f}s", flush=True)

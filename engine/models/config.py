@@ -7,6 +7,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Dict, List, Optional
 
 from .families import Family, family_for, family_named
+from .families.moe import MoESpec
 
 
 @dataclass
@@ -35,8 +36,13 @@ class ModelConfig:
     max_seq_len: int = 4096
     dllm_attention: str = "bidirectional"  # or "block_causal"
     extra: Dict[str, Any] = field(default_factory=dict)  # keys known to be irrelevant, written back unchanged
+    moe: Optional[MoESpec] = None  # mixture-of-experts layers (LLaDA-MoE); None: dense SwiGLU MLPs
+    qk_norm: bool = False  # RMSNorm over each head's q and k before RoPE
+    partial_rotary_factor: float = 1.0  # RoPE on the first head_dim * factor dims of each head
 
     def __post_init__(self) -> None:
+        if isinstance(self.moe, dict):  # as_dict() round trip
+            self.moe = MoESpec(**self.moe)
         if self.embedding_size is None:
             self.embedding_size = self.vocab_size
         if self.pad_token_id is None:
@@ -49,6 +55,16 @@ class ModelConfig:
     @property
     def head_dim(self) -> int:
         return self.hidden_size // self.n_heads
+
+    @property
+    def rotary_dim(self) -> int:
+        return int(self.head_dim * self.partial_rotary_factor)
+
+    @property
+    def active_intermediate_size(self) -> float:
+        """MLP width one token computes per layer (the routed experts' and shared expert's
+        for a MoE model): what the cost model and the activation budget count."""
+        return self.moe.active_ffn_width() if self.moe is not None else self.intermediate_size
 
     @property
     def family(self) -> Family:
@@ -80,6 +96,14 @@ class ModelConfig:
 
     def num_params(self) -> int:
         return sum(math.prod(shape) for shape in self.family.param_shapes(self).values())
+
+    def active_params(self) -> int:
+        """Parameters one token uses: a MoE layer's unchosen experts left out."""
+        m = self.moe
+        if m is None:
+            return self.num_params()
+        idle = sum(not dl for dl in m.dense_layers) * (m.num_experts - m.top_k) * 3 * self.hidden_size * m.expert_size
+        return self.num_params() - idle
 
     @classmethod
     def tiny(cls, model_type: str = "llada", **kw: Any) -> "ModelConfig":

@@ -127,11 +127,7 @@ class Layer(nn.Module):
         B, T, _ = h.shape
         H, Hkv, D = self.cfg.n_heads, self.cfg.n_kv_heads, self.cfg.head_dim
         x = self.attn_norm(h)
-        q = self.q(x).view(B, T, H, D).transpose(1, 2)
-        k = self.k(x).view(B, T, Hkv, D).transpose(1, 2)
-        v = self.v(x).view(B, T, Hkv, D).transpose(1, 2)
-        q = q * cos + _rotate_half(q) * sin
-        k = k * cos + _rotate_half(k) * sin
+        q, k, v = self.qkv(x, cos, sin)
         kv = cache.attend(idx, k, v, offset, mask.shape[-1], write, runs, cols) if cache is not None else (k, v)
         if isinstance(kv, list):  # one attention per run of cache rows
             a, o = [], 0
@@ -144,7 +140,27 @@ class Layer(nn.Module):
             a = F.scaled_dot_product_attention(q, kv[0], kv[1], attn_mask=mask, enable_gqa=Hkv != H)
         h = h + self.o(a.transpose(1, 2).reshape(B, T, H * D))
         x = self.mlp_norm(h)
-        return h + self.down(F.silu(self.gate(x)) * self.up(x))
+        return h + self.ffn(x)
+
+    def qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        """q [B, H, T, D], k and v [B, H_kv, T, D] of the normed input, RoPE applied."""
+        B, T, _ = x.shape
+        H, Hkv, D = self.cfg.n_heads, self.cfg.n_kv_heads, self.cfg.head_dim
+        q = self.q(x).view(B, T, H, D).transpose(1, 2)
+        k = self.k(x).view(B, T, Hkv, D).transpose(1, 2)
+        v = self.v(x).view(B, T, Hkv, D).transpose(1, 2)
+        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin, v
+
+    def ffn(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down(F.silu(self.gate(x)) * self.up(x))
+
+
+def make_layer(cfg: ModelConfig, index: int) -> nn.Module:
+    """A dense block, or (cfg.moe) engine.models.moe's block with experts or QK norm."""
+    if cfg.moe is None and not cfg.qk_norm:
+        return Layer(cfg)
+    from .moe import MoELayer
+    return MoELayer(cfg, index)
 
 
 class DLLM(nn.Module):
@@ -155,7 +171,7 @@ class DLLM(nn.Module):
         super().__init__()
         self.config = cfg
         self.embed = nn.Embedding(cfg.embedding_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(Layer(cfg) for _ in range(cfg.n_layers))
+        self.layers = nn.ModuleList(make_layer(cfg, i) for i in range(cfg.n_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.embedding_size,
                                                                        bias=cfg.linear_bias)
@@ -181,7 +197,7 @@ class DLLM(nn.Module):
         `logits_last` columns, or the query columns `logits_at` [B, n] (the LM head over
         every column is the biggest waste)."""
         h = self.embed(ids)
-        cos, sin = rope(pos, self.config.head_dim, self.config.rope_theta, h.dtype)
+        cos, sin = rope(pos, self.config.rotary_dim, self.config.rope_theta, h.dtype)
         if write is not None:
             write = write[:, None, :, None]
         for i, layer in enumerate(self.layers):

@@ -64,12 +64,14 @@ class ModelProfile:
         return _profile_from_hf, (self.config.to_hf(), self.bytes_per_element)
 
     def linear_flops_per_token(self) -> float:
-        """Dense matmul FLOPs of one token through all layers (QKV, O, gated MLP)."""
+        """Dense matmul FLOPs of one token through all layers (QKV, O, gated MLP; a MoE
+        model's active experts and its router: the active parameters per token)."""
         c = self.config
         d, hd = c.hidden_size, c.head_dim
         per_layer = 2.0 * (d * c.n_heads * hd + 2 * d * c.n_kv_heads * hd + c.n_heads * hd * d
-                           + 3 * d * c.intermediate_size)
-        return per_layer * c.n_layers
+                           + 3 * d * c.active_intermediate_size)
+        router = 0.0 if c.moe is None else 2.0 * d * c.moe.num_experts * sum(not x for x in c.moe.dense_layers)
+        return per_layer * c.n_layers + router
 
     def attention_flops_per_pair(self) -> float:
         """FLOPs of one (query, key) pair over all layers: QK^T and AV, 2 per MAC."""

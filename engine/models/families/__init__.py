@@ -9,18 +9,18 @@ from typing import Any, Dict, Mapping
 from .base import ConfigRefused, Family, FamilyNotSupported
 from .dream import DREAM
 from .llada import LLADA
+from .llada_moe import LLADA_MOE, is_llada_moe
 
-FAMILIES: Dict[str, Family] = {f.model_type: f for f in (LLADA, DREAM)}
+FAMILIES: Dict[str, Family] = {f.model_type: f for f in (LLADA, DREAM, LLADA_MOE)}
 _ALIASES = {"LLaDA": "llada", "dream": "Dream"}
 
 # Published families the engine does not implement: (test on config.json, one-line name).
 _NOT_IMPLEMENTED = (
-    (lambda hf: hf.get("model_type") in ("llada", "LLaDA") and "d_model" not in hf
-     and ("num_experts" in hf or "hidden_size" in hf),
-     "LLaDA-MoE (inclusionAI/LLaDA-MoE-7B-A1B: model_type 'llada' with Hugging Face style keys and "
-     "mixture-of-experts layers)"),
-    (lambda hf: str(hf.get("model_type", "")).lower() in ("llada2_moe", "llada2", "llada_moe"),
-     "LLaDA2.x / LLaDA-MoE (mixture-of-experts)"),
+    (lambda hf: hf.get("model_type") in ("llada", "LLaDA") and "d_model" not in hf and "num_experts" not in hf
+     and "hidden_size" in hf,
+     "a 'llada' config.json with Hugging Face style keys but no experts (neither LLaDA's nor LLaDA-MoE's layout)"),
+    (lambda hf: str(hf.get("model_type", "")).lower() in ("llada2_moe", "llada2"),
+     "LLaDA2.x (inclusionAI/LLaDA2.0-mini, LLaDA2.1-mini: model_type 'llada2_moe')"),
     (lambda hf: "gemma" in str(hf.get("model_type", "")).lower(), "DiffusionGemma / Gemma"),
 )
 
@@ -35,6 +35,8 @@ def family_for(hf: Mapping[str, Any]) -> Family:
     for test, name in _NOT_IMPLEMENTED:
         if test(hf):
             raise FamilyNotSupported(f"{name} is not supported by blockray; supported: {supported()}")
+    if is_llada_moe(hf):  # recognised from its keys: its model_type is LLaDA's "llada"
+        return LLADA_MOE
     mt = hf.get("model_type")
     if mt is None and "d_model" in hf:
         mt = "llada"

@@ -114,6 +114,10 @@ class Family:
                 out["lm_head.bias"] = (E,)
         return out
 
+    def keeps_float32(self, internal: str) -> bool:
+        """Whether parameter `internal` stays float32 in a lower-precision model (MoE routers)."""
+        return False
+
     def checkpoint_shapes(self, cfg: Any) -> Dict[str, Tuple[int, ...]]:
         """{checkpoint key: shape} every checkpoint of `cfg` holds, and nothing else."""
         return {self.checkpoint_name(n): s for n, s in self.param_shapes(cfg).items()}
