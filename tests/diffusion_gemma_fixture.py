@@ -1,0 +1,52 @@
+"""A tiny random DiffusionGemma checkpoint written by transformers' own save_pretrained
+(config.json with text_config, safetensors, generation_config.json) plus a word-level
+tokenizer with a Gemma-style chat template. Its logits are sharpened (embedding scale)
+so canvases stop at different steps and EOS ends rows at different canvases."""
+from __future__ import annotations
+
+import json
+import os
+
+import torch
+
+VOCAB = 64
+CANVAS = 8
+GENERATION = dict(max_denoising_steps=6, t_min=0.4, t_max=0.8, stability_threshold=1, confidence_threshold=1.0,
+                  sampler_config={"entropy_bound": 0.5, "_cls_name": "EntropyBoundSamplerConfig"},
+                  eos_token_id=[1], pad_token_id=0, bos_token_id=2)
+CHAT_TEMPLATE = ("{{ bos_token }}{% for m in messages %}<start_of_turn>{{ m['role'] }} {{ m['content'] }}"
+                 "<end_of_turn>{% endfor %}{% if add_generation_prompt %}<start_of_turn>model {% endif %}")
+
+
+def build(path: str, scale: float = 6.0) -> str:
+    from transformers import DiffusionGemmaConfig, DiffusionGemmaForBlockDiffusion
+    from transformers.models.diffusion_gemma.generation_diffusion_gemma import DiffusionGemmaGenerationConfig
+
+    tc = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=3, num_attention_heads=4,
+              num_key_value_heads=2, head_dim=8, global_head_dim=16, num_global_key_value_heads=1, sliding_window=12,
+              layer_types=["sliding_attention", "sliding_attention", "full_attention"], enable_moe_block=True,
+              num_experts=4, top_k_experts=2, moe_intermediate_size=16, eos_token_id=1, pad_token_id=0,
+              bos_token_id=2)
+    cfg = DiffusionGemmaConfig(text_config=tc, canvas_length=CANVAS, vision_config=None)
+    torch.manual_seed(0)
+    model = DiffusionGemmaForBlockDiffusion(cfg).eval()
+    with torch.no_grad():
+        model.model.decoder.embed_tokens.weight.mul_(scale)
+    model.generation_config = DiffusionGemmaGenerationConfig(**GENERATION)
+    model.save_pretrained(path)
+    _tokenizer(path)
+    return path
+
+
+def _tokenizer(path: str) -> None:
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    specials = ["<pad>", "<eos>", "<bos>", "<start_of_turn>", "<end_of_turn>"]
+    words = specials + [f"w{i}" for i in range(VOCAB - len(specials) - 2)] + ["user", "model"]
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="w0"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>", bos_token="<bos>",
+                                   unk_token="w0", additional_special_tokens=specials[3:])
+    fast.chat_template = CHAT_TEMPLATE
+    fast.save_pretrained(path)
