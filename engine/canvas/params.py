@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, replace
 from typing import Any, Mapping, Optional
 
 import torch
@@ -67,6 +67,13 @@ def load_diffusion_gemma(model_dir: str, dtype: torch.dtype = torch.bfloat16, de
     the dtype has it, else its eager path, which loops over experts (never tokens)."""
     from transformers import DiffusionGemmaForBlockDiffusion
 
+    from ..models.families.diffusion_gemma import check_config, is_diffusion_gemma
+
+    with open(os.path.join(model_dir, "config.json"), encoding="utf-8") as f:
+        hf = json.load(f)
+    if not is_diffusion_gemma(hf):
+        raise ValueError(f"{model_dir}: model_type {hf.get('model_type')!r} is not diffusion_gemma")
+    check_config(hf)
     experts = "eager" if dtype == torch.float64 else None
     kw = {"experts_implementation": experts} if experts else {}
     model = DiffusionGemmaForBlockDiffusion.from_pretrained(
@@ -74,4 +81,4 @@ def load_diffusion_gemma(model_dir: str, dtype: torch.dtype = torch.bfloat16, de
     return model.to(device).eval()
 
 
-__all__ = ["CanvasParams", "KNOBS", "load_diffusion_gemma", "fields"]
+__all__ = ["CanvasParams", "KNOBS", "load_diffusion_gemma"]

@@ -21,7 +21,9 @@ _NOT_IMPLEMENTED = (
      "mixture-of-experts layers)"),
     (lambda hf: str(hf.get("model_type", "")).lower() in ("llada2_moe", "llada2", "llada_moe"),
      "LLaDA2.x / LLaDA-MoE (mixture-of-experts)"),
-    (lambda hf: "gemma" in str(hf.get("model_type", "")).lower(), "DiffusionGemma / Gemma"),
+    (lambda hf: hf.get("model_type") == "diffusion_gemma",
+     "DiffusionGemma through the job (it is served by engine.canvas.CanvasEngine from Python; see README)"),
+    (lambda hf: "gemma" in str(hf.get("model_type", "")).lower(), "Gemma (autoregressive)"),
 )
 
 

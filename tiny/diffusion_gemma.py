@@ -11,23 +11,25 @@ import torch
 
 VOCAB = 64
 CANVAS = 8
-GENERATION = dict(max_denoising_steps=6, t_min=0.4, t_max=0.8, stability_threshold=1, confidence_threshold=1.0,
+IMAGE = 61  # image_token_id (boi/eoi just below it); prompts use ids 5..58
+GENERATION = dict(max_denoising_steps=6, t_min=0.4, t_max=0.8, stability_threshold=0, confidence_threshold=1.2,
                   sampler_config={"entropy_bound": 0.5, "_cls_name": "EntropyBoundSamplerConfig"},
                   eos_token_id=[1], pad_token_id=0, bos_token_id=2)
 CHAT_TEMPLATE = ("{{ bos_token }}{% for m in messages %}<start_of_turn>{{ m['role'] }} {{ m['content'] }}"
                  "<end_of_turn>{% endfor %}{% if add_generation_prompt %}<start_of_turn>model {% endif %}")
 
 
-def build(path: str, scale: float = 6.0) -> str:
+def build(path: str, scale: float = 20.0, hidden: int = 32, layers: int = 3) -> str:
     from transformers import DiffusionGemmaConfig, DiffusionGemmaForBlockDiffusion
     from transformers.models.diffusion_gemma.generation_diffusion_gemma import DiffusionGemmaGenerationConfig
 
-    tc = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=3, num_attention_heads=4,
+    tc = dict(vocab_size=VOCAB, hidden_size=hidden, intermediate_size=hidden * 3 // 2, num_hidden_layers=layers, num_attention_heads=4,
               num_key_value_heads=2, head_dim=8, global_head_dim=16, num_global_key_value_heads=1, sliding_window=12,
-              layer_types=["sliding_attention", "sliding_attention", "full_attention"], enable_moe_block=True,
-              num_experts=4, top_k_experts=2, moe_intermediate_size=16, eos_token_id=1, pad_token_id=0,
+              layer_types=(["sliding_attention", "sliding_attention", "full_attention"] * layers)[:layers - 1] + ["full_attention"], enable_moe_block=True,
+              num_experts=4, top_k_experts=2, moe_intermediate_size=hidden // 2, eos_token_id=1, pad_token_id=0,
               bos_token_id=2)
-    cfg = DiffusionGemmaConfig(text_config=tc, canvas_length=CANVAS, vision_config=None)
+    cfg = DiffusionGemmaConfig(text_config=tc, canvas_length=CANVAS, vision_config=None, image_token_id=IMAGE,
+                               boi_token_id=IMAGE - 1, eoi_token_id=IMAGE - 2)
     torch.manual_seed(0)
     model = DiffusionGemmaForBlockDiffusion(cfg).eval()
     with torch.no_grad():
