@@ -19,7 +19,8 @@ CHAT_TEMPLATE = ("{{ bos_token }}{% for m in messages %}<start_of_turn>{{ m['rol
                  "<end_of_turn>{% endfor %}{% if add_generation_prompt %}<start_of_turn>model {% endif %}")
 
 
-def build(path: str, scale: float = 20.0, hidden: int = 32, layers: int = 3) -> str:
+def build(path: str, scale: float = 20.0, hidden: int = 32, layers: int = 3, **generation) -> str:
+    """`generation`: generation_config.json entries replacing GENERATION's."""
     from transformers import DiffusionGemmaConfig, DiffusionGemmaForBlockDiffusion
     from transformers.models.diffusion_gemma.generation_diffusion_gemma import DiffusionGemmaGenerationConfig
 
@@ -34,7 +35,7 @@ def build(path: str, scale: float = 20.0, hidden: int = 32, layers: int = 3) -> 
     model = DiffusionGemmaForBlockDiffusion(cfg).eval()
     with torch.no_grad():
         model.model.decoder.embed_tokens.weight.mul_(scale)
-    model.generation_config = DiffusionGemmaGenerationConfig(**GENERATION)
+    model.generation_config = DiffusionGemmaGenerationConfig(**{**GENERATION, **generation})
     model.save_pretrained(path)
     _tokenizer(path)
     return path
