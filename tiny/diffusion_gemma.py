@@ -4,8 +4,6 @@ tokenizer with a Gemma-style chat template. Its logits are sharpened (embedding 
 so canvases stop at different steps and EOS ends rows at different canvases."""
 from __future__ import annotations
 
-import json
-import os
 
 import torch
 
@@ -24,9 +22,10 @@ def build(path: str, scale: float = 20.0, hidden: int = 32, layers: int = 3, **g
     from transformers import DiffusionGemmaConfig, DiffusionGemmaForBlockDiffusion
     from transformers.models.diffusion_gemma.generation_diffusion_gemma import DiffusionGemmaGenerationConfig
 
-    tc = dict(vocab_size=VOCAB, hidden_size=hidden, intermediate_size=hidden * 3 // 2, num_hidden_layers=layers, num_attention_heads=4,
-              num_key_value_heads=2, head_dim=8, global_head_dim=16, num_global_key_value_heads=1, sliding_window=12,
-              layer_types=(["sliding_attention", "sliding_attention", "full_attention"] * layers)[:layers - 1] + ["full_attention"], enable_moe_block=True,
+    types = (["sliding_attention", "sliding_attention", "full_attention"] * layers)[:layers - 1] + ["full_attention"]
+    tc = dict(vocab_size=VOCAB, hidden_size=hidden, intermediate_size=hidden * 3 // 2, num_hidden_layers=layers,
+              num_attention_heads=4, num_key_value_heads=2, head_dim=8, global_head_dim=16,
+              num_global_key_value_heads=1, sliding_window=12, layer_types=types, enable_moe_block=True,
               num_experts=4, top_k_experts=2, moe_intermediate_size=hidden // 2, eos_token_id=1, pad_token_id=0,
               bos_token_id=2)
     cfg = DiffusionGemmaConfig(text_config=tc, canvas_length=CANVAS, vision_config=None, image_token_id=IMAGE,

@@ -17,24 +17,16 @@ batch it is served in."""
 from __future__ import annotations
 
 import math
-import time
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, List, Optional, Sequence
 
 import torch
 
+from ..sequence import RequestOutput
 from .params import CanvasParams
 
-
-@dataclass
-class CanvasOutput:
-    request_id: Any
-    prompt_token_ids: List[int]
-    token_ids: List[int]
-    finish_reason: str  # "stop" | "length" | "error"
-    error: Optional[str] = None
-    num_canvases: int = 0
-    num_steps: int = 0  # decoder forwards this row took part in
+# What a request gets back: the engine's RequestOutput (num_blocks counts canvases).
+CanvasOutput = RequestOutput
 
 
 @dataclass(eq=False)
@@ -117,7 +109,7 @@ class CanvasEngine:
         if err is None and len(prompt) + math.ceil(max_tokens / self.L) * self.L > self.token_budget:
             err = f"prompt + max_tokens exceed the token budget {self.token_budget}"
         if err is not None:
-            self.outputs.append(CanvasOutput(request_id, prompt, [], "error", error=err))
+            self.outputs.append(RequestOutput(request_id, prompt, [], "error", error=err))
             return
         self.waiting.append(_Row(request_id, prompt, max_tokens, p, torch.Generator().manual_seed(int(seed))))
 
@@ -151,23 +143,22 @@ class CanvasEngine:
 
     @torch.no_grad()
     def step(self) -> List[CanvasOutput]:
+        """Admit, one decoder forward over every active row, commit the canvases that stopped.
+        Returns every output so far (`outputs`)."""
         self._admit()
         if not self.active:
-            return self._drain()
+            return self.outputs
         rows = list(self.active)
         try:
             logits = self._decode(rows)
         except Exception as exc:  # one failing forward fails its rows, never the engine
             for r in rows:
                 self._finish(r, "error", error=f"{type(exc).__name__}: {exc}")
-            return self._drain()
+            return self.outputs
         for b, r in enumerate(rows):
             if self._denoise_row(r, logits[b:b + 1]):
                 self._commit(r)
-        return self._drain()
-
-    def _drain(self) -> List[CanvasOutput]:
-        return list(self.outputs)
+        return self.outputs
 
     # ------------------------------------------------------------------ per row
     def _encode(self, row: _Row, tokens: Sequence[int], start: int, prefill: bool) -> None:
@@ -265,9 +256,9 @@ class CanvasEngine:
     def _finish(self, row: _Row, reason: str, tokens: Optional[List[int]] = None,
                 error: Optional[str] = None) -> None:
         self.active.remove(row)
-        self.outputs.append(CanvasOutput(row.request_id, row.prompt, tokens or [], reason, error=error,
-                                         num_canvases=math.ceil(len(row.generated) / self.L),
-                                         num_steps=row.num_steps))
+        self.outputs.append(RequestOutput(row.request_id, row.prompt, tokens or [], reason, error=error,
+                                          num_blocks=math.ceil(len(row.generated) / self.L),
+                                          num_steps=row.num_steps))
         row.cache = None
 
 
