@@ -91,6 +91,23 @@ class SamplingParams:
     decoded_token_threshold: float = field(default=0.95, metadata={"help": (
         "D2F: a block forces its most confident token only once its predecessor's decoded fraction reaches "
         "this")})
+    # DiffusionGemma's knobs, under transformers' names (engine.canvas); None: the checkpoint's
+    # generation_config.json, then transformers' defaults. Other families do not read them.
+    max_denoising_steps: Optional[int] = field(default=None, metadata={"help": (
+        "DiffusionGemma: denoising steps per canvas at most (none: generation_config.json)")})
+    entropy_bound: Optional[float] = field(default=None, metadata={"help": (
+        "DiffusionGemma: a step accepts the lowest-entropy tokens whose summed entropy minus the largest stays "
+        "within this (none: generation_config.json's sampler_config)")})
+    t_min: Optional[float] = field(default=None, metadata={"help": (
+        "DiffusionGemma: temperature at the last denoising step (none: generation_config.json)")})
+    t_max: Optional[float] = field(default=None, metadata={"help": (
+        "DiffusionGemma: temperature at the first denoising step (none: generation_config.json)")})
+    stability_threshold: Optional[int] = field(default=None, metadata={"help": (
+        "DiffusionGemma: steps the argmax canvas must stay unchanged to stop a canvas early "
+        "(none: generation_config.json)")})
+    confidence_threshold: Optional[float] = field(default=None, metadata={"help": (
+        "DiffusionGemma: a canvas stops early once its mean token entropy is below this "
+        "(none: generation_config.json)")})
 
     ALIASES = {"max_tokens": "max_new_tokens"}  # vLLM's name -> ours
 
@@ -146,6 +163,14 @@ class SamplingParams:
         if self.d2f and ((self.policy, self.remasking) != ("threshold", "low_confidence") or self.first_position):
             return ("block_add_threshold (D2F) decodes with policy 'threshold', remasking 'low_confidence' "
                     f"and no first_position, got {self.policy!r}, {self.remasking!r}, {self.first_position!r}")
+        for name in ("max_denoising_steps", "stability_threshold"):
+            v = getattr(self, name)
+            if v is not None and (not isinstance(v, int) or v < (1 if name == "max_denoising_steps" else 0)):
+                return f"{name} must be an integer >= {1 if name == 'max_denoising_steps' else 0}, got {v!r}"
+        for name in ("entropy_bound", "t_min", "t_max", "confidence_threshold"):
+            v = getattr(self, name)
+            if v is not None and not float(v) >= 0.0:
+                return f"{name} must be >= 0, got {v!r}"
         return None
 
     @property

@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# The skewed benchmark on one GPU (H200) with a random-weights LLaDA-8B-shaped model.
+# The skewed benchmark on one GPU (H200) with a random-weights LLaDA-8B-shaped model, then a
+# DiffusionGemma-26B-A4B-shaped one (bench/gpu/diffusion_gemma_gpu.py).
 # Run from the repo root with the image's Python (torch + CUDA; Ray is not needed):
 #     bash bench/gpu/run.sh              # JSON in $OUT/gpu_bench.json ($OUT defaults to ./out)
 #     bash bench/gpu/run.sh --smoke      # CPU, tiny shape (CI check)
@@ -15,4 +16,12 @@ PY="${PYTHON:-python3}"
 if command -v nvidia-smi >/dev/null 2>&1; then
   nvidia-smi --query-gpu=name,memory.total,memory.used,clocks.max.sm,power.limit --format=csv > "$OUT/nvidia_smi.csv" || true
 fi
-timeout 475 "$PY" bench/gpu/gpu_bench.py --out "$OUT" "$@"
+# VARIANT=llada or VARIANT=diffusion_gemma runs one of the two; the default runs both.
+VARIANT="${VARIANT:-all}"
+if [ "$VARIANT" != diffusion_gemma ]; then
+  timeout 475 "$PY" bench/gpu/gpu_bench.py --out "$OUT" "$@"
+fi
+# DiffusionGemma-26B-A4B-shaped (random bf16 weights): canvas engine vs transformers' batched generate
+if [ "$VARIANT" != llada ]; then
+  timeout 300 "$PY" bench/gpu/diffusion_gemma_gpu.py --out "$OUT" "$@"
+fi

@@ -21,7 +21,9 @@ _NOT_IMPLEMENTED = (
      "a 'llada' config.json with Hugging Face style keys but no experts (neither LLaDA's nor LLaDA-MoE's layout)"),
     (lambda hf: str(hf.get("model_type", "")).lower() in ("llada2_moe", "llada2"),
      "LLaDA2.x (inclusionAI/LLaDA2.0-mini, LLaDA2.1-mini: model_type 'llada2_moe')"),
-    (lambda hf: "gemma" in str(hf.get("model_type", "")).lower(), "DiffusionGemma / Gemma"),
+    (lambda hf: hf.get("model_type") == "diffusion_gemma",
+     "DiffusionGemma through the job (it is served by engine.canvas.CanvasEngine from Python; see README)"),
+    (lambda hf: "gemma" in str(hf.get("model_type", "")).lower(), "Gemma (autoregressive)"),
 )
 
 

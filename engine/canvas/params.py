@@ -1,0 +1,84 @@
+"""DiffusionGemma's decoding knobs under transformers' names, defaulting to the
+checkpoint's generation_config.json (then transformers' own global defaults), and the
+loader of the network itself."""
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, replace
+from typing import Any, Mapping, Optional
+
+import torch
+
+# The SamplingParams fields that are DiffusionGemma's knobs (transformers' names).
+KNOBS = ("max_denoising_steps", "entropy_bound", "t_min", "t_max", "stability_threshold", "confidence_threshold")
+
+
+@dataclass(frozen=True)
+class CanvasParams:
+    """One request's resolved DiffusionGemma settings (no None left)."""
+
+    max_denoising_steps: int
+    entropy_bound: float
+    t_min: float
+    t_max: float
+    stability_threshold: int
+    confidence_threshold: float
+
+    @classmethod
+    def from_generation_config(cls, model_dir: str) -> "CanvasParams":
+        """generation_config.json's values, transformers' global defaults where it has none
+        (exactly what `model.generate()` would use)."""
+        from transformers.models.diffusion_gemma.generation_diffusion_gemma import DiffusionGemmaGenerationConfig
+
+        defaults = DiffusionGemmaGenerationConfig._get_default_generation_params()
+        gc: Mapping[str, Any] = {}
+        path = os.path.join(model_dir, "generation_config.json")
+        if os.path.exists(path):
+            with open(path, encoding="utf-8") as f:
+                gc = json.load(f)
+        sampler = gc.get("sampler_config") or {}
+        out = {k: gc.get(k) if gc.get(k) is not None else defaults[k] for k in KNOBS if k != "entropy_bound"}
+        out["entropy_bound"] = sampler.get("entropy_bound", defaults["sampler_config"].entropy_bound)
+        return cls(**out)
+
+    def override(self, sp: Any) -> "CanvasParams":
+        """These defaults with the non-None knobs of a SamplingParams (or dict) applied."""
+        get = (lambda k: sp.get(k)) if isinstance(sp, Mapping) else (lambda k: getattr(sp, k, None))
+        return replace(self, **{k: get(k) for k in KNOBS if get(k) is not None})
+
+    def validate(self) -> Optional[str]:
+        if not isinstance(self.max_denoising_steps, int) or self.max_denoising_steps < 1:
+            return f"max_denoising_steps must be an integer >= 1, got {self.max_denoising_steps!r}"
+        if not float(self.entropy_bound) > 0:
+            return f"entropy_bound must be > 0, got {self.entropy_bound!r}"
+        if not 0 <= float(self.t_min) < float(self.t_max):
+            return f"need 0 <= t_min < t_max, got t_min={self.t_min!r} t_max={self.t_max!r}"
+        if not isinstance(self.stability_threshold, int) or self.stability_threshold < 0:
+            return f"stability_threshold must be an integer >= 0, got {self.stability_threshold!r}"
+        if not float(self.confidence_threshold) > 0:
+            return f"confidence_threshold must be > 0, got {self.confidence_threshold!r}"
+        return None
+
+
+def load_diffusion_gemma(model_dir: str, dtype: torch.dtype = torch.bfloat16, device: str = "cpu"):
+    """transformers' DiffusionGemmaForBlockDiffusion from local files only (the class ships
+    with transformers: no remote code). Experts run grouped: transformers' grouped_mm where
+    the dtype has it, else its eager path, which loops over experts (never tokens)."""
+    from transformers import DiffusionGemmaForBlockDiffusion
+
+    from ..models.families.diffusion_gemma import check_config, is_diffusion_gemma
+
+    with open(os.path.join(model_dir, "config.json"), encoding="utf-8") as f:
+        hf = json.load(f)
+    if not is_diffusion_gemma(hf):
+        raise ValueError(f"{model_dir}: model_type {hf.get('model_type')!r} is not diffusion_gemma")
+    check_config(hf)
+    experts = "eager" if dtype == torch.float64 else None
+    kw = {"experts_implementation": experts} if experts else {}
+    model = DiffusionGemmaForBlockDiffusion.from_pretrained(
+        model_dir, dtype=dtype, local_files_only=True, trust_remote_code=False, **kw)
+    return model.to(device).eval()
+
+
+__all__ = ["CanvasParams", "KNOBS", "load_diffusion_gemma"]

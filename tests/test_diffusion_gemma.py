@@ -1,0 +1,124 @@
+"""DiffusionGemma: every request served by the canvas engine (blockserve with joins and
+leaves at any step, static, sequential) equals `torch.manual_seed(S);
+model.generate(prompt alone, max_new_tokens=N)` of transformers' own model, token for
+token, in float64; float32 agrees on >= 23/24."""
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from engine.canvas import CanvasEngine, CanvasParams, load_diffusion_gemma
+
+from tiny.diffusion_gemma import IMAGE, build
+
+N_PROMPTS = 24
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    torch.set_num_threads(1)
+    return build(str(tmp_path_factory.mktemp("dgemma")))
+
+
+def _workload():
+    rng = random.Random(0)
+    prompts = [[2] + [rng.randrange(5, 59) for _ in range(rng.randrange(1, 20))] for _ in range(N_PROMPTS)]
+    max_tokens = [rng.choice((8, 16, 24, 20)) for _ in range(N_PROMPTS)]
+    seeds = [1000 + i for i in range(N_PROMPTS)]
+    return prompts, max_tokens, seeds
+
+
+def _reference(model, prompt, n, seed):
+    torch.manual_seed(seed)
+    seq = model.generate(torch.tensor([prompt]), max_new_tokens=n).sequences[0, len(prompt):].tolist()
+    eos = model.generation_config.eos_token_id
+    eos = set(eos if isinstance(eos, list) else [eos])
+    cut = next((i + 1 for i, t in enumerate(seq) if t in eos), len(seq))
+    return seq[:min(cut, n)]
+
+
+def _serve(model, ckpt, scheduler, **kw):
+    prompts, max_tokens, seeds = _workload()
+    eng = CanvasEngine(model, CanvasParams.from_generation_config(ckpt), scheduler=scheduler, **kw)
+    for i, (p, n, s) in enumerate(zip(prompts, max_tokens, seeds)):
+        eng.add_request(i, p, n, s)
+    while eng.has_unfinished():
+        eng.step()
+    outs = sorted(eng.outputs, key=lambda o: o.request_id)
+    assert [o.request_id for o in outs] == list(range(N_PROMPTS))
+    return outs, eng
+
+
+@pytest.fixture(scope="module")
+def f64(ckpt):
+    model = load_diffusion_gemma(ckpt, torch.float64)
+    prompts, max_tokens, seeds = _workload()
+    refs = [_reference(model, p, n, s) for p, n, s in zip(prompts, max_tokens, seeds)]
+    return model, refs
+
+
+@pytest.mark.parametrize("scheduler,kw", [("blockserve", dict(max_batch_size=8, token_budget=200)),
+                                          ("static", dict(max_batch_size=8)), ("sequential", {})])
+def test_float64_equals_transformers_generate(ckpt, f64, scheduler, kw):
+    model, refs = f64
+    outs, eng = _serve(model, ckpt, scheduler, **kw)
+    assert [o.error for o in outs] == [None] * N_PROMPTS
+    assert [o.token_ids for o in outs] == refs
+    reasons = {o.finish_reason for o in outs}
+    assert reasons == {"stop", "length"}  # rows leave at EOS and at max_tokens
+    assert len({o.num_steps for o in outs}) > 3  # canvases stop at different steps
+    assert eng.row_forwards == sum(o.num_steps for o in outs)  # a finished canvas never rides along
+    if scheduler == "blockserve":  # joins at steps where others are mid-canvas, under the budget
+        assert eng.decoder_forwards < eng.row_forwards
+
+
+def test_float32_agrees(ckpt):
+    model = load_diffusion_gemma(ckpt, torch.float32)
+    prompts, max_tokens, seeds = _workload()
+    refs = [_reference(model, p, n, s) for p, n, s in zip(prompts, max_tokens, seeds)]
+    outs, _ = _serve(model, ckpt, "blockserve", max_batch_size=8, token_budget=200)
+    assert sum(o.token_ids == r for o, r in zip(outs, refs)) >= N_PROMPTS - 1
+
+
+def test_bad_rows_get_their_own_error(ckpt, f64):
+    model, refs = f64
+    prompts, max_tokens, seeds = _workload()
+    eng = CanvasEngine(model, CanvasParams.from_generation_config(ckpt), max_batch_size=4)
+    eng.add_request("img", [2, IMAGE, 7], 8, 0)
+    eng.add_request("steps", [2, 7], 8, 0, {"max_denoising_steps": 0})
+    eng.add_request("ok", prompts[0], max_tokens[0], seeds[0])
+    while eng.has_unfinished():
+        eng.step()
+    by = {o.request_id: o for o in eng.outputs}
+    assert "image" in by["img"].error and by["img"].finish_reason == "error"
+    assert "max_denoising_steps" in by["steps"].error
+    assert by["ok"].error is None and by["ok"].token_ids == refs[0]
+
+
+def test_sampling_params_knobs_reach_the_loop(ckpt, f64):
+    """SamplingParams' knobs (transformers' names) override generation_config.json per request."""
+    from engine import SamplingParams
+
+    model, _ = f64
+    prompts, _, _ = _workload()
+    sp = SamplingParams(max_denoising_steps=3, t_min=0.3, t_max=0.9, entropy_bound=0.2, confidence_threshold=0.9,
+                        stability_threshold=1)
+    knobs = dict(max_denoising_steps=3, t_min=0.3, t_max=0.9, confidence_threshold=0.9, stability_threshold=1)
+    eng = CanvasEngine(model, CanvasParams.from_generation_config(ckpt), max_batch_size=2)
+    eng.add_request(0, prompts[1], 16, 7, sp)
+    eng.add_request(1, prompts[2], 16, 8)  # the checkpoint's defaults, in the same batch
+    while eng.has_unfinished():
+        eng.step()
+    by = {o.request_id: o for o in eng.outputs}
+    from transformers.models.diffusion_gemma.generation_diffusion_gemma import EntropyBoundSamplerConfig
+
+    torch.manual_seed(7)
+    seq = model.generate(torch.tensor([prompts[1]]), max_new_tokens=16, sampler_config=EntropyBoundSamplerConfig(0.2),
+                         **knobs).sequences[0, len(prompts[1]):].tolist()
+    cut = next((i + 1 for i, t in enumerate(seq) if t == 1), len(seq))
+    assert by[0].token_ids == seq[:min(cut, 16)]
+    assert max(o.num_steps for o in [by[0]]) <= 3 * 2
+    assert by[1].token_ids == _reference(model, prompts[2], 16, 8)
+    assert SamplingParams(max_denoising_steps=0).validate().startswith("max_denoising_steps")
