@@ -2,7 +2,7 @@
 a 10-row Parquet file of `messages` through jobs/offline_eval.py. Every row comes back
 once, rendered by the checkpoint's chat template, with the tokens CanvasEngine gives
 in-process for that rendered prompt and the row's seed and knobs; masked-diffusion-only
-options are refused before Ray starts."""
+options are refused by the preflight, or per row."""
 from __future__ import annotations
 
 import subprocess
@@ -15,7 +15,9 @@ import torch
 
 from conftest import ROOT, read_parts
 from procs import ray_temp_dir
-from engine.canvas import CanvasEngine, CanvasParams, load_diffusion_gemma
+from engine import EngineConfig, SamplingParams
+from engine.canvas import CanvasEngine, CanvasParams, CanvasServe, load_diffusion_gemma
+from pipeline.run import JobError, check_model
 from tiny.diffusion_gemma import build
 
 MESSAGES = [[{"role": "user", "content": " ".join(f"w{(i * 7 + j) % 50 + 1}" for j in range(i % 5 + 1))}]
@@ -68,12 +70,24 @@ def test_job_serves_diffusion_gemma_with_the_chat_template(job):
     assert len({tuple(o.token_ids) for o in ref.values()}) > 5  # rows differ: the comparison means something
 
 
-@pytest.mark.parametrize("extra, named", [(("--attention", "block_causal"), "--attention"),
-                                          (("--block-length", "8"), "block_length"),
-                                          (("--policy", "fixed"), "policy")])
-def test_masked_diffusion_options_are_refused_for_diffusion_gemma(job, extra, named):
-    ckpt, inp, tmp = job
-    res = _cli(ckpt, inp, str(tmp / "refused"), *extra)
-    assert res.returncode == 2, res.stdout[-2000:] + res.stderr[-2000:]
-    assert named in res.stderr and "DiffusionGemma" in res.stderr, res.stderr
-    assert "blockray offline eval:" not in res.stdout  # refused in the preflight, before Ray started
+@pytest.mark.parametrize("kw, named", [(dict(attention="block_causal"), "--attention"),
+                                       (dict(adapter="some/lora"), "--adapter"),
+                                       (dict(engine=EngineConfig(block_length=8)), "block_length"),
+                                       (dict(sampling=SamplingParams(policy="fixed")), "policy")])
+def test_masked_diffusion_options_are_refused_for_diffusion_gemma(job, kw, named):
+    """The preflight of the job and of build_dllm_processor (check_model) names them."""
+    with pytest.raises(JobError, match=named) as e:
+        check_model(job[0], False, **kw)
+    assert "DiffusionGemma" in str(e.value)
+
+
+def test_a_row_with_a_masked_diffusion_option_gets_its_own_error(job):
+    model = load_diffusion_gemma(job[0], torch.float32)
+    serve = CanvasServe(model, CanvasParams.from_generation_config(job[0]))
+    serve.add_request([2, 7, 8], SamplingParams(max_new_tokens=8, seed=1, temperature=0.5), "bad")
+    serve.add_request([2, 7, 8], SamplingParams(max_new_tokens=8, seed=1), "good")
+    outs = {}
+    while serve.has_unfinished():
+        outs.update({o.request_id: o for o in serve.step()})
+    assert outs["bad"].finish_reason == "error" and "temperature" in outs["bad"].error
+    assert outs["good"].finish_reason in ("stop", "length") and outs["good"].token_ids
