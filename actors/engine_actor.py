@@ -69,6 +69,21 @@ def _row_params(base: SamplingParams, override: Any) -> SamplingParams:
     return parse_sampling(override, base)
 
 
+def _canvas_defaults(model_dir: str) -> Any:
+    """A DiffusionGemma checkpoint's CanvasParams (generation_config.json), else None."""
+    import json
+    import os
+
+    from engine.models.families.diffusion_gemma import is_diffusion_gemma
+
+    with open(os.path.join(model_dir, "config.json"), encoding="utf-8") as f:
+        if not is_diffusion_gemma(json.load(f)):
+            return None
+    from engine.canvas import CanvasParams
+
+    return CanvasParams.from_generation_config(model_dir)
+
+
 def derive_seed(*parts: Any) -> int:
     """A stable 62-bit seed from `parts` (not Python's salted hash): the same job seed and
     row id give the same seed on every worker and every run."""
@@ -125,17 +140,26 @@ class DLLMEngineActor:
         # s3://… or a hub id: downloaded once per node (under a lock), then loaded from disk.
         self.model_name, self.run_id = model_name(model), run_id
         self.model_dir = resolve_model(model, model_storage)  # also where stop strings' tokenizer is
-        self.model, _ = load_model(self.model_dir, dtype=resolve_dtype(dtype, self.device), device=self.device,
-                                   tokenizer=False, attention=attention,
-                                   adapter=resolve_model(adapter, model_storage, kind="adapter") if adapter else None)
-        if warmup:
-            self._warmup()
+        self.canvas = _canvas_defaults(self.model_dir)
+        if self.canvas is not None:  # DiffusionGemma: transformers' own class, served by engine.canvas
+            from engine.canvas import CanvasServe, load_diffusion_gemma
+
+            if adapter or attention != "auto":
+                raise ValueError("--adapter and --attention apply to masked-diffusion models only, not DiffusionGemma")
+            self.model = load_diffusion_gemma(self.model_dir, resolve_dtype(dtype, self.device), str(self.device))
+            factory = lambda: CanvasServe(self.model, self.canvas, self.engine_config)  # noqa: E731
+        else:
+            self.model, _ = load_model(
+                self.model_dir, dtype=resolve_dtype(dtype, self.device), device=self.device, tokenizer=False,
+                attention=attention, adapter=resolve_model(adapter, model_storage, kind="adapter") if adapter else None)
+            factory = lambda: Engine(self.model, self.engine_config, tokenizer=self._tokenizer,  # noqa: E731
+                                     record_batches=record_batches)
+            if warmup:
+                self._warmup()
         self.metrics = self._make_metrics(enable_metrics)
         self._batch_seq = itertools.count()
         self._in_flight = 0
-        self.loop = EngineLoop(
-            lambda: Engine(self.model, self.engine_config, tokenizer=self._tokenizer, record_batches=record_batches),
-            on_step=self._on_step)
+        self.loop = EngineLoop(factory, on_step=self._on_step)
         logger.info("engine rank %d ready on %s (%s)", self.rank, self.device, model)
 
     # --- setup ----------------------------------------------------------------------
@@ -230,7 +254,7 @@ class DLLMEngineActor:
             params = dataclasses.replace(params, seed=row_seed(own, seed, self.sampling.seed, row_id))
         except RowValueError as e:  # a bad per-row value fails that row only, naming the field
             return None, str(e)
-        if params.stop and not self._ensure_tokenizer():
+        if params.stop and self.canvas is None and not self._ensure_tokenizer():
             return None, "stop strings need the model's tokenizer, and the model has none; use stop_token_ids"
         return params, ""
 

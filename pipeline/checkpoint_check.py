@@ -10,6 +10,8 @@ import json
 import os
 from typing import Any, Dict, Optional, Tuple
 
+from engine.models.families.diffusion_gemma import is_diffusion_gemma
+
 from .model_source import ModelSourceError, classify, resolve_model
 from .storage import StorageOptions
 
@@ -18,16 +20,22 @@ class CheckpointRefused(ValueError):
     """A one-line reason the model (or adapter) cannot be served as given."""
 
 
+def _read_json(path: str) -> Dict[str, Any]:
+    with open(path) as f:
+        return json.load(f)
+
+
 def model_config(model_dir: str, attention: str = "auto") -> Any:
     """The engine's ModelConfig of `model_dir` (CheckpointRefused naming the key)."""
     from engine.models.config import ModelConfig
 
     path = os.path.join(model_dir, "config.json")
     try:
-        with open(path) as f:
-            hf = json.load(f)
+        hf = _read_json(path)
     except Exception as e:  # noqa: BLE001
         raise CheckpointRefused(f"{path} is not valid JSON: {e}") from e
+    if is_diffusion_gemma(hf):
+        return diffusion_gemma_config(path, hf, attention)
     try:
         cfg = ModelConfig.from_hf(hf)
     except KeyError as e:
@@ -37,6 +45,22 @@ def model_config(model_dir: str, attention: str = "auto") -> Any:
     if attention != "auto":
         cfg.dllm_attention = attention
     return cfg
+
+
+def diffusion_gemma_config(path: str, hf: Dict[str, Any], attention: str) -> Any:
+    """A DiffusionGemma checkpoint (served by engine.canvas with transformers' own class):
+    its config checked, its approximate ModelConfig (the sorter's sizes); --attention does
+    not apply to it and is refused."""
+    from engine.models.families.base import ConfigRefused
+    from engine.models.families.diffusion_gemma import approx_model_config
+
+    if attention != "auto":
+        raise CheckpointRefused(f"--attention {attention} applies to masked-diffusion models only; {path} is "
+                                "DiffusionGemma (its attention is its own: causal encoder, bidirectional canvas)")
+    try:
+        return approx_model_config(hf)
+    except (ConfigRefused, KeyError, TypeError, ValueError) as e:
+        raise CheckpointRefused(f"{path}: {e} (--model)") from e
 
 
 class RemoteFiles:
@@ -70,6 +94,11 @@ def check_checkpoint(model_dir: str, *, model: Optional[str] = None, adapter: Op
     from .storage import get_filesystem
 
     cfg = model_config(model_dir, attention)
+    if is_diffusion_gemma(_read_json(os.path.join(model_dir, "config.json"))):
+        if adapter:
+            raise CheckpointRefused("--adapter (a LoRA merged into a masked-diffusion model) does not apply to "
+                                    f"DiffusionGemma ({model_dir}); drop --adapter")
+        return cfg  # its weights are read by transformers' own from_pretrained in the engines
     where: Optional[Tuple[str, Any]] = (model_dir, LocalFiles)
     if model is not None and not classify(model).is_local:
         if classify(model).kind == "remote":
@@ -85,6 +114,18 @@ def check_checkpoint(model_dir: str, *, model: Optional[str] = None, adapter: Op
     if adapter:
         check_adapter(adapter, cfg, storage)
     return cfg
+
+
+def check_canvas_options(model_dir: str, sampling: Any, engine: Any) -> None:
+    """A DiffusionGemma run with a masked-diffusion-only option set (block_length, cache,
+    policy, ...) is refused, naming them: they would otherwise be silently ignored."""
+    from engine.models.families.diffusion_gemma import masked_only_settings
+
+    if is_diffusion_gemma(_read_json(os.path.join(model_dir, "config.json"))):
+        bad = masked_only_settings(sampling, engine)
+        if bad:
+            raise CheckpointRefused(f"{', '.join(bad)}: masked-diffusion options, which do not apply to "
+                                    f"DiffusionGemma ({model_dir}); leave them at their defaults")
 
 
 def check_adapter(adapter: str, cfg: Any, storage: Optional[StorageOptions] = None) -> str:
@@ -115,4 +156,4 @@ def stop_sources(model_dir: str, override: Optional[list] = None) -> Dict[str, s
     return {str(t): src for t, src in checkpoint_stop_ids(model_dir).items()}
 
 
-__all__ = ["check_checkpoint", "check_adapter", "model_config", "stop_sources", "CheckpointRefused"]
+__all__ = ["check_checkpoint", "check_canvas_options", "check_adapter", "model_config", "stop_sources", "CheckpointRefused"]

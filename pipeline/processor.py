@@ -150,7 +150,7 @@ def build_processor(config: DLLMProcessorConfig, preprocess: Optional[RowFn] = N
     storage = (storage or StorageOptions()).resolved()  # once, here: every actor talks to the same endpoint
     try:
         check_model(config.model, needs_tokenizer=False, storage=storage, adapter=config.adapter,
-                    attention=config.attention)
+                    attention=config.attention, sampling=config.sampling, engine=config.engine)
     except JobError as e:
         raise ValueError(str(e).removesuffix(" (--model)")) from None
     return DLLMProcessor(config, preprocess, postprocess, storage, run_id or new_run_id())

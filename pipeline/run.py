@@ -105,13 +105,16 @@ def check_tokenizer(model: str) -> None:
 
 
 def check_model(model: str, needs_tokenizer: bool, storage: Optional[StorageOptions] = None,
-                adapter: Optional[str] = None, attention: str = "auto") -> str:
+                adapter: Optional[str] = None, attention: str = "auto", sampling: Any = None,
+                engine: Any = None) -> str:
     """A model the engines can load: config.json of a supported model (parsed by the
     engine's own parser, never by transformers' remote code) and weights; a tokenizer that
     loads when prompts are text. A remote model (s3://…, a hub id) is checked on a copy of
     everything but its weights (pipeline/model_source.py), its weights on the remote
-    listing. Returns the local directory checked."""
-    from .checkpoint_check import CheckpointRefused, check_checkpoint
+    listing. `sampling` / `engine`: the run's settings, refused where they do not apply to
+    the model (a DiffusionGemma with masked-diffusion options). Returns the local directory
+    checked."""
+    from .checkpoint_check import CheckpointRefused, check_canvas_options, check_checkpoint
     from .model_source import ModelSourceError, classify, resolve_model
 
     given, remote = model, not classify(model).is_local
@@ -127,6 +130,7 @@ def check_model(model: str, needs_tokenizer: bool, storage: Optional[StorageOpti
         raise JobError(f"model: {model} has no config.json (--model)")
     try:  # config.json through the family, shard headers, the adapter (pipeline/checkpoint_check.py)
         check_checkpoint(model, model=given, adapter=adapter, attention=attention, storage=storage)
+        check_canvas_options(model, sampling, engine)
     except CheckpointRefused as e:
         raise JobError(f"model: {e}") from e
     if needs_tokenizer:
@@ -256,7 +260,8 @@ def preflight(input: Union[str, List[str]], output: str, config: DLLMProcessorCo
         raise JobError(f"{e} (--input)") from e
     needs_tokenizer = check_columns(source, config)
     names = source.schema.names if source.schema is not None else []
-    model_dir = check_model(config.model, needs_tokenizer, storage, config.adapter, config.attention)
+    model_dir = check_model(config.model, needs_tokenizer, storage, config.adapter, config.attention,
+                            config.sampling, config.engine)
     record = build_record(config, model_dir, check_chat_template(config, names, model_dir))
     try:
         keys = completed_keys(out_fs, out_path, id_column) if resume else []

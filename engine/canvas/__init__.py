@@ -5,5 +5,6 @@ transformers, no remote code); this package owns the per-request state, the rand
 draws and the scheduling that transformers' lock-step `generate` does not have."""
 from .engine import CanvasEngine, CanvasOutput
 from .params import CanvasParams, load_diffusion_gemma
+from .serve import CanvasServe
 
-__all__ = ["CanvasEngine", "CanvasOutput", "CanvasParams", "load_diffusion_gemma"]
+__all__ = ["CanvasEngine", "CanvasOutput", "CanvasServe", "CanvasParams", "load_diffusion_gemma"]

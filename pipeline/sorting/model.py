@@ -22,14 +22,19 @@ def model_config_class() -> type:
 
 
 def read_model_config(model: Union[str, Mapping[str, Any], Any]) -> Any:
-    """A ModelConfig from a model directory, a config.json dict, or a ModelConfig."""
+    """A ModelConfig from a model directory, a config.json dict, or a ModelConfig (a
+    DiffusionGemma's is approximate: engine.models.families.diffusion_gemma.approx_model_config)."""
     cls = model_config_class()
     if isinstance(model, cls):
         return model
     if isinstance(model, Mapping):
-        return cls.from_hf(dict(model))
-    with open(os.path.join(str(model), "config.json")) as f:
-        return cls.from_hf(json.load(f))
+        hf = dict(model)
+    else:
+        with open(os.path.join(str(model), "config.json")) as f:
+            hf = json.load(f)
+    from engine.models.families.diffusion_gemma import approx_model_config, is_diffusion_gemma
+
+    return approx_model_config(hf) if is_diffusion_gemma(hf) else cls.from_hf(hf)
 
 
 def dtype_bytes(dtype: str = "auto", device: str = "cpu") -> int:

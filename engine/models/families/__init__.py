@@ -7,6 +7,7 @@ from __future__ import annotations
 from typing import Any, Dict, Mapping
 
 from .base import ConfigRefused, Family, FamilyNotSupported
+from .diffusion_gemma import is_diffusion_gemma
 from .dream import DREAM
 from .llada import LLADA
 from .llada_moe import LLADA_MOE, is_llada_moe
@@ -21,8 +22,6 @@ _NOT_IMPLEMENTED = (
      "a 'llada' config.json with Hugging Face style keys but no experts (neither LLaDA's nor LLaDA-MoE's layout)"),
     (lambda hf: str(hf.get("model_type", "")).lower() in ("llada2_moe", "llada2"),
      "LLaDA2.x (inclusionAI/LLaDA2.0-mini, LLaDA2.1-mini: model_type 'llada2_moe')"),
-    (lambda hf: hf.get("model_type") == "diffusion_gemma",
-     "DiffusionGemma through the job (it is served by engine.canvas.CanvasEngine from Python; see README)"),
     (lambda hf: "gemma" in str(hf.get("model_type", "")).lower(), "Gemma (autoregressive)"),
 )
 
@@ -33,7 +32,10 @@ def supported() -> str:
 
 def family_for(hf: Mapping[str, Any]) -> Family:
     """The family a config.json describes; FamilyNotSupported (one line naming the family)
-    for a family the engine does not implement."""
+    for a family the engine does not implement. DiffusionGemma is no `Family` (it is
+    served by engine.canvas): callers test `is_diffusion_gemma` first."""
+    if is_diffusion_gemma(hf):
+        raise FamilyNotSupported("DiffusionGemma has no masked-diffusion family: it is served by engine.canvas")
     for test, name in _NOT_IMPLEMENTED:
         if test(hf):
             raise FamilyNotSupported(f"{name} is not supported by blockray; supported: {supported()}")

@@ -32,3 +32,45 @@ def check_config(hf: Mapping[str, Any]) -> None:
             raise ConfigRefused(f"config.json text_config lacks {key!r}")
     if not isinstance(hf.get("canvas_length", 256), int) or hf.get("canvas_length", 256) < 1:
         raise ConfigRefused(f"config.json canvas_length={hf.get('canvas_length')!r} must be an integer >= 1")
+
+
+def approx_model_config(hf: Mapping[str, Any]) -> Any:
+    """An approximate engine ModelConfig of a diffusion_gemma config.json, for what only
+    needs a model's sizes (the sorter's cost model, the preflight's vocabulary check): its
+    text backbone's widths, layer count, heads, vocabulary and context; the MoE width one
+    token computes as a dense MLP. Approximate: it ignores the sliding window, the two head
+    sizes and the canvas's per-step decoder forwards. Never loads a network."""
+    from ..config import ModelConfig
+
+    check_config(hf)
+    tc = hf["text_config"]
+    heads = int(tc.get("num_attention_heads", 8))
+    kv = int(tc.get("num_key_value_heads", heads))
+    width = int(tc.get("intermediate_size", 4 * tc["hidden_size"]))
+    if tc.get("enable_moe_block"):
+        width += int(tc.get("moe_intermediate_size", 0)) * int(tc.get("top_k_experts", 0))
+    eos = tc.get("eos_token_id", 1)
+    return ModelConfig(model_type="llada", vocab_size=int(tc["vocab_size"]), hidden_size=int(tc["hidden_size"]),
+                       n_layers=int(tc["num_hidden_layers"]), n_heads=heads, n_kv_heads=kv,
+                       intermediate_size=width, mask_token_id=int(tc.get("pad_token_id") or 0),
+                       eos_token_id=int(eos[0] if isinstance(eos, list) else eos),
+                       max_seq_len=int(tc.get("max_position_embeddings", 131072)))
+
+
+# Options of blockray's masked-diffusion engine that DiffusionGemma's canvas decoding has
+# no use for: set to anything but their default, a run is refused (never ignored).
+MASKED_ONLY_SAMPLING = ("policy", "threshold", "factor", "temperature", "stop_token_ids", "remasking",
+                        "first_position", "top_p", "top_k", "stop", "block_add_threshold",
+                        "decoded_token_threshold")
+MASKED_ONLY_ENGINE = ("block_length", "steps_per_block", "cache", "canvas", "advance")
+
+
+def masked_only_settings(sampling: Any = None, engine: Any = None) -> list:
+    """The names of the masked-diffusion-only settings `sampling` / `engine` set to a
+    non-default value (SamplingParams / EngineConfig), for a one-line refusal."""
+    out = []
+    for obj, names in ((sampling, MASKED_ONLY_SAMPLING), (engine, MASKED_ONLY_ENGINE)):
+        if obj is not None:
+            default = type(obj)()
+            out += [n for n in names if getattr(obj, n, None) != getattr(default, n, None)]
+    return out
