@@ -4,6 +4,7 @@ tokenizer with a Gemma-style chat template. Its logits are sharpened (embedding 
 so canvases stop at different steps and EOS ends rows at different canvases."""
 from __future__ import annotations
 
+import copy
 
 import torch
 
@@ -34,7 +35,8 @@ def build(path: str, scale: float = 20.0, hidden: int = 32, layers: int = 3, **g
     model = DiffusionGemmaForBlockDiffusion(cfg).eval()
     with torch.no_grad():
         model.model.decoder.embed_tokens.weight.mul_(scale)
-    model.generation_config = DiffusionGemmaGenerationConfig(**{**GENERATION, **generation})
+    # a deep copy: the config pops sampler_config's "_cls_name" from the dict it is given
+    model.generation_config = DiffusionGemmaGenerationConfig(**copy.deepcopy({**GENERATION, **generation}))
     model.save_pretrained(path)
     _tokenizer(path)
     return path
