@@ -35,12 +35,14 @@ from typing import Any, Dict, List, Optional, Tuple, Union
 
 import fsspec
 
+from engine.tokenizer import has_tokenizer
+
 from .checkpoint_check import stop_sources
 from .config import DLLMProcessorConfig
 from .output_lock import OutputLock, OutputLocked
 from .reader import DuplicateIds, InputError, PromptParquetDatasource, read_prompts
 from .storage import StorageOptions, describe_error, get_filesystem, protocol_of
-from .stages import has_tokenizer, load_tokenizer, resolve_chat_template, template_of
+from .stages import load_tokenizer, resolve_chat_template, template_of
 from .run_record import RECORD_FILE, build_record, check_resume, history_entry, read_json, run_history
 from .summary import block_stats, run_record, summarize
 from .writer import check_output, completed_keys, prepare_output, write_json, write_results

@@ -18,8 +18,6 @@ from typing import Any, Callable, Dict, List, Optional, Set, Tuple
 
 import pyarrow as pa
 
-from engine.tokenizer import has_tokenizer  # noqa: F401 - pipeline.run imports it from here
-
 from .row_values import parse_messages, parse_token_ids, row_error
 
 logger = logging.getLogger(__name__)
