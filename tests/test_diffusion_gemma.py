@@ -60,7 +60,9 @@ def f64(ckpt):
 
 
 @pytest.mark.parametrize("scheduler,kw", [("blockserve", dict(max_batch_size=8, token_budget=200)),
-                                          ("static", dict(max_batch_size=8)), ("sequential", {})])
+                                          ("blockserve", dict(max_batch_size=8, token_budget=60)),
+                                          ("static", dict(max_batch_size=8)), ("sequential", {})],
+                         ids=["blockserve", "blockserve-preempting", "static", "sequential"])
 def test_float64_equals_transformers_generate(ckpt, f64, scheduler, kw):
     model, refs = f64
     outs, eng = _serve(model, ckpt, scheduler, **kw)
@@ -70,8 +72,18 @@ def test_float64_equals_transformers_generate(ckpt, f64, scheduler, kw):
     assert reasons == {"stop", "length"}  # rows leave at EOS and at max_tokens
     assert len({o.num_steps for o in outs}) > 3  # canvases stop at different steps
     assert eng.row_forwards == sum(o.num_steps for o in outs)  # a finished canvas never rides along
+    commits = sum(o.num_blocks - 1 for o in outs)  # a row's last canvas is never encoded
+    prefills = N_PROMPTS + eng.preemptions  # a preempted row re-encodes prompt + canvases once
     if scheduler == "blockserve":  # joins at steps where others are mid-canvas, under the budget
         assert eng.decoder_forwards < eng.row_forwards
+        assert eng.encoder_forwards < prefills + commits  # canvases finishing together commit in one forward
+        assert eng.preemptions > (3 if kw["token_budget"] == 60 else 0)  # rows outgrew the budget
+    else:
+        assert eng.preemptions == 0
+        assert eng.encoder_forwards == prefills + commits if scheduler == "sequential" else \
+            eng.encoder_forwards < prefills + commits
+        prompts, _, _ = _workload()  # tokens forwarded: prompts, committed canvases, L per decoder row
+        assert eng.cells == sum(map(len, prompts)) + eng.L * (commits + eng.row_forwards)
 
 
 def test_float32_agrees(ckpt):
@@ -122,3 +134,33 @@ def test_sampling_params_knobs_reach_the_loop(ckpt, f64):
     assert max(o.num_steps for o in [by[0]]) <= 3 * 2
     assert by[1].token_ids == _reference(model, prompts[2], 16, 8)
     assert SamplingParams(max_denoising_steps=0).validate().startswith("max_denoising_steps")
+
+
+def test_sorter_cost_of_a_row_bounds_the_engines_work(ckpt, f64):
+    """The sorter charges a DiffusionGemma row as the canvas engine runs it: the prompt
+    encoded once, K = ceil(g / L) canvases of at most max_denoising_steps decoder steps,
+    every canvas but the last committed; the engine's own count never exceeds it."""
+    import numpy as np
+    from transformers.models.diffusion_gemma.generation_diffusion_gemma import DiffusionGemmaGenerationConfig
+
+    from engine import SamplingParams
+    from engine.models.families.diffusion_gemma import DEFAULT_MAX_DENOISING_STEPS
+    from pipeline.config import DLLMProcessorConfig
+    from pipeline.sorting.order import cost_model
+
+    assert DEFAULT_MAX_DENOISING_STEPS == DiffusionGemmaGenerationConfig._get_default_generation_params()[
+        "max_denoising_steps"]
+    cost = cost_model(DLLMProcessorConfig(model=ckpt))
+    assert (cost.block_length, cost.steps_per_block, cost.cache, cost.full_canvas) == (8, 6, "persistent", False)
+    assert cost_model(DLLMProcessorConfig(model=ckpt, sampling=SamplingParams(max_denoising_steps=3))
+                      ).steps_per_block == 3
+    model, _ = f64
+    prompts, max_tokens, seeds = _workload()
+    eng = CanvasEngine(model, CanvasParams.from_generation_config(ckpt), scheduler="sequential")
+    est = cost.estimate(np.array(list(map(len, prompts))), np.array(max_tokens))
+    for p, n, s, cells in zip(prompts, max_tokens, seeds, est["cells"]):
+        before = eng.cells
+        (o,) = eng.generate([p], n, [s])
+        K = -(-n // 8)
+        assert cells == len(p) + 8 * 6 * K + 8 * (K - 1)
+        assert eng.cells - before == len(p) + 8 * o.num_steps + 8 * (o.num_blocks - 1) <= cells

@@ -4,11 +4,17 @@ A row is its prompt plus committed canvases (their K/V written by transformers' 
 into the row's own DynamicCache, whose sliding layers keep only the window) plus the
 canvas being denoised. Every step forwards the canvases of all active rows in ONE
 decoder call: the rows' caches are left-padded into one read-only batch cache with a
-boolean mask per layer type, positions per row. A row whose canvas stops (stable and
-confident, or out of steps) commits it with one encoder pass and starts its next canvas
-at the next step; it leaves at EOS or max_tokens; new rows are admitted under the token
-budget at any step (`blockserve`), only into an empty batch (`static`), or one at a time
-(`sequential`).
+boolean mask per layer type, positions per row. The rows whose canvas stops in a step
+(stable and confident, or out of steps) commit theirs in ONE encoder forward (the same
+batch view, written through) and start their next canvas at the next step; a row leaves
+at EOS or max_tokens; new rows are admitted under the token budget at any step
+(`blockserve`), only into an empty batch (`static`), or one at a time (`sequential`).
+
+Rows grow by a canvas per commit, so the admitted rows can outgrow the token budget.
+Then, like vLLM's recompute preemption, the most recently admitted rows are preempted
+(their K/V dropped; tokens, canvas in progress and generator kept) to the front of the
+waiting queue, and re-admitted by one encoder pass over prompt + committed canvases
+when they fit again. No row is ever dropped or mixed; the oldest row always stays.
 
 Random draws come from a per-request torch.Generator seeded with the request's seed, in
 transformers' order (initial canvas; per step the multinomial sample, then the renoise),
@@ -44,15 +50,18 @@ class _Row:
     cur_step: int = 0  # steps remaining (transformers counts N..1)
     stopper: Any = None
     num_steps: int = 0
+    preempted: int = 0  # times its K/V was dropped to fit the token budget
 
     @property
     def cur_len(self) -> int:
         return len(self.prompt) + len(self.generated)
 
 
-class _ReadOnlyCache:
-    """The batch view the decoder reads: per layer, the rows' K/V left-padded to one length
-    (transformers' decoder only reads `layers[i].keys/values` and `is_compileable`)."""
+class _BatchCache:
+    """The batch view of the rows' caches: per layer, their K/V left-padded to one length.
+    transformers' decoder only reads `layers[i].keys/values` and `is_compileable`; its
+    encoder calls `update`, which here returns cached + new K/V and keeps the new ones
+    (`written`) for the rows' own caches."""
 
     is_compileable = False
 
@@ -60,8 +69,14 @@ class _ReadOnlyCache:
         def __init__(self, keys: torch.Tensor, values: torch.Tensor):
             self.keys, self.values = keys, values
 
-    def __init__(self, layers: List["_ReadOnlyCache._Layer"]):
+    def __init__(self, layers: List["_BatchCache._Layer"]):
         self.layers = layers
+        self.written: dict = {}
+
+    def update(self, keys: torch.Tensor, values: torch.Tensor, layer_idx: int, *args, **kwargs):
+        self.written[layer_idx] = (keys, values)
+        old = self.layers[layer_idx]
+        return torch.cat([old.keys, keys], dim=-2), torch.cat([old.values, values], dim=-2)
 
 
 class CanvasEngine:
@@ -81,6 +96,7 @@ class CanvasEngine:
         self.L, self.V = cfg.canvas_length, cfg.text_config.vocab_size
         self.image_token_id = getattr(cfg, "image_token_id", None)
         self.layer_types = list(cfg.text_config.layer_types)
+        self.sliding_window = cfg.text_config.sliding_window
         eos = model.generation_config.eos_token_id if stop_token_ids is None else list(stop_token_ids)
         if eos is None:
             eos = cfg.text_config.eos_token_id
@@ -91,6 +107,8 @@ class CanvasEngine:
         self.decoder_forwards = 0  # batched decoder calls
         self.row_forwards = 0  # sum over calls of rows in the call
         self.encoder_forwards = 0
+        self.cells = 0  # tokens forwarded: encoder tokens + L per decoder row (the sorter's `cells`)
+        self.preemptions = 0
 
     # ------------------------------------------------------------------ requests
     def add_request(self, request_id: Any, prompt_ids: Sequence[int], max_tokens: int, seed: int,
@@ -137,14 +155,28 @@ class CanvasEngine:
             if self.active and self._area(self.active + [row]) > self.token_budget:
                 break
             self.waiting.pop(0)
-            self._encode(row, row.prompt, 0, prefill=True)
-            self._start_canvas(row)
+            # a preempted row recomputes its K/V in one pass over prompt + committed canvases
+            self._encode(row, row.prompt + row.generated, 0, prefill=True)
+            if row.canvas is None:
+                self._start_canvas(row)
             self.active.append(row)
+
+    def _preempt(self) -> None:
+        """Recompute preemption (vLLM's policy): while the admitted rows outgrow the token
+        budget, the newest one gives back its K/V and waits at the front of the queue.
+        The oldest row always stays: it fits alone (add_request checked its full width)."""
+        while len(self.active) > 1 and self._area(self.active) > self.token_budget:
+            row = self.active.pop()
+            row.cache = None
+            row.preempted += 1
+            self.preemptions += 1
+            self.waiting.insert(0, row)
 
     @torch.no_grad()
     def step(self) -> List[CanvasOutput]:
         """Admit, one decoder forward over every active row, commit the canvases that stopped.
         Returns every output so far (`outputs`)."""
+        self._preempt()
         self._admit()
         if not self.active:
             return self.outputs
@@ -152,12 +184,14 @@ class CanvasEngine:
         try:
             logits = self._decode(rows)
         except Exception as exc:  # one failing forward fails its rows, never the engine
-            for r in rows:
-                self._finish(r, "error", error=f"{type(exc).__name__}: {exc}")
-            return self.outputs
-        for b, r in enumerate(rows):
-            if self._denoise_row(r, logits[b:b + 1]):
-                self._commit(r)
+            return self._fail(rows, exc)
+        done = [r for b, r in enumerate(rows) if self._denoise_row(r, logits[b:b + 1])]
+        self._commit([r for r in done if not self._ends(r)])
+        return self.outputs
+
+    def _fail(self, rows: Sequence[_Row], exc: Exception) -> List[CanvasOutput]:
+        for r in rows:
+            self._finish(r, "error", error=f"{type(exc).__name__}: {exc}")
         return self.outputs
 
     # ------------------------------------------------------------------ per row
@@ -178,6 +212,7 @@ class CanvasEngine:
                                                        batch_size=1)
         m.model.encoder(input_ids=unprocessed, attention_mask=masks, cache=row.cache, position_ids=pos)
         self.encoder_forwards += 1
+        self.cells += n
 
     def _start_canvas(self, row: _Row) -> None:
         p = row.params
@@ -185,35 +220,56 @@ class CanvasEngine:
         row.argmax, row.sc_logits, row.cur_step = row.canvas, None, p.max_denoising_steps
         row.stopper = self._g.StableAndConfidentStoppingCriteria(p.stability_threshold, p.confidence_threshold)
 
-    def _decode(self, rows: Sequence[_Row]) -> torch.Tensor:
-        """One decoder forward over every row's canvas; (B, L, V) float32 logits."""
-        m, L, dev = self.model, self.L, self.model.device
+    def _gather(self, rows: Sequence[_Row], causal: bool) -> tuple:
+        """The rows' caches as one left-padded _BatchCache, and per layer type the boolean
+        (B, 1, L, n + L) mask of L new tokens of each row (at positions cur_len.., or, for
+        `causal`, the canvas just appended to `generated`, at cur_len - L..) over
+        [its cached K/V | the L new]. `causal` (the encoder's commit): key position <= query
+        position, and within the sliding window on sliding layers, as transformers' own
+        masks at batch size 1; else (the denoiser) every real key."""
+        L, dev = self.L, self.model.device
         B = len(rows)
         layers, masks = [], {}
+        q = torch.arange(L, device=dev).view(1, L, 1)
         for i, kind in enumerate(self.layer_types):
             ks = [r.cache.layers[i].keys for r in rows]
             vs = [r.cache.layers[i].values for r in rows]
             n = max(k.shape[-2] for k in ks)
             pad = lambda t: torch.nn.functional.pad(t, (0, 0, n - t.shape[-2], 0))
-            layers.append(_ReadOnlyCache._Layer(torch.cat([pad(k) for k in ks]), torch.cat([pad(v) for v in vs])))
-            if kind not in masks:
-                mk = torch.zeros((B, 1, L, n + L), dtype=torch.bool, device=dev)
-                for b, k in enumerate(ks):
-                    mk[b, :, :, n - k.shape[-2]:] = True
-                masks[kind] = mk
+            layers.append(_BatchCache._Layer(torch.cat([pad(k) for k in ks]), torch.cat([pad(v) for v in vs])))
+            if kind in masks:
+                continue
+            held = torch.tensor([k.shape[-2] for k in ks], device=dev).view(B, 1, 1)
+            col = torch.arange(n + L, device=dev).view(1, 1, n + L)
+            mk = col >= n - held  # a real key: cached (not padding) or new
+            if causal:
+                rel = col - n - q  # key position minus query position
+                mk = mk & (rel <= 0)
+                if kind == "sliding_attention" and self.sliding_window:
+                    mk = mk & (rel > -self.sliding_window)
+            masks[kind] = mk.expand(B, L, n + L).unsqueeze(1).contiguous()
+        start = [r.cur_len - (L if causal else 0) for r in rows]
+        pos = torch.stack([torch.arange(s, s + L, dtype=torch.int32) for s in start]).to(dev)
+        return _BatchCache(layers), masks, pos
+
+    def _decode(self, rows: Sequence[_Row]) -> torch.Tensor:
+        """One decoder forward over every row's canvas; (B, L, V) float32 logits."""
+        m, L, dev = self.model, self.L, self.model.device
+        B = len(rows)
+        cache, masks, pos = self._gather(rows, causal=False)
         canvas = torch.cat([r.canvas for r in rows])
-        pos = torch.stack([torch.arange(r.cur_len, r.cur_len + L, dtype=torch.int32) for r in rows]).to(dev)
         sc_mask = torch.tensor([r.sc_logits is not None for r in rows], device=dev)
         sc = None
         if sc_mask.any():
             dt = m.model.decoder.embed_tokens.weight.dtype
             sc = torch.cat([r.sc_logits if r.sc_logits is not None else torch.zeros((1, L, self.V), dtype=dt,
                                                                                      device=dev) for r in rows])
-        out = m(decoder_input_ids=canvas, cache=_ReadOnlyCache(layers), self_conditioning_logits=sc,
+        out = m(decoder_input_ids=canvas, cache=cache, self_conditioning_logits=sc,
                 self_conditioning_mask=None if sc is None or bool(sc_mask.all()) else sc_mask,
                 decoder_attention_mask=masks, decoder_position_ids=pos)
         self.decoder_forwards += 1
         self.row_forwards += B
+        self.cells += B * L
         return out.logits
 
     def _denoise_row(self, row: _Row, raw_logits: torch.Tensor) -> bool:
@@ -238,20 +294,45 @@ class CanvasEngine:
         row.cur_step -= 1
         return stop or row.cur_step == 0
 
-    def _commit(self, row: _Row) -> None:
+    def _ends(self, row: _Row) -> bool:
+        """Appends the finished canvas to the row; True (and the row finished) when it ends
+        the row: EOS in it, or max_tokens reached. Such a canvas is never encoded."""
         canvas = row.argmax[0].tolist()
-        start = row.cur_len
         row.generated += canvas
         if any(t in self.eos for t in canvas):
             cut = len(row.generated) - self.L + next(i for i, t in enumerate(canvas) if t in self.eos) + 1
             toks = row.generated[:cut]
             if len(toks) > row.max_tokens:
-                return self._finish(row, "length", toks[:row.max_tokens])
-            return self._finish(row, "stop", toks)
+                self._finish(row, "length", toks[:row.max_tokens])
+            else:
+                self._finish(row, "stop", toks)
+            return True
         if len(row.generated) >= row.max_tokens:
-            return self._finish(row, "length", row.generated[:row.max_tokens])
-        self._encode(row, canvas, start, prefill=False)
-        self._start_canvas(row)
+            self._finish(row, "length", row.generated[:row.max_tokens])
+            return True
+        return False
+
+    def _commit(self, rows: Sequence[_Row]) -> None:
+        """ONE encoder forward writes the last canvas of every row in `rows` (appended to
+        `generated`, at positions cur_len - L..) into the rows' caches, then each starts
+        its next canvas."""
+        if not rows:
+            return
+        m, L = self.model, self.L
+        cache, masks, pos = self._gather(rows, causal=True)
+        ids = torch.tensor([r.generated[-L:] for r in rows], dtype=torch.long, device=m.device)
+        try:
+            m.model.encoder(input_ids=ids, attention_mask=masks, cache=cache, position_ids=pos)
+        except Exception as exc:  # the rows of a failing forward fail, never the engine
+            self._fail(rows, exc)
+            return
+        self.encoder_forwards += 1
+        self.cells += len(rows) * L
+        for i, (k, v) in sorted(cache.written.items()):
+            for b, r in enumerate(rows):
+                r.cache.layers[i].update(k[b:b + 1], v[b:b + 1])
+        for r in rows:
+            self._start_canvas(r)
 
     def _finish(self, row: _Row, reason: str, tokens: Optional[List[int]] = None,
                 error: Optional[str] = None) -> None:

@@ -36,6 +36,7 @@ import pyarrow.compute as pc
 import ray.data
 
 from engine.config import SamplingParams  # dataclasses only: no torch
+from engine.models.families.diffusion_gemma import cost_shape as diffusion_gemma_cost_shape  # torch-free
 
 from ..config import DLLMProcessorConfig
 from ..row_values import RowValueError, parse_sampling
@@ -134,8 +135,10 @@ def cost_model(cfg: DLLMProcessorConfig, device: str = "cpu") -> Union[Roofline,
     """The ordering's cost: the roofline of the engines' model (their ModelConfig, the
     dtype they load on `device`), cache mode and canvas; forwarded cells where the
     model's config.json is not readable here (a remote model)."""
-    shape = dict(block_length=cfg.engine.block_length, steps_per_block=cfg.engine.steps_per_block,
-                 cache=cfg.engine.cache, full_canvas=full_canvas(cfg))
+    # DiffusionGemma: a block is a canvas (engine.models.families.diffusion_gemma.cost_shape)
+    shape = diffusion_gemma_cost_shape(str(cfg.model), cfg.sampling.max_denoising_steps) or dict(
+        block_length=cfg.engine.block_length, steps_per_block=cfg.engine.steps_per_block,
+        cache=cfg.engine.cache, full_canvas=full_canvas(cfg))
     try:
         model = ModelProfile.from_config(cfg.model, dtype=cfg.dtype, device=device)
     except (OSError, ValueError, KeyError):

@@ -57,6 +57,42 @@ def approx_model_config(hf: Mapping[str, Any]) -> Any:
                        max_seq_len=int(tc.get("max_position_embeddings", 131072)))
 
 
+# transformers' DiffusionGemmaGenerationConfig default (checked by tests/test_diffusion_gemma.py):
+# read here without importing transformers, since the sorter runs in data-side workers.
+DEFAULT_MAX_DENOISING_STEPS = 48
+
+
+def cost_shape(model_dir: str, max_denoising_steps: Optional[int] = None) -> Optional[dict]:
+    """The sorter's account (pipeline/sorting/cost.py `work`) of a DiffusionGemma row, or
+    None when `model_dir` holds no diffusion_gemma config.json. A block is a canvas
+    (`canvas_length`) of at most `max_denoising_steps` decoder steps (the request's
+    knob, else generation_config.json's, else transformers' default); the encoder writes
+    the prompt once and every committed canvas once, the last one never: cache
+    "persistent" on a block canvas, p + K S L + (K - 1) L cells for K = ceil(g / L)
+    canvases. An upper bound of what the canvas engine forwards (its `cells`), reached
+    when no canvas stops early and no row ends before max_tokens; a preempted row's
+    recompute is not charged."""
+    import json
+    import os
+
+    try:
+        with open(os.path.join(model_dir, "config.json"), encoding="utf-8") as f:
+            hf = json.load(f)
+    except (OSError, ValueError, TypeError):
+        return None
+    if not is_diffusion_gemma(hf):
+        return None
+    steps = max_denoising_steps
+    if steps is None:
+        try:
+            with open(os.path.join(model_dir, "generation_config.json"), encoding="utf-8") as f:
+                steps = json.load(f).get("max_denoising_steps")
+        except (OSError, ValueError):
+            steps = None
+    return dict(block_length=int(hf.get("canvas_length", 256)),
+                steps_per_block=int(steps or DEFAULT_MAX_DENOISING_STEPS), cache="persistent", full_canvas=False)
+
+
 # Options of blockray's masked-diffusion engine that DiffusionGemma's canvas decoding has
 # no use for: set to anything but their default, a run is refused (never ignored).
 MASKED_ONLY_SAMPLING = ("policy", "threshold", "factor", "temperature", "stop_token_ids", "remasking",
