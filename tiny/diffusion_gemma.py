@@ -14,6 +14,10 @@ IMAGE = 61  # image_token_id (boi/eoi just below it); prompts use ids 5..58
 GENERATION = dict(max_denoising_steps=6, t_min=0.4, t_max=0.8, stability_threshold=0, confidence_threshold=1.2,
                   sampler_config={"entropy_bound": 0.5, "_cls_name": "EntropyBoundSamplerConfig"},
                   eos_token_id=[1], pad_token_id=0, bos_token_id=2)
+# transformers always builds the vision tower (vision_config=None means its 16-layer default,
+# seconds to initialise, save and load): a one-layer one, never run (text only).
+VISION = dict(model_type="gemma4_vision", hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+              num_attention_heads=2, num_key_value_heads=2, head_dim=8, position_embedding_size=64)
 CHAT_TEMPLATE = ("{{ bos_token }}{% for m in messages %}<start_of_turn>{{ m['role'] }} {{ m['content'] }}"
                  "<end_of_turn>{% endfor %}{% if add_generation_prompt %}<start_of_turn>model {% endif %}")
 
@@ -29,7 +33,7 @@ def build(path: str, scale: float = 20.0, hidden: int = 32, layers: int = 3, **g
               num_global_key_value_heads=1, sliding_window=12, layer_types=types, enable_moe_block=True,
               num_experts=4, top_k_experts=2, moe_intermediate_size=hidden // 2, eos_token_id=1, pad_token_id=0,
               bos_token_id=2)
-    cfg = DiffusionGemmaConfig(text_config=tc, canvas_length=CANVAS, vision_config=None, image_token_id=IMAGE,
+    cfg = DiffusionGemmaConfig(text_config=tc, canvas_length=CANVAS, vision_config=VISION, image_token_id=IMAGE,
                                boi_token_id=IMAGE - 1, eoi_token_id=IMAGE - 2)
     torch.manual_seed(0)
     model = DiffusionGemmaForBlockDiffusion(cfg).eval()

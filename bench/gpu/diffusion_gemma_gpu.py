@@ -39,10 +39,12 @@ SHAPE_SMOKE = dict(SHAPE_26B, vocab_size=512, hidden_size=64, intermediate_size=
 def build(shape, canvas, device, dtype):
     from transformers import DiffusionGemmaConfig, DiffusionGemmaForBlockDiffusion
 
+    from tiny.diffusion_gemma import VISION  # a one-layer vision tower (None builds the 16-layer default)
+
     n = shape["num_hidden_layers"]
     types = ["full_attention" if (i + 1) % 6 == 0 or i == n - 1 else "sliding_attention" for i in range(n)]
     cfg = DiffusionGemmaConfig(text_config=dict(shape, layer_types=types, eos_token_id=1, pad_token_id=0,
-                                                bos_token_id=2), canvas_length=canvas, vision_config=None)
+                                                bos_token_id=2), canvas_length=canvas, vision_config=VISION)
     torch.manual_seed(0)
     old = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
