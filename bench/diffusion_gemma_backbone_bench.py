@@ -29,15 +29,18 @@ from tiny.diffusion_gemma import build  # noqa: E402
 
 def engine_batch(model, ckpt, B, steps=3):
     """The decoder inputs of a CanvasEngine step with B rows mid-run (prompts of mixed
-    lengths, one committed canvas or more, self-conditioning set)."""
+    lengths, self-conditioning set on every row): at least `steps` steps, then until no
+    row has just started a canvas."""
     eng = CanvasEngine(model, CanvasParams.from_generation_config(ckpt), max_batch_size=B)
     for i in range(B):
         eng.add_request(i, [2] + [5 + (7 * i + j) % 50 for j in range(3 + 5 * i)], 10_000, 100 + i)
-    for _ in range(steps):
+    for n in range(100):
         eng.step()
-    rows = list(eng.active)
-    for r in rows:  # every row has self-conditioning logits after one step
-        assert r.sc_logits is not None
+        rows = list(eng.active)
+        if n + 1 >= steps and all(r.sc_logits is not None for r in rows):
+            break
+    else:
+        raise RuntimeError("no step found where every row has self-conditioning logits")
     cache, masks, pos = eng._gather(rows, causal=False)
     canvas = torch.cat([r.canvas for r in rows])
     sc = torch.cat([r.sc_logits for r in rows])

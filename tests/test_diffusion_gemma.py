@@ -172,3 +172,15 @@ def test_sorter_cost_of_a_row_bounds_the_engines_work(ckpt, sequential):
         assert cells == len(p) + 8 * 6 * K + 8 * (K - 1)
         assert len(p) + 8 * o.num_steps + 8 * (o.num_blocks - 1) <= cells
     assert eng.cells <= est.sum()
+
+
+def test_hand_written_denoiser_forward_equals_transformers(ckpt, f64):
+    """bench/diffusion_gemma_backbone.py (the measured alternative to driving
+    transformers' modules) computes transformers' decoder forward, on a mid-run batch."""
+    from bench.diffusion_gemma_backbone import HandDecoder
+    from bench.diffusion_gemma_backbone_bench import engine_batch, hand_forward, transformers_forward
+
+    model, _ = f64
+    args = engine_batch(model, ckpt, 3)
+    with torch.no_grad():
+        assert torch.equal(hand_forward(HandDecoder(model), *args), transformers_forward(model, *args))
