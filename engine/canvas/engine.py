@@ -50,7 +50,6 @@ class _Row:
     cur_step: int = 0  # steps remaining (transformers counts N..1)
     stopper: Any = None
     num_steps: int = 0
-    preempted: int = 0  # times its K/V was dropped to fit the token budget
 
     @property
     def cur_len(self) -> int:
@@ -155,9 +154,8 @@ class CanvasEngine:
             if self.active and self._area(self.active + [row]) > self.token_budget:
                 break
             self.waiting.pop(0)
-            # a preempted row recomputes its K/V in one pass over prompt + committed canvases
-            self._encode(row, row.prompt + row.generated, 0, prefill=True)
-            if row.canvas is None:
+            self._prefill(row)
+            if row.canvas is None:  # else a preempted row resumes its canvas
                 self._start_canvas(row)
             self.active.append(row)
 
@@ -168,7 +166,6 @@ class CanvasEngine:
         while len(self.active) > 1 and self._area(self.active) > self.token_budget:
             row = self.active.pop()
             row.cache = None
-            row.preempted += 1
             self.preemptions += 1
             self.waiting.insert(0, row)
 
@@ -195,20 +192,19 @@ class CanvasEngine:
         return self.outputs
 
     # ------------------------------------------------------------------ per row
-    def _encode(self, row: _Row, tokens: Sequence[int], start: int, prefill: bool) -> None:
-        """transformers' encoder pass (as `generate` calls it at batch size 1): writes
-        `tokens` at positions start.. into the row's cache."""
+    def _prefill(self, row: _Row) -> None:
+        """transformers' prefill encoder pass (as `generate` calls it at batch size 1):
+        writes prompt + committed canvases (a preempted row's recompute) into a new cache."""
         from transformers import DynamicCache
 
         m = self.model
-        if row.cache is None:
-            row.cache = DynamicCache(config=m.config.get_text_config(decoder=True))
+        row.cache = DynamicCache(config=m.config.get_text_config(decoder=True))
         ids = torch.tensor([row.prompt + row.generated], dtype=torch.long, device=m.device)
-        n = len(tokens)
-        pos = torch.arange(start, start + n, dtype=torch.int32, device=m.device).unsqueeze(0)
-        attn = torch.ones((1, ids.shape[1]), dtype=torch.bool, device=m.device)
+        n = ids.shape[1]
+        pos = torch.arange(n, dtype=torch.int32, device=m.device).unsqueeze(0)
+        attn = torch.ones((1, n), dtype=torch.bool, device=m.device)
         unprocessed, masks = m._prepare_encoder_inputs(input_ids=ids, attention_mask=attn, encoder_position_ids=pos,
-                                                       cache=row.cache, is_prefill=prefill, canvas_length=n,
+                                                       cache=row.cache, is_prefill=True, canvas_length=n,
                                                        batch_size=1)
         m.model.encoder(input_ids=unprocessed, attention_mask=masks, cache=row.cache, position_ids=pos)
         self.encoder_forwards += 1
