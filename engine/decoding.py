@@ -37,10 +37,11 @@ class RowParams:
     first_position_host: torch.Tensor  # CPU bool [B]
     any_entropy: bool
     any_margin: bool
+    llada2: bool = False  # LLaDA2's threshold rule (engine.llada2): strictly greater, the fixed schedule as floor
 
     @classmethod
     def build(cls, params: Sequence, seeds: Sequence[Optional[int]], device,
-              first_position_default: bool = False) -> "RowParams":
+              first_position_default: bool = False, llada2: bool = False) -> "RowParams":
         f64 = dict(dtype=torch.float64, device=device)
         first = [first_position_default if p.first_position is None else bool(p.first_position) for p in params]
         policy = torch.tensor([POLICY_IDS[p.policy] for p in params])
@@ -55,7 +56,7 @@ class RowParams:
                    seeds=list(seeds), params=list(params), policy_host=policy,
                    first_position_host=torch.tensor(first, dtype=torch.bool),
                    any_entropy=any(p.remasking == "entropy" for p in params),
-                   any_margin=any(p.remasking == "margin" for p in params))
+                   any_margin=any(p.remasking == "margin" for p in params), llada2=llada2)
 
 
     def take(self, index: torch.Tensor) -> "RowParams":
@@ -69,7 +70,7 @@ class RowParams:
                          first_position=pick(self.first_position), top_p=pick(self.top_p), top_k=pick(self.top_k),
                          seeds=[self.seeds[i] for i in ix], params=[self.params[i] for i in ix],
                          policy_host=self.policy_host[index], first_position_host=self.first_position_host[index],
-                         any_entropy=self.any_entropy, any_margin=self.any_margin)
+                         any_entropy=self.any_entropy, any_margin=self.any_margin, llada2=self.llada2)
 
 
 def fixed_schedule(step: torch.Tensor, block_length: int, steps: int) -> torch.Tensor:
@@ -165,8 +166,12 @@ def select(conf: torch.Tensor, is_mask: torch.Tensor, step: torch.Tensor, rp: Ro
     n_mask = is_mask.sum(1)
     # fixed: the k_s most confident masked positions
     by_fixed = rank < fixed_schedule(step, block_length, steps)[:, None]
-    # threshold: every confident position, at least the most confident one
-    by_threshold = (conf >= rp.threshold[:, None]) | (rank == 0)
+    # threshold: every confident position, at least the most confident one (LLaDA2's
+    # generate(): confidence strictly greater, at least the schedule's k of this step)
+    if rp.llada2:
+        by_threshold = (conf > rp.threshold[:, None]) | by_fixed
+    else:
+        by_threshold = (conf >= rp.threshold[:, None]) | (rank == 0)
     # factor (get_transfer_index_dynamic): k = how many leading sorted confidences pass
     # 1 - f/(n+1) (the first always passes); the reference then takes k, but 1 when
     # k == 0 and all n masks when k >= n - 1
