@@ -382,6 +382,7 @@ def test_published_layout_loads_and_runs_through_the_job(ray_local, tmp_path):
     config = DLLMProcessorConfig(model=root, batch_size=3, engine=engine, sampling=sampling, enable_metrics=False)
     summary = run_offline(str(tmp_path / "in.parquet"), str(tmp_path / "out"), config)
     assert (summary["rows"], summary["errors"], summary["status"]) == (6, 0, "ok")
+    assert summary["stop_token_ids"] == {"156892": "tokenizer_config.json eos_token"}
     rows = read_parts(str(tmp_path / "out")).to_pylist()
     assert sorted(r["id"] for r in rows) == [f"m{i}" for i in range(6)]
     assert all(r["prompt"].endswith("<role>ASSISTANT</role>") for r in rows)

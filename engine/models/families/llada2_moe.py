@@ -12,7 +12,6 @@ block-causal, LLaDA2's threshold rule, LLaDA2.1's token editing. The config name
 `pad_token_id`; EOS 156892 and <|mask|> 156895 are the published generate()'s defaults."""
 from __future__ import annotations
 
-import os
 from typing import Any, Dict, Mapping, Tuple
 
 from .base import ConfigRefused, Family
@@ -30,16 +29,15 @@ _PROJ = {"gate": "gate_proj", "up": "up_proj", "down": "down_proj"}
 def tokenizer_ids(model_dir: str, hf: Mapping[str, Any]) -> Dict[str, Any]:
     """ModelConfig ids config.json does not name, from the tokenizer's added tokens
     (<|mask|>, its eos_token) where it defines them; else the family's defaults stand."""
-    from ..stops import _read, defined_tokens
+    from ..stops import defined_tokens, tokenizer_eos
 
     tokens = defined_tokens(model_dir)
     out: Dict[str, Any] = {}
     if "mask_token_id" not in hf and "<|mask|>" in tokens:
         out["mask_token_id"] = tokens["<|mask|>"]
-    eos = (_read(os.path.join(model_dir, "tokenizer_config.json")) or {}).get("eos_token")
-    eos = eos.get("content") if isinstance(eos, dict) else eos
-    if "eos_token_id" not in hf and eos in tokens:
-        out.update(eos_token_id=tokens[eos], eos_token_ids=None)
+    eos = tokenizer_eos(model_dir, tokens)
+    if "eos_token_id" not in hf and eos is not None:
+        out.update(eos_token_id=eos, eos_token_ids=None)
     return out
 
 
