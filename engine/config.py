@@ -47,6 +47,12 @@ class SamplingParams:
     is cut before it), `seed`, `n` (samples per row; the pipeline expands a row into n
     requests with seeds derived from the row's). `from_dict` also takes `max_tokens`.
 
+    LLaDA2 checkpoints (engine.llada2): `threshold` is LLaDA2's rule (confidence strictly
+    greater, at least the `fixed` schedule's k of the step, so LLaDA2.1's k = 1 is
+    steps_per_block = block_length), and `edit_threshold` (None: off) turns on LLaDA2.1's
+    token editing with at most `max_post_steps` editing-only steps per block; other
+    families refuse edit_threshold.
+
     D2F (Discrete Diffusion Forcing, engine.d2f): `block_add_threshold` set (None: one
     block at a time) keeps several blocks of the request in flight: a block is added
     once the last one's decoded fraction reaches it, a block may force its most

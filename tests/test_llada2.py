@@ -377,12 +377,12 @@ def test_published_layout_loads_and_runs_through_the_job(ray_local, tmp_path):
     assert tok.convert_tokens_to_ids("<|mask|>") == 156895
     engine = EngineConfig(block_length=4, steps_per_block=4, cache="persistent", token_budget=2048, max_batch_size=8)
     sampling = SamplingParams(max_new_tokens=4, threshold=0.95, edit_threshold=0.9)
-    msgs = [[{"role": "user", "content": f"copy: {'abcdefgh'[: i % 8 + 1]}"}] for i in range(6)]
-    pq.write_table(pa.table({"id": [f"m{i}" for i in range(6)], "messages": msgs}), str(tmp_path / "in.parquet"))
-    config = DLLMProcessorConfig(model=root, batch_size=3, engine=engine, sampling=sampling, enable_metrics=False)
+    msgs = [[{"role": "user", "content": f"copy: {'abcdefgh'[: i % 8 + 1]}"}] for i in range(4)]
+    pq.write_table(pa.table({"id": [f"m{i}" for i in range(4)], "messages": msgs}), str(tmp_path / "in.parquet"))
+    config = DLLMProcessorConfig(model=root, batch_size=4, engine=engine, sampling=sampling, enable_metrics=False)
     summary = run_offline(str(tmp_path / "in.parquet"), str(tmp_path / "out"), config)
-    assert (summary["rows"], summary["errors"], summary["status"]) == (6, 0, "ok")
+    assert (summary["rows"], summary["errors"], summary["status"]) == (4, 0, "ok")
     assert summary["stop_token_ids"] == {"156892": "tokenizer_config.json eos_token"}
     rows = read_parts(str(tmp_path / "out")).to_pylist()
-    assert sorted(r["id"] for r in rows) == [f"m{i}" for i in range(6)]
+    assert sorted(r["id"] for r in rows) == [f"m{i}" for i in range(4)]
     assert all(r["prompt"].endswith("<role>ASSISTANT</role>") for r in rows)
