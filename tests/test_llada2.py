@@ -13,7 +13,6 @@ block-causal mask (2.1's adds its 0/1 mask to the scores). The engine's mixed ba
 under every scheduler with the persistent cache, must give exactly their tokens."""
 from __future__ import annotations
 
-import math
 import random
 
 import pyarrow as pa
@@ -91,7 +90,7 @@ class PublishedLLaDA2:
     def __call__(self, ids, keep):
         """Logits [T, V] of ids [T] at positions 0..T-1 under the boolean mask keep [T, T]."""
         hf, w = self.hf, self.w
-        T, d, H, Hkv = ids.shape[0], hf["hidden_size"], hf["num_attention_heads"], hf["num_key_value_heads"]
+        T, H, Hkv = ids.shape[0], hf["num_attention_heads"], hf["num_key_value_heads"]
         D = hf["head_dim"]
         r = int(D * hf["partial_rotary_factor"])
         inv = 1.0 / (hf["rope_theta"] ** (torch.arange(0, r, 2, dtype=torch.float64) / r))

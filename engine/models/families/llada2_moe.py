@@ -14,16 +14,15 @@ from __future__ import annotations
 
 from typing import Any, Dict, Mapping, Tuple
 
-from .base import ConfigRefused, Family
-from .llada_moe import mlp_shapes
+from .base import ConfigRefused
+from .llada_moe import LLaDAMoEFamily
 from .moe import MoESpec
 
 # internal module (after "layers.{i}.") -> checkpoint module (after "model.layers.{i}.")
 _MODULES = {"attn_norm": "input_layernorm", "qkv_proj": "attention.query_key_value", "o": "attention.dense",
             "q_norm": "attention.query_layernorm", "k_norm": "attention.key_layernorm",
-            "mlp_norm": "post_attention_layernorm", "router": "mlp.gate", "expert_bias": "mlp.gate.expert_bias",
-            "dense": "mlp", "shared": "mlp.shared_experts", "experts": "mlp.experts"}
-_PROJ = {"gate": "gate_proj", "up": "up_proj", "down": "down_proj"}
+            "mlp_norm": "post_attention_layernorm", "router": "mlp.gate", "dense": "mlp",
+            "shared": "mlp.shared_experts", "experts": "mlp.experts"}
 
 
 def tokenizer_ids(model_dir: str, hf: Mapping[str, Any]) -> Dict[str, Any]:
@@ -41,7 +40,11 @@ def tokenizer_ids(model_dir: str, hf: Mapping[str, Any]) -> Dict[str, Any]:
     return out
 
 
-class LLaDA2Family(Family):
+class LLaDA2Family(LLaDAMoEFamily):
+    """LLaDA-MoE's weights but for the attention (attention_shapes) and the expert bias's key."""
+
+    expert_bias_key = "mlp.gate.expert_bias"
+
     def parse(self, hf: Mapping[str, Any]) -> Dict[str, Any]:
         n, d, H = hf["num_hidden_layers"], hf["hidden_size"], hf["num_attention_heads"]
         head_dim = hf.get("head_dim")
@@ -87,46 +90,16 @@ class LLaDA2Family(Family):
                     rope_theta=cfg.rope_theta, rms_norm_eps=cfg.rms_norm_eps,
                     tie_word_embeddings=cfg.tie_word_embeddings, max_position_embeddings=cfg.max_seq_len)
 
-    def checkpoint_name(self, internal: str) -> str:
-        if internal in self.top_weights:
-            return self.top_weights[internal]
-        parts = internal.split(".")  # layers.{i}.{module}[.{j}][.{proj}].{weight|bias}
-        i, module, rest = parts[1], parts[2], parts[3:]
-        if module == "expert_bias":
-            return self.layer_prefix.format(i=i) + _MODULES["expert_bias"]
-        return self.layer_prefix.format(i=i) + ".".join([_MODULES[module], *[_PROJ.get(r, r) for r in rest]])
-
-    def keeps_float32(self, internal: str) -> bool:
-        return internal.endswith((".router.weight", ".expert_bias"))
-
-    def param_shapes(self, cfg: Any) -> Dict[str, Tuple[int, ...]]:
-        d, hd, m = cfg.hidden_size, cfg.head_dim, cfg.moe
+    def attention_shapes(self, cfg: Any, p: str) -> Dict[str, Tuple[int, ...]]:
+        """The fused query_key_value (q heads, then k, then v) and the output projection."""
+        d, hd = cfg.hidden_size, cfg.head_dim
         qkv = (cfg.n_heads + 2 * cfg.n_kv_heads) * hd
-        out: Dict[str, Tuple[int, ...]] = {"embed.weight": (cfg.embedding_size, d)}
-        for i in range(cfg.n_layers):
-            p = f"layers.{i}."
-            out.update({p + "attn_norm.weight": (d,), p + "qkv_proj.weight": (qkv, d)})
-            if cfg.qkv_bias:
-                out[p + "qkv_proj.bias"] = (qkv,)
-            out[p + "o.weight"] = (d, cfg.n_heads * hd)
-            if cfg.attn_out_bias:
-                out[p + "o.bias"] = (d,)
-            if cfg.qk_norm:
-                out.update({p + "q_norm.weight": (hd,), p + "k_norm.weight": (hd,)})
-            out[p + "mlp_norm.weight"] = (d,)
-            if m.dense_layers[i]:
-                out.update(mlp_shapes(p + "dense.", d, m.dense_size))
-                continue
-            out.update({p + "router.weight": (m.num_experts, d), p + "expert_bias": (m.num_experts,)})
-            for j in range(m.num_experts):
-                out.update(mlp_shapes(p + f"experts.{j}.", d, m.expert_size))
-            if m.shared_size:
-                out.update(mlp_shapes(p + "shared.", d, m.shared_size))
-        out["norm.weight"] = (d,)
-        if not cfg.tie_word_embeddings:
-            out["lm_head.weight"] = (cfg.embedding_size, d)
+        out: Dict[str, Tuple[int, ...]] = {p + "qkv_proj.weight": (qkv, d), p + "o.weight": (d, cfg.n_heads * hd)}
+        if cfg.qkv_bias:
+            out[p + "qkv_proj.bias"] = (qkv,)
+        if cfg.attn_out_bias:
+            out[p + "o.bias"] = (d,)
         return out
-
 
 LLADA2_MOE = LLaDA2Family(
     name="LLaDA2", model_type="llada2_moe",
