@@ -90,7 +90,8 @@ def edits(b, rows: List[int], logits: torch.Tensor, x0: torch.Tensor, window: to
 def after_step(b, rows: List[int], blocks: torch.Tensor, done: torch.Tensor) -> torch.Tensor:
     """`done` with the editing rows' own rule: a block is final after the step that
     commits its last mask when max_post_steps is 0, else after an editing-only step
-    without an edit or the max_post_steps-th one. `blocks` [B, L]: the host tokens."""
+    without an edit or the max_post_steps-th one (so an editing row's steps are bounded:
+    at most max(S, L) with masks, then max_post_steps). `blocks` [B, L]: the host tokens."""
     done = done.clone()
     for i in rows:
         r, st = b.rows[i], b.rows[i].edit
@@ -101,6 +102,7 @@ def after_step(b, rows: List[int], blocks: torch.Tensor, done: torch.Tensor) -> 
                 st.done = not masked and r.params.max_post_steps == 0
             else:
                 st.post_steps += 1
+                b.busy_steps[i] += 1  # an editing-only step is a step of the request (num_steps)
                 st.done = tokens == st.tokens or st.post_steps >= r.params.max_post_steps
             st.tokens = tokens
         done[i] = st.done
