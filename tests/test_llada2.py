@@ -338,11 +338,15 @@ def test_step_advance_and_other_caches_give_the_same_tokens(model, references):
         assert [o.token_ids for o in eng.generate([prompts[i] for i in pick], params)] == [outs[i] for i in pick]
 
 
-def test_editing_is_refused_on_other_families():
+def test_editing_is_refused_on_other_families_and_d2f_on_llada2(model):
     m = build_model(ModelConfig.tiny("llada"), dtype=torch.float64)
     out = Engine(m, EngineConfig(block_length=L, steps_per_block=L)).generate([[5, 6]], SamplingParams(
         max_new_tokens=4, edit_threshold=0.5))[0]
     assert out.finish_reason == "error" and "edit_threshold" in out.error
+    bad, good = Engine(model, EngineConfig(block_length=L, steps_per_block=L, cache="persistent")).generate(
+        [[20, 21, 22], [20, 21, 22]], [SamplingParams(max_new_tokens=8, block_add_threshold=0.5),
+                                       SamplingParams(max_new_tokens=8)])
+    assert bad.finish_reason == "error" and "D2F" in bad.error and good.finish_reason in ("stop", "length")
 
 
 @pytest.mark.parametrize("change,message", [({"use_sliding_window": True}, "use_sliding_window"),
