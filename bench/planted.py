@@ -152,7 +152,10 @@ class PlantedStops(nn.Module):
             m, layer = self.markers, self.model.layers[0]
             toks = torch.arange(m.marker_base, m.marker_base + m.n_markers, device=v.device)
             with torch.inference_mode():
-                self._v_table[key] = layer.v(layer.attn_norm(self.model.embed(toks))).float()
+                x = layer.attn_norm(self.model.embed(toks))
+                # LLaDA2's block has one fused projection (engine.models.llada2): its v heads
+                v_of = layer.heads(x[None])[2][0].flatten(1) if hasattr(layer, "heads") else layer.v(x)
+                self._v_table[key] = v_of.float()
         table = self._v_table[key]
         vf = v.float()
         d2 = (vf * vf).sum(1, keepdim=True) - 2 * vf @ table.T + (table * table).sum(1)[None]

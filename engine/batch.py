@@ -77,15 +77,18 @@ class Batch:
 
 
 def attention_mask(lens: torch.Tensor, prompt_len: torch.Tensor, width: int, block_length: int,
-                   block_causal: bool) -> torch.Tensor:
+                   block_causal: bool, absolute: bool = False) -> torch.Tensor:
     """Pad keys are never attended. Block-causal models: the prompt attends to the
-    prompt, block j to the prompt, earlier blocks and itself."""
+    prompt, block j to the prompt, earlier blocks and itself; `absolute` (LLaDA2): blocks
+    at multiples of the block length from position 0, the prompt's among them."""
     col = torch.arange(width, device=lens.device)[None]
     valid = col >= (width - lens)[:, None]
     if not block_causal:
         return valid[:, None, None, :]
     pos = (col - (width - lens)[:, None]).clamp(min=0)
     seg = torch.where(pos < prompt_len[:, None], 0, (pos - prompt_len[:, None]) // block_length + 1)
+    if absolute:
+        seg = pos // block_length
     return (valid[:, None, :] & (seg[:, None, :] <= seg[:, :, None]))[:, None]
 
 
@@ -160,7 +163,7 @@ def relayout(old: Optional[Batch], rows: List[Request], grown: set, *, mcfg: Mod
         fresh = torch.full((len(new), W), mcfg.pad_token_id, dtype=torch.long)
         for j, i in enumerate(new):
             r = rows[i]
-            inflight = r.d2f.tokens() if r.d2f is not None else [mcfg.mask_token_id] * (L + r.tail)
+            inflight = r.d2f.tokens() if r.d2f is not None else r.block_tokens(mcfg.mask_token_id)
             fresh[j, W - r.width:] = torch.tensor(r.prompt + r.generated + inflight)
         ids[torch.tensor(new, device=dev)] = fresh.to(dev)
     n = masked.shape[1]  # the window: a frozen D2F row may have masks in every block it had in flight
@@ -171,8 +174,9 @@ def relayout(old: Optional[Batch], rows: List[Request], grown: set, *, mcfg: Mod
     same_rows = old is not None and rows == old.rows  # Request compares by identity
     prompt_len = old.prompt_len if same_rows else torch.tensor([r.prompt_len for r in rows])
     row_params = old.row_params if same_rows else RowParams.build(
-        [r.params for r in rows], [r.noise_seed for r in rows], dev, first_position_default=first_position)
+        [r.params for r in rows], [r.noise_seed for r in rows], dev, first_position_default=first_position,
+        llada2=mcfg.llada2)
     return Batch(rows=list(rows), ids=ids, lens=lens, tail=tail, prompt_len=prompt_len, cached=cached, step=step,
                  busy_steps=busy, prompt_fwd=fwd, frozen=frozen, masked=masked,
-                 mask=attention_mask(lens.to(dev), prompt_len.to(dev), W, L, mcfg.block_causal),
+                 mask=attention_mask(lens.to(dev), prompt_len.to(dev), W, L, mcfg.block_causal, mcfg.llada2),
                  row_params=row_params, block_length=L, nact=nact)

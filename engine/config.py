@@ -47,6 +47,12 @@ class SamplingParams:
     is cut before it), `seed`, `n` (samples per row; the pipeline expands a row into n
     requests with seeds derived from the row's). `from_dict` also takes `max_tokens`.
 
+    LLaDA2 checkpoints (engine.llada2): `threshold` is LLaDA2's rule (confidence strictly
+    greater, at least the `fixed` schedule's k of the step, so LLaDA2.1's k = 1 is
+    steps_per_block = block_length), and `edit_threshold` (None: off) turns on LLaDA2.1's
+    token editing with at most `max_post_steps` editing-only steps per block; other
+    families refuse edit_threshold.
+
     D2F (Discrete Diffusion Forcing, engine.d2f): `block_add_threshold` set (None: one
     block at a time) keeps several blocks of the request in flight: a block is added
     once the last one's decoded fraction reaches it, a block may force its most
@@ -91,6 +97,13 @@ class SamplingParams:
     decoded_token_threshold: float = field(default=0.95, metadata={"help": (
         "D2F: a block forces its most confident token only once its predecessor's decoded fraction reaches "
         "this")})
+    # LLaDA2.1's token editing (engine.llada2); None: no editing. Other families refuse it.
+    edit_threshold: Optional[float] = field(default=None, metadata={"help": (
+        "LLaDA2.1 token editing: a decoded token of the current block is rewritten when the new argmax differs "
+        "and its probability is strictly greater than this (none: no editing)")})
+    max_post_steps: int = field(default=16, metadata={"help": (
+        "LLaDA2.1 token editing: editing-only steps at most once the block has no mask (ending at the first "
+        "step without an edit)")})
     # DiffusionGemma's knobs, under transformers' names (engine.canvas); None: the checkpoint's
     # generation_config.json, then transformers' defaults. Other families do not read them.
     max_denoising_steps: Optional[int] = field(default=None, metadata={"help": (
@@ -163,6 +176,10 @@ class SamplingParams:
         if self.d2f and ((self.policy, self.remasking) != ("threshold", "low_confidence") or self.first_position):
             return ("block_add_threshold (D2F) decodes with policy 'threshold', remasking 'low_confidence' "
                     f"and no first_position, got {self.policy!r}, {self.remasking!r}, {self.first_position!r}")
+        if self.edit_threshold is not None and not 0.0 <= float(self.edit_threshold) <= 1.0:
+            return f"edit_threshold must be in [0, 1] or null, got {self.edit_threshold!r}"
+        if not isinstance(self.max_post_steps, int) or self.max_post_steps < 0:
+            return f"max_post_steps must be an integer >= 0, got {self.max_post_steps!r}"
         for name in ("max_denoising_steps", "stability_threshold"):
             v = getattr(self, name)
             if v is not None and (not isinstance(v, int) or v < (1 if name == "max_denoising_steps" else 0)):

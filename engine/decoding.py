@@ -37,10 +37,13 @@ class RowParams:
     first_position_host: torch.Tensor  # CPU bool [B]
     any_entropy: bool
     any_margin: bool
+    llada2: bool = False  # LLaDA2's threshold rule (engine.llada2): strictly greater, a floor of k per step
+    max_new: Optional[torch.Tensor] = None  # LLaDA2: max_new_tokens per row (2.0's steps = min(steps, gen_length))
+    editing: Optional[torch.Tensor] = None  # LLaDA2: rows with token editing (2.1's loop: a floor of 1)
 
     @classmethod
     def build(cls, params: Sequence, seeds: Sequence[Optional[int]], device,
-              first_position_default: bool = False) -> "RowParams":
+              first_position_default: bool = False, llada2: bool = False) -> "RowParams":
         f64 = dict(dtype=torch.float64, device=device)
         first = [first_position_default if p.first_position is None else bool(p.first_position) for p in params]
         policy = torch.tensor([POLICY_IDS[p.policy] for p in params])
@@ -55,7 +58,10 @@ class RowParams:
                    seeds=list(seeds), params=list(params), policy_host=policy,
                    first_position_host=torch.tensor(first, dtype=torch.bool),
                    any_entropy=any(p.remasking == "entropy" for p in params),
-                   any_margin=any(p.remasking == "margin" for p in params))
+                   any_margin=any(p.remasking == "margin" for p in params), llada2=llada2,
+                   max_new=torch.tensor([p.max_new_tokens for p in params], device=device) if llada2 else None,
+                   editing=torch.tensor([p.edit_threshold is not None for p in params], device=device)
+                   if llada2 else None)
 
 
     def take(self, index: torch.Tensor) -> "RowParams":
@@ -69,7 +75,9 @@ class RowParams:
                          first_position=pick(self.first_position), top_p=pick(self.top_p), top_k=pick(self.top_k),
                          seeds=[self.seeds[i] for i in ix], params=[self.params[i] for i in ix],
                          policy_host=self.policy_host[index], first_position_host=self.first_position_host[index],
-                         any_entropy=self.any_entropy, any_margin=self.any_margin)
+                         any_entropy=self.any_entropy, any_margin=self.any_margin, llada2=self.llada2,
+                         max_new=None if self.max_new is None else pick(self.max_new),
+                         editing=None if self.editing is None else pick(self.editing))
 
 
 def fixed_schedule(step: torch.Tensor, block_length: int, steps: int) -> torch.Tensor:
@@ -165,8 +173,15 @@ def select(conf: torch.Tensor, is_mask: torch.Tensor, step: torch.Tensor, rp: Ro
     n_mask = is_mask.sum(1)
     # fixed: the k_s most confident masked positions
     by_fixed = rank < fixed_schedule(step, block_length, steps)[:, None]
-    # threshold: every confident position, at least the most confident one
-    by_threshold = (conf >= rp.threshold[:, None]) | (rank == 0)
+    # threshold: every confident position, at least the most confident one (LLaDA2's
+    # generate(): confidence strictly greater, at least k: 2.0's schedule over
+    # min(steps, max_new_tokens) steps, 1 in 2.1's loop, the editing rows')
+    if rp.llada2:
+        s_row = rp.max_new.clamp(max=steps)
+        k = torch.where(rp.editing, 1, block_length // s_row + (step < block_length % s_row).long())
+        by_threshold = (conf > rp.threshold[:, None]) | (rank < k[:, None])
+    else:
+        by_threshold = (conf >= rp.threshold[:, None]) | (rank == 0)
     # factor (get_transfer_index_dynamic): k = how many leading sorted confidences pass
     # 1 - f/(n+1) (the first always passes); the reference then takes k, but 1 when
     # k == 0 and all n masks when k >= n - 1

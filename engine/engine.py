@@ -27,6 +27,7 @@ import torch
 
 from .batch import Batch, relayout
 from .config import EngineConfig, SamplingParams
+from . import llada2
 from .d2f import D2FState
 from .decoding import propose, select, select_d2f, step_cap
 from .models import DLLM
@@ -80,7 +81,10 @@ class Engine:
         ids, error = tokenize(prompt, self.tokenizer)
         stop = list(params.stop_token_ids) if params.stop_token_ids is not None else self.mcfg.stop_token_ids
         req = Request(request_id, ids or [], params, self.cfg.block_length, stop, full_canvas=self.full_canvas)
-        req.error = error or validate(req, self.mcfg, self.cfg, self.tokenizer is not None)
+        req.error = error or validate(req, self.mcfg, self.cfg, self.tokenizer is not None) \
+            or llada2.unsupported(req, self.mcfg.llada2)
+        if self.mcfg.llada2 and not req.error:  # blocks at absolute positions (engine.llada2)
+            llada2.split_prompt(req)
         if params.d2f and not req.error:
             req.d2f = D2FState(float(params.block_add_threshold), float(params.decoded_token_threshold),
                                self.cfg.block_length, req.num_blocks_needed, self.mcfg.mask_token_id, stop)
@@ -211,6 +215,9 @@ class Engine:
         x0, conf = propose(units(logits), rp, keys, units(is_mask), need_idx)
         step = b.step.repeat_interleave(NB) if NB > 1 else b.step
         sel = select(conf, units(is_mask), step.to(self.device), rp, L, S)
+        editing = llada2.editing_rows(b) if self.mcfg.llada2 else []
+        if editing:  # LLaDA2.1 token editing, in the same step as the mask commits
+            sel = sel | llada2.edits(b, editing, logits, x0, window, is_mask)
         if b.has_d2f:
             complete = torch.tensor(self._d2f_complete(b), dtype=torch.bool)
             d2f = b.d2f_rows.repeat_interleave(NB).to(self.device)[:, None]
@@ -223,6 +230,8 @@ class Engine:
         blocks = self._fetch(window)
         b.masked = (blocks == mask_id) & b.valid
         done = ~b.masked[:, -L:].any(1) | (b.step >= step_cap(b.row_params.policy_host, L, S))
+        if editing:
+            done = llada2.after_step(b, editing, blocks, done)
         return done, blocks
 
     def _noise_keys(self, b: Batch) -> Optional[List[Optional[int]]]:
@@ -302,9 +311,11 @@ class Engine:
     def _committed(self, r: Request, blk: List[int]) -> bool:
         """Append committed tokens `blk` to `r`; True when the request finished (a stop
         token or string in them, or its last block)."""
-        stop_at = next((j for j, t in enumerate(blk) if t in r.stop_ids), -1)
-        n_before = len(r.generated)
+        n_before = len(r.output_ids)
+        lead = 0 if r.generated else len(r.lead)  # LLaDA2: the prompt's tail opens the first block
         r.generated.extend(blk)
+        blk = blk[lead:]
+        stop_at = next((j for j, t in enumerate(blk) if t in r.stop_ids), -1)
         budget = r.params.max_new_tokens
         end = n_before + stop_at if stop_at >= 0 else budget
         cut = self._stop_string(r, n_before, min(end, budget)) if r.params.stop else None
@@ -325,7 +336,7 @@ class Engine:
         def first(text: str) -> int:
             return min((i for i in (text.find(x) for x in req.params.stop) if i >= 0), default=-1)
 
-        decode = lambda n: self.tokenizer.decode(req.generated[:n], skip_special_tokens=True)  # noqa: E731
+        decode = lambda n: self.tokenizer.decode(req.output_ids[:n], skip_special_tokens=True)  # noqa: E731
         if first(decode(n_max)) < 0:
             return None
         for n in range(n_before + 1, n_max + 1):
@@ -336,7 +347,7 @@ class Engine:
         return None
 
     def _finish(self, req: Request, reason: str, n_tokens: int = 0, text: Optional[str] = None) -> None:
-        toks = req.generated[:n_tokens] if reason != "error" else []
+        toks = req.output_ids[:n_tokens] if reason != "error" else []
         if reason != "error":
             self.scheduler.finish(req)
             self.stats.generated_tokens += len(toks)
@@ -344,6 +355,6 @@ class Engine:
         if text is None and self.tokenizer is not None and reason != "error":
             text = self.tokenizer.decode(toks, skip_special_tokens=True)
         self._finished.append(RequestOutput(
-            request_id=req.request_id, prompt_token_ids=req.prompt, token_ids=toks, finish_reason=reason,
+            request_id=req.request_id, prompt_token_ids=req.prompt + req.lead, token_ids=toks, finish_reason=reason,
             text=text, error=req.error, num_blocks=req.block_index, num_steps=req.num_steps,
             latency_s=time.perf_counter() - req.arrival, prompt_tokens_forwarded=req.prompt_forwarded))

@@ -46,6 +46,10 @@ class Request:
     prompt_forwarded: int = 0  # prompt tokens forwarded over the request's life (cache accounting)
     full_canvas: bool = False  # the row holds all its blocks from admission (EngineConfig.canvas)
     d2f: Optional[D2FState] = None  # D2F rows: the blocks in flight (SamplingParams.block_add_threshold)
+    # LLaDA2 (blocks at absolute positions, engine.llada2): the prompt's tail after its last
+    # whole block, which opens the first decoded block; `prompt` is then the whole blocks only
+    lead: List[int] = field(default_factory=list)
+    edit: Any = None  # LLaDA2.1 token editing: the current block's editing state (engine.llada2)
 
     @property
     def prompt_len(self) -> int:
@@ -59,7 +63,18 @@ class Request:
     def num_blocks_needed(self) -> int:
         if self.params.d2f:  # D2F's count: whole blocks only
             return self.params.max_new_tokens // self.block_length
-        return math.ceil(self.params.max_new_tokens / self.block_length)
+        return math.ceil((len(self.lead) + self.params.max_new_tokens) / self.block_length)
+
+    @property
+    def output_ids(self) -> List[int]:
+        """The generated tokens (the committed blocks without the prompt's tail, `lead`)."""
+        return self.generated[len(self.lead):] if self.lead else self.generated
+
+    def block_tokens(self, mask_id: int) -> List[int]:
+        """The current block (and under the full canvas the masked suffix) as a row is
+        (re)built: masks, after the prompt's tail in the first block."""
+        lead = [] if self.generated else self.lead
+        return lead + [mask_id] * (self.block_length + self.tail - len(lead))
 
     @property
     def n_active(self) -> int:

@@ -83,6 +83,26 @@ LLADA_MOE_CONFIG = {
     "tie_word_embeddings": False, "torch_dtype": "bfloat16", "transformers_version": "4.46.3", "use_cache": False,
     "vocab_size": 157184,
 }
+# LLaDA2.0-mini's config.json (the keys of the published LLaDA2MoeConfig, its values at the
+# mini sizes: 20 layers, 256 experts top-8 in 8 groups, one shared expert); no eos_token_id
+# nor mask_token_id: generate() defaults them to 156892 / 156895. LLaDA2.1-mini's is the same.
+LLADA2_CONFIG = {
+    "architectures": ["LLaDA2MoeModelLM"], "attention_dropout": 0.0,
+    "auto_map": {"AutoConfig": "configuration_llada2_moe.LLaDA2MoeConfig",
+                 "AutoModel": "modeling_llada2_moe.LLaDA2MoeModel",
+                 "AutoModelForCausalLM": "modeling_llada2_moe.LLaDA2MoeModelLM"},
+    "embedding_dropout": 0.0, "first_k_dense_replace": 1, "head_dim": 128, "hidden_act": "silu", "hidden_size": 2048,
+    "initializer_range": 0.02, "intermediate_size": 5120, "max_position_embeddings": 32768,
+    "max_window_layers": 28, "model_type": "llada2_moe", "moe_intermediate_size": 512,
+    "moe_router_enable_expert_bias": True, "n_group": 8, "norm_head": False, "norm_topk_prob": True,
+    "num_attention_heads": 16, "num_experts": 256, "num_experts_per_tok": 8, "num_hidden_layers": 20,
+    "num_key_value_heads": 4, "num_shared_experts": 1, "output_dropout": 0.0, "output_router_logits": False,
+    "pad_token_id": 156892, "partial_rotary_factor": 0.5, "rms_norm_eps": 1e-06, "rope_scaling": None,
+    "rope_theta": 600000, "routed_scaling_factor": 2.5, "router_dtype": "fp32", "score_function": "sigmoid",
+    "sliding_window": 4096, "tie_word_embeddings": False, "topk_group": 4, "torch_dtype": "bfloat16",
+    "transformers_version": "4.52.4", "use_bias": False, "use_cache": False, "use_qk_norm": True,
+    "use_qkv_bias": False, "use_sliding_window": False, "vocab_size": 157184,
+}
 LING_SPECIAL = {156891: "<|startoftext|>", 156892: "<|endoftext|>", 156895: "<|mask|>", 156900: "<role>",
                 156901: "</role>", 156902: "<|role_end|>"}
 LING_TEMPLATE = ("{% for message in messages %}{{ '<role>' + message['role'] | upper + '</role>' + message['content'] "
@@ -242,6 +262,25 @@ def write_llada_moe(root: str, variant: str = "Instruct", seed: int = 0, **tiny)
     return root
 
 
+def write_llada2(root: str, variant: str = "2.0-mini", seed: int = 0, **tiny) -> str:
+    """inclusionAI/LLaDA2.0-mini's (and LLaDA2.1-mini's) file set: config.json with every
+    published key (sizes shrunk to hidden 16, layer 0 dense, layer 1 of 4 experts in 2
+    groups, top-2, a shared expert), the real vocabulary 157184 (<|endoftext|> 156892,
+    <|mask|> 156895 from the tokenizer), tokenizer files with the Ling chat template, 3
+    shards with the index, the remote-code files."""
+    t = {**TINY, **tiny}
+    os.makedirs(root, exist_ok=True)
+    hf = dict(LLADA2_CONFIG, hidden_size=t["hidden"], num_attention_heads=t["heads"], num_key_value_heads=t["kv_heads"],
+              head_dim=t["hidden"] // t["heads"], intermediate_size=t["ffn"], moe_intermediate_size=t["ffn"] // 2,
+              num_hidden_layers=2, num_experts=4, num_experts_per_tok=2, n_group=2, topk_group=1)
+    _weights(root, hf, 3, seed)
+    _dump(os.path.join(root, "config.json"), hf)
+    _fast_tokenizer(root, 157184, LING_SPECIAL, dict(eos_token="<|endoftext|>", pad_token="<|endoftext|>",
+                                                      mask_token="<|mask|>"), LING_TEMPLATE)
+    _remote_code_stubs(root, ("configuration_llada2_moe.py", "modeling_llada2_moe.py"))
+    return root
+
+
 # module names D2F's adapters target (SJTU-Deng-Lab/D2F_LLaDA_Instruct_8B_Lora, D2F_Dream_Base_7B_Lora)
 D2F_TARGETS = {"llada": ["q_proj", "k_proj", "v_proj", "attn_out"], "Dream": ["q_proj", "k_proj", "v_proj", "o_proj"]}
 
@@ -278,7 +317,7 @@ def write_lora(root: str, cfg: ModelConfig, r: int = 4, lora_alpha: float = 8.0,
 
 LAYOUTS = {"LLaDA-8B-Instruct": (write_llada, "Instruct"), "LLaDA-8B-Base": (write_llada, "Base"),
            "Dream-v0-Instruct-7B": (write_dream, "Instruct"), "Dream-v0-Base-7B": (write_dream, "Base")}
-MOE_LAYOUTS = {"LLaDA-MoE-7B-A1B-Instruct": (write_llada_moe, "Instruct")}
+MOE_LAYOUTS = {"LLaDA-MoE-7B-A1B-Instruct": (write_llada_moe, "Instruct"), "LLaDA2.0-mini": (write_llada2, "2.0-mini")}
 
 
 def write_layout(name: str, root: str, seed: int = 0) -> str:

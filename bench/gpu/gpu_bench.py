@@ -56,7 +56,26 @@ LLADA_MOE_7B = dict(model_type="llada_moe", vocab_size=157184, hidden_size=2048,
 SMOKE_MOE = dict(model_type="llada_moe", vocab_size=2048, hidden_size=64, n_layers=2, n_heads=4, n_kv_heads=4,
                  intermediate_size=192, mask_token_id=2047, eos_token_id=1, max_seq_len=1024, qk_norm=True,
                  moe=MoESpec(num_experts=4, top_k=2, expert_size=32, dense_size=192, dense_layers=(True, False)))
-SHAPES = ("llada-8b", "llada-moe-7b")
+# inclusionAI/LLaDA2.0-mini's shape (--shape llada2-mini; LLaDA2.1-mini's is the same): 20 layers, layer 0
+# dense, then 256 sigmoid-routed experts of width 512, top-8 in 8 groups (4 kept), one shared expert
+LLADA2_MINI = dict(model_type="llada2_moe", vocab_size=157184, hidden_size=2048, n_layers=20, n_heads=16,
+                   n_kv_heads=4, intermediate_size=5120, mask_token_id=156895, eos_token_id=156892,
+                   rope_theta=600000.0, rms_norm_eps=1e-6, max_seq_len=32768, qk_norm=True, partial_rotary_factor=0.5,
+                   dllm_attention="block_causal",
+                   moe=MoESpec(num_experts=256, top_k=8, expert_size=512, dense_size=5120,
+                               dense_layers=(True,) + (False,) * 19, shared_size=512, score="sigmoid",
+                               expert_bias=True, bias_in_weights=False, renormalize=True, scaling=2.5, n_group=8,
+                               topk_group=4))
+SMOKE_LLADA2 = dict(model_type="llada2_moe", vocab_size=2048, hidden_size=64, n_layers=2, n_heads=4, n_kv_heads=2,
+                    intermediate_size=192, mask_token_id=2047, eos_token_id=1, max_seq_len=1024, qk_norm=True,
+                    partial_rotary_factor=0.5, dllm_attention="block_causal",
+                    moe=MoESpec(num_experts=8, top_k=2, expert_size=32, dense_size=192, dense_layers=(True, False),
+                                shared_size=32, score="sigmoid", expert_bias=True, bias_in_weights=False,
+                                renormalize=True, scaling=2.5, n_group=4, topk_group=2))
+SHAPES = ("llada-8b", "llada-moe-7b", "llada2-mini")
+# (smoke shape, full shape) per --shape
+SHAPE_CONFIGS = {"llada-8b": ("SMOKE_SHAPE", "LLADA_8B"), "llada-moe-7b": ("SMOKE_MOE", "LLADA_MOE_7B"),
+                 "llada2-mini": ("SMOKE_LLADA2", "LLADA2_MINI")}
 SMOKE_SHAPE = dict(model_type="llada", vocab_size=2048, hidden_size=64, n_layers=2, n_heads=4, n_kv_heads=4,
                    intermediate_size=192, mask_token_id=2047, eos_token_id=1, max_seq_len=1024)
 
@@ -212,7 +231,8 @@ def parse_args(argv=None):
     ap.add_argument("--cache", default="dual", choices=["none", "refresh", "persistent", "dual"],
                     help="every run's cache (default dual: Fast-dLLM's fastest)")
     ap.add_argument("--shape", default="llada-8b", choices=SHAPES,
-                    help="model shape (random weights): LLaDA-8B, or LLaDA-MoE-7B-A1B's experts")
+                    help="model shape (random weights): LLaDA-8B, LLaDA-MoE-7B-A1B's experts, or LLaDA2.0-mini's "
+                         "(block-causal at absolute blocks: run it with --canvas block --cache persistent)")
     return ap.parse_args(argv)
 
 
@@ -245,8 +265,7 @@ def main(argv=None) -> Dict[str, Any]:
     t = time.perf_counter()
     peak = matmul_peak(device, dtype, 512 if smoke else 8192)
     rep.data["matmul_peak"] = peak
-    moe = args.shape == "llada-moe-7b"
-    cfg = ModelConfig(**((SMOKE_MOE if moe else SMOKE_SHAPE) if smoke else (LLADA_MOE_7B if moe else LLADA_8B)))
+    cfg = ModelConfig(**globals()[SHAPE_CONFIGS[args.shape][0 if smoke else 1]])
     model = build_on_device(cfg, dtype, device)
     sync(device)
     rep.data["model"] = {"config": cfg.to_hf(), "params": cfg.num_params(), "active_params": cfg.active_params(),
@@ -284,7 +303,8 @@ def main(argv=None) -> Dict[str, Any]:
     queue += [("variant", v) for v in variants if v not in rep.data["modes_unsupported"]]
     # D2F (issue 25): the same weights read as block-causal, semi-AR against D2F at the budget of
     # static-B, and D2F one request at a time (the characterisation's batching gain)
-    queue += [("d2f", None), ("d2f", D2F_TAU_ADD), ("d2f-sequential", D2F_TAU_ADD)]
+    if not cfg.llada2:  # LLaDA2 is block-causal already, and D2F is not implemented on its absolute blocks
+        queue += [("d2f", None), ("d2f", D2F_TAU_ADD), ("d2f-sequential", D2F_TAU_ADD)]
     for b in sizes[1:]:
         queue += [("static", b), ("blockserve", b)]
     queue.append(("auto", None))

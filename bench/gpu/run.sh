@@ -5,6 +5,8 @@
 #     bash bench/gpu/run.sh              # JSON in $OUT/gpu_bench.json ($OUT defaults to ./out)
 #     bash bench/gpu/run.sh --smoke      # CPU, tiny shape (CI check)
 #     bash bench/gpu/run.sh --shape llada-moe-7b   # LLaDA-MoE-7B-A1B-shaped (64 experts, top-8), random bf16
+#     VARIANT=llada2 bash bench/gpu/run.sh         # LLaDA2.0-mini-shaped (256 experts, top-8), random bf16,
+#                                                  # persistent cache on the block canvas; JSON in $OUT/llada2/
 # The script keeps itself under ~7.5 minutes (priority-ordered runs under one deadline,
 # JSON rewritten after each run); `timeout` is only the backstop for a hang.
 set -euo pipefail
@@ -17,7 +19,13 @@ if command -v nvidia-smi >/dev/null 2>&1; then
   nvidia-smi --query-gpu=name,memory.total,memory.used,clocks.max.sm,power.limit --format=csv > "$OUT/nvidia_smi.csv" || true
 fi
 # VARIANT=llada or VARIANT=diffusion_gemma runs one of the two; the default runs both.
+# VARIANT=llada2 runs only the LLaDA2.0-mini-shaped one (its own ~7.5-minute slot).
 VARIANT="${VARIANT:-all}"
+if [ "$VARIANT" = llada2 ]; then
+  mkdir -p "$OUT/llada2"
+  exec timeout 475 "$PY" bench/gpu/gpu_bench.py --out "$OUT/llada2" --shape llada2-mini --canvas block \
+    --cache persistent "$@"
+fi
 if [ "$VARIANT" != diffusion_gemma ]; then
   timeout 475 "$PY" bench/gpu/gpu_bench.py --out "$OUT" "$@"
 fi

@@ -39,6 +39,7 @@ class ModelConfig:
     moe: Optional[MoESpec] = None  # mixture-of-experts layers (LLaDA-MoE); None: dense SwiGLU MLPs
     qk_norm: bool = False  # RMSNorm over each head's q and k before RoPE
     partial_rotary_factor: float = 1.0  # RoPE on the first head_dim * factor dims of each head
+    attn_out_bias: bool = False  # LLaDA2 use_bias: the attention output projection has a bias
 
     def __post_init__(self) -> None:
         if isinstance(self.moe, dict):  # as_dict() round trip
@@ -74,6 +75,11 @@ class ModelConfig:
     def shift_logits(self) -> bool:
         """Dream predicts token i from position i-1 (it was adapted from an AR model)."""
         return self.family.shift_logits
+
+    @property
+    def llada2(self) -> bool:
+        """LLaDA2's decoding (engine.llada2): blocks at absolute positions, the prompt block-causal."""
+        return self.family.llada2
 
     @property
     def block_causal(self) -> bool:

@@ -93,19 +93,22 @@ class MoELayer(Layer):
                 self.shared = MLP(d, spec.shared_size)
 
     def qkv(self, x, cos, sin):
-        B, T, _ = x.shape
-        H, Hkv, D, r = self.cfg.n_heads, self.cfg.n_kv_heads, self.cfg.head_dim, cos.shape[-1]
-        q = self.q(x).view(B, T, H, D)
-        k = self.k(x).view(B, T, Hkv, D)
+        D, r = self.cfg.head_dim, cos.shape[-1]
+        q, k, v = self.heads(x)
         if self.cfg.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        v = self.v(x).view(B, T, Hkv, D).transpose(1, 2)
-        q, k = q.transpose(1, 2), k.transpose(1, 2)
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
 
         def rot(t):  # RoPE on the first r dims of each head, the rest passes
             a = t[..., :r]
             return torch.cat([a * cos + _rotate_half(a) * sin, t[..., r:]], -1) if r < D else a * cos + _rotate_half(a) * sin
         return rot(q), rot(k), v
+
+    def heads(self, x):
+        """q [B, T, H, D], k and v [B, T, H_kv, D] (engine.models.llada2: one fused projection)."""
+        B, T, _ = x.shape
+        H, Hkv, D = self.cfg.n_heads, self.cfg.n_kv_heads, self.cfg.head_dim
+        return self.q(x).view(B, T, H, D), self.k(x).view(B, T, Hkv, D), self.v(x).view(B, T, Hkv, D)
 
     def ffn(self, x):
         if hasattr(self, "dense"):

@@ -79,12 +79,22 @@ def checkpoint_stop_ids(model_dir: str, hf: Optional[Dict[str, Any]] = None) -> 
     for t in _ids(gen.get("eos_token_id") if isinstance(gen, dict) else None):
         found.setdefault(t, "generation_config.json eos_token_id")
     template = chat_template_text(model_dir)
-    if template:
-        tokens = defined_tokens(model_dir)
-        for name in END_OF_TURN:
-            if name in template and name in tokens:
-                found.setdefault(tokens[name], f"chat template end of turn {name}")
+    tokens = defined_tokens(model_dir) if template or not found else {}
+    for name in END_OF_TURN if template else ():
+        if name in template and name in tokens:
+            found.setdefault(tokens[name], f"chat template end of turn {name}")
+    eos = tokenizer_eos(model_dir, tokens) if not found else None
+    if eos is not None:  # no eos_token_id anywhere (LLaDA2's config.json): the tokenizer's eos_token
+        found[eos] = "tokenizer_config.json eos_token"
     return found
+
+
+def tokenizer_eos(model_dir: str, tokens: Optional[Dict[str, int]] = None) -> Optional[int]:
+    """The id of tokenizer_config.json's eos_token among the added tokens, or None."""
+    eos = (_read(os.path.join(model_dir, "tokenizer_config.json")) or {}).get("eos_token")
+    eos = eos.get("content") if isinstance(eos, dict) else eos
+    tokens = defined_tokens(model_dir) if tokens is None else tokens
+    return tokens.get(eos) if isinstance(eos, str) else None
 
 
 def describe(stops: Dict[int, str]) -> str:
@@ -92,5 +102,5 @@ def describe(stops: Dict[int, str]) -> str:
     return ", ".join(f"{t} ({src})" for t, src in stops.items()) or "none"
 
 
-__all__ = ["checkpoint_stop_ids", "describe", "chat_template_text", "defined_tokens", "END_OF_TURN",
+__all__ = ["checkpoint_stop_ids", "tokenizer_eos", "describe", "chat_template_text", "defined_tokens", "END_OF_TURN",
            "STOP_IDS_HELP"]

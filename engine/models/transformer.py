@@ -159,6 +159,9 @@ def make_layer(cfg: ModelConfig, index: int) -> nn.Module:
     """A dense block, or (cfg.moe) engine.models.moe's block with experts or QK norm."""
     if cfg.moe is None and not cfg.qk_norm:
         return Layer(cfg)
+    if cfg.llada2:  # fused query_key_value (engine.models.llada2)
+        from .llada2 import LLaDA2Layer
+        return LLaDA2Layer(cfg, index)
     from .moe import MoELayer
     return MoELayer(cfg, index)
 

@@ -10,18 +10,17 @@ from .base import ConfigRefused, Family, FamilyNotSupported
 from .diffusion_gemma import is_diffusion_gemma
 from .dream import DREAM
 from .llada import LLADA
+from .llada2_moe import LLADA2_MOE
 from .llada_moe import LLADA_MOE, is_llada_moe
 
-FAMILIES: Dict[str, Family] = {f.model_type: f for f in (LLADA, DREAM, LLADA_MOE)}
-_ALIASES = {"LLaDA": "llada", "dream": "Dream"}
+FAMILIES: Dict[str, Family] = {f.model_type: f for f in (LLADA, DREAM, LLADA_MOE, LLADA2_MOE)}
+_ALIASES = {"LLaDA": "llada", "dream": "Dream", "llada2": "llada2_moe"}
 
 # Published families the engine does not implement: (test on config.json, one-line name).
 _NOT_IMPLEMENTED = (
     (lambda hf: hf.get("model_type") in ("llada", "LLaDA") and "d_model" not in hf and "num_experts" not in hf
      and "hidden_size" in hf,
      "a 'llada' config.json with Hugging Face style keys but no experts (neither LLaDA's nor LLaDA-MoE's layout)"),
-    (lambda hf: str(hf.get("model_type", "")).lower() in ("llada2_moe", "llada2"),
-     "LLaDA2.x (inclusionAI/LLaDA2.0-mini, LLaDA2.1-mini: model_type 'llada2_moe')"),
     (lambda hf: "gemma" in str(hf.get("model_type", "")).lower(), "Gemma (autoregressive)"),
 )
 

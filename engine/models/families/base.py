@@ -50,6 +50,9 @@ class Family:
     shift_logits: bool  # token i predicted at position i-1 (Dream: adapted from an AR model)
     first_position: bool  # decoding default: Dream commits a block's first position first
     defaults: Mapping[str, Any] = field(default_factory=dict)
+    # LLaDA2's decoding (engine.llada2): blocks at absolute positions, the prompt block-causal,
+    # its threshold rule, and LLaDA2.1's token editing
+    llada2: bool = False
 
     # --- config.json --------------------------------------------------------------------
     def check_config(self, hf: Mapping[str, Any]) -> None:

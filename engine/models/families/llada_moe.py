@@ -31,6 +31,8 @@ def mlp_shapes(prefix: str, d: int, f: int) -> Dict[str, Tuple[int, ...]]:
 
 
 class LLaDAMoEFamily(Family):
+    expert_bias_key = "mlp.expert_bias"  # where the checkpoint keeps layer i's expert bias
+
     def parse(self, hf: Mapping[str, Any]) -> Dict[str, Any]:
         n = hf["num_hidden_layers"]
         freq = hf.get("moe_layer_freq") or [1] * n
@@ -70,21 +72,25 @@ class LLaDAMoEFamily(Family):
         parts = internal.split(".")  # layers.{i}.{module}[.{j}][.{proj}].{weight}
         i, module, rest = parts[1], parts[2], parts[3:]
         if module == "expert_bias":
-            return self.layer_prefix.format(i=i) + "mlp.expert_bias"
+            return self.layer_prefix.format(i=i) + self.expert_bias_key
         rest = [_PROJ.get(r, r) for r in rest]
-        return self.layer_prefix.format(i=i) + ".".join([_MODULES[module], *rest])
+        return self.layer_prefix.format(i=i) + ".".join([self.layer_weights[module], *rest])
 
     def keeps_float32(self, internal: str) -> bool:
         return internal.endswith((".router.weight", ".expert_bias"))
 
+    def attention_shapes(self, cfg: Any, p: str) -> Dict[str, Tuple[int, ...]]:
+        """The attention projections of the layer whose names start with `p`."""
+        d, kv = cfg.hidden_size, cfg.n_kv_heads * cfg.head_dim
+        return {p + "q.weight": (d, d), p + "k.weight": (kv, d), p + "v.weight": (kv, d), p + "o.weight": (d, d)}
+
     def param_shapes(self, cfg: Any) -> Dict[str, Tuple[int, ...]]:
         d, hd, m = cfg.hidden_size, cfg.head_dim, cfg.moe
-        kv = cfg.n_kv_heads * hd
         out: Dict[str, Tuple[int, ...]] = {"embed.weight": (cfg.embedding_size, d)}
         for i in range(cfg.n_layers):
             p = f"layers.{i}."
-            out.update({p + "attn_norm.weight": (d,), p + "q.weight": (d, d), p + "k.weight": (kv, d),
-                        p + "v.weight": (kv, d), p + "o.weight": (d, d)})
+            out[p + "attn_norm.weight"] = (d,)
+            out.update(self.attention_shapes(cfg, p))
             if cfg.qk_norm:
                 out.update({p + "q_norm.weight": (hd,), p + "k_norm.weight": (hd,)})
             out[p + "mlp_norm.weight"] = (d,)
