@@ -218,6 +218,10 @@ class EngineConfig:
     canvas: Canvas = field(default="auto", metadata={"help": (
         "full: prompt + every masked block (LLaDA's generate, Fast-dLLM); block: BlockServe's box; auto: full"
         " for bidirectional models, block for block-causal ones")})
+    forward_overhead_cells: Optional[float] = field(default=None, metadata={"help": (
+        "what one more forward costs the catch-up planner, in query cells (none: fitted online from the "
+        "engine's own forwards; set it, e.g. to a run's recorded EngineStats.forward_overhead_cells, for the "
+        "same forwards, padding and tokens on every run)")})
     profile: bool = field(default=False, metadata={"help": (
         "synchronize the device after every forward so forward_s is exact (costs throughput on a GPU; "
         "off, the host runs ahead of the device)")})
@@ -234,6 +238,8 @@ class EngineConfig:
             raise ValueError("token_budget must exceed block_length")
         if self.max_batch_size < 1:
             raise ValueError("max_batch_size must be >= 1")
+        if self.forward_overhead_cells is not None and not float(self.forward_overhead_cells) >= 0:
+            raise ValueError(f"forward_overhead_cells must be >= 0 or none, got {self.forward_overhead_cells!r}")
 
     def full_canvas(self, block_causal: bool) -> bool:
         """Whether rows hold the full canvas on a model with this attention ("auto":

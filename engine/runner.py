@@ -78,6 +78,12 @@ class ModelRunner:
         self.shift = int(self.mcfg.shift_logits)
         self.fit = ForwardFit()  # forward time = a + b * cells, from this engine's own forwards
 
+    def overhead_cells(self) -> float:
+        """What one more forward costs the planner: EngineConfig.forward_overhead_cells when
+        set (plans are then a function of the requests alone), else the online fit."""
+        fixed = self.cfg.forward_overhead_cells
+        return float(fixed) if fixed is not None else self.fit.overhead_cells(FORWARD_OVERHEAD_CELLS)
+
     def windows(self, b: Batch):
         """Per row (host tensors), the query columns [q0, q1) a forward must compute now
         and [fresh, q1) those whose K/V it stores. The block's L columns always (and the
@@ -103,7 +109,7 @@ class ModelRunner:
         L = self.cfg.block_length
         # once caught up, a row computes its block, and its suffix unless the dual cache holds it
         after = b.nact * L + self.shift + (torch.zeros_like(b.tail) if self.cfg.cache == "dual" else b.tail)
-        overhead = self.fit.overhead_cells(FORWARD_OVERHEAD_CELLS)
+        overhead = self.overhead_cells()
         self.stats.forward_overhead_cells = overhead
         for group in catch_up_groups((q1 - q0).tolist(), L + self.shift, after.tolist(), overhead):
             self.forward(b, group)

@@ -29,7 +29,8 @@ class EngineStats:
     kv_copied_by: Dict[str, int] = field(default_factory=lambda: dict(regrow=0, move=0, shift=0))
     kv_peak_bytes: int = 0  # most K/V bytes allocated at once (one layer more while the buffers grow)
     kv_budget_bytes: int = 0  # token_budget cells of K/V, one buffer (0 without a cache)
-    forward_overhead_cells: float = 0.0  # the catch-up planner's cost of one more forward, in cells (ForwardFit)
+    forward_overhead_cells: float = 0.0  # the catch-up planner's cost of one more forward, in cells (EngineConfig
+    # .forward_overhead_cells when set, else ForwardFit)
     syncs: int = 0  # device -> host reads by the loop (each one a stall on an accelerator)
 
     @property

@@ -141,6 +141,23 @@ def test_engine_bench_smoke_writes_json(tmp_path):
     assert (tmp_path / "smoke.png").stat().st_size > 0
 
 
+def test_fixed_planner_overhead_makes_bench_runs_reproducible(work):
+    """Issue 28: with the catch-up planner's overhead an input (EngineConfig), two runs of
+    the same bench make the same forwards, pad the same cells and give the same tokens
+    (the online fit follows wall-clock timings, so its plans vary from run to run)."""
+    from bench.runner import RunSpec, fit_overhead, run
+
+    spec = RunSpec("b", "blockserve", 200, cache="dual", advance="step", canvas="full")
+    fitted = fit_overhead(work, spec, n=4)
+    assert fitted >= 0
+    spec.forward_overhead_cells = 48.0
+    a, b = run(work, spec), run(work, spec)
+    assert a.error is None and a.forward_overhead_cells == 48.0
+    assert (a.forwards, a.computed_cells, a.padded_cells, a.tokens) == (b.forwards, b.computed_cells, b.padded_cells,
+                                                                        b.tokens)
+    assert a.output_digests == b.output_digests and a.padded_cells > 0
+
+
 def test_gpu_bench_smoke_runs_on_cpu(tmp_path):
     d = gpu_bench.main(["--smoke", "--out", str(tmp_path), "--n-requests", "6", "--deadline-s", "120"])
     saved = json.loads((tmp_path / "gpu_bench.json").read_text())
