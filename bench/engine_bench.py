@@ -35,6 +35,7 @@ if __package__ in (None, ""):  # run as a script: make the repo root importable
 
 import torch  # noqa: E402
 
+from bench.fastdllm_loop import run_peer  # noqa: E402
 from bench.runner import RunResult, RunSpec, _widest, fit_overhead, run, warmup  # noqa: E402
 from bench.workloads import (SMOKE_SKEWED, SkewedSpec, TinyEvalSpec, Workload, skewed,  # noqa: E402
                              tiny_eval)
@@ -44,6 +45,11 @@ TARGETS = {
                "blockserve_padding_max": 0.15, "blockserve_host_overhead_max": 0.15},
     "tiny-eval": {"blockserve_over_static": 1.5},
 }
+
+
+PEER = "fastdllm-bs1-dual"  # bench/fastdllm_loop.py's label
+# issue 28, acceptance 1 (full canvas + dual cache): blockserve with step advance against the peer and sequential
+PEER_TARGETS = {"over_peer": 2.5, "over_sequential": 1.8}
 
 
 @dataclass
@@ -61,6 +67,7 @@ request of the workload: ratios are between runs of the same requests."""
     advance: str = "block"  # blockserve's advance mode (the baselines run in lock step either way)
     canvas: str = "auto"  # every run's canvas, baselines included (variants may override)
     forward_overhead_cells: Optional[float] = None  # every run's catch-up overhead (None: each fits online)
+    peer: bool = False  # the Fast-dLLM-style batch-size-1 dual-cache loop (bench/fastdllm_loop.py)
 
 
 def machine_info(threads: int) -> Dict[str, object]:
@@ -141,6 +148,8 @@ def run_plan(w: Workload, plan: Plan, log=print) -> List[RunResult]:
         items: List[tuple] = []
         if plan.sequential:
             items.append(("sequential", None))
+        if plan.peer:
+            items.append(("peer", None))
         for b in plan.static_sizes:
             items += [("static", b), ("blockserve", b)]
         mid = plan.static_sizes[len(plan.static_sizes) // 2]
@@ -153,6 +162,10 @@ def run_plan(w: Workload, plan: Plan, log=print) -> List[RunResult]:
             assert all(b in budgets for b in plan.static_sizes)
         for kind, arg in items:
             same = dict(cache=plan.cache, canvas=plan.canvas, forward_overhead_cells=plan.forward_overhead_cells)
+            if kind == "peer":
+                results.append(run_peer(w))
+                log(f"[round {r}] {results[-1].label:30s} {results[-1].tokens_per_cpu_s:8.1f} tok/cpu-s")
+                continue
             if kind == "sequential":
                 spec = RunSpec("sequential", "sequential", widest, max_batch_size=1, **same)
             elif kind == "static":
@@ -216,6 +229,10 @@ def ratios(summary: Dict[str, Dict[str, object]], sizes: List[int], key: str = "
             main = summary.get(f"blockserve@B{b}")
             if main:  # e.g. the cost of the full canvas: blockserve@B16 / blockserve+canvas-block@B16
                 out[f"blockserve@B{b}/{label}"] = r(main, s)
+    peer = summary.get(PEER)
+    for label, s in summary.items():  # every engine run against the Fast-dLLM-style batch-1 loop
+        if peer and label != PEER and s["scheduler"] in ("blockserve", "sequential"):
+            out[f"{label}/{PEER}"] = r(s, peer)
     return out
 
 
@@ -234,6 +251,13 @@ def check_targets(workload: str, summary, rat, sizes) -> Dict[str, object]:
     if "blockserve_host_overhead_max" in t:
         out["blockserve_host_overhead_met"] = {s["label"]: s["host_overhead"] <= t["blockserve_host_overhead_max"]
                                                for s in bs}
+    step = next((k for k in summary if k.startswith("blockserve+step@")), None)
+    if step and PEER in summary:
+        key = "tokens_per_cpu_s_rounds"
+        for name, base in (("over_peer", PEER), ("over_sequential", "sequential")):
+            if base in summary:
+                v = median([x / y for x, y in zip(summary[step][key], summary[base][key])])
+                out[f"{step}_{name}_cpu"] = {"ratio": v, "target": PEER_TARGETS[name], "met": v >= PEER_TARGETS[name]}
     accs = {label: s["accuracy"] for label, s in summary.items() if s.get("accuracy") is not None}
     if accs:
         full = {label: a for label, a in accs.items() if summary[label]["requests"] == max(
@@ -358,7 +382,8 @@ def main(argv=None) -> Dict[str, object]:
         torch.set_num_threads(args.threads)
     sizes = [int(x) for x in (args.static_batch_sizes or ("2,4" if args.smoke else "8,16,32")).split(",")]
     plan = Plan(sizes, args.sequential, [v for v in args.variants.split(",") if v], cache=args.cache,
-                repeats=args.repeats, advance=args.advance, canvas=args.canvas)
+                repeats=args.repeats, advance=args.advance, canvas=args.canvas,
+                peer=args.cache == "dual" and args.canvas == "full")
     git = git_state()  # before the runs: the engine files may change on disk while they go
     w = build_workload(args)
     warmup(w)
