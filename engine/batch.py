@@ -18,6 +18,7 @@ from typing import Dict, List, Optional
 import torch
 
 from .decoding import RowParams
+from .modes import CacheMode
 from .models import KVCache, ModelConfig
 from .sequence import Request
 
@@ -90,13 +91,13 @@ def attention_mask(lens: torch.Tensor, prompt_len: torch.Tensor, width: int, blo
 
 
 def start_next_block(lens: torch.Tensor, tail: torch.Tensor, step: torch.Tensor, busy: torch.Tensor,
-                     cached: torch.Tensor, grew: torch.Tensor, block_length: int, cache_mode: str,
+                     cached: torch.Tensor, grew: torch.Tensor, block_length: int, mode: CacheMode,
                      full_canvas: bool):
     """(lens, tail, step, busy_steps, cached) once the rows in `grew` committed a block
     and start the next: under the block canvas L more columns, under the full canvas
     the next L of the suffix; a fresh step count; `refresh` and `dual` recompute the
-    row (nothing cached), `persistent` keeps its cache."""
-    if cache_mode != "persistent":
+    row (nothing cached), `persistent` keeps its cache (engine.modes)."""
+    if mode.recomputes_at_block_start():
         cached = torch.where(grew, 0, cached)
     grow = grew.long() * block_length
     lens, tail = (lens, tail - grow) if full_canvas else (lens + grow, tail)
@@ -104,7 +105,7 @@ def start_next_block(lens: torch.Tensor, tail: torch.Tensor, step: torch.Tensor,
 
 
 def relayout(old: Optional[Batch], rows: List[Request], grown: set, *, mcfg: ModelConfig, block_length: int,
-             cache_mode: str, full_canvas: bool, first_position: bool, device) -> Batch:
+             mode: CacheMode, full_canvas: bool, first_position: bool, device) -> Batch:
     """The batch for `rows` (in slot order): kept rows are gathered from `old` (shifted
     to the new box, frozen if they were), rows in `grown` committed a block and start
     the next one, new rows are built from their tokens. `refresh` and `dual` recompute
@@ -128,10 +129,10 @@ def relayout(old: Optional[Batch], rows: List[Request], grown: set, *, mcfg: Mod
         old_lens = old.lens[s]
         grew = torch.tensor([r in grown for r in rows]) & kept
         k_lens, k_tail, k_step, k_busy, k_cached = start_next_block(
-            old_lens, old.tail[s], old.step[s], old.busy_steps[s], old.cached[s], grew, L, cache_mode, full_canvas)
+            old_lens, old.tail[s], old.step[s], old.busy_steps[s], old.cached[s], grew, L, mode, full_canvas)
         lens, tail = torch.where(kept, k_lens, lens), torch.where(kept, k_tail, tail)
         step, busy = torch.where(kept, k_step, 0), torch.where(kept, k_busy, 0)
-        if cache_mode != "none":
+        if mode.caches:
             cached = torch.where(kept, k_cached, 0)
         fwd = torch.where(kept, old.prompt_fwd[s], fwd)
         frozen = kept & old.frozen[s]

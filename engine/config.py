@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields, replace
 from typing import Any, Dict, Literal, Optional, Sequence, get_args
 
+from .modes import CacheMode as CacheModeRule, cache_mode
+
 Policy = Literal["fixed", "threshold", "factor", "timestep"]
 Remasking = Literal["low_confidence", "random", "entropy", "margin"]
 CacheMode = Literal["none", "refresh", "persistent", "dual"]
@@ -240,6 +242,11 @@ class EngineConfig:
             raise ValueError("max_batch_size must be >= 1")
         if self.forward_overhead_cells is not None and not float(self.forward_overhead_cells) >= 0:
             raise ValueError(f"forward_overhead_cells must be >= 0 or none, got {self.forward_overhead_cells!r}")
+
+    @property
+    def mode(self) -> CacheModeRule:
+        """The cache mode's rules (engine.modes): what a step computes, stores and keeps."""
+        return cache_mode(self.cache)
 
     def full_canvas(self, block_causal: bool) -> bool:
         """Whether rows hold the full canvas on a model with this attention ("auto":

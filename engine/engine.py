@@ -55,7 +55,7 @@ class Engine:
         self.scheduler = make_scheduler(config)
         self.stats = EngineStats(token_budget=config.token_budget)
         self.runner = ModelRunner(model, config, self.stats)
-        self.slots = None if config.cache == "none" else KVSlots(
+        self.slots = None if not config.mode.caches else KVSlots(
             self.mcfg, config.token_budget, model.dtype, self.device, max_rows=config.max_batch_size)
         self.stats.kv_budget_bytes = 0 if self.slots is None else config.token_budget * self.slots.cell_bytes
         self.batch_log: Optional[List[BatchRecord]] = [] if record_batches else None
@@ -156,7 +156,7 @@ class Engine:
         rows, moves = place(old.rows if old is not None else [], rows)
         if old is None or self._grown or self._relayout or rows != old.rows:  # Request compares by identity
             b = self.batch = relayout(old, rows, self._grown, mcfg=self.mcfg, block_length=self.cfg.block_length,
-                                      cache_mode=self.cfg.cache, full_canvas=self.full_canvas,
+                                      mode=self.cfg.mode, full_canvas=self.full_canvas,
                                       first_position=self.first_position, device=self.device)
             if self.slots is not None:
                 self._lay_out_kv(old, b, moves)

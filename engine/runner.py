@@ -91,24 +91,25 @@ class ModelRunner:
         with one, what is not final yet: the whole row at a block start under
         refresh/dual, the new committed block under persistent, and the masked suffix
         under the full canvas unless the dual cache keeps it."""
-        L, start, bs = self.cfg.block_length, b.start, b.block_start
+        L, start, bs, mode = self.cfg.block_length, b.start, b.block_start, self.cfg.mode
         q1 = torch.full_like(start, b.width)
-        if self.cfg.cache == "none":
+        if not mode.caches:
             return start, q1, start
         fresh = start + b.cached
-        if self.cfg.cache == "dual":
+        if mode.caches_suffix:
             q1 = torch.where(b.cached > 0, bs + L, q1)
         return torch.minimum(fresh, bs - self.shift), q1, fresh
 
     def catch_up(self, b: Batch) -> None:
         """Forward the rows with a long uncached stretch first, in sub-batches of similar
         stretch (catch_up_groups), so the batch's forward stays about one block wide."""
-        if self.cfg.cache == "none":
+        mode = self.cfg.mode
+        if not mode.caches:
             return
         q0, q1, _ = self.windows(b)
         L = self.cfg.block_length
         # once caught up, a row computes its block, and its suffix unless the dual cache holds it
-        after = b.nact * L + self.shift + (torch.zeros_like(b.tail) if self.cfg.cache == "dual" else b.tail)
+        after = mode.later_step_columns(b.nact * L + self.shift, b.tail, None)
         overhead = self.overhead_cells()
         self.stats.forward_overhead_cells = overhead
         for group in catch_up_groups((q1 - q0).tolist(), L + self.shift, after.tolist(), overhead):
@@ -140,7 +141,7 @@ class ModelRunner:
         at = rows(b.window_start)[:, None] - shift - first[:, None] + torch.arange(b.n_window * L)[None]
         if b.n_window > 1:
             at = at.clamp(min=0)
-        if shift and self.cfg.cache != "none":  # Fast-dLLM's Dream: a cached step reads the
+        if shift and self.cfg.mode.caches:  # Fast-dLLM's Dream: a cached step reads the
             # block's first position (committed at the block's first step) from itself
             at[:, 0] += rows(b.row_params.first_position_host & (b.step > 0)).long()
         pos = (qc - start[:, None]).clamp(min=0)

@@ -136,7 +136,7 @@ def d2f_unsupported(req: Request, mcfg: ModelConfig, cfg: EngineConfig) -> Optio
         why = f"is implemented for unshifted logits (LLaDA); {mcfg.model_type} reads each position from the one before"
     elif req.full_canvas:
         why = "needs the block canvas (EngineConfig.canvas 'block' or 'auto')"
-    elif cfg.cache == "dual":
+    elif cfg.mode.caches_suffix:
         why = "forwards every block in flight; cache 'dual' forwards one: use none, refresh or persistent"
     elif req.params.max_new_tokens < req.block_length:
         why = (f"decodes max_new_tokens // block_length whole blocks: max_new_tokens={req.params.max_new_tokens} "
