@@ -108,23 +108,25 @@ def build_workload(args) -> Workload:
 
 
 VARIANT_PARTS = {"none": "cache", "refresh": "cache", "persistent": "cache", "dual": "cache",
-                 "block": "advance", "step": "advance", "canvas-block": "canvas", "canvas-full": "canvas"}
+                 "block": "advance", "step": "advance", "canvas-block": "canvas", "canvas-full": "canvas",
+                 "compile": "compile"}
 
 
 def variant_spec(kind: str, budget: int, cache: str, label_budget: str, canvas: str = "auto",
                  forward_overhead_cells: Optional[float] = None) -> RunSpec:
     """`kind` is "+"-joined: a cache mode (none, refresh, persistent, dual), an advance
-    mode (block, step) and/or a canvas (canvas-block, canvas-full)."""
+    mode (block, step), a canvas (canvas-block, canvas-full) and/or `compile` (the dual
+    cache's block-only step through torch.compile: CUDA graphs on CUDA)."""
     parts = kind.split("+")
     bad = [p for p in parts if p not in VARIANT_PARTS]
     if bad or not parts:
         raise ValueError(f"unknown variant {kind!r}: join a cache mode (none, refresh, persistent, dual), an advance "
-                         "mode (block, step) and/or a canvas (canvas-block, canvas-full) with +")
+                         "mode (block, step), a canvas (canvas-block, canvas-full) and/or compile with +")
     pick = {VARIANT_PARTS[p]: p for p in parts}
     return RunSpec(f"blockserve+{kind}@{label_budget}", "blockserve", budget, cache=pick.get("cache", cache),
                    advance=pick.get("advance", "block"),
                    canvas=pick["canvas"].split("-")[1] if "canvas" in pick else canvas,
-                   forward_overhead_cells=forward_overhead_cells)
+                   forward_overhead_cells=forward_overhead_cells, compile_decode="compile" in pick)
 
 
 def planner_overhead(how: str, w: Workload, plan: Plan) -> Optional[float]:

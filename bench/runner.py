@@ -38,12 +38,13 @@ class RunSpec:
     n_requests: Optional[int] = None  # run only the first n requests
     canvas: str = "auto"
     forward_overhead_cells: Optional[float] = None  # the catch-up planner's overhead (None: fitted online)
+    compile_decode: bool = False  # the dual cache's block-only step through torch.compile (CUDA graphs on CUDA)
 
     def engine_config(self, w: Workload) -> EngineConfig:
         return EngineConfig(block_length=w.block_length, steps_per_block=w.steps_per_block, cache=self.cache,
                             token_budget=self.token_budget, scheduler=self.scheduler,
                             max_batch_size=self.max_batch_size, advance=self.advance, canvas=self.canvas,
-                            forward_overhead_cells=self.forward_overhead_cells,
+                            forward_overhead_cells=self.forward_overhead_cells, compile_decode=self.compile_decode,
                             profile=True)  # forward_fraction and MFU need exact forward times
 
 
@@ -98,6 +99,9 @@ class RunResult:
     syncs_per_step: Optional[float] = None  # device -> host reads of the loop per denoising step
     kv_copied_by_per_token: Optional[Dict[str, float]] = None  # the K/V copies by cause (EngineStats.kv_copied_by)
     forward_overhead_cells: Optional[float] = None  # what the catch-up planner charged per extra forward, last
+    catch_up: Optional[Dict[str, Any]] = None  # catch-up forwards: share of forward time and cells, padding
+    pad_keys_per_token: Optional[float] = None  # (query, left-pad key) pairs attended per generated token
+    pad_keys_per_token_unskipped: Optional[float] = None  # the same had every row attended the whole box
 
     def summary(self) -> Dict[str, Any]:
         d = asdict(self)

@@ -224,6 +224,9 @@ class EngineConfig:
         "what one more forward costs the catch-up planner, in query cells (none: fitted online from the "
         "engine's own forwards; set it, e.g. to a run's recorded EngineStats.forward_overhead_cells, for the "
         "same forwards, padding and tokens on every run)")})
+    compile_decode: bool = field(default=False, metadata={"help": (
+        "dual cache: run the block-only step through torch.compile (CUDA: mode reduce-overhead, CUDA graphs per "
+        "rows x width shape; CPU: inductor), the same tokens; off: eager")})
     profile: bool = field(default=False, metadata={"help": (
         "synchronize the device after every forward so forward_s is exact (costs throughput on a GPU; "
         "off, the host runs ahead of the device)")})
