@@ -204,7 +204,7 @@ class ModelRunner:
             at = at.clamp(min=0)
         if shift and self.cfg.mode.caches:  # Fast-dLLM's Dream: a cached step reads the
             # block's first position (committed at the block's first step) from itself
-            at[:, 0] += rows(b.row_params.first_position_host & (b.step > 0)).long()
+            at[:, 0] += rows(b.row_params.first_position & (b.step > 0)).long()
         cached = b.cache is not None
         contiguous = bool((q1 == W).all())
         # the compiled block-only step (dual cache, mid-block) attends whole boxes: one shape per layout
