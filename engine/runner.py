@@ -39,8 +39,9 @@ def catch_up_groups(need: List[int], floor: int, after: Optional[List[int]] = No
     rows with a long uncached stretch (just admitted, refreshing a prefix, or with a
     committed block to cache) are forwarded first in sub-batches of similar need.
     Picks the split with the fewest computed cells (dynamic programming over rows
-    sorted by need, `overhead` cells per extra forward: the engine's online fit, or
-    FORWARD_OVERHEAD_CELLS before it has one); [] when one forward is cheapest.
+    sorted by need, `overhead` cells per extra forward: EngineConfig.forward_overhead_cells,
+    else the engine's online fit, or FORWARD_OVERHEAD_CELLS before it has one); [] when
+    one forward is cheapest.
     Each group lists its rows in ascending order."""
     n = len(need)
     after = after if after is not None else [floor] * n
@@ -126,7 +127,9 @@ class ModelRunner:
         """The model compiled for the dual cache's block-only step: its shape is (rows,
         L) queries over a (rows, width) cache, fixed for as long as the batch's layout, so
         on CUDA `reduce-overhead` captures one CUDA graph per shape and replays it with the
-        step's inputs copied in; the K/V slots are marked static (they are written in place)."""
+        step's inputs copied in (not yet measured on a GPU: bench/gpu/run.sh's
+        blockserve+step+compile run does; whether torch graphs a step that writes the K/V
+        slots in place is what that run's log says). Its logits are read before the next step."""
         if self._decode is None:
             cuda = self.device.type == "cuda"
             self._decode = torch.compile(self.model, mode="reduce-overhead" if cuda else None, dynamic=False)
