@@ -81,12 +81,21 @@ def engine_section(name: str, title: str, what: str, d: Dict[str, Any]) -> List[
            f"{n_all} requests, {d['decoding']['max_new_tokens']} new tokens at most, L = "
            f"{d['decoding']['block_length']}, threshold {d['decoding']['threshold']}; all runs give the same tokens: "
            f"{d.get('outputs_agree')}. " + planner(d.get("planner")), "",
-           "| run | requests | tokens | tok / CPU-s | tok / s (wall) | forwards | padding | pad keys / token |",
-           "|---|---|---|---|---|---|---|---|"]
+           "| run | requests | tokens | tok / CPU-s | tok / s (wall) | forwards | padding | pad keys / token "
+           "(unskipped) | catch-up: time share, padding |",
+           "|---|---|---|---|---|---|---|---|---|"]
     for label, r in s.items():
+        cu = r.get("catch_up") or {}
+        catch = (f"{cu['forward_share']:.0%}, {cu['padding']:.1%}" if cu.get("forward_share") is not None
+                 and cu.get("padding") is not None else "n/a")
         out.append(f"| {label} | {r['requests']} | {r['tokens']} | {fmt(median(r['tokens_per_cpu_s_rounds']))} | "
                    f"{fmt(r['tokens_per_s'])} | {r['forwards']} | {r['padding_fraction']:.1%} | "
-                   f"{fmt(r.get('pad_keys_per_token'))} |")
+                   f"{fmt(r.get('pad_keys_per_token'))} ({fmt(r.get('pad_keys_per_token_unskipped'))}) | {catch} |")
+    skipped = [(k, 1 - r["pad_keys_per_token"] / r["pad_keys_per_token_unskipped"]) for k, r in s.items()
+               if r.get("pad_keys_per_token") is not None and r.get("pad_keys_per_token_unskipped")]
+    if skipped:
+        out += ["", "Left-padding keys skipped rather than masked (1 - attended / what attending the whole box "
+                "would have cost): " + ", ".join(f"{k} {v:.1%}" for k, v in skipped) + "."]
     partial = sorted(k for k, r in s.items() if r["requests"] < n_all)
     rat = d.get("ratios_cpu_time") or {}
     shown = {k: v for k, v in rat.items() if not any(p in k.split("/") for p in partial)}

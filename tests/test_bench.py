@@ -203,3 +203,11 @@ def test_d2f_bench_smoke_writes_the_three_tables(tmp_path):
         assert v[f"d2f-{t}"]["same_tokens_per_request"] and v[f"d2f-{t}"]["requests_with_more_steps"] == 0
     assert d["d2f_fewer_forwards_per_token_at_tau_add_le_0.7"] is True
     assert (tmp_path / "d2f.png").stat().st_size > 0
+
+
+def test_bench_readme_is_what_the_json_says():
+    """bench/README.md is written by bench/report.py from bench/results/*.json (issue 28):
+    a hand edit, or a new result without `python bench/report.py`, fails here."""
+    from bench import report
+
+    assert report.main(["--check"]) == 0
