@@ -44,7 +44,10 @@ ENGINE_BENCHES = [
      "(threshold rule, stop after the block holding a stop token) on the same model object: the peer. "
      "`sequential` is the engine one request at a time, `static-B` Fast-dLLM-style lock-step groups, "
      "`blockserve@B` the engine at the padded area static-B used (equal memory), `+step` with step advance, "
-     "`+canvas-block` the same on the block canvas."),
+     "`+canvas-block` the same on the block canvas. The catch-up column is what block starts cost: the share of "
+     "forward time spent on rows recomputed whole at their block start before the batch's forward (under the dual "
+     "cache on a bidirectional model the reference recomputes prefix and suffix there: required), and the padding "
+     "inside those sub-batches (not required: what is left to cut)."),
     ("cpu_skewed.json", "skewed workload, block canvas, refresh cache",
      "A random 5.5M-parameter model whose requests are planted to stop after 1-11 blocks of 32, lognormal prompt "
      "lengths; blockserve at static-B's budgets with step advance, the plain block cycle (`+block`) and the "
