@@ -35,7 +35,8 @@ if __package__ in (None, ""):  # run as a script: make the repo root importable
 
 import torch  # noqa: E402
 
-from bench.runner import RunResult, RunSpec, _widest, run, warmup  # noqa: E402
+from bench.fastdllm_loop import run_peer  # noqa: E402
+from bench.runner import RunResult, RunSpec, _widest, fit_overhead, run, warmup  # noqa: E402
 from bench.workloads import (SMOKE_SKEWED, SkewedSpec, TinyEvalSpec, Workload, skewed,  # noqa: E402
                              tiny_eval)
 
@@ -46,19 +47,27 @@ TARGETS = {
 }
 
 
+PEER = "fastdllm-bs1-dual"  # bench/fastdllm_loop.py's label
+# issue 28, acceptance 1 (full canvas + dual cache): blockserve with step advance against the peer and sequential
+PEER_TARGETS = {"over_peer": 2.5, "over_sequential": 1.8}
+
+
 @dataclass
 class Plan:
     """Which runs a benchmark makes; `static_sizes` pairs each static-B with a blockserve
     run at the budget static-B used; `variants` adds blockserve runs at the middle budget
-    with another advance/cache mode (e.g. "step", "persistent")."""
+    with another advance/cache mode (e.g. "step", "persistent"). Every run serves every
+request of the workload: ratios are between runs of the same requests."""
 
     static_sizes: List[int]
-    sequential_requests: Optional[int]
+    sequential: bool
     variants: List[str]
     cache: str = "refresh"
     repeats: int = 1
     advance: str = "block"  # blockserve's advance mode (the baselines run in lock step either way)
     canvas: str = "auto"  # every run's canvas, baselines included (variants may override)
+    forward_overhead_cells: Optional[float] = None  # every run's catch-up overhead (None: each fits online)
+    peer: bool = False  # the Fast-dLLM-style batch-size-1 dual-cache loop (bench/fastdllm_loop.py)
 
 
 def machine_info(threads: int) -> Dict[str, object]:
@@ -99,21 +108,36 @@ def build_workload(args) -> Workload:
 
 
 VARIANT_PARTS = {"none": "cache", "refresh": "cache", "persistent": "cache", "dual": "cache",
-                 "block": "advance", "step": "advance", "canvas-block": "canvas", "canvas-full": "canvas"}
+                 "block": "advance", "step": "advance", "canvas-block": "canvas", "canvas-full": "canvas",
+                 "compile": "compile"}
 
 
-def variant_spec(kind: str, budget: int, cache: str, label_budget: str, canvas: str = "auto") -> RunSpec:
+def variant_spec(kind: str, budget: int, cache: str, label_budget: str, canvas: str = "auto",
+                 forward_overhead_cells: Optional[float] = None) -> RunSpec:
     """`kind` is "+"-joined: a cache mode (none, refresh, persistent, dual), an advance
-    mode (block, step) and/or a canvas (canvas-block, canvas-full)."""
+    mode (block, step), a canvas (canvas-block, canvas-full) and/or `compile` (the dual
+    cache's block-only step through torch.compile: CUDA graphs on CUDA)."""
     parts = kind.split("+")
     bad = [p for p in parts if p not in VARIANT_PARTS]
     if bad or not parts:
         raise ValueError(f"unknown variant {kind!r}: join a cache mode (none, refresh, persistent, dual), an advance "
-                         "mode (block, step) and/or a canvas (canvas-block, canvas-full) with +")
+                         "mode (block, step), a canvas (canvas-block, canvas-full) and/or compile with +")
     pick = {VARIANT_PARTS[p]: p for p in parts}
     return RunSpec(f"blockserve+{kind}@{label_budget}", "blockserve", budget, cache=pick.get("cache", cache),
                    advance=pick.get("advance", "block"),
-                   canvas=pick["canvas"].split("-")[1] if "canvas" in pick else canvas)
+                   canvas=pick["canvas"].split("-")[1] if "canvas" in pick else canvas,
+                   forward_overhead_cells=forward_overhead_cells, compile_decode="compile" in pick)
+
+
+def planner_overhead(how: str, w: Workload, plan: Plan) -> Optional[float]:
+    """`--overhead`: None (online), a given number, or one fit on blockserve at static-B's widest-row budget."""
+    if how == "online":
+        return None
+    if how != "fit":
+        return float(how)
+    b = plan.static_sizes[len(plan.static_sizes) // 2]
+    return round(fit_overhead(w, RunSpec("fit", "blockserve", b * _widest(w), cache=plan.cache, advance=plan.advance,
+                                         canvas=plan.canvas)), 1)
 
 
 def run_plan(w: Workload, plan: Plan, log=print) -> List[RunResult]:
@@ -124,8 +148,10 @@ def run_plan(w: Workload, plan: Plan, log=print) -> List[RunResult]:
 
     def order() -> List[tuple]:
         items: List[tuple] = []
-        if plan.sequential_requests != 0:
+        if plan.sequential:
             items.append(("sequential", None))
+        if plan.peer:
+            items.append(("peer", None))
         for b in plan.static_sizes:
             items += [("static", b), ("blockserve", b)]
         mid = plan.static_sizes[len(plan.static_sizes) // 2]
@@ -137,18 +163,20 @@ def run_plan(w: Workload, plan: Plan, log=print) -> List[RunResult]:
         if r % 2 == 1:  # blockserve first needs the budgets of round 0
             assert all(b in budgets for b in plan.static_sizes)
         for kind, arg in items:
+            same = dict(cache=plan.cache, canvas=plan.canvas, forward_overhead_cells=plan.forward_overhead_cells)
+            if kind == "peer":
+                results.append(run_peer(w))
+                log(f"[round {r}] {results[-1].label:30s} {results[-1].tokens_per_cpu_s:8.1f} tok/cpu-s")
+                continue
             if kind == "sequential":
-                spec = RunSpec("sequential", "sequential", widest, max_batch_size=1, cache=plan.cache,
-                               n_requests=plan.sequential_requests, canvas=plan.canvas)
+                spec = RunSpec("sequential", "sequential", widest, max_batch_size=1, **same)
             elif kind == "static":
-                spec = RunSpec(f"static-B{arg}", "static", widest, max_batch_size=arg, cache=plan.cache,
-                               canvas=plan.canvas)
+                spec = RunSpec(f"static-B{arg}", "static", widest, max_batch_size=arg, **same)
             elif kind == "blockserve":
-                spec = RunSpec(f"blockserve@B{arg}", "blockserve", budgets[arg], cache=plan.cache,
-                               advance=plan.advance, canvas=plan.canvas)
+                spec = RunSpec(f"blockserve@B{arg}", "blockserve", budgets[arg], advance=plan.advance, **same)
             else:
                 v, b = arg
-                spec = variant_spec(v, budgets[b], plan.cache, f"B{b}", plan.canvas)
+                spec = variant_spec(v, budgets[b], plan.cache, f"B{b}", plan.canvas, plan.forward_overhead_cells)
             res = run(w, spec)
             if kind == "static":
                 budgets.setdefault(arg, max(res.peak_cost, widest))
@@ -203,6 +231,10 @@ def ratios(summary: Dict[str, Dict[str, object]], sizes: List[int], key: str = "
             main = summary.get(f"blockserve@B{b}")
             if main:  # e.g. the cost of the full canvas: blockserve@B16 / blockserve+canvas-block@B16
                 out[f"blockserve@B{b}/{label}"] = r(main, s)
+    peer = summary.get(PEER)
+    for label, s in summary.items():  # every engine run against the Fast-dLLM-style batch-1 loop
+        if peer and label != PEER and s["scheduler"] in ("blockserve", "sequential"):
+            out[f"{label}/{PEER}"] = r(s, peer)
     return out
 
 
@@ -221,6 +253,13 @@ def check_targets(workload: str, summary, rat, sizes) -> Dict[str, object]:
     if "blockserve_host_overhead_max" in t:
         out["blockserve_host_overhead_met"] = {s["label"]: s["host_overhead"] <= t["blockserve_host_overhead_max"]
                                                for s in bs}
+    step = next((k for k in summary if k.startswith("blockserve+step@")), None)
+    if step and PEER in summary:
+        key = "tokens_per_cpu_s_rounds"
+        for name, base in (("over_peer", PEER), ("over_sequential", "sequential")):
+            if base in summary:
+                v = median([x / y for x, y in zip(summary[step][key], summary[base][key])])
+                out[f"{step}_{name}_cpu"] = {"ratio": v, "target": PEER_TARGETS[name], "met": v >= PEER_TARGETS[name]}
     accs = {label: s["accuracy"] for label, s in summary.items() if s.get("accuracy") is not None}
     if accs:
         full = {label: a for label, a in accs.items() if summary[label]["requests"] == max(
@@ -308,9 +347,13 @@ def parse_args(argv=None):
     ap.add_argument("--out", help="JSON path; the PNG goes next to it")
     ap.add_argument("--replot", default=None, help="redraw the PNG of an existing results JSON and exit")
     ap.add_argument("--static-batch-sizes", default=None, help="comma list, default 8,16,32 (smoke: 2,4)")
-    ap.add_argument("--sequential-requests", type=int, default=None,
-                    help="sequential serves only the first N requests (default: skewed 48, tiny-eval all; 0 = skip)")
-    ap.add_argument("--n-requests", type=int, default=None)
+    ap.add_argument("--sequential", action=argparse.BooleanOptionalAction, default=True,
+                    help="run the sequential baseline (on every request, as every run; it is slow: pick --n-requests)")
+    ap.add_argument("--n-requests", type=int, default=None, help="the workload's first N requests, for every run")
+    ap.add_argument("--overhead", default="fit",
+                    help="the catch-up planner's cost of one more forward, in cells, for every run: 'fit' (fitted "
+                         "once before the runs on the first requests and recorded; the runs' plans are then "
+                         "reproducible), a number, or 'online' (each engine fits its own as it runs)")
     ap.add_argument("--variants", default="",
                     help="extra blockserve runs at the middle budget, e.g. step,persistent,persistent+step,"
                          "canvas-block (the same cache and advance on the other canvas)")
@@ -340,15 +383,14 @@ def main(argv=None) -> Dict[str, object]:
     if args.threads:
         torch.set_num_threads(args.threads)
     sizes = [int(x) for x in (args.static_batch_sizes or ("2,4" if args.smoke else "8,16,32")).split(",")]
-    seq_n = args.sequential_requests
-    if seq_n is None:
-        seq_n = (4 if args.smoke else 48) if args.workload == "skewed" else None
-    plan = Plan(sizes, seq_n, [v for v in args.variants.split(",") if v], cache=args.cache, repeats=args.repeats,
-                advance=args.advance, canvas=args.canvas)
+    plan = Plan(sizes, args.sequential, [v for v in args.variants.split(",") if v], cache=args.cache,
+                repeats=args.repeats, advance=args.advance, canvas=args.canvas,
+                peer=args.cache == "dual" and args.canvas == "full")
     git = git_state()  # before the runs: the engine files may change on disk while they go
     w = build_workload(args)
-    print(f"workload {w.name}: {len(w.prompts)} requests; plan {plan}", flush=True)
     warmup(w)
+    plan.forward_overhead_cells = planner_overhead(args.overhead, w, plan)
+    print(f"workload {w.name}: {len(w.prompts)} requests; plan {plan}", flush=True)
     results = run_plan(w, plan, log=lambda s: print(s, flush=True))
     summary = summarize(results)
     rat = ratios(summary, sizes)
@@ -364,6 +406,7 @@ def main(argv=None) -> Dict[str, object]:
                      "canvas": sorted({r.canvas for r in results if r.label.count("+") == 0}),
                      "blockserve_advance": plan.advance},
         "plan": plan.__dict__,
+        "planner": {"overhead": args.overhead, "forward_overhead_cells": plan.forward_overhead_cells},
         "schedulers": summary,
         "ratios": rat,
         "ratios_cpu_time": ratios(summary, sizes, key="tokens_per_cpu_s_rounds"),

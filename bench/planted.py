@@ -172,7 +172,7 @@ class PlantedStops(nn.Module):
                 cols: Optional[torch.Tensor] = None, **kw) -> torch.Tensor:
         logits = self.model(ids, pos, mask, cache, offset, logits_last=logits_last, logits_at=logits_at,
                             runs=runs, cols=cols, **kw)
-        rows = None if runs is None else torch.cat([torch.arange(a, b) for a, b in runs]).to(ids.device)
+        rows = None if runs is None else torch.cat([torch.arange(a, b) for a, b, *_ in runs]).to(ids.device)
         B, n = logits.shape[:2]
         Tq = ids.shape[1]
         at = logits_at if logits_at is not None else torch.arange(Tq - n, Tq, device=ids.device)[None].expand(B, n)

@@ -35,13 +35,16 @@ class RunSpec:
     max_batch_size: int = 4096
     cache: str = "refresh"
     advance: str = "block"
-    n_requests: Optional[int] = None  # run only the first n requests (sequential is slow)
+    n_requests: Optional[int] = None  # run only the first n requests
     canvas: str = "auto"
+    forward_overhead_cells: Optional[float] = None  # the catch-up planner's overhead (None: fitted online)
+    compile_decode: bool = False  # the dual cache's block-only step through torch.compile (CUDA graphs on CUDA)
 
     def engine_config(self, w: Workload) -> EngineConfig:
         return EngineConfig(block_length=w.block_length, steps_per_block=w.steps_per_block, cache=self.cache,
                             token_budget=self.token_budget, scheduler=self.scheduler,
                             max_batch_size=self.max_batch_size, advance=self.advance, canvas=self.canvas,
+                            forward_overhead_cells=self.forward_overhead_cells, compile_decode=self.compile_decode,
                             profile=True)  # forward_fraction and MFU need exact forward times
 
 
@@ -65,6 +68,8 @@ class RunResult:
     forward_fraction: float  # engine.stats.forward_s / wall
     host_overhead: float  # 1 - forward_fraction
     padding_fraction: float  # engine.stats.padded_cells / computed_cells
+    computed_cells: int  # query cells forwarded (engine.stats)
+    padded_cells: int  # of them, pad columns
     idle_row_fraction: Optional[float]  # forwarded rows whose block had nothing left to unmask (planted only)
     latency_p50_s: float
     latency_p99_s: float
@@ -93,6 +98,10 @@ class RunResult:
     host_ms_per_step: Optional[float] = None  # step() wall time outside forwards, per denoising step
     syncs_per_step: Optional[float] = None  # device -> host reads of the loop per denoising step
     kv_copied_by_per_token: Optional[Dict[str, float]] = None  # the K/V copies by cause (EngineStats.kv_copied_by)
+    forward_overhead_cells: Optional[float] = None  # what the catch-up planner charged per extra forward, last
+    catch_up: Optional[Dict[str, Any]] = None  # catch-up forwards: share of forward time and cells, padding
+    pad_keys_per_token: Optional[float] = None  # (query, left-pad key) pairs attended per generated token
+    pad_keys_per_token_unskipped: Optional[float] = None  # the same had every row attended the whole box
 
     def summary(self) -> Dict[str, Any]:
         d = asdict(self)
@@ -167,7 +176,8 @@ def run(w: Workload, spec: RunSpec, deadline_s: Optional[float] = None) -> RunRe
         wall_s=wall, tokens_per_s=tokens / wall, requests_per_s=len(done) / wall, cpu_s=cpu,
         tokens_per_cpu_s=tokens / cpu if cpu else 0.0, forward_s=st.forward_s,
         forward_fraction=st.forward_s / wall, host_overhead=1.0 - st.forward_s / wall,
-        padding_fraction=st.padding_fraction, idle_row_fraction=idle,
+        padding_fraction=st.padding_fraction, computed_cells=st.computed_cells, padded_cells=st.padded_cells,
+        idle_row_fraction=idle, forward_overhead_cells=st.forward_overhead_cells,
         latency_p50_s=_quantile(lat, 0.5), latency_p99_s=_quantile(lat, 0.99),
         latency_mean_s=sum(lat) / max(1, len(lat)), cycles=st.cycles, forwards=st.forwards, steps=st.steps,
         **st.memory_figures(),
@@ -187,6 +197,15 @@ def run(w: Workload, spec: RunSpec, deadline_s: Optional[float] = None) -> RunRe
 def warmup(w: Workload, n: int = 4) -> None:
     """A short untimed run: first-call allocations and kernel selection stay out of the numbers."""
     run(w.subset(n), RunSpec("warmup", "blockserve", token_budget=max(4096, _widest(w.subset(n)) * n)))
+
+
+def fit_overhead(w: Workload, spec: RunSpec, n: int = 8) -> float:
+    """The catch-up planner's overhead fitted once (ForwardFit, online) on the first `n`
+    requests under `spec`'s settings, for every run of a bench to plan with: fixed, it
+    makes the runs' forwards, padding and tokens the same on every repetition."""
+    sub = w.subset(min(n, len(w.prompts)))
+    return run(sub, RunSpec("fit", spec.scheduler, spec.token_budget, spec.max_batch_size, spec.cache, spec.advance,
+                            canvas=spec.canvas)).forward_overhead_cells
 
 
 def _widest(w: Workload) -> int:

@@ -18,8 +18,9 @@ from typing import Dict, List, Optional
 import torch
 
 from .decoding import RowParams
+from .modes import CacheMode
 from .models import KVCache, ModelConfig
-from .sequence import Request
+from .sequence import Request, RowShape
 
 
 @dataclass
@@ -93,33 +94,32 @@ def attention_mask(lens: torch.Tensor, prompt_len: torch.Tensor, width: int, blo
 
 
 def start_next_block(lens: torch.Tensor, tail: torch.Tensor, step: torch.Tensor, busy: torch.Tensor,
-                     cached: torch.Tensor, grew: torch.Tensor, block_length: int, cache_mode: str,
-                     full_canvas: bool):
+                     cached: torch.Tensor, grew: torch.Tensor, shape: RowShape, mode: CacheMode):
     """(lens, tail, step, busy_steps, cached) once the rows in `grew` committed a block
     and start the next: under the block canvas L more columns, under the full canvas
     the next L of the suffix; a fresh step count; `refresh` and `dual` recompute the
-    row (nothing cached), `persistent` keeps its cache."""
-    if cache_mode != "persistent":
+    row (nothing cached), `persistent` keeps its cache (engine.modes)."""
+    if mode.recomputes_at_block_start():
         cached = torch.where(grew, 0, cached)
-    grow = grew.long() * block_length
-    lens, tail = (lens, tail - grow) if full_canvas else (lens + grow, tail)
+    grow = grew.long() * shape.block_length
+    lens, tail = (lens, tail - grow) if shape.full_canvas else (lens + grow, tail)
     return lens, tail, torch.where(grew, 0, step), torch.where(grew, 0, busy), cached
 
 
-def relayout(old: Optional[Batch], rows: List[Request], grown: set, *, mcfg: ModelConfig, block_length: int,
-             cache_mode: str, full_canvas: bool, first_position: bool, device) -> Batch:
+def relayout(old: Optional[Batch], rows: List[Request], grown: set, *, mcfg: ModelConfig, shape: RowShape,
+             mode: CacheMode, first_position: bool, device) -> Batch:
     """The batch for `rows` (in slot order): kept rows are gathered from `old` (shifted
     to the new box, frozen if they were), rows in `grown` committed a block and start
     the next one, new rows are built from their tokens. `refresh` and `dual` recompute
     a row at every block start; `persistent` only ever computes the tokens it has not
     cached."""
-    L, dev = block_length, device
+    L, dev, full_canvas = shape.block_length, device, shape.full_canvas
     old_index: Dict[Request, int] = {r: i for i, r in enumerate(old.rows)} if old is not None else {}
     B = len(rows)
     src = torch.tensor([old_index.get(r, -1) for r in rows])
     kept = src >= 0
-    lens = torch.tensor([r.width for r in rows])
-    tail = torch.tensor([r.tail for r in rows])
+    lens = torch.tensor([shape.width(r) for r in rows])
+    tail = torch.tensor([shape.tail(r) for r in rows])
     # separate tensors: the loop updates step, cached and prompt_fwd in place
     cached, step, busy = (torch.zeros(B, dtype=torch.long) for _ in range(3))
     fwd = torch.tensor([r.prompt_forwarded for r in rows])
@@ -131,10 +131,10 @@ def relayout(old: Optional[Batch], rows: List[Request], grown: set, *, mcfg: Mod
         old_lens = old.lens[s]
         grew = torch.tensor([r in grown for r in rows]) & kept
         k_lens, k_tail, k_step, k_busy, k_cached = start_next_block(
-            old_lens, old.tail[s], old.step[s], old.busy_steps[s], old.cached[s], grew, L, cache_mode, full_canvas)
+            old_lens, old.tail[s], old.step[s], old.busy_steps[s], old.cached[s], grew, shape, mode)
         lens, tail = torch.where(kept, k_lens, lens), torch.where(kept, k_tail, tail)
         step, busy = torch.where(kept, k_step, 0), torch.where(kept, k_busy, 0)
-        if cache_mode != "none":
+        if mode.caches:
             cached = torch.where(kept, k_cached, 0)
         fwd = torch.where(kept, old.prompt_fwd[s], fwd)
         frozen = kept & old.frozen[s]
@@ -163,8 +163,8 @@ def relayout(old: Optional[Batch], rows: List[Request], grown: set, *, mcfg: Mod
         fresh = torch.full((len(new), W), mcfg.pad_token_id, dtype=torch.long)
         for j, i in enumerate(new):
             r = rows[i]
-            inflight = r.d2f.tokens() if r.d2f is not None else r.block_tokens(mcfg.mask_token_id)
-            fresh[j, W - r.width:] = torch.tensor(r.prompt + r.generated + inflight)
+            inflight = r.d2f.tokens() if r.d2f is not None else shape.block_tokens(r, mcfg.mask_token_id)
+            fresh[j, W - shape.width(r):] = torch.tensor(r.prompt + r.generated + inflight)
         ids[torch.tensor(new, device=dev)] = fresh.to(dev)
     n = masked.shape[1]  # the window: a frozen D2F row may have masks in every block it had in flight
     blk = ((W - tail - n)[:, None] + torch.arange(n)[None]).to(dev)

@@ -36,9 +36,10 @@ from typing import Optional
 import torch
 
 from .models import ModelConfig
+from .modes import MODES, cache_mode
 from .slots import SLACK
 
-KV_COPIES = {"none": 0, "refresh": 1, "dual": 1, "persistent": 1}  # K/V buffers alive at the peak (see module doc)
+KV_COPIES = {name: m.kv_copies for name, m in MODES.items()}  # K/V buffers alive at the peak (engine.modes)
 
 
 def dtype_bytes(dtype: torch.dtype) -> int:
@@ -58,10 +59,8 @@ def kv_bytes_per_token(cfg: ModelConfig, dtype: torch.dtype) -> int:
 def kv_peak_bytes_per_token(cfg: ModelConfig, dtype: torch.dtype, cache: str = "refresh") -> int:
     """K/V bytes per column of batch area at the engine's peak: KV_COPIES buffers and one
     layer's transient."""
-    if cache not in KV_COPIES:
-        raise ValueError(f"cache must be one of {sorted(KV_COPIES)}, got {cache!r}")
     kv = kv_bytes_per_token(cfg, dtype)
-    return KV_COPIES[cache] * (math.ceil(SLACK * kv) + kv // (2 * cfg.n_layers))
+    return cache_mode(cache).kv_copies * (math.ceil(SLACK * kv) + kv // (2 * cfg.n_layers))
 
 
 def activation_bytes_per_token(cfg: ModelConfig, dtype: torch.dtype, max_width: Optional[int] = None) -> int:

@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields, replace
 from typing import Any, Dict, Literal, Optional, Sequence, get_args
 
+from .modes import CacheMode as CacheModeRule, cache_mode
+
 Policy = Literal["fixed", "threshold", "factor", "timestep"]
 Remasking = Literal["low_confidence", "random", "entropy", "margin"]
 CacheMode = Literal["none", "refresh", "persistent", "dual"]
@@ -235,6 +237,13 @@ class EngineConfig:
     canvas: Canvas = field(default="auto", metadata={"help": (
         "full: prompt + every masked block (LLaDA's generate, Fast-dLLM); block: BlockServe's box; auto: full"
         " for bidirectional models, block for block-causal ones")})
+    forward_overhead_cells: Optional[float] = field(default=None, metadata={"help": (
+        "what one more forward costs the catch-up planner, in query cells (none: fitted online from the "
+        "engine's own forwards; set it, e.g. to a run's recorded EngineStats.forward_overhead_cells, for the "
+        "same forwards, padding and tokens on every run)")})
+    compile_decode: bool = field(default=False, metadata={"help": (
+        "dual cache: run the block-only step through torch.compile (CUDA: mode reduce-overhead, CUDA graphs per "
+        "rows x width shape; CPU: inductor), the same tokens; off: eager")})
     profile: bool = field(default=False, metadata={"help": (
         "synchronize the device after every forward so forward_s is exact (costs throughput on a GPU; "
         "off, the host runs ahead of the device)")})
@@ -251,6 +260,13 @@ class EngineConfig:
             raise ValueError("token_budget must exceed block_length")
         if self.max_batch_size < 1:
             raise ValueError("max_batch_size must be >= 1")
+        if self.forward_overhead_cells is not None and not float(self.forward_overhead_cells) >= 0:
+            raise ValueError(f"forward_overhead_cells must be >= 0 or none, got {self.forward_overhead_cells!r}")
+
+    @property
+    def mode(self) -> CacheModeRule:
+        """The cache mode's rules (engine.modes): what a step computes, stores and keeps."""
+        return cache_mode(self.cache)
 
     def full_canvas(self, block_causal: bool) -> bool:
         """Whether rows hold the full canvas on a model with this attention ("auto":

@@ -19,65 +19,81 @@ DREAM_EPS = 1e-3  # Dream's generation_config.eps: the last timestep of its sche
 
 
 @dataclass
-class RowParams:
-    """Per-row decoding parameters as [B] tensors (built once per batch layout)."""
+class DeviceParams:
+    """RowParams' per-row values as device tensors, for the vectorised policies."""
 
     policy: torch.Tensor
     threshold: torch.Tensor
     factor: torch.Tensor
     temperature: torch.Tensor
     remasking: torch.Tensor
-    first_position: torch.Tensor  # bool: the block's first step commits only its first position
+    first_position: torch.Tensor  # bool
     top_p: torch.Tensor
     top_k: torch.Tensor
-    seeds: List[Optional[int]]  # noise seed per row, None when the row draws no noise
-    # host copies, so that the loop decides without reading the device
+
+    @classmethod
+    def upload(cls, real: torch.Tensor, ints: torch.Tensor, device) -> "DeviceParams":
+        """From the host's [4, B] float64 and [4, B] long stacks: two copies, not eight."""
+        r, i = real.to(device), ints.to(device)
+        return cls(policy=i[0], threshold=r[0], factor=r[1], temperature=r[2], remasking=i[1],
+                   first_position=i[2].bool(), top_p=r[3], top_k=i[3])
+
+
+@dataclass
+class RowParams:
+    """Per-row decoding parameters, built once per batch layout: host values (the loop
+    decides from them without reading the device) and, in `dev`, their device tensors."""
+
     params: List  # the rows' SamplingParams
-    policy_host: torch.Tensor  # CPU [B]
-    first_position_host: torch.Tensor  # CPU bool [B]
+    seeds: List[Optional[int]]  # noise seed per row, None when the row draws no noise
+    real: torch.Tensor  # host [4, B] float64: threshold, factor, temperature, top_p
+    ints: torch.Tensor  # host [4, B] long: policy, remasking, first_position, top_k
+    dev: DeviceParams
     any_entropy: bool
     any_margin: bool
     llada2: bool = False  # LLaDA2's threshold rule (engine.llada2): strictly greater, a floor of k per step
     max_new: Optional[torch.Tensor] = None  # LLaDA2: max_new_tokens per row (2.0's steps = min(steps, gen_length))
     editing: Optional[torch.Tensor] = None  # LLaDA2: rows with token editing (2.1's loop: a floor of 1)
 
+    @property
+    def policy(self) -> torch.Tensor:
+        """Host [B] policy ids."""
+        return self.ints[0]
+
+    @property
+    def first_position(self) -> torch.Tensor:
+        """Host bool [B]: the block's first step commits only its first position."""
+        return self.ints[2].bool()
+
     @classmethod
     def build(cls, params: Sequence, seeds: Sequence[Optional[int]], device,
               first_position_default: bool = False, llada2: bool = False) -> "RowParams":
-        f64 = dict(dtype=torch.float64, device=device)
         first = [first_position_default if p.first_position is None else bool(p.first_position) for p in params]
-        policy = torch.tensor([POLICY_IDS[p.policy] for p in params])
-        return cls(policy=policy.to(device),
-                   threshold=torch.tensor([float(p.threshold) for p in params], **f64),
-                   factor=torch.tensor([float(p.factor) for p in params], **f64),
-                   temperature=torch.tensor([float(p.temperature) for p in params], **f64),
-                   remasking=torch.tensor([REMASKING_IDS[p.remasking] for p in params], device=device),
-                   first_position=torch.tensor(first, dtype=torch.bool, device=device),
-                   top_p=torch.tensor([float(p.top_p) for p in params], **f64),
-                   top_k=torch.tensor([max(0, int(p.top_k)) for p in params], device=device),
-                   seeds=list(seeds), params=list(params), policy_host=policy,
-                   first_position_host=torch.tensor(first, dtype=torch.bool),
+        real = torch.tensor([[float(p.threshold) for p in params], [float(p.factor) for p in params],
+                             [float(p.temperature) for p in params], [float(p.top_p) for p in params]],
+                            dtype=torch.float64).reshape(4, len(params))
+        ints = torch.tensor([[POLICY_IDS[p.policy] for p in params], [REMASKING_IDS[p.remasking] for p in params],
+                             [int(f) for f in first], [max(0, int(p.top_k)) for p in params]],
+                            dtype=torch.long).reshape(4, len(params))
+        return cls(params=list(params), seeds=list(seeds), real=real, ints=ints,
+                   dev=DeviceParams.upload(real, ints, device),
                    any_entropy=any(p.remasking == "entropy" for p in params),
                    any_margin=any(p.remasking == "margin" for p in params), llada2=llada2,
                    max_new=torch.tensor([p.max_new_tokens for p in params], device=device) if llada2 else None,
                    editing=torch.tensor([p.edit_threshold is not None for p in params], device=device)
                    if llada2 else None)
 
-
     def take(self, index: torch.Tensor) -> "RowParams":
         """The parameters of rows `index` (a host tensor): one entry per decoding unit
         when rows hold several blocks in flight (D2F)."""
-        dev_index = index.to(self.policy.device)
-        pick = lambda t: t[dev_index]  # noqa: E731 - the device tensors
         ix = index.tolist()
-        return RowParams(policy=pick(self.policy), threshold=pick(self.threshold), factor=pick(self.factor),
-                         temperature=pick(self.temperature), remasking=pick(self.remasking),
-                         first_position=pick(self.first_position), top_p=pick(self.top_p), top_k=pick(self.top_k),
-                         seeds=[self.seeds[i] for i in ix], params=[self.params[i] for i in ix],
-                         policy_host=self.policy_host[index], first_position_host=self.first_position_host[index],
+        real, ints = self.real[:, index], self.ints[:, index]
+        dev_index = index.to(self.dev.policy.device)
+        pick = lambda t: None if t is None else t[dev_index]  # noqa: E731 - LLaDA2's device tensors
+        return RowParams(params=[self.params[i] for i in ix], seeds=[self.seeds[i] for i in ix], real=real, ints=ints,
+                         dev=DeviceParams.upload(real, ints, self.dev.policy.device),
                          any_entropy=self.any_entropy, any_margin=self.any_margin, llada2=self.llada2,
-                         max_new=None if self.max_new is None else pick(self.max_new),
-                         editing=None if self.editing is None else pick(self.editing))
+                         max_new=pick(self.max_new), editing=pick(self.editing))
 
 
 def fixed_schedule(step: torch.Tensor, block_length: int, steps: int) -> torch.Tensor:
@@ -99,8 +115,8 @@ def timestep_schedule(step: torch.Tensor, n_mask: torch.Tensor, steps: int) -> t
 
 def step_cap(policy: torch.Tensor, block_length: int, steps: int) -> torch.Tensor:
     """[B] steps after which a row's block is committed whatever it holds: S for the
-    scheduled policies, max(S, L) for threshold and factor. `policy`: RowParams.policy,
-    or its host copy policy_host."""
+    scheduled policies, max(S, L) for threshold and factor. `policy`: RowParams.policy
+    (host) or RowParams.dev.policy."""
     scheduled = (policy == FIXED) | (policy == TIMESTEP)
     return torch.where(scheduled, steps, max(steps, block_length))
 
@@ -146,12 +162,12 @@ def propose(logits: torch.Tensor, rp: RowParams, noise_keys: Optional[Sequence[O
         if p.temperature > 0:
             lg = restrict(logits[i].to(torch.float64), float(p.temperature), max(0, int(p.top_k)), float(p.top_p))
             noise = torch.rand(lg.shape, generator=gen, dtype=torch.float64, device=lg.device)
-            x0[i] = (lg - rp.temperature[i] * torch.log(-torch.log(noise))).argmax(-1)
+            x0[i] = (lg - float(p.temperature) * torch.log(-torch.log(noise))).argmax(-1)
         if p.remasking == "random":
             drawn[i] = torch.rand(x0.shape[1], generator=gen, dtype=torch.float64, device=x0.device)
     idx = tuple(need_idx) if need_idx is not None else need.nonzero(as_tuple=True)
     probs = torch.softmax(logits[idx].to(torch.float64), dim=-1)
-    rem = rp.remasking[idx[0]]
+    rem = rp.dev.remasking[idx[0]]
     c = probs.gather(-1, x0[idx][:, None]).squeeze(-1)
     if rp.any_entropy:  # Dream's neg_entropy
         c = torch.where(rem == ENTROPY, (probs * torch.log(probs + 1e-10)).sum(-1), c)
@@ -179,29 +195,29 @@ def select(conf: torch.Tensor, is_mask: torch.Tensor, step: torch.Tensor, rp: Ro
     if rp.llada2:
         s_row = rp.max_new.clamp(max=steps)
         k = torch.where(rp.editing, 1, block_length // s_row + (step < block_length % s_row).long())
-        by_threshold = (conf > rp.threshold[:, None]) | (rank < k[:, None])
+        by_threshold = (conf > rp.dev.threshold[:, None]) | (rank < k[:, None])
     else:
-        by_threshold = (conf >= rp.threshold[:, None]) | (rank == 0)
+        by_threshold = (conf >= rp.dev.threshold[:, None]) | (rank == 0)
     # factor (get_transfer_index_dynamic): k = how many leading sorted confidences pass
     # 1 - f/(n+1) (the first always passes); the reference then takes k, but 1 when
     # k == 0 and all n masks when k >= n - 1
     sorted_conf = conf.sort(dim=1, descending=True).values
     n = torch.arange(1, conf.shape[1] + 1, device=conf.device, dtype=torch.float64)
-    bar = 1.0 - rp.factor[:, None] / (n + 1.0)
+    bar = 1.0 - rp.dev.factor[:, None] / (n + 1.0)
     bar[:, 0] = -1.0
     k = (sorted_conf >= bar).long().cumprod(dim=1).sum(dim=1)
     n_take = torch.where(k == 0, 1, torch.where(k >= n_mask - 1, n_mask, k))
     by_factor = rank < n_take[:, None]
     by_timestep = rank < timestep_schedule(step, n_mask, steps)[:, None]
-    pol = rp.policy[:, None]
+    pol = rp.dev.policy[:, None]
     sel = torch.where(pol == FIXED, by_fixed, torch.where(pol == THRESHOLD, by_threshold,
                                                           torch.where(pol == FACTOR, by_factor, by_timestep)))
     # scheduled policies fill the block by step S; threshold and factor run until it is
     # full (at most L steps, one token at least per step), forced at step max(S, L) only
     # if a model keeps proposing the mask token itself
-    last = (step >= step_cap(rp.policy, block_length, steps) - 1)[:, None]
+    last = (step >= step_cap(rp.dev.policy, block_length, steps) - 1)[:, None]
     sel = sel | last
-    first = (rp.first_position & (step == 0))[:, None]
+    first = (rp.dev.first_position & (step == 0))[:, None]
     col0 = torch.arange(conf.shape[1], device=conf.device)[None] == 0
     return torch.where(first, col0, sel) & is_mask
 
@@ -213,6 +229,6 @@ def select_d2f(conf: torch.Tensor, is_mask: torch.Tensor, rp: RowParams, complet
     confident masked position. `conf` is the proposals' probability (D2F rows rank
     with low_confidence)."""
     conf = torch.where(is_mask, conf, torch.full_like(conf, -torch.inf))
-    over = (conf > rp.threshold[:, None]) & is_mask
+    over = (conf > rp.dev.threshold[:, None]) & is_mask
     force = complete & ~over.any(1)
     return over | (force[:, None] & (_ranks(conf) == 0) & is_mask)

@@ -33,7 +33,7 @@ from .decoding import propose, select, select_d2f, step_cap
 from .models import DLLM
 from .runner import ModelRunner
 from .scheduler import make_scheduler
-from .sequence import Prompt, Request, RequestOutput, tokenize, validate
+from .sequence import Prompt, Request, RequestOutput, RowShape, tokenize, validate
 from .slots import KVSlots, place
 from .stats import EngineStats
 
@@ -53,10 +53,12 @@ class Engine:
         self.mcfg = model.config
         self.tokenizer = tokenizer
         self.device = model.device
-        self.scheduler = make_scheduler(config)
+        self.full_canvas = config.full_canvas(self.mcfg.block_causal)
+        self.shape = RowShape(config.block_length, self.full_canvas)  # what a request's row holds
+        self.scheduler = make_scheduler(config, self.shape)
         self.stats = EngineStats(token_budget=config.token_budget)
         self.runner = ModelRunner(model, config, self.stats)
-        self.slots = None if config.cache == "none" else KVSlots(
+        self.slots = None if not config.mode.caches else KVSlots(
             self.mcfg, config.token_budget, model.dtype, self.device, max_rows=config.max_batch_size)
         self.stats.kv_budget_bytes = 0 if self.slots is None else config.token_budget * self.slots.cell_bytes
         self.batch_log: Optional[List[BatchRecord]] = [] if record_batches else None
@@ -68,7 +70,6 @@ class Engine:
         self.batch: Optional[Batch] = None
         self._grown: set = set()  # rows that committed a block and start their next one (D2F: added one)
         self._relayout = False  # D2F rows changed their blocks in flight: lay the batch out again
-        self.full_canvas = config.full_canvas(self.mcfg.block_causal)
         self.first_position = self.mcfg.family.first_position  # the family's block decoding (SamplingParams)
 
     # --- requests -----------------------------------------------------------------
@@ -80,14 +81,14 @@ class Engine:
             request_id = next(self._ids)
         ids, error = tokenize(prompt, self.tokenizer)
         stop = list(params.stop_token_ids) if params.stop_token_ids is not None else self.mcfg.stop_token_ids
-        req = Request(request_id, ids or [], params, self.cfg.block_length, stop, full_canvas=self.full_canvas)
-        req.error = error or validate(req, self.mcfg, self.cfg, self.tokenizer is not None) \
+        req = Request(request_id, ids or [], params, stop)
+        req.error = error or validate(req, self.shape, self.mcfg, self.cfg, self.tokenizer is not None) \
             or llada2.unsupported(req, self.mcfg.llada2)
         if self.mcfg.llada2 and not req.error:  # blocks at absolute positions (engine.llada2)
-            llada2.split_prompt(req)
+            llada2.split_prompt(req, self.cfg.block_length)
         if params.d2f and not req.error:
             req.d2f = D2FState(float(params.block_add_threshold), float(params.decoded_token_threshold),
-                               self.cfg.block_length, req.num_blocks_needed, self.mcfg.mask_token_id, stop)
+                               self.cfg.block_length, self.shape.blocks_needed(req), self.mcfg.mask_token_id, stop)
         if (params.temperature and params.temperature > 0) or params.remasking == "random":
             req.noise_seed = params.seed if params.seed is not None else random.getrandbits(62)
         with self._lock:
@@ -159,8 +160,7 @@ class Engine:
             return
         rows, moves = place(old.rows if old is not None else [], rows)
         if old is None or self._grown or self._relayout or rows != old.rows:  # Request compares by identity
-            b = self.batch = relayout(old, rows, self._grown, mcfg=self.mcfg, block_length=self.cfg.block_length,
-                                      cache_mode=self.cfg.cache, full_canvas=self.full_canvas,
+            b = self.batch = relayout(old, rows, self._grown, mcfg=self.mcfg, shape=self.shape, mode=self.cfg.mode,
                                       first_position=self.first_position, device=self.device)
             if self.slots is not None:
                 self._lay_out_kv(old, b, moves)
@@ -229,7 +229,7 @@ class Engine:
         self.stats.steps += 1
         blocks = self._fetch(window)
         b.masked = (blocks == mask_id) & b.valid
-        done = ~b.masked[:, -L:].any(1) | (b.step >= step_cap(b.row_params.policy_host, L, S))
+        done = ~b.masked[:, -L:].any(1) | (b.step >= step_cap(b.row_params.policy, L, S))
         if editing:
             done = llada2.after_step(b, editing, blocks, done)
         return done, blocks
@@ -323,7 +323,7 @@ class Engine:
             self._finish(r, "stop", *cut)
         elif stop_at >= 0 and n_before + stop_at < budget:
             self._finish(r, "stop", n_before + stop_at)
-        elif stop_at >= 0 or len(r.generated) >= r.num_blocks_needed * self.cfg.block_length:
+        elif stop_at >= 0 or len(r.generated) >= self.shape.blocks_needed(r) * self.cfg.block_length:
             self._finish(r, "length", budget)
         else:
             return False
@@ -356,5 +356,5 @@ class Engine:
             text = self.tokenizer.decode(toks, skip_special_tokens=True)
         self._finished.append(RequestOutput(
             request_id=req.request_id, prompt_token_ids=req.prompt + req.lead, token_ids=toks, finish_reason=reason,
-            text=text, error=req.error, num_blocks=req.block_index, num_steps=req.num_steps,
+            text=text, error=req.error, num_blocks=self.shape.block_index(req), num_steps=req.num_steps,
             latency_s=time.perf_counter() - req.arrival, prompt_tokens_forwarded=req.prompt_forwarded))

@@ -29,9 +29,9 @@ import torch
 from .sequence import Request
 
 
-def split_prompt(req: Request) -> None:
-    """Move the prompt's tail after its last whole block of L into `req.lead`."""
-    r = len(req.prompt) % req.block_length
+def split_prompt(req: Request, block_length: int) -> None:
+    """Move the prompt's tail after its last whole block into `req.lead`."""
+    r = len(req.prompt) % block_length
     if r:
         req.prompt, req.lead = req.prompt[:-r], req.prompt[-r:]
 

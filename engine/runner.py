@@ -6,14 +6,22 @@ receives index tensors, so a forward never waits on it."""
 from __future__ import annotations
 
 import time
-from typing import List, Optional, Tuple
+from dataclasses import dataclass
+from typing import Any, List, Optional, Tuple
 
 import torch
 
 from .batch import Batch
 from .config import EngineConfig
 from .models import DLLM
-from .stats import EngineStats, ForwardFit
+from .stats import EngineStats, ForwardFit, ForwardTimer
+
+# What one more attention call costs, in keys of one row: a run of rows of similar key width
+# shares a call rather than each row paying it (key_runs). On the CPU a call costs about as
+# much as 16 keys of a block's queries; on an accelerator a launch is worth far more keys
+# (there FlexAttention block masks or varlen attention are the way to skip them: not built).
+ATTENTION_OVERHEAD_KEYS = {"cpu": 16}
+ATTENTION_OVERHEAD_KEYS_DEVICE = 2048
 
 # What one more forward costs, in query cells, beyond the cells it computes (kernel
 # launches, per-layer host work); it keeps catch-up from splitting into tiny groups.
@@ -31,8 +39,9 @@ def catch_up_groups(need: List[int], floor: int, after: Optional[List[int]] = No
     rows with a long uncached stretch (just admitted, refreshing a prefix, or with a
     committed block to cache) are forwarded first in sub-batches of similar need.
     Picks the split with the fewest computed cells (dynamic programming over rows
-    sorted by need, `overhead` cells per extra forward: the engine's online fit, or
-    FORWARD_OVERHEAD_CELLS before it has one); [] when one forward is cheapest.
+    sorted by need, `overhead` cells per extra forward: EngineConfig.forward_overhead_cells,
+    else the engine's online fit, or FORWARD_OVERHEAD_CELLS before it has one); [] when
+    one forward is cheapest.
     Each group lists its rows in ascending order."""
     n = len(need)
     after = after if after is not None else [floor] * n
@@ -60,15 +69,47 @@ def catch_up_groups(need: List[int], floor: int, after: Optional[List[int]] = No
     return groups[::-1]
 
 
-def runs_of(rows: List[int]) -> List[Tuple[int, int]]:
-    """Ascending `rows` as [start, stop) runs of consecutive values."""
-    runs: List[Tuple[int, int]] = []
-    for r in rows:
+def key_runs(rows: List[int], starts: List[int], width: int, overhead: int = 16) -> List[Tuple[int, int, int]]:
+    """The forward's rows (ascending slots; `starts[i]`: row i's first real column) as
+    (slot start, slot stop, first key) runs: consecutive slots attended in one call to
+    keys [first key, width), the smallest start among them. A row joins the current run
+    when that attends fewer keys than a run of its own plus `overhead` keys (one call's
+    cost); so left padding is skipped, not masked, but rows of similar width share a call."""
+    runs: List[List[int]] = []
+    for r, s in zip(rows, starts):
         if runs and r == runs[-1][1]:
-            runs[-1] = (runs[-1][0], r + 1)
-        else:
-            runs.append((r, r + 1))
-    return runs
+            a, _, k = runs[-1]
+            n = r - a
+            k2 = min(k, s)
+            if (n + 1) * (width - k2) <= n * (width - k) + (width - s) + overhead:
+                runs[-1] = [a, r + 1, k2]
+                continue
+        runs.append([r, r + 1, s])
+    return [tuple(x) for x in runs]
+
+
+@dataclass
+class ForwardPlan:
+    """One forward, decided on the host: its rows, query columns, what it stores, the
+    attention runs, and what it will count."""
+
+    pick: Any  # slice(None) (every row) or the rows' indices
+    group: Optional[List[int]]
+    T: int  # query columns per row
+    contiguous: bool  # every row's queries end at the box's edge: one slice of columns
+    compiled: bool  # runs through the compiled block-only step (EngineConfig.compile_decode)
+    qc: torch.Tensor  # [n, T] query columns
+    real: torch.Tensor  # [n, T] which are real (not padding)
+    write: Optional[torch.Tensor]  # [n, T] which to store (None: all)
+    at: torch.Tensor  # [n, NB L] query columns whose logits are read
+    pos: torch.Tensor  # [n, T] position ids
+    runs: Optional[List[Tuple[int, int, int]]]  # (slot start, slot stop, first key) with a cache
+    cells: int
+    n_real: int
+    pad_keys: int  # (query, left-pad key) pairs attended
+    pad_keys_unskipped: int  # the same, had every row attended the whole box
+    prompt_fwd: torch.Tensor  # [n] prompt columns computed
+    cached_after: torch.Tensor  # [n] cached columns once it ran
 
 
 class ModelRunner:
@@ -77,6 +118,28 @@ class ModelRunner:
         self.device = model.device
         self.shift = int(self.mcfg.shift_logits)
         self.fit = ForwardFit()  # forward time = a + b * cells, from this engine's own forwards
+        self.timer = ForwardTimer(self.fit, self.device, exact=self.cfg.profile)
+        self.attention_overhead = ATTENTION_OVERHEAD_KEYS.get(self.device.type, ATTENTION_OVERHEAD_KEYS_DEVICE)
+        self._decode = None  # the compiled block-only step (EngineConfig.compile_decode)
+        self.compiled_forwards = 0
+
+    def decode_model(self):
+        """The model compiled for the dual cache's block-only step: its shape is (rows,
+        L) queries over a (rows, width) cache, fixed for as long as the batch's layout, so
+        on CUDA `reduce-overhead` captures one CUDA graph per shape and replays it with the
+        step's inputs copied in (not yet measured on a GPU: bench/gpu/run.sh's
+        blockserve+step+compile run does; whether torch graphs a step that writes the K/V
+        slots in place is what that run's log says). Its logits are read before the next step."""
+        if self._decode is None:
+            cuda = self.device.type == "cuda"
+            self._decode = torch.compile(self.model, mode="reduce-overhead" if cuda else None, dynamic=False)
+        return self._decode
+
+    def overhead_cells(self) -> float:
+        """What one more forward costs the planner: EngineConfig.forward_overhead_cells when
+        set (plans are then a function of the requests alone), else the online fit."""
+        fixed = self.cfg.forward_overhead_cells
+        return float(fixed) if fixed is not None else self.fit.overhead_cells(FORWARD_OVERHEAD_CELLS)
 
     def windows(self, b: Batch):
         """Per row (host tensors), the query columns [q0, q1) a forward must compute now
@@ -85,25 +148,26 @@ class ModelRunner:
         with one, what is not final yet: the whole row at a block start under
         refresh/dual, the new committed block under persistent, and the masked suffix
         under the full canvas unless the dual cache keeps it."""
-        L, start, bs = self.cfg.block_length, b.start, b.block_start
+        L, start, bs, mode = self.cfg.block_length, b.start, b.block_start, self.cfg.mode
         q1 = torch.full_like(start, b.width)
-        if self.cfg.cache == "none":
+        if not mode.caches:
             return start, q1, start
         fresh = start + b.cached
-        if self.cfg.cache == "dual":
+        if mode.caches_suffix:
             q1 = torch.where(b.cached > 0, bs + L, q1)
         return torch.minimum(fresh, bs - self.shift), q1, fresh
 
     def catch_up(self, b: Batch) -> None:
         """Forward the rows with a long uncached stretch first, in sub-batches of similar
         stretch (catch_up_groups), so the batch's forward stays about one block wide."""
-        if self.cfg.cache == "none":
+        mode = self.cfg.mode
+        if not mode.caches:
             return
         q0, q1, _ = self.windows(b)
         L = self.cfg.block_length
         # once caught up, a row computes its block, and its suffix unless the dual cache holds it
-        after = b.nact * L + self.shift + (torch.zeros_like(b.tail) if self.cfg.cache == "dual" else b.tail)
-        overhead = self.fit.overhead_cells(FORWARD_OVERHEAD_CELLS)
+        after = mode.later_step_columns(b.nact * L + self.shift, b.tail, None)
+        overhead = self.overhead_cells()
         self.stats.forward_overhead_cells = overhead
         for group in catch_up_groups((q1 - q0).tolist(), L + self.shift, after.tolist(), overhead):
             self.forward(b, group)
@@ -112,21 +176,28 @@ class ModelRunner:
         """Window logits [n, NB L, V] for the rows `group` (ascending; all rows when None):
         each row's current block, or the batch's window of NB blocks when D2F rows hold
         several in flight (positions outside a row's blocks are clamped into its query and
-        ignored); read for Dream from the column before each position. With a cache only the
-        columns whose K/V are not final are computed and stored (`windows`); the
-        query's other columns are padding. Rows' windows that all end at the box's edge
-        are one slice of columns; otherwise (dual cache mid-block) each row's columns
-        are gathered. A group's rows attend to views of their K/V slots, one attention
-        per run of consecutive slots: nothing is copied."""
-        L, W, dev, shift = self.cfg.block_length, b.width, self.device, self.shift
-        cache = b.cache
+        ignored); read for Dream from the column before each position. Planned on the host
+        (`plan`), run with one upload of its index tensors (`run`), counted (`account`)."""
+        p = self.plan(b, group)
+        logits, seconds = self.run(b, p)
+        self.account(b, p, seconds)
+        return logits
+
+    def plan(self, b: Batch, group: Optional[List[int]] = None) -> ForwardPlan:
+        """The forward's columns, from host values only. With a cache only the columns
+        whose K/V are not final are computed and stored (`windows`); the query's other
+        columns are padding. Rows' windows that all end at the box's edge are one slice of
+        columns; otherwise (dual cache mid-block) each row's columns are gathered. Rows
+        attend to views of their K/V slots, one attention per run of consecutive slots of
+        similar key width (key_runs): a run's keys start at its first row's first real
+        column, so left padding before it is not computed."""
+        L, W, shift = self.cfg.block_length, b.width, self.shift
         pick = slice(None) if group is None else torch.tensor(group)
         rows = lambda t: t[pick]  # noqa: E731 - this forward's rows of a [B, ...] host tensor
         q0, q1, fresh = (rows(t) for t in self.windows(b))
-        start, bs, plen = rows(b.start), rows(b.block_start), rows(b.prompt_len)
+        start = rows(b.start)
         T = int((q1 - q0).max())
         first = q1 - T  # [n] each row's first query column, right-aligned at q1
-        contiguous = bool((q1 == W).all())
         qcols = first[:, None] + torch.arange(T)[None]
         qc = qcols.clamp(min=0)
         real = qcols >= q0[:, None]
@@ -134,40 +205,82 @@ class ModelRunner:
         at = rows(b.window_start)[:, None] - shift - first[:, None] + torch.arange(b.n_window * L)[None]
         if b.n_window > 1:
             at = at.clamp(min=0)
-        if shift and self.cfg.cache != "none":  # Fast-dLLM's Dream: a cached step reads the
+        if shift and self.cfg.mode.caches:  # Fast-dLLM's Dream: a cached step reads the
             # block's first position (committed at the block's first step) from itself
-            at[:, 0] += rows(b.row_params.first_position_host & (b.step > 0)).long()
-        pos = (qc - start[:, None]).clamp(min=0)
-        qc_d, real_d = qc.to(dev), real.to(dev)
-        ids, mask, runs = b.ids, b.mask, None
-        if group is not None:
-            idx = pick.to(dev)
+            at[:, 0] += rows(b.row_params.first_position & (b.step > 0)).long()
+        cached = b.cache is not None
+        contiguous = bool((q1 == W).all())
+        # the compiled block-only step (dual cache, mid-block) attends whole boxes: one shape per layout
+        compiled = self.cfg.compile_decode and self.cfg.mode.caches_suffix and not contiguous and group is None
+        slots = list(range(len(b.rows))) if group is None else group
+        runs = key_runs(slots, start.tolist(), W, self.attention_overhead) if cached and not compiled else None
+        if runs:  # pad keys attended: before each row's first real column, from its run's first key
+            ks = torch.cat([torch.full((hi - lo,), k) for lo, hi, k in runs])
+            pad_keys = T * int((start - ks).sum())
+        elif cached:
+            pad_keys = T * int(start.sum())
+        else:  # without a cache the keys are the query's own columns
+            pad_keys = T * int((start - (W - T)).clamp(min=0).sum())
+        # prompt columns computed (with a cache: stored) by this forward
+        lo = torch.maximum(first, torch.maximum(q0, fresh) if cached else q0)
+        plen = rows(b.prompt_len)
+        return ForwardPlan(
+            pick=pick, group=group, T=T, contiguous=contiguous, compiled=compiled, qc=qc, real=real,
+            write=None if bool(write.all()) else write, at=at, pos=(qc - start[:, None]).clamp(min=0), runs=runs,
+            cells=len(q0) * T, n_real=int(real.sum()), pad_keys=pad_keys, pad_keys_unskipped=T * int(start.sum()),
+            prompt_fwd=(torch.minimum(q1, start + plen) - torch.maximum(lo, start)).clamp(min=0),
+            cached_after=rows(b.block_start) - start)
+
+    def run(self, b: Batch, p: ForwardPlan) -> Tuple[torch.Tensor, float]:
+        """(logits, seconds): the index tensors go to the device in one copy (pinned and
+        non-blocking on CUDA), then the model runs."""
+        W, dev, T = b.width, self.device, p.T
+        parts = [p.qc, p.pos, p.at, p.real.long()] + ([] if p.write is None else [p.write.long()])
+        if p.group is not None:
+            parts.append(p.pick[:, None])
+        host = torch.cat(parts, 1)
+        if dev.type == "cuda":
+            up = host.pin_memory().to(dev, non_blocking=True)
+        else:
+            up = host.to(dev)
+        got = list(up.split([t.shape[1] for t in parts], 1))
+        qc_d, pos_d, at_d, real_d = got[0], got[1], got[2], got[3].bool()
+        write_d = None if p.write is None else got[4].bool()
+        ids, mask = b.ids, b.mask
+        if p.group is not None:
+            idx = got[-1][:, 0]
             ids, mask = ids[idx], mask[idx]
-            runs = runs_of(group)
         tokens = torch.where(real_d, ids.gather(1, qc_d), self.mcfg.pad_token_id)
         qmask = mask if mask.shape[2] == 1 else mask.gather(2, qc_d[:, None, :, None].expand(-1, 1, -1, W))
+        timer = self.timer.start(p.cells)
         t0 = time.perf_counter()
         with torch.inference_mode():
-            if cache is None:
-                logits = self.model(tokens, pos.to(dev), qmask[..., W - T:], logits_at=at.to(dev))
+            if b.cache is None:
+                logits = self.model(tokens, pos_d, qmask[..., W - T:], logits_at=at_d)
             else:
-                logits = self.model(tokens, pos.to(dev), qmask, cache, W - T,
-                                    write=None if bool(write.all()) else write.to(dev), runs=runs,
-                                    cols=None if contiguous else qc_d, logits_at=at.to(dev))
-                b.cached[pick] = bs - start  # everything before the block is final
+                model = self.decode_model() if p.compiled else self.model
+                self.compiled_forwards += p.compiled
+                logits = model(tokens, pos_d, qmask, b.cache, W - T, write=write_d, runs=p.runs,
+                               cols=None if p.contiguous else qc_d, logits_at=at_d)
             if self.cfg.profile and dev.type == "cuda":  # exact forward_s, at the cost of a stall
                 torch.cuda.synchronize()
         seconds = time.perf_counter() - t0
-        cells, n_real = len(q0) * T, int(real.sum())
-        if dev.type != "cuda" or self.cfg.profile:  # timed to completion: fit on it
-            self.fit.add(cells, seconds)
+        timer.stop(seconds)
+        return logits, seconds
+
+    def account(self, b: Batch, p: ForwardPlan, seconds: float) -> None:
+        """The batch's bookkeeping after the forward (what is cached, prompt columns
+        forwarded) and the engine's counters."""
+        if b.cache is not None:
+            b.cached[p.pick] = p.cached_after  # everything before the block is final
+        b.prompt_fwd[p.pick] += p.prompt_fwd
         st = self.stats
         st.forward_s += seconds
         st.forwards += 1
-        st.computed_cells += cells
-        st.padded_cells += cells - n_real
-        # prompt columns computed (with a cache: stored) by this forward
-        lo = torch.maximum(first, torch.maximum(q0, fresh) if cache is not None else q0)
-        fwd = (torch.minimum(q1, start + plen) - torch.maximum(lo, start)).clamp(min=0)
-        b.prompt_fwd[pick] += fwd
-        return logits
+        st.computed_cells += p.cells
+        st.padded_cells += p.cells - p.n_real
+        st.pad_key_cells += p.pad_keys
+        if p.group is not None:
+            for k, v in (("forwards", 1), ("cells", p.cells), ("padded_cells", p.cells - p.n_real), ("seconds", seconds)):
+                st.catch_up[k] += v
+        st.pad_key_cells_unskipped += p.pad_keys_unskipped

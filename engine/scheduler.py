@@ -9,17 +9,17 @@ from collections import deque
 from typing import Callable, List
 
 from .config import EngineConfig
-from .sequence import Request
+from .sequence import Request, RowShape
 
 
-def batch_cost(rows: List[Request]) -> int:
+def batch_cost(rows: List[Request], shape: RowShape) -> int:
     """Padded area of a left-padded batch: |A| * max_i(p_i + (b_i+1) L)."""
-    return len(rows) * max((r.width for r in rows), default=0)
+    return len(rows) * max((shape.width(r) for r in rows), default=0)
 
 
 class Scheduler:
-    def __init__(self, cfg: EngineConfig):
-        self.cfg = cfg
+    def __init__(self, cfg: EngineConfig, shape: RowShape):
+        self.cfg, self.shape = cfg, shape
         self.active: List[Request] = []
         self._admitted = itertools.count()
         self.preemptions = 0
@@ -61,21 +61,21 @@ class BlockServeScheduler(Scheduler):
     cycle; if that growth breaks the budget, the latest-admitted rows go back to the
     queue with their committed blocks (dLLM state is just tokens, so this is exact)."""
 
-    def __init__(self, cfg: EngineConfig, max_active: int | None = None):
-        super().__init__(cfg)
+    def __init__(self, cfg: EngineConfig, shape: RowShape, max_active: int | None = None):
+        super().__init__(cfg, shape)
         self.pending: list = []  # (width, arrival, request), sorted
         self._arrival = itertools.count()
         self.max_active = max_active or cfg.max_batch_size
 
     def add(self, req: Request) -> None:
-        bisect.insort(self.pending, (req.width, next(self._arrival), req))
+        bisect.insort(self.pending, (self.shape.width(req), next(self._arrival), req))
 
     def num_pending(self) -> int:
         return len(self.pending)
 
     def schedule(self, can_preempt: Callable[[Request], bool] = lambda r: True) -> List[Request]:
         budget = self.cfg.token_budget
-        while len(self.active) > 1 and batch_cost(self.active) > budget:
+        while len(self.active) > 1 and batch_cost(self.active, self.shape) > budget:
             # rows at a block boundary go back first; if growth still breaks the budget
             # (step advance: the others are mid-block), a mid-block row goes back too and
             # redoes its block later (same tokens: a block is a function of its prefix)
@@ -84,7 +84,7 @@ class BlockServeScheduler(Scheduler):
             self.active.remove(victim)
             self.add(victim)
             self.preemptions += 1
-        box = max((r.width for r in self.active), default=0)
+        box = max((self.shape.width(r) for r in self.active), default=0)
         while self.pending and len(self.active) < self.max_active:
             i = bisect.bisect_right(self.pending, (box, float("inf"))) - 1
             width, _, cand = self.pending[max(i, 0)]
@@ -100,11 +100,11 @@ class BlockServeScheduler(Scheduler):
 class SequentialScheduler(BlockServeScheduler):
     """One request at a time, in arrival order."""
 
-    def __init__(self, cfg: EngineConfig):
-        super().__init__(cfg, max_active=1)
+    def __init__(self, cfg: EngineConfig, shape: RowShape):
+        super().__init__(cfg, shape, max_active=1)
 
     def add(self, req: Request) -> None:
-        self.pending.append((req.width, next(self._arrival), req))  # FIFO, not sorted
+        self.pending.append((self.shape.width(req), next(self._arrival), req))  # FIFO, not sorted
 
 
 class StaticScheduler(Scheduler):
@@ -112,8 +112,8 @@ class StaticScheduler(Scheduler):
     until the slowest finishes. Finished rows stay in the batch (computed, frozen) and
     nothing is refilled until the whole group is done."""
 
-    def __init__(self, cfg: EngineConfig):
-        super().__init__(cfg)
+    def __init__(self, cfg: EngineConfig, shape: RowShape):
+        super().__init__(cfg, shape)
         self.pending: deque = deque()
         self.done: set = set()
 
@@ -145,6 +145,6 @@ class StaticScheduler(Scheduler):
         return list(self.active)
 
 
-def make_scheduler(cfg: EngineConfig) -> Scheduler:
+def make_scheduler(cfg: EngineConfig, shape: RowShape) -> Scheduler:
     return {"blockserve": BlockServeScheduler, "static": StaticScheduler,
-            "sequential": SequentialScheduler}[cfg.scheduler](cfg)
+            "sequential": SequentialScheduler}[cfg.scheduler](cfg, shape)

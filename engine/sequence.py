@@ -30,12 +30,13 @@ class RequestOutput:
 
 @dataclass(eq=False)
 class Request:
-    """Identity semantics (eq=False): the engine keys sets and dicts on the request itself."""
+    """One request's state over its life. Identity semantics (eq=False): the engine keys
+    sets and dicts on the request itself. What its row looks like (its width, its masked
+    suffix) depends on engine-wide settings: RowShape answers that."""
 
     request_id: Any
     prompt: List[int]
     params: SamplingParams
-    block_length: int
     stop_ids: List[int]
     arrival: float = field(default_factory=time.perf_counter)
     generated: List[int] = field(default_factory=list)  # committed blocks
@@ -44,7 +45,6 @@ class Request:
     error: Optional[str] = None
     noise_seed: Optional[int] = None  # Gumbel seed when temperature > 0
     prompt_forwarded: int = 0  # prompt tokens forwarded over the request's life (cache accounting)
-    full_canvas: bool = False  # the row holds all its blocks from admission (EngineConfig.canvas)
     d2f: Optional[D2FState] = None  # D2F rows: the blocks in flight (SamplingParams.block_add_threshold)
     # LLaDA2 (blocks at absolute positions, engine.llada2): the prompt's tail after its last
     # whole block, which opens the first decoded block; `prompt` is then the whole blocks only
@@ -56,48 +56,52 @@ class Request:
         return len(self.prompt)
 
     @property
-    def block_index(self) -> int:
-        return len(self.generated) // self.block_length
-
-    @property
-    def num_blocks_needed(self) -> int:
-        if self.params.d2f:  # D2F's count: whole blocks only
-            return self.params.max_new_tokens // self.block_length
-        return math.ceil((len(self.lead) + self.params.max_new_tokens) / self.block_length)
-
-    @property
     def output_ids(self) -> List[int]:
         """The generated tokens (the committed blocks without the prompt's tail, `lead`)."""
         return self.generated[len(self.lead):] if self.lead else self.generated
-
-    def block_tokens(self, mask_id: int) -> List[int]:
-        """The current block (and under the full canvas the masked suffix) as a row is
-        (re)built: masks, after the prompt's tail in the first block."""
-        lead = [] if self.generated else self.lead
-        return lead + [mask_id] * (self.block_length + self.tail - len(lead))
 
     @property
     def n_active(self) -> int:
         """Blocks in flight: 1, or a D2F row's."""
         return self.d2f.n_active if self.d2f is not None else 1
 
-    @property
-    def width(self) -> int:
+
+@dataclass(frozen=True)
+class RowShape:
+    """The engine-wide settings that say what a request's row holds: blocks of
+    `block_length`, and (`full_canvas`) every masked later block from admission."""
+
+    block_length: int
+    full_canvas: bool = False
+
+    def blocks_needed(self, r: Request) -> int:
+        if r.params.d2f:  # D2F's count: whole blocks only
+            return r.params.max_new_tokens // self.block_length
+        return math.ceil((len(r.lead) + r.params.max_new_tokens) / self.block_length)
+
+    def block_index(self, r: Request) -> int:
+        return len(r.generated) // self.block_length
+
+    def final_width(self, r: Request) -> int:
+        return r.prompt_len + self.blocks_needed(r) * self.block_length
+
+    def width(self, r: Request) -> int:
         """Columns the row occupies: prompt + committed + current block (a D2F row: every
         block in flight), and under the full canvas the still-masked later blocks too
         (then fixed from admission)."""
         if self.full_canvas:
-            return self.final_width
-        return self.prompt_len + len(self.generated) + self.n_active * self.block_length
+            return self.final_width(r)
+        return r.prompt_len + len(r.generated) + r.n_active * self.block_length
 
-    @property
-    def tail(self) -> int:
+    def tail(self, r: Request) -> int:
         """Columns after the current block (the masked suffix of the full canvas)."""
-        return self.width - self.prompt_len - len(self.generated) - self.n_active * self.block_length
+        return self.width(r) - r.prompt_len - len(r.generated) - r.n_active * self.block_length
 
-    @property
-    def final_width(self) -> int:
-        return self.prompt_len + self.num_blocks_needed * self.block_length
+    def block_tokens(self, r: Request, mask_id: int) -> List[int]:
+        """The current block (and under the full canvas the masked suffix) as a row is
+        (re)built: masks, after the prompt's tail (LLaDA2's `lead`) in the first block."""
+        lead = [] if r.generated else r.lead
+        return lead + [mask_id] * (self.block_length + self.tail(r) - len(lead))
 
 
 def tokenize(prompt: Prompt, tokenizer) -> Tuple[Optional[List[int]], Optional[str]]:
@@ -115,7 +119,8 @@ def tokenize(prompt: Prompt, tokenizer) -> Tuple[Optional[List[int]], Optional[s
         return None, f"prompt could not be tokenized: {type(e).__name__}: {e}"
 
 
-def validate(req: Request, mcfg: ModelConfig, cfg: EngineConfig, has_tokenizer: bool) -> Optional[str]:
+def validate(req: Request, shape: RowShape, mcfg: ModelConfig, cfg: EngineConfig, has_tokenizer: bool
+             ) -> Optional[str]:
     """What makes `req` impossible to serve on this engine, or None."""
     err = req.params.validate()
     if err:
@@ -128,20 +133,21 @@ def validate(req: Request, mcfg: ModelConfig, cfg: EngineConfig, has_tokenizer: 
     if bad:
         return f"token id {bad[0]} outside the vocabulary [0, {mcfg.vocab_size})"
     if req.params.d2f:
-        err = d2f_unsupported(req, mcfg, cfg)
+        err = d2f_unsupported(req, shape, mcfg, cfg)
         if err:
             return err
-    if req.final_width > mcfg.max_seq_len:
-        return (f"prompt of {req.prompt_len} tokens + {req.num_blocks_needed} blocks of "
+    width, blocks = shape.final_width(req), shape.blocks_needed(req)
+    if width > mcfg.max_seq_len:
+        return (f"prompt of {req.prompt_len} tokens + {blocks} blocks of "
                 f"{cfg.block_length} exceeds the model context of {mcfg.max_seq_len} tokens")
-    if req.final_width > cfg.token_budget:
-        return (f"request needs {req.final_width} tokens of batch budget alone "
-                f"(prompt {req.prompt_len} + {req.num_blocks_needed} blocks of {cfg.block_length}), "
+    if width > cfg.token_budget:
+        return (f"request needs {width} tokens of batch budget alone "
+                f"(prompt {req.prompt_len} + {blocks} blocks of {cfg.block_length}), "
                 f"more than token_budget={cfg.token_budget}")
     return None
 
 
-def d2f_unsupported(req: Request, mcfg: ModelConfig, cfg: EngineConfig) -> Optional[str]:
+def d2f_unsupported(req: Request, shape: RowShape, mcfg: ModelConfig, cfg: EngineConfig) -> Optional[str]:
     """Why this engine cannot serve `req` with D2F decoding, or None."""
     why = None
     if not mcfg.block_causal:
@@ -149,11 +155,11 @@ def d2f_unsupported(req: Request, mcfg: ModelConfig, cfg: EngineConfig) -> Optio
                "model is bidirectional (config.json dllm_attention)")
     elif mcfg.shift_logits:
         why = f"is implemented for unshifted logits (LLaDA); {mcfg.model_type} reads each position from the one before"
-    elif req.full_canvas:
+    elif shape.full_canvas:
         why = "needs the block canvas (EngineConfig.canvas 'block' or 'auto')"
-    elif cfg.cache == "dual":
+    elif cfg.mode.caches_suffix:
         why = "forwards every block in flight; cache 'dual' forwards one: use none, refresh or persistent"
-    elif req.params.max_new_tokens < req.block_length:
+    elif req.params.max_new_tokens < shape.block_length:
         why = (f"decodes max_new_tokens // block_length whole blocks: max_new_tokens={req.params.max_new_tokens} "
-               f"< block_length={req.block_length}")
+               f"< block_length={shape.block_length}")
     return f"block_add_threshold (D2F decoding) {why}" if why else None

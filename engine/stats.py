@@ -1,9 +1,10 @@
 """What an engine counts (EngineStats), and the online fit of what one more forward
-costs (ForwardFit), which the catch-up planner reads instead of a guessed constant."""
+costs (ForwardFit, fed by ForwardTimer on every device), which the catch-up planner reads
+unless EngineConfig.forward_overhead_cells fixes it."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Dict, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 
 @dataclass
@@ -29,8 +30,15 @@ class EngineStats:
     kv_copied_by: Dict[str, int] = field(default_factory=lambda: dict(regrow=0, move=0, shift=0))
     kv_peak_bytes: int = 0  # most K/V bytes allocated at once (one layer more while the buffers grow)
     kv_budget_bytes: int = 0  # token_budget cells of K/V, one buffer (0 without a cache)
-    forward_overhead_cells: float = 0.0  # the catch-up planner's cost of one more forward, in cells (ForwardFit)
+    forward_overhead_cells: float = 0.0  # the catch-up planner's cost of one more forward, in cells (EngineConfig
+    # .forward_overhead_cells when set, else ForwardFit)
     syncs: int = 0  # device -> host reads by the loop (each one a stall on an accelerator)
+    # (query column, left-padding key) pairs attended; and what attending every row's whole
+    # box would have cost (the padding key runs skip: engine.runner.key_runs)
+    pad_key_cells: int = 0
+    pad_key_cells_unskipped: int = 0
+    # catch-up sub-batches (engine.runner.catch_up): rows recomputed before the batch's forward
+    catch_up: Dict[str, float] = field(default_factory=lambda: dict(forwards=0, cells=0, padded_cells=0, seconds=0.0))
 
     @property
     def kv_bytes_copied(self) -> int:
@@ -54,7 +62,14 @@ class EngineStats:
                 "kv_copied_by_per_token": {k: v / self.generated_tokens for k, v in self.kv_copied_by.items()}
                 if self.generated_tokens else None,
                 "host_ms_per_step": 1e3 * self.host_s / self.steps if self.steps else None,
-                "syncs_per_step": self.syncs / self.steps if self.steps else None}
+                "syncs_per_step": self.syncs / self.steps if self.steps else None,
+                "catch_up": {"forward_share": self.catch_up["seconds"] / self.forward_s if self.forward_s else None,
+                             "cell_share": self.catch_up["cells"] / self.computed_cells if self.computed_cells else None,
+                             "padding": self.catch_up["padded_cells"] / self.catch_up["cells"]
+                             if self.catch_up["cells"] else None, "forwards": self.catch_up["forwards"]},
+                "pad_keys_per_token": self.pad_key_cells / self.generated_tokens if self.generated_tokens else None,
+                "pad_keys_per_token_unskipped": self.pad_key_cells_unskipped / self.generated_tokens
+                if self.generated_tokens else None}
 
     @property
     def padding_fraction(self) -> float:
@@ -95,3 +110,36 @@ class ForwardFit:
             return default
         a = (self.sy - b * self.sx) / self.n
         return min(max(a / b, 0.0), self.max_cells)
+
+
+class ForwardTimer:
+    """Feeds ForwardFit on every device. Where a forward's host time is its run time (CPU,
+    or CUDA with `exact`: synchronized), that time; on CUDA otherwise a pair of CUDA events
+    around it, read once they completed (at a later forward: never a stall)."""
+
+    def __init__(self, fit: ForwardFit, device, exact: bool = False):
+        self.fit, self.events = fit, device.type == "cuda" and not exact
+        self.pending: List[Tuple[int, Any, Any]] = []
+        self._cells, self._start = 0, None
+
+    def start(self, cells: int) -> "ForwardTimer":
+        self._cells = cells
+        if self.events:
+            import torch
+
+            while self.pending and self.pending[0][2].query():
+                n, e0, e1 = self.pending.pop(0)
+                self.fit.add(n, e0.elapsed_time(e1) / 1e3)
+            self._start = torch.cuda.Event(enable_timing=True)
+            self._start.record()
+        return self
+
+    def stop(self, seconds: float) -> None:
+        if not self.events:
+            self.fit.add(self._cells, seconds)
+            return
+        import torch
+
+        end = torch.cuda.Event(enable_timing=True)
+        end.record()
+        self.pending.append((self._cells, self._start, end))

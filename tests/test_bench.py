@@ -141,6 +141,23 @@ def test_engine_bench_smoke_writes_json(tmp_path):
     assert (tmp_path / "smoke.png").stat().st_size > 0
 
 
+def test_fixed_planner_overhead_makes_bench_runs_reproducible(work):
+    """Issue 28: with the catch-up planner's overhead an input (EngineConfig), two runs of
+    the same bench make the same forwards, pad the same cells and give the same tokens
+    (the online fit follows wall-clock timings, so its plans vary from run to run)."""
+    from bench.runner import RunSpec, fit_overhead, run
+
+    spec = RunSpec("b", "blockserve", 200, cache="dual", advance="step", canvas="full")
+    fitted = fit_overhead(work, spec, n=4)
+    assert fitted >= 0
+    spec.forward_overhead_cells = 48.0
+    a, b = run(work, spec), run(work, spec)
+    assert a.error is None and a.forward_overhead_cells == 48.0
+    assert (a.forwards, a.computed_cells, a.padded_cells, a.tokens) == (b.forwards, b.computed_cells, b.padded_cells,
+                                                                        b.tokens)
+    assert a.output_digests == b.output_digests and a.padded_cells > 0
+
+
 def test_gpu_bench_smoke_runs_on_cpu(tmp_path):
     d = gpu_bench.main(["--smoke", "--out", str(tmp_path), "--n-requests", "6", "--deadline-s", "120"])
     saved = json.loads((tmp_path / "gpu_bench.json").read_text())
@@ -186,3 +203,11 @@ def test_d2f_bench_smoke_writes_the_three_tables(tmp_path):
         assert v[f"d2f-{t}"]["same_tokens_per_request"] and v[f"d2f-{t}"]["requests_with_more_steps"] == 0
     assert d["d2f_fewer_forwards_per_token_at_tau_add_le_0.7"] is True
     assert (tmp_path / "d2f.png").stat().st_size > 0
+
+
+def test_bench_readme_is_what_the_json_says():
+    """bench/README.md is written by bench/report.py from bench/results/*.json (issue 28):
+    a hand edit, or a new result without `python bench/report.py`, fails here."""
+    from bench import report
+
+    assert report.main(["--check"]) == 0

@@ -322,3 +322,17 @@ def test_forward_overhead_is_fitted_from_the_engines_own_forwards():
                  SamplingParams(max_new_tokens=12, stop_token_ids=[]))
     assert eng.runner.fit.count == eng.stats.forwards > 16
     assert eng.stats.forward_overhead_cells >= 0
+
+
+def test_key_runs_skip_left_padding_and_share_calls():
+    """Issue 28: rows attend keys from their run's first real column; rows of similar width
+    share one attention call, a row much wider or narrower than its neighbours gets its own."""
+    from engine.runner import key_runs
+
+    assert key_runs([0, 1, 2], [10, 12, 11], 100, overhead=16) == [(0, 3, 10)]  # alike: one call
+    assert key_runs([0, 1, 2], [0, 80, 81], 100, overhead=16) == [(0, 1, 0), (1, 3, 80)]  # no pad keys at all
+    assert key_runs([3, 4, 7], [50, 50, 50], 100, overhead=16) == [(3, 5, 50), (7, 8, 50)]  # slots not consecutive
+    runs = key_runs(list(range(8)), [5, 90, 7, 60, 61, 0, 95, 30], 128, overhead=16)
+    assert [r for a, b, _ in runs for r in range(a, b)] == list(range(8))
+    starts = [5, 90, 7, 60, 61, 0, 95, 30]
+    assert sum(s - k for a, b, k in runs for s in starts[a:b]) <= 16 * len(starts)

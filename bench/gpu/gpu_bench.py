@@ -207,6 +207,9 @@ def ratios(runs: List[Dict[str, Any]]) -> Dict[str, float]:
         if b and label.startswith("blockserve+") and "d2f" not in label and "block-causal" not in label \
                 and f"blockserve@B{b}" in by:
             out[f"blockserve@B{b}/{label}"] = by[f"blockserve@B{b}"]["tokens_per_s"] / r["tokens_per_s"]
+        eager = by.get(label.replace("+compile", ""))
+        if "+compile" in label and eager:  # graphed against eager, the same runs otherwise
+            out[f"{label}/{eager['label']}"] = r["tokens_per_s"] / eager["tokens_per_s"]
         semi = by.get(f"blockserve+block-causal@B{b}")
         if b and "+d2f-" in label and semi:  # D2F against semi-AR on the same block-causal model
             out[f"{label}/semi-AR"] = r["tokens_per_s"] / semi["tokens_per_s"]
@@ -299,7 +302,10 @@ def main(argv=None) -> Dict[str, Any]:
     queue: List[tuple] = [("static", main_b), ("blockserve", main_b), ("sequential", None)]
     # step advance first among the variants: on CPU it is blockserve's best mode at equal decoding;
     # then the cost of the full canvas (the same cache on the block canvas)
-    variants = ["step", "canvas-block"] + (["persistent", "persistent+step"] if args.canvas == "block" else [])
+    # then eager against graphed: the dual cache's block-only step through torch.compile (reduce-overhead;
+    # not in the CPU smoke run, where inductor would compile for minutes: tests/test_compiled_decode.py)
+    variants = ["step"] + (["step+compile"] if args.cache == "dual" and not smoke else []) + ["canvas-block"] + (
+        ["persistent", "persistent+step"] if args.canvas == "block" else [])
     queue += [("variant", v) for v in variants if v not in rep.data["modes_unsupported"]]
     # D2F (issue 25): the same weights read as block-causal, semi-AR against D2F at the budget of
     # static-B, and D2F one request at a time (the characterisation's batching gain)

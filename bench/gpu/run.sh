@@ -7,6 +7,8 @@
 #     bash bench/gpu/run.sh --shape llada-moe-7b   # LLaDA-MoE-7B-A1B-shaped (64 experts, top-8), random bf16
 #     VARIANT=llada2 bash bench/gpu/run.sh         # LLaDA2.0-mini-shaped (256 experts, top-8), random bf16,
 #                                                  # persistent cache on the block canvas; JSON in $OUT/llada2/
+# Under the dual cache it also runs blockserve+step+compile (the block-only step through
+# torch.compile mode="reduce-overhead": CUDA graphs) against blockserve+step (eager).
 # The script keeps itself under ~7.5 minutes (priority-ordered runs under one deadline,
 # JSON rewritten after each run); `timeout` is only the backstop for a hang.
 set -euo pipefail

@@ -67,23 +67,25 @@ class KVCache:
         return sum(t.numel() * t.element_size() for t in self.k + self.v)
 
     def attend(self, layer: int, k: torch.Tensor, v: torch.Tensor, offset: int, width: int,
-               write: Optional[torch.Tensor], runs: Optional[Sequence[Tuple[int, int]]],
+               write: Optional[torch.Tensor], runs: Optional[Sequence[Tuple[int, int, int]]],
                cols: Optional[torch.Tensor]):
         """Store a forward's K/V [n, H_kv, T, D] and return the keys and values it attends
         to ([n, H_kv, width, D]). The T query columns are [offset, offset+T) of every row,
         or `cols` [n, T] per row; the forward's rows are all of the cache's, or the cache
-        rows of `runs` [(start, stop), ...] one after the other (then a list of one
-        (keys, values) view per run: attention reads the cache in place, never a copy).
+        rows of `runs` [(start, stop, first key), ...] one after the other (then a list of
+        one (keys, values) view per run, of keys [first key, width): attention reads the
+        cache in place, never a copy, and skips the keys before a run's first).
         Only columns where `write` [n, 1, T, 1] holds are stored; the others keep the
         K/V already cached (padding, or columns whose K/V are final)."""
         K, V = self.k[layer], self.v[layer]
         if runs is None:
             return self._store(K, V, k, v, offset, width, write, cols)
         out, o = [], 0
-        for a, b in runs:
+        for a, b, first in runs:
             part = slice(o, o + b - a)
-            out.append(self._store(K[a:b], V[a:b], k[part], v[part], offset, width,
-                                   None if write is None else write[part], None if cols is None else cols[part]))
+            kr, vr = self._store(K[a:b], V[a:b], k[part], v[part], offset, width,
+                                 None if write is None else write[part], None if cols is None else cols[part])
+            out.append((kr[:, :, first:], vr[:, :, first:]))
             o += b - a
         return out
 
@@ -122,7 +124,7 @@ class Layer(nn.Module):
         self.down = nn.Linear(f, d, bias=b)
 
     def forward(self, h, cos, sin, mask, cache: Optional[KVCache], idx: int, offset: int,
-                write: Optional[torch.Tensor] = None, runs: Optional[Sequence[Tuple[int, int]]] = None,
+                write: Optional[torch.Tensor] = None, runs: Optional[Sequence[Tuple[int, int, int]]] = None,
                 cols: Optional[torch.Tensor] = None):
         B, T, _ = h.shape
         H, Hkv, D = self.cfg.n_heads, self.cfg.n_kv_heads, self.cfg.head_dim
@@ -133,7 +135,8 @@ class Layer(nn.Module):
             a, o = [], 0
             for kr, vr in kv:
                 part = slice(o, o + kr.shape[0])
-                a.append(F.scaled_dot_product_attention(q[part], kr, vr, attn_mask=mask[part], enable_gqa=Hkv != H))
+                keys = mask[part][..., mask.shape[-1] - kr.shape[2]:]  # the run's keys (left padding skipped)
+                a.append(F.scaled_dot_product_attention(q[part], kr, vr, attn_mask=keys, enable_gqa=Hkv != H))
                 o += kr.shape[0]
             a = torch.cat(a)
         else:
@@ -190,12 +193,12 @@ class DLLM(nn.Module):
     def forward(self, ids: torch.Tensor, pos: torch.Tensor, mask: torch.Tensor,
                 cache: Optional[KVCache] = None, offset: int = 0,
                 logits_last: Optional[int] = None, write: Optional[torch.Tensor] = None,
-                runs: Optional[Sequence[Tuple[int, int]]] = None, cols: Optional[torch.Tensor] = None,
+                runs: Optional[Sequence[Tuple[int, int, int]]] = None, cols: Optional[torch.Tensor] = None,
                 logits_at: Optional[torch.Tensor] = None) -> torch.Tensor:
         """ids/pos [B, T]; mask bool [B, 1, T|1, K] (True = may attend) where K = T without a
         cache, or the number of cache columns attended with one. With a cache, this
         forward's K/V land in columns [offset, offset+T) (or `cols` [B, T]) of the cache
-        rows of `runs` [(start, stop), ...] (all rows when None), only where `write` [B, T] is True when it is given
+        rows of `runs` [(start, stop, first key), ...] (all rows when None), only where `write` [B, T] is True when it is given
         (the other columns are padding or already cached). Logits only for the last
         `logits_last` columns, or the query columns `logits_at` [B, n] (the LM head over
         every column is the biggest waste)."""

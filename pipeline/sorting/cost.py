@@ -18,9 +18,11 @@ from typing import Dict
 
 import numpy as np
 
+from engine.modes import MODES, cache_mode
+
 from .model import DeviceProfile, ModelProfile
 
-CACHE_MODES = ("none", "refresh", "dual", "persistent")
+CACHE_MODES = tuple(MODES)
 
 
 @dataclass(frozen=True)
@@ -51,16 +53,15 @@ def work(prompt_len: np.ndarray, num_blocks: np.ndarray, block_length: int, step
     `dual` w and then the block alone. Every step's queries attend the whole row, and
     touch its w cached columns plus the ones they write.
     """
-    if cache not in CACHE_MODES:
-        raise ValueError(f"cache must be one of {CACHE_MODES}, got {cache!r}")
+    mode = cache_mode(cache)  # the engine's own rules (engine.modes)
     if block_length < 1 or steps_per_block < 1:
         raise ValueError("block_length and steps_per_block must be >= 1")
     p = np.asarray(prompt_len, dtype=np.float64)
     K = np.asarray(num_blocks, dtype=np.float64) + np.zeros_like(p)
     L, S = float(block_length), float(steps_per_block)
-    shape = (p, K, L, S, cache, full_canvas)
+    shape = (p, K, L, S, mode, full_canvas)
     cells, pairs, kv = np.zeros_like(p), np.zeros_like(p), np.zeros_like(p)
-    if cache == "persistent" and not full_canvas:
+    if mode.keeps_prefix and not full_canvas:
         cells += p
         pairs += p * p
         kv += p
@@ -76,19 +77,15 @@ def work(prompt_len: np.ndarray, num_blocks: np.ndarray, block_length: int, step
     return Work(cells=cells + total[0], pairs=pairs + total[1], kv_columns=kv + total[2])
 
 
-def _cycle(p, K, L, S, cache, full_canvas, b, middle=False):
+def _cycle(p, K, L, S, mode, full_canvas, b, middle=False):
     """(cells, pairs, K/V columns) of block cycle b (arrays). `middle`: the form of the
     cycles strictly between the first and the last one, a polynomial in b (a commit
     follows every such block, and its queries are fewer than the row's columns)."""
     w = p + K * L if full_canvas else p + (b + 1) * L
-    if cache == "none":
-        q_first, q_rest, commit = w, w, 0.0
-    elif cache == "persistent" and not full_canvas:
-        q_first, q_rest, commit = L, L, L if middle else L * (b + 1 < K)
-    elif full_canvas and cache != "dual":
-        q_first, q_rest, commit = w, (K - b) * L, 0.0
-    else:
-        q_first, q_rest, commit = w, L, 0.0
+    q_rest = mode.later_step_columns(L, (K - b - 1) * L if full_canvas else 0.0, w)
+    q_first, commit = w, 0.0  # a block's first step computes the row whole
+    if mode.keeps_prefix and not full_canvas:  # only the block, and the finished block is committed
+        q_first, commit = L, L if middle else L * (b + 1 < K)
     cols = (lambda q, width: np.where(q == 0, 0.0, np.where(np.asarray(q) == width, width, width + q))) if middle \
         else _columns
     q = q_first + (S - 1) * q_rest + commit
