@@ -7,7 +7,7 @@ that must not import torch.
 """
 from __future__ import annotations
 
-from engine.lazy import lazy_exports
+from common.lazy import lazy_exports
 
 _EXPORTS = {
     "DLLMEngineActor": ".engine_actor",

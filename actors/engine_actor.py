@@ -35,7 +35,7 @@ from pipeline.row_values import RowValueError, parse_sampling, parse_seed
 
 from .engine_loop import EngineLoop, error_output
 from .metrics import EngineMetrics
-from .schema import OUTPUT_SCHEMA, STOP_TEXT  # noqa: F401 - re-exported
+from common.schema import OUTPUT_SCHEMA, STOP_TEXT  # noqa: F401 - re-exported
 
 logger = logging.getLogger(__name__)
 
@@ -123,7 +123,7 @@ class DLLMEngineActor:
                  token_ids_column: str = "prompt_token_ids", sampling_column: str = "sampling_params",
                  error_column: str = "error", model_storage: Any = None, run_id: str = "",
                  adapter: Optional[str] = None, attention: str = "auto"):
-        from pipeline.model_source import model_name, resolve_model  # lazy: pipeline imports this module
+        from common.model_source import model_name, resolve_model  # lazy: pipeline imports this module
 
         if torch_threads:
             torch.set_num_threads(torch_threads)
@@ -262,7 +262,7 @@ class DLLMEngineActor:
         """Give the engine the model's tokenizer (stop strings are decided on the text);
         loaded once, at the first row that has stop strings."""
         if self._tokenizer is None:
-            from engine.tokenizer import load_tokenizer
+            from common.tokenizer import load_tokenizer
 
             try:
                 self._tokenizer = load_tokenizer(self.model_dir)

@@ -44,7 +44,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 import pyarrow as pa
 import ray
 
-from .schema import ENGINE_RETRIES, OUTPUT_SCHEMA, STOP_TEXT
+from common.schema import ENGINE_RETRIES, OUTPUT_SCHEMA, STOP_TEXT
 
 logger = logging.getLogger(__name__)
 

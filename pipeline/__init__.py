@@ -7,7 +7,7 @@ Ray or the engine.
 """
 from __future__ import annotations
 
-from engine.lazy import lazy_exports
+from common.lazy import lazy_exports
 
 _EXPORTS = {
     "DLLMProcessorConfig": ".config",

@@ -22,12 +22,12 @@ from actors.engine_actor import DLLMEngineActor, new_rank_group
 from actors.engine_router import DISPATCHER_CPUS, EngineDispatcher
 from actors.metrics import new_run_id
 from actors.rank import rank_counter
-from actors.schema import ENGINE_RETRIES, OUTPUT_SCHEMA
+from common.schema import ENGINE_RETRIES, OUTPUT_SCHEMA
 
 from .config import DLLMProcessorConfig
-from .model_source import with_local_model
+from common.model_source import with_local_model
 from .sorting import order_dataset
-from .storage import StorageOptions
+from common.storage import StorageOptions
 from .stages import PRE_ERROR, TOKEN_IDS, DetokenizeUDF, TokenizeUDF, chat_stage_kwargs
 
 RowFn = Callable[[Dict[str, Any]], Dict[str, Any]]
@@ -145,12 +145,12 @@ def build_processor(config: DLLMProcessorConfig, preprocess: Optional[RowFn] = N
     `run_id`: the engines' `run` metrics tag (default: a fresh one).
     Raises ValueError (one line) when the model cannot be loaded, before any actor starts.
     """
-    from .run import JobError, check_model
+    from .preflight import JobError, check_model
 
     storage = (storage or StorageOptions()).resolved()  # once, here: every actor talks to the same endpoint
     try:
         check_model(config.model, needs_tokenizer=False, storage=storage, adapter=config.adapter,
                     attention=config.attention, sampling=config.sampling, engine=config.engine)
     except JobError as e:
-        raise ValueError(str(e).removesuffix(" (--model)")) from None
+        raise ValueError(e.message) from None
     return DLLMProcessor(config, preprocess, postprocess, storage, run_id or new_run_id())

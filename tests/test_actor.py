@@ -120,7 +120,7 @@ def test_dispatcher_puts_engine_columns_on_the_whole_batch():
     kept, a row per sample (row 1 with two samples here), an input column named like an
     output column replaced, `engine_retries` added."""
     from actors.engine_router import _ADDED, _ROW, EngineDispatcher
-    from actors.schema import ENGINE_RETRIES, STOP_TEXT
+    from common.schema import ENGINE_RETRIES, STOP_TEXT
 
     table = pa.table({"id": ["a", "b"], "payload": ["x", "y"], "engine_rank": [9, 9]})
     rows = [0, 1, 1]
@@ -147,6 +147,6 @@ def test_dispatcher_imports_no_torch():
 
     from conftest import ROOT
 
-    code = "import sys, actors.engine_router, actors.rank, actors.schema; print('torch' in sys.modules)"
+    code = "import sys, actors.engine_router, actors.rank, common.schema; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False", out.stderr
