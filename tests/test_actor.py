@@ -9,6 +9,7 @@ import pyarrow as pa
 import pytest
 
 from actors.engine_actor import OUTPUT_SCHEMA, DLLMEngineActor
+from actors.spec import EngineSpec
 from actors.engine_loop import EngineLoop
 from engine import Engine, EngineConfig, SamplingParams, load_model
 
@@ -28,8 +29,8 @@ def _batches_per_cycle(log):
 
 
 def test_rows_errors_and_overrides_in_process(tiny_model_dir):
-    actor = DLLMEngineActor(tiny_model_dir, ENGINE, SamplingParams(max_new_tokens=8), rank=5,
-                            enable_metrics=False, warmup=False)
+    actor = DLLMEngineActor(EngineSpec(tiny_model_dir, ENGINE, SamplingParams(max_new_tokens=8), rank=5,
+                                       enable_metrics=False, warmup=False))
     table = pa.table({
         "prompt_token_ids": [[5, 6, 7], [], None, [5, 6], [8] * 5, [9, 99999]],
         "sampling_params": [None, None, None, {"max_new_tokens": 4}, {"bogus": 1}, None],
@@ -58,8 +59,8 @@ def test_rows_errors_and_overrides_in_process(tiny_model_dir):
 
 
 def test_batches_share_block_cycles_in_process(tiny_model_dir):
-    actor = DLLMEngineActor(tiny_model_dir, ENGINE, LONG, rank=0, enable_metrics=False, record_batches=True,
-                            warmup=False)
+    actor = DLLMEngineActor(EngineSpec(tiny_model_dir, ENGINE, LONG, rank=0, enable_metrics=False,
+                                       record_batches=True, warmup=False))
 
     async def run():
         return await asyncio.gather(actor.run_batch(_batch(0, 4)), actor.run_batch(_batch(1, 4)))
@@ -78,7 +79,7 @@ def test_batches_overlap_in_a_ray_actor(tiny_model_dir, ray_local):
 
     Actor = ray.remote(DLLMEngineActor)
     actor = Actor.options(num_cpus=0.5, max_concurrency=4).remote(
-        tiny_model_dir, ENGINE, LONG, rank=0, record_batches=True, enable_metrics=False)
+        EngineSpec(tiny_model_dir, ENGINE, LONG, rank=0, record_batches=True, enable_metrics=False))
     try:
         outs = ray.get([actor.run_batch.remote(_batch(0, 6)), actor.run_batch.remote(_batch(1, 6))], timeout=120)
         assert [t.num_rows for t in outs] == [6, 6]

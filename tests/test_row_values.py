@@ -249,9 +249,10 @@ def batches(draw) -> Tuple[pa.Table, Dict[str, List[str]], str]:
 @pytest.fixture(scope="module")
 def actor():
     from actors.engine_actor import DLLMEngineActor
+    from actors.spec import EngineSpec
 
-    a = DLLMEngineActor(TINY, ENGINE, BASE, warmup=False, enable_metrics=False, seed_column="seed",
-                        token_ids_column=TOKEN_IDS, error_column=PRE_ERROR)
+    a = DLLMEngineActor(EngineSpec(TINY, ENGINE, BASE, warmup=False, enable_metrics=False, seed_column="seed",
+                                   token_ids_column=TOKEN_IDS, error_column=PRE_ERROR))
     yield a
     a.loop.shutdown(timeout=5)
 
