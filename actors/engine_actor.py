@@ -37,7 +37,7 @@ import pyarrow as pa
 
 from common.model_source import model_name, resolve_model
 from common.schema import OUTPUT_SCHEMA, STOP_TEXT
-from pipeline.row_values import RowValueError, parse_sampling, parse_seed
+from actors.row_values import RowValueError, parse_sampling, parse_seed
 
 from .engine_loop import EngineLoop, error_output
 from .spec import EngineSpec

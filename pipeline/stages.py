@@ -21,7 +21,7 @@ import pyarrow as pa
 from common.schema import INTERNAL_COLUMNS, PRE_ERROR, STOP_TEXT, TEXT_PROMPT, TOKEN_IDS  # noqa: F401 - re-exported
 from common.tokenizer import load_tokenizer
 
-from .row_values import parse_messages, parse_token_ids, row_error
+from actors.row_values import parse_messages, parse_token_ids, row_error
 
 logger = logging.getLogger(__name__)
 

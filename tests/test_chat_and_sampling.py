@@ -21,7 +21,7 @@ from conftest import ROOT, read_parts
 from engine import EngineConfig, SamplingParams
 from pipeline import stages
 from pipeline.config import DLLMProcessorConfig
-from pipeline.row_values import parse_sampling
+from actors.row_values import parse_sampling
 from pipeline.run import SUMMARY_FILE, JobError, preflight, run_offline
 from pipeline.stages import (PRE_ERROR, TEXT_PROMPT, chat_template_stage, detokenize_stage, load_tokenizer,
                              resolve_chat_template, tokenize_stage)
@@ -98,7 +98,7 @@ def test_resolve_chat_template(tmp_path):
 
 # --- sampling: per-row params, seeds, n, stop strings (in process) --------------------------------
 
-def _row_params(base, override):  # the engine actor's per-row parse: pipeline/row_values.py's
+def _row_params(base, override):  # the engine actor's per-row parse: actors/row_values.py's
     return parse_sampling(override, base)
 
 
