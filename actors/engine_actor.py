@@ -1,12 +1,11 @@
 """DLLMEngineActor: the actor that owns one engine, built from one EngineSpec.
 
-The engine stage's dispatchers (actors/engine_router.py) have the run's group actor
-(actors/rank.py) start one per dispatcher, and send it their batches: `ready` (its rank,
-once loaded), `load` (its batches in flight) and `run_batch`. Each call also starts its
-watchdog, which asks the group, every WATCH_S once its dispatcher is gone, to stop it.
-It works as a Ray Data callable class too: `ds.map_batches(DLLMEngineActor,
-fn_constructor_args=(EngineSpec(model),), compute=ActorPoolStrategy(size=n,
-max_concurrent_calls_per_actor=k, max_tasks_in_flight_per_actor=k), batch_format="pyarrow")`.
+The run's group actor (actors/rank.py) starts one per dispatcher (actors/engine_router.py),
+which calls `ready` (its rank, once loaded), `load` (batches in flight) and `run_batch`;
+each call also starts the watchdog that has the group stop it once its dispatcher is gone.
+It is a Ray Data callable class too: `ds.map_batches(DLLMEngineActor, fn_constructor_args=
+(EngineSpec(model),), compute=ActorPoolStrategy(size=n, max_concurrent_calls_per_actor=k,
+max_tasks_in_flight_per_actor=k), batch_format="pyarrow")`.
 
 Calls are async: up to k run at once on the actor's event loop, each adding its rows to
 the one engine that runs in a background thread (EngineLoop), so rows of the next batch
@@ -20,8 +19,7 @@ job seed and the row's id (`row_seed`), so two rows with the same prompt are two
 samples; the n samples of a row get seeds derived from the row's (`sample_seeds`).
 
 It knows nothing of files or object storage: it reads a token-id column and writes
-result columns. torch and the engine are imported when an actor is built, so the group
-actor that starts engines never loads them.
+result columns. torch and the engine load when an actor is built, not at import.
 """
 from __future__ import annotations
 
@@ -34,12 +32,14 @@ import time
 from typing import Any, Dict, List, Optional, Sequence, Union
 
 import pyarrow as pa
+import ray
 
 from common.model_source import model_name, resolve_model
-from common.schema import OUTPUT_SCHEMA, STOP_TEXT
+from common.schema import OUTPUT_SCHEMA, STOP_TEXT, as_table
 from actors.row_values import RowValueError, parse_sampling, parse_seed
 
 from .engine_loop import EngineLoop, error_output
+from .metrics import EngineMetrics
 from .spec import EngineSpec
 
 logger = logging.getLogger(__name__)
@@ -63,14 +63,6 @@ def resolve_dtype(dtype: Any, device: Any) -> Any:
     if dtype == "auto":
         return torch.bfloat16 if device.type == "cuda" else torch.float32
     return getattr(torch, dtype)
-
-
-def _as_table(batch: Union[pa.Table, Dict[str, Any]]) -> pa.Table:
-    if isinstance(batch, pa.Table):
-        return batch
-    if hasattr(batch, "to_dict") and hasattr(batch, "columns"):  # pandas
-        return pa.Table.from_pandas(batch, preserve_index=False)
-    return pa.table({k: list(v) for k, v in batch.items()})
 
 
 def _canvas_defaults(model_dir: str) -> Any:
@@ -134,7 +126,7 @@ class DLLMEngineActor:
         self._watchdog: Optional[asyncio.Future] = None
         self._tokenizer = None  # loaded for the first row with stop strings
         self.rank = spec.rank if spec.rank is not None else (
-            int(__import__("ray").get(group.next.remote())) if group is not None else 0)
+            int(ray.get(group.next.remote())) if group is not None else 0)
         # s3://… or a hub id: downloaded once per node (under a lock), then loaded from disk.
         self.model_name = model_name(spec.model)
         self.model_dir = resolve_model(spec.model, spec.model_storage)  # also where stop strings' tokenizer is
@@ -155,22 +147,14 @@ class DLLMEngineActor:
                                      record_batches=spec.record_batches)
             if spec.warmup:
                 self._warmup()
-        self.metrics = self._make_metrics(spec)
+        self.metrics = EngineMetrics(self.rank, model=self.model_name, run=spec.run_id) if (
+            spec.enable_metrics and ray.is_initialized()) else None
         self._batch_seq = itertools.count()
         self._in_flight = 0
         self.loop = EngineLoop(factory, on_step=self._on_step)
         logger.info("engine rank %d ready on %s (%s)", self.rank, self.device, spec.model)
 
     # --- setup ----------------------------------------------------------------------
-    def _make_metrics(self, spec: EngineSpec) -> Any:
-        import ray
-
-        if not spec.enable_metrics or not ray.is_initialized():
-            return None
-        from .metrics import EngineMetrics
-
-        return EngineMetrics(self.rank, model=self.model_name, run=spec.run_id)
-
     def _warmup(self) -> None:
         """One throwaway request on a throwaway engine: the first forwards of a process
         are slow (lazy kernel setup), which would otherwise land in the first batch's
@@ -206,7 +190,7 @@ class DLLMEngineActor:
         """The batch with the engine's output columns appended: one output row per
         (input row, sample), in input order (a row with `n` > 1 gives n rows)."""
         self._watch()
-        table = _as_table(batch)
+        table = as_table(batch)
         seq = next(self._batch_seq)
         self._set_in_flight(+1)
         try:
@@ -228,8 +212,6 @@ class DLLMEngineActor:
             self._watchdog = asyncio.ensure_future(self._stop_when_unneeded())
 
     async def _stop_when_unneeded(self) -> None:
-        import ray
-
         while True:
             await asyncio.sleep(WATCH_S)
             try:

@@ -17,8 +17,8 @@ own:
   fails, the stage is a pool of engines pulling blocks (Ray Data hands the next block to a
   dispatcher with a free call slot), as before.
 - The engine, a `DLLMEngineActor` (actors/engine_actor.py), has the engine's CPUs, GPUs
-  and custom resources, `max_restarts=-1` and `max_task_retries=0`: when it dies, the calls in flight
-  to it fail (`ActorUnavailableError`, about 2 s after a SIGKILL here) instead of waiting
+  and custom resources, `max_restarts=-1` and `max_task_retries=0`: when it dies, the
+  calls in flight to it fail (`ActorUnavailableError`, about 2 s after a SIGKILL here) instead of waiting
   for its restart. The dispatcher sends each such batch again, at once, to the live engine
   of the run with the fewest batches in flight, and sends its new batches there too until
   its own engine answers again (Ray restarts it wherever a slot is free).
@@ -43,7 +43,7 @@ from typing import Any, Dict, List, Optional, Tuple, Union
 import pyarrow as pa
 import ray
 
-from common.schema import ENGINE_RETRIES, OUTPUT_SCHEMA, STOP_TEXT
+from common.schema import ENGINE_RETRIES, OUTPUT_SCHEMA, STOP_TEXT, as_table
 
 from .spec import EngineSpec
 
@@ -57,12 +57,6 @@ PROBE_S = 0.5  # how often a dispatcher asks whether its lost engine is back
 LOAD_TIMEOUT_S = 1.0  # an engine that does not say its load within this is skipped
 _ROW = "__row"
 _ADDED = [*OUTPUT_SCHEMA.names, STOP_TEXT]
-
-
-def _as_table(batch: Union[pa.Table, Dict[str, Any]]) -> pa.Table:
-    if isinstance(batch, pa.Table):
-        return batch
-    return pa.table({k: list(v) for k, v in batch.items()})
 
 
 class EngineDispatcher:
@@ -95,7 +89,7 @@ class EngineDispatcher:
         yield await self.run_batch(batch)
 
     async def run_batch(self, batch: Union[pa.Table, Dict[str, Any]]) -> pa.Table:
-        table = _as_table(batch)
+        table = as_table(batch)
         send = table.select([c for c in self._columns if c in table.column_names]).append_column(
             _ROW, pa.array(range(table.num_rows), pa.int64()))
         retries = 0

@@ -19,7 +19,6 @@ builds holds it, so it lives as long as either):
 """
 from __future__ import annotations
 
-import uuid
 from typing import Any, Dict, Optional
 
 import ray
@@ -78,8 +77,7 @@ def engine_group() -> "ray.actor.ActorHandle":
     """A fresh group actor for one run. The processor creates it on the driver, on the
     driver's node: it owns the run's engines, so it must outlive any worker node, and an
     engine that dies cannot take it (and rank 0) with it."""
-    return _EngineGroup.options(name=f"blockray-ranks-{uuid.uuid4().hex[:12]}", label_selector=_this_node(),
-                                fallback_strategy=[{"label_selector": {}}]).remote()
+    return _EngineGroup.options(label_selector=_this_node(), fallback_strategy=[{"label_selector": {}}]).remote()
 
 
 def _this_node() -> Dict[str, str]:

@@ -7,6 +7,8 @@ dispatchers, the data stages and the engine actor all import it).
 """
 from __future__ import annotations
 
+from typing import Any
+
 import pyarrow as pa
 
 # Internal columns, dropped before rows leave the processor.
@@ -35,3 +37,12 @@ OUTPUT_SCHEMA = pa.schema([
 # Added by the engine stage's dispatcher (actors/engine_router.py): how many times the row's
 # batch was sent to another engine because the engine running it was lost (0: never).
 ENGINE_RETRIES = pa.field("engine_retries", pa.int64())
+
+
+def as_table(batch: Any) -> pa.Table:
+    """A batch as Ray Data hands it (Arrow, pandas or a dict of columns) as an Arrow table."""
+    if isinstance(batch, pa.Table):
+        return batch
+    if hasattr(batch, "to_dict") and hasattr(batch, "columns"):  # pandas
+        return pa.Table.from_pandas(batch, preserve_index=False)
+    return pa.table({k: list(v) for k, v in batch.items()})

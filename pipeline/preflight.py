@@ -73,7 +73,7 @@ def check_model(model: str, needs_tokenizer: bool, storage: Optional[StorageOpti
     """A model the engines can load: config.json of a supported model (parsed by the
     engine's own parser, never by transformers' remote code) and weights; a tokenizer that
     loads when prompts are text. A remote model (s3://…, a hub id) is checked on a copy of
-    everything but its weights (pipeline/model_source.py), its weights on the remote
+    everything but its weights (common/model_source.py), its weights on the remote
     listing. `sampling` / `engine`: the run's settings, refused where they do not apply to
     the model (a DiffusionGemma with masked-diffusion options). Returns the local directory
     checked."""
