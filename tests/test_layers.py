@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import ast
 import os
+import re
 from typing import Dict, List, Set
 
 from conftest import ROOT
@@ -136,3 +137,19 @@ def test_engine_never_imports_ray():
 def test_common_imports_no_torch_no_ray_no_other_layer():
     bad = {m: names & {"torch", "ray", *PACKAGES} - {"common"} for m, names in _external("common").items()}
     assert {m: n for m, n in bad.items() if n} == {}
+
+
+def test_every_lazy_export_names_a_module_that_defines_it():
+    """Read from the source, so nothing is imported: each `_EXPORTS` entry's module exists
+    and defines, imports or lazily exports the name."""
+    mods = _modules()
+    for pkg, path in mods.items():
+        tree = ast.parse(open(path, encoding="utf-8").read(), path)
+        exports = next((ast.literal_eval(n.value) for n in tree.body if isinstance(n, ast.Assign)
+                        and any(getattr(t, "id", None) == "_EXPORTS" for t in n.targets)), {})
+        for name, target in exports.items():
+            mod = f"{pkg}{target}" if target.startswith(".") else target
+            assert mod in mods, f"{pkg}._EXPORTS[{name!r}]: no module {mod}"
+            src = open(mods[mod], encoding="utf-8").read()
+            defines = rf"(def|class) {name}\b|^{name}\b.*=|import .*\b{name}\b|\"{name}\": "
+            assert re.search(defines, src, re.M), (pkg, name, mod)
