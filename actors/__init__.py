@@ -1,18 +1,17 @@
-"""blockray's Ray side: the engine actor (a Ray Data callable class owning one engine),
-its background engine loop and its metrics, and the engine stage's dispatcher that sends
-a lost engine's batches to a live one. Knows nothing of Parquet or S3.
-
-Names are imported lazily: the dispatcher (actors/engine_router.py) runs in processes
-that must not import torch.
+"""blockray's Ray side: the engine actor (one engine, built from an EngineSpec), its
+background engine loop and its metrics, the run's group actor, and the engine stage's
+dispatcher that sends a lost engine's batches to a live one. Knows nothing of Parquet
+or S3. No module here imports torch at import time: the engine actor loads it when built.
 """
 from __future__ import annotations
 
-from engine.lazy import lazy_exports
+from common.lazy import lazy_exports
 
 _EXPORTS = {
     "DLLMEngineActor": ".engine_actor",
+    "EngineSpec": ".spec",
     "EngineDispatcher": ".engine_router",
-    "OUTPUT_SCHEMA": ".schema",
+    "OUTPUT_SCHEMA": "common.schema",
     "EngineMetrics": ".metrics",
     "METRICS": ".metrics",
 }

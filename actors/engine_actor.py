@@ -1,20 +1,25 @@
-"""DLLMEngineActor: the Ray Data callable class that owns one engine.
+"""DLLMEngineActor: the actor that owns one engine, built from one EngineSpec.
 
-Use it with `ds.map_batches(DLLMEngineActor, compute=ActorPoolStrategy(size=n,
-max_concurrent_calls_per_actor=k, max_tasks_in_flight_per_actor=k), batch_format="pyarrow",
-...)`. `__call__` is an async generator: Ray Data then runs up to k calls at once on the
-actor's event loop, each adding its rows to the one engine that runs in a background
-thread (EngineLoop), so rows of the next batch are admitted while the previous batch
-finishes. Each call yields its batch once, every input row present once per sample
-(`n`, default 1; `sample_index` 0..n-1), in input order, with the engine's output
-columns appended; a failed row carries a message in `error` instead of failing the batch.
+The run's group actor (actors/rank.py) starts one per dispatcher (actors/engine_router.py),
+which calls `ready` (its rank, once loaded), `load` (batches in flight) and `run_batch`;
+each call also starts the watchdog that has the group stop it once its dispatcher is gone.
+It is a Ray Data callable class too: `ds.map_batches(DLLMEngineActor, fn_constructor_args=
+(EngineSpec(model),), compute=ActorPoolStrategy(size=n, max_concurrent_calls_per_actor=k,
+max_tasks_in_flight_per_actor=k), batch_format="pyarrow")`.
+
+Calls are async: up to k run at once on the actor's event loop, each adding its rows to
+the one engine that runs in a background thread (EngineLoop), so rows of the next batch
+are admitted while the previous batch finishes. Each call returns its batch once, every
+input row present once per sample (`n`, default 1; `sample_index` 0..n-1), in input
+order, with the engine's output columns appended; a failed row carries a message in
+`error` instead of failing the batch.
 
 Seeds: a row's `sampling_params.seed`, else its `seed_column`, else one derived from the
 job seed and the row's id (`row_seed`), so two rows with the same prompt are two
 samples; the n samples of a row get seeds derived from the row's (`sample_seeds`).
 
 It knows nothing of files or object storage: it reads a token-id column and writes
-result columns.
+result columns. torch and the engine load when an actor is built, not at import.
 """
 from __future__ import annotations
 
@@ -24,49 +29,40 @@ import hashlib
 import itertools
 import logging
 import time
-import uuid
 from typing import Any, Dict, List, Optional, Sequence, Union
 
 import pyarrow as pa
-import torch
+import ray
 
-from engine import Engine, EngineConfig, RequestOutput, SamplingParams, load_model
-from pipeline.row_values import RowValueError, parse_sampling, parse_seed
+from common.model_source import model_name, resolve_model
+from common.schema import OUTPUT_SCHEMA, STOP_TEXT, as_table
+from actors.row_values import RowValueError, parse_sampling, parse_seed
 
 from .engine_loop import EngineLoop, error_output
 from .metrics import EngineMetrics
-from .schema import OUTPUT_SCHEMA, STOP_TEXT  # noqa: F401 - re-exported
+from .spec import EngineSpec
 
 logger = logging.getLogger(__name__)
 
+WATCH_S = 2.0  # how often an engine asks whether its dispatcher is still there
 
-def resolve_device(device: str) -> torch.device:
+
+def resolve_device(device: str) -> Any:
+    import torch
+
     if device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     return torch.device(device)
 
 
-def resolve_dtype(dtype: Union[str, torch.dtype], device: torch.device) -> torch.dtype:
+def resolve_dtype(dtype: Any, device: Any) -> Any:
+    import torch
+
     if isinstance(dtype, torch.dtype):
         return dtype
     if dtype == "auto":
         return torch.bfloat16 if device.type == "cuda" else torch.float32
     return getattr(torch, dtype)
-
-
-def _as_table(batch: Union[pa.Table, Dict[str, Any]]) -> pa.Table:
-    if isinstance(batch, pa.Table):
-        return batch
-    if hasattr(batch, "to_dict") and hasattr(batch, "columns"):  # pandas
-        return pa.Table.from_pandas(batch, preserve_index=False)
-    return pa.table({k: list(v) for k, v in batch.items()})
-
-
-def _row_params(base: SamplingParams, override: Any) -> SamplingParams:
-    """`base` with the non-null entries of a per-row dict applied, vLLM's names accepted,
-    each coerced to its field's type and validated (pipeline/row_values.py, the one parser
-    of per-row values); raises a ValueError naming the field or the unknown keys."""
-    return parse_sampling(override, base)
 
 
 def _canvas_defaults(model_dir: str) -> Any:
@@ -113,79 +109,58 @@ def sample_seeds(seed: Optional[int], n: int) -> List[Optional[int]]:
 
 
 class DLLMEngineActor:
-    """One engine on this actor's device; see the module docstring."""
+    """One engine on this actor's device; see the module docstring. `group`, `key`,
+    `dispatcher`: the run's group actor, which numbers the engines and started this one
+    for dispatcher `key` (a handle that does not keep it alive); None outside a run."""
 
-    def __init__(self, model: str, engine: Optional[EngineConfig] = None, sampling: Optional[SamplingParams] = None,
-                 *, dtype: str = "auto", device: str = "auto", torch_threads: Optional[int] = 1,
-                 rank: Optional[int] = None, rank_group: Optional[str] = None, enable_metrics: bool = True,
-                 record_batches: bool = False, warmup: bool = True,
-                 seed_column: Optional[str] = None, id_column: Optional[str] = "id",
-                 token_ids_column: str = "prompt_token_ids", sampling_column: str = "sampling_params",
-                 error_column: str = "error", model_storage: Any = None, run_id: str = "",
-                 adapter: Optional[str] = None, attention: str = "auto"):
-        from pipeline.model_source import model_name, resolve_model  # lazy: pipeline imports this module
+    def __init__(self, spec: EngineSpec, group: Any = None, key: str = "", dispatcher: Any = None):
+        import torch
 
-        if torch_threads:
-            torch.set_num_threads(torch_threads)
-        self.device = resolve_device(device)
-        self.engine_config = engine or EngineConfig()
-        self.sampling = sampling or SamplingParams()
-        self.token_ids_column = token_ids_column
-        self.sampling_column = sampling_column
-        self.error_column = error_column
-        self.seed_column, self.id_column = seed_column, id_column  # per-row seeds (row_seed)
+        from engine import Engine, load_model
+
+        if spec.torch_threads:
+            torch.set_num_threads(spec.torch_threads)
+        self.spec, self.device = spec, resolve_device(spec.device)
+        self.engine_config, self.sampling = spec.engine, spec.sampling
+        self._group, self._key, self._dispatcher = group, key, dispatcher
+        self._watchdog: Optional[asyncio.Future] = None
         self._tokenizer = None  # loaded for the first row with stop strings
-        self._rank_counter = None  # keeps the group's rank counter alive while this engine lives
-        self.rank = self._resolve_rank(rank, rank_group)
+        self.rank = spec.rank if spec.rank is not None else (
+            int(ray.get(group.next.remote())) if group is not None else 0)
         # s3://… or a hub id: downloaded once per node (under a lock), then loaded from disk.
-        self.model_name, self.run_id = model_name(model), run_id
-        self.model_dir = resolve_model(model, model_storage)  # also where stop strings' tokenizer is
+        self.model_name = model_name(spec.model)
+        self.model_dir = resolve_model(spec.model, spec.model_storage)  # also where stop strings' tokenizer is
         self.canvas = _canvas_defaults(self.model_dir)
+        dtype = resolve_dtype(spec.dtype, self.device)
         if self.canvas is not None:  # DiffusionGemma: transformers' own class, served by engine.canvas
             from engine.canvas import CanvasServe, load_diffusion_gemma
 
-            if adapter or attention != "auto":
+            if spec.adapter or spec.attention != "auto":
                 raise ValueError("--adapter and --attention apply to masked-diffusion models only, not DiffusionGemma")
-            self.model = load_diffusion_gemma(self.model_dir, resolve_dtype(dtype, self.device), str(self.device))
+            self.model = load_diffusion_gemma(self.model_dir, dtype, str(self.device))
             factory = lambda: CanvasServe(self.model, self.canvas, self.engine_config)  # noqa: E731
         else:
-            self.model, _ = load_model(
-                self.model_dir, dtype=resolve_dtype(dtype, self.device), device=self.device, tokenizer=False,
-                attention=attention, adapter=resolve_model(adapter, model_storage, kind="adapter") if adapter else None)
+            adapter = resolve_model(spec.adapter, spec.model_storage, kind="adapter") if spec.adapter else None
+            self.model, _ = load_model(self.model_dir, dtype=dtype, device=self.device, tokenizer=False,
+                                       attention=spec.attention, adapter=adapter)
             factory = lambda: Engine(self.model, self.engine_config, tokenizer=self._tokenizer,  # noqa: E731
-                                     record_batches=record_batches)
-            if warmup:
+                                     record_batches=spec.record_batches)
+            if spec.warmup:
                 self._warmup()
-        self.metrics = self._make_metrics(enable_metrics)
+        self.metrics = EngineMetrics(self.rank, model=self.model_name, run=spec.run_id) if (
+            spec.enable_metrics and ray.is_initialized()) else None
         self._batch_seq = itertools.count()
         self._in_flight = 0
         self.loop = EngineLoop(factory, on_step=self._on_step)
-        logger.info("engine rank %d ready on %s (%s)", self.rank, self.device, model)
+        logger.info("engine rank %d ready on %s (%s)", self.rank, self.device, spec.model)
 
     # --- setup ----------------------------------------------------------------------
-    def _resolve_rank(self, rank: Optional[int], group: Optional[str]) -> int:
-        if rank is not None:
-            return int(rank)
-        import ray
-
-        if group and ray.is_initialized():
-            from .rank import assign_rank
-
-            rank, self._rank_counter = assign_rank(group)
-            return rank
-        return 0
-
-    def _make_metrics(self, enable: bool) -> Optional[EngineMetrics]:
-        import ray
-
-        if not enable or not ray.is_initialized():
-            return None
-        return EngineMetrics(self.rank, model=self.model_name, run=self.run_id)
-
     def _warmup(self) -> None:
         """One throwaway request on a throwaway engine: the first forwards of a process
         are slow (lazy kernel setup), which would otherwise land in the first batch's
         latencies and metrics."""
+        from engine import Engine, SamplingParams
+
         try:
             cfg = self.model.config
             token = next(t for t in range(cfg.vocab_size) if t not in (cfg.mask_token_id, *cfg.stop_token_ids))
@@ -194,18 +169,28 @@ class DLLMEngineActor:
         except Exception:  # noqa: BLE001 - warm-up is best effort
             logger.warning("engine warm-up failed", exc_info=True)
 
-    def _on_step(self, engine: Engine, outs: List[RequestOutput]) -> None:
+    def _on_step(self, engine: Any, outs: List[Any]) -> None:
         if self.metrics is not None:
             self.metrics.record_step(engine.stats, [o.latency_s for o in outs])
 
-    # --- Ray Data entry point -----------------------------------------------------
+    # --- entry points: Ray Data, the dispatcher ----------------------------------------
     async def __call__(self, batch: Union[pa.Table, Dict[str, Any]]):
         yield await self.run_batch(batch)
+
+    async def ready(self) -> int:
+        self._watch()
+        return self.rank
+
+    async def load(self) -> int:
+        """Calls of run_batch running now (a dispatcher whose engine is lost picks the least busy)."""
+        self._watch()
+        return self._in_flight
 
     async def run_batch(self, batch: Union[pa.Table, Dict[str, Any]]) -> pa.Table:
         """The batch with the engine's output columns appended: one output row per
         (input row, sample), in input order (a row with `n` > 1 gives n rows)."""
-        table = _as_table(batch)
+        self._watch()
+        table = as_table(batch)
         seq = next(self._batch_seq)
         self._set_in_flight(+1)
         try:
@@ -214,15 +199,41 @@ class DLLMEngineActor:
             outs = await asyncio.gather(*futures)
         finally:
             self._set_in_flight(-1)
-        return self._attach(table, rows, outs, submitted)
+        out = self._attach(table, rows, outs, submitted)
+        if self.spec.post_stats and self._group is not None:
+            try:  # awaited: the pool may be torn down as soon as the last batch returns
+                await self._group.put_stats.remote(self.rank, self.engine_stats())
+            except Exception:  # noqa: BLE001 - stats are best effort
+                logger.warning("engine stats not posted", exc_info=True)
+        return out
+
+    def _watch(self) -> None:
+        if self._dispatcher is not None and self._group is not None and self._watchdog is None:
+            self._watchdog = asyncio.ensure_future(self._stop_when_unneeded())
+
+    async def _stop_when_unneeded(self) -> None:
+        while True:
+            await asyncio.sleep(WATCH_S)
+            try:
+                await self._dispatcher.__ray_ready__.remote()  # any actor has it
+                continue
+            except ray.exceptions.ActorDiedError:
+                pass  # released by Ray Data (or failed for good)
+            except Exception:  # noqa: BLE001 - restarting, unreachable: ask again later
+                continue
+            try:
+                await self._group.release.remote(self._key)  # stops this actor when nothing is in flight
+            except Exception:  # noqa: BLE001 - the group is gone: so is this engine, its owner's child
+                return
 
     def _column(self, table: pa.Table, name: Optional[str]) -> List[Any]:
         return table.column(name).to_pylist() if name and name in table.column_names else [None] * table.num_rows
 
     def _submit_rows(self, table: pa.Table, seq: int) -> "tuple[List[_Sample], List[asyncio.Future]]":
         """One request per (row, sample); a row that cannot run gives one error row."""
-        cols = [self._column(table, c) for c in (self.token_ids_column, self.error_column, self.sampling_column,
-                                                 self.seed_column, self.id_column)]
+        sp = self.spec
+        cols = [self._column(table, c) for c in (sp.token_ids_column, sp.error_column, sp.sampling_column,
+                                                 sp.seed_column, sp.id_column)]
         rows: List[_Sample] = []
         futures = []
         for i, (prompt, err, override, seed, row_id) in enumerate(zip(*cols)):
@@ -240,16 +251,15 @@ class DLLMEngineActor:
                     self.loop.submit(prompt, dataclasses.replace(params, seed=sample_seed, n=1), (seq, i, k))))
         return rows, futures
 
-    def _params(self, prompt: Any, err: Any, override: Any, seed: Any,
-                row_id: Any) -> "tuple[Optional[SamplingParams], str]":
+    def _params(self, prompt: Any, err: Any, override: Any, seed: Any, row_id: Any) -> "tuple[Any, str]":
         """(the row's SamplingParams with its seed resolved, "") or (None, why it cannot run)."""
         if err:
             return None, str(err)
         if prompt is None:
-            return None, f"missing {self.token_ids_column!r}"
+            return None, f"missing {self.spec.token_ids_column!r}"
         try:
-            params = parse_sampling(override, self.sampling, self.sampling_column)
-            seed = parse_seed(seed, self.seed_column)
+            params = parse_sampling(override, self.sampling, self.spec.sampling_column)
+            seed = parse_seed(seed, self.spec.seed_column)
             own = params.seed if override and override.get("seed") is not None else None
             params = dataclasses.replace(params, seed=row_seed(own, seed, self.sampling.seed, row_id))
         except RowValueError as e:  # a bad per-row value fails that row only, naming the field
@@ -262,7 +272,7 @@ class DLLMEngineActor:
         """Give the engine the model's tokenizer (stop strings are decided on the text);
         loaded once, at the first row that has stop strings."""
         if self._tokenizer is None:
-            from engine.tokenizer import load_tokenizer
+            from common.tokenizer import load_tokenizer
 
             try:
                 self._tokenizer = load_tokenizer(self.model_dir)
@@ -274,7 +284,7 @@ class DLLMEngineActor:
         return True
 
     @staticmethod
-    def _done(out: RequestOutput) -> "asyncio.Future[RequestOutput]":
+    def _done(out: Any) -> "asyncio.Future[Any]":
         fut = asyncio.get_running_loop().create_future()
         fut.set_result(out)
         return fut
@@ -284,8 +294,7 @@ class DLLMEngineActor:
         if self.metrics is not None:
             self.metrics.set_batches_in_flight(self._in_flight)
 
-    def _attach(self, table: pa.Table, rows: Sequence["_Sample"], outs: Sequence[RequestOutput],
-                submitted: float) -> pa.Table:
+    def _attach(self, table: pa.Table, rows: Sequence["_Sample"], outs: Sequence[Any], submitted: float) -> pa.Table:
         cols = {
             "generated_token_ids": [list(o.token_ids) for o in outs],
             "num_prompt_tokens": [len(o.prompt_token_ids) for o in outs],
@@ -308,12 +317,7 @@ class DLLMEngineActor:
         texts = [o.text if r.stop and o.finish_reason != "error" else None for r, o in zip(rows, outs)]
         return table.append_column(STOP_TEXT, pa.array(texts, pa.string()))
 
-    # --- introspection (tests, debugging, the stage's dispatchers) -------------------
-    @property
-    def batches_in_flight(self) -> int:
-        """Calls of run_batch running now (actors/engine_router.py routes to the least busy engine)."""
-        return self._in_flight
-
+    # --- introspection (tests, debugging) ----------------------------------------------
     def batch_log(self) -> Optional[List[List[Any]]]:
         """Request ids (batch number, row) of every block cycle, when record_batches."""
         log = self.loop.engine.batch_log
@@ -336,8 +340,3 @@ class _Sample:
     row: int
     sample: int
     stop: bool
-
-
-def new_rank_group() -> str:
-    """A fresh group id: the engines of one processor run number themselves 0..n-1."""
-    return uuid.uuid4().hex[:12]

@@ -11,13 +11,17 @@ import concurrent.futures
 import logging
 import threading
 import traceback
-from typing import Any, Callable, Dict, List, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Sequence
 
-from engine import Engine, RequestOutput, SamplingParams
+from engine.config import SamplingParams  # dataclasses only: no torch
+from engine.sequence import RequestOutput
+
+if TYPE_CHECKING:
+    from engine import Engine
 
 logger = logging.getLogger(__name__)
 
-StepHook = Callable[[Engine, List[RequestOutput]], None]
+StepHook = Callable[["Engine", List[RequestOutput]], None]
 
 
 def error_output(request_id: Any, prompt: Sequence[int], message: str) -> RequestOutput:
@@ -30,7 +34,7 @@ class EngineLoop:
     """Owns the engine thread. `submit` is thread-safe and returns a Future that always
     resolves to a RequestOutput (never raises), so one bad row never fails a batch."""
 
-    def __init__(self, engine_factory: Callable[[], Engine], on_step: Optional[StepHook] = None,
+    def __init__(self, engine_factory: Callable[[], "Engine"], on_step: Optional[StepHook] = None,
                  idle_wait_s: float = 0.5):
         self._factory = engine_factory
         self.engine = engine_factory()

@@ -16,9 +16,9 @@ own:
   engine for it and sends every batch Ray Data gives it to that engine. While nothing
   fails, the stage is a pool of engines pulling blocks (Ray Data hands the next block to a
   dispatcher with a free call slot), as before.
-- `EngineHost` holds a `DLLMEngineActor` with the engine's CPUs, GPUs and custom
-  resources, `max_restarts=-1` and `max_task_retries=0`: when it dies, the calls in flight
-  to it fail (`ActorUnavailableError`, about 2 s after a SIGKILL here) instead of waiting
+- The engine, a `DLLMEngineActor` (actors/engine_actor.py), has the engine's CPUs, GPUs
+  and custom resources, `max_restarts=-1` and `max_task_retries=0`: when it dies, the
+  calls in flight to it fail (`ActorUnavailableError`, about 2 s after a SIGKILL here) instead of waiting
   for its restart. The dispatcher sends each such batch again, at once, to the live engine
   of the run with the fewest batches in flight, and sends its new batches there too until
   its own engine answers again (Ray restarts it wherever a slot is free).
@@ -36,15 +36,16 @@ whole batch, so pass-through columns never travel to an engine.
 from __future__ import annotations
 
 import asyncio
-import importlib
 import logging
 import uuid
-from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
+from typing import Any, Dict, List, Optional, Tuple, Union
 
 import pyarrow as pa
 import ray
 
-from .schema import ENGINE_RETRIES, OUTPUT_SCHEMA, STOP_TEXT
+from common.schema import ENGINE_RETRIES, OUTPUT_SCHEMA, STOP_TEXT, as_table
+
+from .spec import EngineSpec
 
 logger = logging.getLogger(__name__)
 
@@ -54,80 +55,25 @@ DISPATCHER_CPUS = 0.05
 ENGINE_LOST = (ray.exceptions.RayActorError, ray.exceptions.ObjectLostError)
 PROBE_S = 0.5  # how often a dispatcher asks whether its lost engine is back
 LOAD_TIMEOUT_S = 1.0  # an engine that does not say its load within this is skipped
-WATCH_S = 2.0  # how often an engine asks whether its dispatcher is still there
 _ROW = "__row"
 _ADDED = [*OUTPUT_SCHEMA.names, STOP_TEXT]
-
-
-class EngineHost:
-    """The actor that holds one engine: `engine_cls` ("module.Class", a DLLMEngineActor)
-    built from `kwargs`. A class of its own so that the dispatcher never imports the engine
-    (torch). Started by the run's group actor (`group`) for the dispatcher `dispatcher`
-    (`key`); once that dispatcher is gone it asks the group, every WATCH_S, to stop it."""
-
-    def __init__(self, engine_cls: str, kwargs: Dict[str, Any], *, group: Any = None, key: str = "",
-                 dispatcher: Any = None):
-        module, _, name = engine_cls.rpartition(".")
-        self.engine = getattr(importlib.import_module(module), name)(**kwargs)
-        self._group, self._key, self._dispatcher = group, key, dispatcher
-        self._watchdog: Optional[asyncio.Future] = None
-
-    async def ready(self) -> int:
-        self._watch()
-        return self.engine.rank
-
-    async def load(self) -> int:
-        self._watch()
-        return self.engine.batches_in_flight
-
-    async def run_batch(self, table: pa.Table) -> pa.Table:
-        self._watch()
-        return await self.engine.run_batch(table)
-
-    def _watch(self) -> None:
-        if self._dispatcher is not None and self._group is not None and self._watchdog is None:
-            self._watchdog = asyncio.ensure_future(self._stop_when_unneeded())
-
-    async def _stop_when_unneeded(self) -> None:
-        while True:
-            await asyncio.sleep(WATCH_S)
-            try:
-                await self._dispatcher.__ray_ready__.remote()  # any actor has it
-                continue
-            except ray.exceptions.ActorDiedError:
-                pass  # released by Ray Data (or failed for good)
-            except Exception:  # noqa: BLE001 - restarting, unreachable: ask again later
-                continue
-            try:
-                await self._group.release.remote(self._key)  # stops this actor when nothing is in flight
-            except Exception:  # noqa: BLE001 - the group is gone: so is this engine, its owner's child
-                return
-
-
-def _as_table(batch: Union[pa.Table, Dict[str, Any]]) -> pa.Table:
-    if isinstance(batch, pa.Table):
-        return batch
-    return pa.table({k: list(v) for k, v in batch.items()})
 
 
 class EngineDispatcher:
     """Ray Data callable class of the engine stage; see the module docstring.
 
-    `engine_cls`, `engine_kwargs`: the engine actor ("module.Class") and its constructor
-    arguments; `engine_options`: its Ray options (num_cpus, num_gpus, resources,
-    scheduling_strategy); `group`: the run's group actor (actors/rank.py; a handle, which
-    the dataset holds while it exists, so the group and its engines live as long);
-    `columns`: the input columns the engine reads."""
+    `spec`: the engine's EngineSpec (actors/spec.py); `engine_options`: its Ray options
+    (num_cpus, num_gpus, resources, scheduling_strategy); `group`: the run's group actor
+    (actors/rank.py; a handle, which the dataset holds while it exists, so the group and
+    its engines live as long)."""
 
-    def __init__(self, *, engine_cls: str, engine_kwargs: Dict[str, Any], engine_options: Dict[str, Any],
-                 group: "ray.actor.ActorHandle", columns: Sequence[Optional[str]]):
+    def __init__(self, spec: EngineSpec, engine_options: Dict[str, Any], group: "ray.actor.ActorHandle"):
         ctx = ray.get_runtime_context()
-        self._columns = list(dict.fromkeys(c for c in columns if c))
+        self._columns = spec.columns()
         self._group = group
         self._key = ctx.get_actor_id() or uuid.uuid4().hex  # the same across this dispatcher's restarts
         # `current_actor` is a weak handle: it does not keep this dispatcher alive
-        self._engine = ray.get(self._group.start_engine.remote(self._key, engine_cls, engine_kwargs, engine_options,
-                                                               ctx.current_actor))
+        self._engine = ray.get(self._group.start_engine.remote(self._key, spec, engine_options, ctx.current_actor))
         self._up = False  # its engine answers now
         self._gone: Optional[BaseException] = None  # its engine cannot come back (a restart failed)
         self._watcher: Optional[asyncio.Future] = None
@@ -143,7 +89,7 @@ class EngineDispatcher:
         yield await self.run_batch(batch)
 
     async def run_batch(self, batch: Union[pa.Table, Dict[str, Any]]) -> pa.Table:
-        table = _as_table(batch)
+        table = as_table(batch)
         send = table.select([c for c in self._columns if c in table.column_names]).append_column(
             _ROW, pa.array(range(table.num_rows), pa.int64()))
         retries = 0

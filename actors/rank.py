@@ -1,4 +1,4 @@
-"""The engines of one processor run: ranks 0..n-1, the engine actors, and how long they live.
+"""The engines of one processor run: ranks 0..n-1, the engine actors, their stats, and how long they live.
 
 Why: Ray Data's actor pool does not number its actors, but metrics, logs and output rows
 are tagged by engine rank; and a dispatcher whose engine died sends its batches to another
@@ -11,13 +11,15 @@ builds holds it, so it lives as long as either):
 - starts each dispatcher's engine and owns it: Ray Data releases an idle dispatcher as
   soon as its operator has handed out every block, and an engine owned by its dispatcher
   would go with it while another dispatcher may still need it;
+- keeps the stats each engine posts after a batch (EngineSpec.post_stats: tests, benches,
+  the report);
 - counts the batches each dispatcher has in flight, and stops an engine once its
   dispatcher is gone and no dispatcher of the run has a batch in flight (the engine asks,
   every couple of seconds, once it sees its dispatcher gone).
 """
 from __future__ import annotations
 
-from typing import Any, Dict, Optional, Tuple
+from typing import Any, Dict, Optional
 
 import ray
 
@@ -26,29 +28,37 @@ import ray
 class _EngineGroup:
     def __init__(self) -> None:
         self._next = 0
-        self._engines: Dict[str, Any] = {}  # dispatcher key -> its engine (an EngineHost handle)
+        self._engines: Dict[str, Any] = {}  # dispatcher key -> its engine (a DLLMEngineActor handle)
         self._busy: Dict[str, int] = {}  # dispatcher key -> batches it has in flight
+        self._stats: Dict[int, Dict[str, Any]] = {}  # rank -> its engine's stats as last posted
 
     def next(self) -> int:
         rank, self._next = self._next, self._next + 1
         return rank
 
-    def start_engine(self, key: str, engine_cls: str, kwargs: Dict[str, Any], options: Dict[str, Any],
-                     dispatcher: Any) -> Any:
-        """Dispatcher `key`'s engine: started (owned by this actor) at its first call,
-        the same engine when the dispatcher was restarted."""
+    def start_engine(self, key: str, spec: Any, options: Dict[str, Any], dispatcher: Any) -> Any:
+        """Dispatcher `key`'s engine (an EngineSpec and its Ray options): started (owned by
+        this actor) at its first call, the same engine when the dispatcher was restarted.
+        max_task_retries=0: a call in flight to a lost engine fails at once, and the
+        dispatcher sends the batch elsewhere (actors/engine_router.py)."""
         if key not in self._engines:
-            from .engine_router import EngineHost
+            from .engine_actor import DLLMEngineActor  # torch-free to import: torch loads in the engine
 
-            self._engines[key] = ray.remote(EngineHost).options(
+            self._engines[key] = ray.remote(DLLMEngineActor).options(
                 max_restarts=-1, max_task_retries=0, **options).remote(
-                engine_cls, kwargs, group=ray.get_runtime_context().current_actor, key=key, dispatcher=dispatcher)
+                spec, ray.get_runtime_context().current_actor, key, dispatcher)
         self._busy[key] = 0  # a restarted dispatcher's batches come back through Ray Data
         return self._engines[key]
 
     def engines(self) -> Dict[str, Any]:
         """{dispatcher key: its engine}: live, restarting and lost ones (callers find out)."""
         return dict(self._engines)
+
+    def put_stats(self, rank: int, stats: Dict[str, Any]) -> None:
+        self._stats[int(rank)] = stats
+
+    def stats(self) -> Dict[int, Dict[str, Any]]:
+        return dict(self._stats)
 
     def track(self, key: str, delta: int) -> None:
         self._busy[key] = self._busy.get(key, 0) + delta
@@ -63,16 +73,11 @@ class _EngineGroup:
         return True
 
 
-def rank_counter(group: str) -> "ray.actor.ActorHandle":
-    """The group actor of `group` (a named actor), created if absent. The processor creates
-    it on the driver, on the driver's node: it owns the run's engines, so it must outlive
-    any worker node, and an engine that dies cannot take it (and rank 0) with it."""
-    return _EngineGroup.options(name=group_actor_name(group), get_if_exists=True,
-                                label_selector=_this_node(), fallback_strategy=[{"label_selector": {}}]).remote()
-
-
-def group_actor_name(group: str) -> str:
-    return f"blockray-ranks-{group}"
+def engine_group() -> "ray.actor.ActorHandle":
+    """A fresh group actor for one run. The processor creates it on the driver, on the
+    driver's node: it owns the run's engines, so it must outlive any worker node, and an
+    engine that dies cannot take it (and rank 0) with it."""
+    return _EngineGroup.options(label_selector=_this_node(), fallback_strategy=[{"label_selector": {}}]).remote()
 
 
 def _this_node() -> Dict[str, str]:
@@ -80,10 +85,3 @@ def _this_node() -> Dict[str, str]:
         ray.init()  # what the actor's .remote() would do first
     node: Optional[str] = ray.get_runtime_context().get_node_id()
     return {"ray.io/node-id": node} if node else {}
-
-
-def assign_rank(group: str) -> Tuple[int, "ray.actor.ActorHandle"]:
-    """(the next free rank of `group`, the counter's handle). Callers keep the handle,
-    since Ray removes an actor once no handle to it is left."""
-    counter = rank_counter(group)
-    return ray.get(counter.next.remote()), counter

@@ -6,7 +6,7 @@ every CPU worker, and must not pay for importing torch there.
 """
 from __future__ import annotations
 
-from .lazy import lazy_exports
+from common.lazy import lazy_exports
 
 _EXPORTS = {
     "EngineConfig": ".config",

@@ -18,7 +18,7 @@ from .models import DLLM, ModelConfig, checkpoint_names
 from .models.checkpoint import check_weights
 from .models.lora import read_adapter
 from .models.stops import checkpoint_stop_ids
-from .tokenizer import load_tokenizer
+from common.tokenizer import load_tokenizer
 
 ATTENTIONS = ("auto", "bidirectional", "block_causal")
 

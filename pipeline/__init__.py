@@ -7,7 +7,7 @@ Ray or the engine.
 """
 from __future__ import annotations
 
-from engine.lazy import lazy_exports
+from common.lazy import lazy_exports
 
 _EXPORTS = {
     "DLLMProcessorConfig": ".config",
@@ -17,8 +17,8 @@ _EXPORTS = {
     "read_prompts": ".reader",
     "write_results": ".writer",
     "run_offline": ".run",
-    "StorageOptions": ".storage",
-    "get_filesystem": ".storage",
+    "StorageOptions": "common.storage",
+    "get_filesystem": "common.storage",
     "block_stats": ".summary",
     "summarize": ".summary",
     "EngineConfig": "engine.config",

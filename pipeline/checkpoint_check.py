@@ -2,7 +2,7 @@
 model's family (every key honoured, known to be irrelevant, or refused), every safetensors
 shard's header (names and shapes against what config.json implies, no weights read, a
 truncated file refused), the adapter's config and tensor headers against the base model,
-and where the stop ids come from. Called by pipeline.run.check_model; each problem is a
+and where the stop ids come from. Called by pipeline.preflight.check_model; each problem is a
 one-line message for JobError."""
 from __future__ import annotations
 
@@ -10,14 +10,11 @@ import json
 import os
 from typing import Any, Dict, Optional, Tuple
 
+from common.model_source import ModelSourceError, classify, resolve_model
+from common.storage import StorageOptions
 from engine.models.families.diffusion_gemma import is_diffusion_gemma
 
-from .model_source import ModelSourceError, classify, resolve_model
-from .storage import StorageOptions
-
-
-class CheckpointRefused(ValueError):
-    """A one-line reason the model (or adapter) cannot be served as given."""
+from .errors import CheckpointRefused
 
 
 def _read_json(path: str) -> Dict[str, Any]:
@@ -39,9 +36,9 @@ def model_config(model_dir: str, attention: str = "auto") -> Any:
     try:
         cfg = ModelConfig.from_hf(hf)
     except KeyError as e:
-        raise CheckpointRefused(f"{path} lacks {e} (--model)") from e
+        raise CheckpointRefused(f"{path} lacks {e}", "model") from e
     except Exception as e:  # noqa: BLE001
-        raise CheckpointRefused(f"{path}: {e} (--model)") from e
+        raise CheckpointRefused(f"{path}: {e}", "model") from e
     if attention != "auto":
         cfg.dllm_attention = attention
     return cfg
@@ -60,7 +57,7 @@ def diffusion_gemma_config(path: str, hf: Dict[str, Any], attention: str) -> Any
     try:
         return approx_model_config(hf)
     except (ConfigRefused, KeyError, TypeError, ValueError) as e:
-        raise CheckpointRefused(f"{path}: {e} (--model)") from e
+        raise CheckpointRefused(f"{path}: {e}", "model") from e
 
 
 class RemoteFiles:
@@ -91,7 +88,7 @@ def check_checkpoint(model_dir: str, *, model: Optional[str] = None, adapter: Op
     checked by the engines that download them."""
     from engine.models.checkpoint import CheckpointError, LocalFiles, check_weights
 
-    from .storage import get_filesystem
+    from common.storage import get_filesystem
 
     cfg = model_config(model_dir, attention)
     if is_diffusion_gemma(_read_json(os.path.join(model_dir, "config.json"))):
@@ -110,7 +107,7 @@ def check_checkpoint(model_dir: str, *, model: Optional[str] = None, adapter: Op
         try:
             check_weights(where[0], cfg, where[1])
         except (CheckpointError, FileNotFoundError) as e:
-            raise CheckpointRefused(f"{e} (--model)") from e
+            raise CheckpointRefused(f"{e}", "model") from e
     if adapter:
         check_adapter(adapter, cfg, storage)
     return cfg
@@ -136,13 +133,13 @@ def check_adapter(adapter: str, cfg: Any, storage: Optional[StorageOptions] = No
     try:
         local = resolve_model(adapter, storage, kind="adapter")
     except ModelSourceError as e:
-        raise CheckpointRefused(f"{e} (--adapter)") from e
+        raise CheckpointRefused(f"{e}", "adapter") from e
     if classify(adapter).is_local and not os.path.isdir(local):
-        raise CheckpointRefused(f"adapter {adapter} is not a directory (--adapter)")
+        raise CheckpointRefused(f"adapter {adapter} is not a directory", "adapter")
     try:
         plan_adapter(local, cfg, cfg.family.param_shapes(cfg))
     except AdapterError as e:
-        raise CheckpointRefused(f"{e} (--adapter)") from e
+        raise CheckpointRefused(f"{e}", "adapter") from e
     return local
 
 

@@ -199,7 +199,7 @@ def build_config(args: argparse.Namespace, num_gpus_in_cluster: float, storage: 
     from engine.config import EngineConfig, SamplingParams
 
     from .config import DLLMProcessorConfig, model_settings, split_settings
-    from .model_source import resolve_model
+    from common.model_source import resolve_model
 
     eng_kw, smp_kw = split_settings(model_settings(resolve_model(args.model, storage, weights=False)))
     if getattr(args, "preset", None):
@@ -250,7 +250,7 @@ def report_internal_error(e: BaseException) -> int:
     import tempfile
     import traceback
 
-    from .storage import describe_error
+    from common.storage import describe_error
 
     fd, path = tempfile.mkstemp(prefix=f"blockray-error-{time.strftime('%Y%m%d-%H%M%S')}-", suffix=".log")
     with os.fdopen(fd, "w") as f:
@@ -270,9 +270,9 @@ def run_job(args: argparse.Namespace) -> int:
 
     from actors.metrics import new_run_id
 
-    from .run import MAX_ERROR_FRACTION, JobError, preflight
+    from .preflight import MAX_ERROR_FRACTION, JobError, preflight
     from .signals import Interrupted, StopOnSignal, stop_cleanly
-    from .storage import StorageOptions, describe_error
+    from common.storage import StorageOptions, describe_error
 
     if args.secret_access_key is not None:  # never echo the value
         return fail("--secret-access-key is no longer accepted: a job's command line is shown by `ray job list` "

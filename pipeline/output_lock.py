@@ -23,7 +23,7 @@ from typing import Any, Dict, Optional
 
 import fsspec
 
-from .storage import protocol_of
+from common.storage import protocol_of
 
 logger = logging.getLogger(__name__)
 

@@ -18,17 +18,17 @@ from typing import Any, Callable, Dict, Optional
 import ray
 import ray.data
 
-from actors.engine_actor import DLLMEngineActor, new_rank_group
 from actors.engine_router import DISPATCHER_CPUS, EngineDispatcher
 from actors.metrics import new_run_id
-from actors.rank import rank_counter
-from actors.schema import ENGINE_RETRIES, OUTPUT_SCHEMA
+from actors.rank import engine_group
+from actors.spec import EngineSpec
+from common.model_source import with_local_model
+from common.schema import ENGINE_RETRIES, OUTPUT_SCHEMA, PRE_ERROR, TOKEN_IDS
+from common.storage import StorageOptions
 
 from .config import DLLMProcessorConfig
-from .model_source import with_local_model
 from .sorting import order_dataset
-from .storage import StorageOptions
-from .stages import PRE_ERROR, TOKEN_IDS, DetokenizeUDF, TokenizeUDF, chat_stage_kwargs
+from .stages import DetokenizeUDF, TokenizeUDF, chat_stage_kwargs
 
 RowFn = Callable[[Dict[str, Any]], Dict[str, Any]]
 
@@ -66,8 +66,8 @@ class DLLMProcessor:
 
     def engine_stats(self) -> Dict[int, Dict[str, Any]]:
         """{rank: engine stats} as last posted (config.collect_engine_stats), else {}."""
-        sink = getattr(self, "_stats_sink", None)
-        return ray.get(sink.get.remote()) if sink is not None else {}
+        group = getattr(self, "_group", None)
+        return ray.get(group.stats.remote()) if group is not None and self.config.collect_engine_stats else {}
 
     def __call__(self, ds: ray.data.Dataset) -> ray.data.Dataset:
         cfg = self.config
@@ -83,19 +83,12 @@ class DLLMProcessor:
 
         res = self.engine_resources()
         k = cfg.max_concurrent_batches
-        actor_cls, ctor = DLLMEngineActor, dict(
+        spec = EngineSpec(
             model=cfg.model, engine=cfg.engine, sampling=cfg.sampling, dtype=cfg.dtype, device=res["device"],
-            torch_threads=cfg.torch_threads, enable_metrics=cfg.enable_metrics,
-            record_batches=cfg.record_batches, token_ids_column=TOKEN_IDS,
-            sampling_column=cfg.sampling_column, error_column=PRE_ERROR, model_storage=self.storage,
-            seed_column=cfg.seed_column, id_column=cfg.id_column,
-            run_id=self.run_id, adapter=cfg.adapter, attention=cfg.attention)
-        if cfg.collect_engine_stats:
-            from actors.engine_stats import EngineStatsSink, StatsEngineActor
-
-            self._stats_sink = EngineStatsSink.remote()
-            actor_cls, ctor = StatsEngineActor, dict(ctor, stats_sink=self._stats_sink)
-
+            torch_threads=cfg.torch_threads, adapter=cfg.adapter, attention=cfg.attention, model_storage=self.storage,
+            run_id=self.run_id, enable_metrics=cfg.enable_metrics, post_stats=cfg.collect_engine_stats,
+            record_batches=cfg.record_batches, token_ids_column=TOKEN_IDS, error_column=PRE_ERROR,
+            sampling_column=cfg.sampling_column, seed_column=cfg.seed_column, id_column=cfg.id_column)
         if cfg.wait_for_engines_s > 0 and ds.context.wait_for_min_actors_s <= 0:
             # The dispatchers are ready once their engines are (actors/engine_router.py).
             # Shared by this dataset's lineage only (not the global DataContext).
@@ -104,17 +97,11 @@ class DLLMProcessor:
         # engine actor of its own, started and owned by the run's group actor; a lost engine's
         # batches go to a live engine (actors/engine_router.py). Engines number themselves
         # from the group, which the driver owns, so a restarted engine gets a rank of its own.
-        group = new_rank_group()
-        self._rank_counter = rank_counter(group)
+        self._group = engine_group()
         engine_options = dict(num_cpus=res["num_cpus"], num_gpus=res["num_gpus"], scheduling_strategy="SPREAD",
                               **({"resources": dict(cfg.resources_per_engine)} if cfg.resources_per_engine else {}))
-        ctor = dict(ctor, rank_group=group)
         engines = dict(
-            fn_constructor_kwargs=dict(
-                engine_cls=f"{actor_cls.__module__}.{actor_cls.__qualname__}", engine_kwargs=ctor,
-                engine_options=engine_options, group=self._rank_counter,  # the dataset holds the group
-                columns=[ctor[k] for k in ("token_ids_column", "error_column", "sampling_column", "seed_column",
-                                           "id_column")]),
+            fn_constructor_args=(spec, engine_options, self._group),  # the dataset holds the group
             # k calls in flight per dispatcher, all feeding its one engine (see actors/engine_actor.py).
             compute=ray.data.ActorPoolStrategy(size=cfg.num_engines, max_tasks_in_flight_per_actor=k,
                                                max_concurrent_calls_per_actor=k),
@@ -145,12 +132,12 @@ def build_processor(config: DLLMProcessorConfig, preprocess: Optional[RowFn] = N
     `run_id`: the engines' `run` metrics tag (default: a fresh one).
     Raises ValueError (one line) when the model cannot be loaded, before any actor starts.
     """
-    from .run import JobError, check_model
+    from .preflight import JobError, check_model
 
     storage = (storage or StorageOptions()).resolved()  # once, here: every actor talks to the same endpoint
     try:
         check_model(config.model, needs_tokenizer=False, storage=storage, adapter=config.adapter,
                     attention=config.attention, sampling=config.sampling, engine=config.engine)
     except JobError as e:
-        raise ValueError(str(e).removesuffix(" (--model)")) from None
+        raise ValueError(e.message) from None
     return DLLMProcessor(config, preprocess, postprocess, storage, run_id or new_run_id())

@@ -20,7 +20,7 @@ import ray.data
 from ray.data.block import BlockMetadata
 from ray.data.datasource import Datasource, ReadTask
 
-from .storage import StorageOptions, get_filesystem
+from common.storage import StorageOptions, get_filesystem
 
 PathLike = Union[str, Sequence[str]]
 

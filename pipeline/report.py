@@ -15,7 +15,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
-from .storage import StorageOptions, join
+from common.storage import StorageOptions, join
 from .summary import bucket_seconds, latency_bucket
 from .writer import Output, _json_default, _output, atomic_write_bytes
 

@@ -18,26 +18,12 @@ from typing import Any, Callable, Dict, List, Optional, Set, Tuple
 
 import pyarrow as pa
 
-from .row_values import parse_messages, parse_token_ids, row_error
+from common.schema import INTERNAL_COLUMNS, PRE_ERROR, STOP_TEXT, TEXT_PROMPT, TOKEN_IDS  # noqa: F401 - re-exported
+from common.tokenizer import load_tokenizer
+
+from actors.row_values import parse_messages, parse_token_ids, row_error
 
 logger = logging.getLogger(__name__)
-
-# Internal columns, dropped before rows leave the processor.
-TOKEN_IDS = "__prompt_token_ids"
-PRE_ERROR = "__error"
-STOP_TEXT = "__stop_text"  # = actors.engine_actor.STOP_TEXT (not imported: that pulls in torch)
-INTERNAL_COLUMNS = (TOKEN_IDS, PRE_ERROR, STOP_TEXT)
-TEXT_PROMPT = "__prompt_text"
-
-
-@functools.lru_cache(maxsize=4)
-def load_tokenizer(model: str):
-    """The Hugging Face tokenizer in the model directory (None when it has none); loaded
-    from local files only, never with remote code, as the engine's loader does
-    (engine/tokenizer.py: Dream's DreamTokenizer as transformers' Qwen2Tokenizer)."""
-    from engine.tokenizer import load_tokenizer as load
-
-    return load(model)
 
 
 @functools.lru_cache(maxsize=4)
@@ -280,7 +266,7 @@ def detokenize_stage(batch: pa.Table, *, model: str, detokenize: bool = True,
 
 class _StageUDF:
     """A Ray Data callable class around one stage function: the actor loads the
-    tokenizer once (cached by load_tokenizer), then every batch reuses it."""
+    tokenizer once (cached by common.tokenizer.load_tokenizer), then every batch reuses it."""
 
     stage: Callable[..., pa.Table]
 

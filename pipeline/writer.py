@@ -21,7 +21,7 @@ from ray.data.block import Block, BlockAccessor
 from ray.data.datasource import Datasink
 from ray.data.datasource.datasink import WriteResult
 
-from .storage import StorageOptions, describe_error, get_filesystem, join
+from common.storage import StorageOptions, describe_error, get_filesystem, join
 
 logger = logging.getLogger(__name__)
 

@@ -119,7 +119,7 @@ def s3_endpoint():
 @pytest.fixture
 def s3_storage(s3_endpoint):
     """StorageOptions for the loopback endpoint."""
-    from pipeline.storage import StorageOptions
+    from common.storage import StorageOptions
 
     return StorageOptions(endpoint_url=s3_endpoint, key=S3_KEY, secret=S3_SECRET, region=S3_REGION)
 

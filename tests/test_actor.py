@@ -9,6 +9,7 @@ import pyarrow as pa
 import pytest
 
 from actors.engine_actor import OUTPUT_SCHEMA, DLLMEngineActor
+from actors.spec import EngineSpec
 from actors.engine_loop import EngineLoop
 from engine import Engine, EngineConfig, SamplingParams, load_model
 
@@ -28,8 +29,8 @@ def _batches_per_cycle(log):
 
 
 def test_rows_errors_and_overrides_in_process(tiny_model_dir):
-    actor = DLLMEngineActor(tiny_model_dir, ENGINE, SamplingParams(max_new_tokens=8), rank=5,
-                            enable_metrics=False, warmup=False)
+    actor = DLLMEngineActor(EngineSpec(tiny_model_dir, ENGINE, SamplingParams(max_new_tokens=8), rank=5,
+                                       enable_metrics=False, warmup=False))
     table = pa.table({
         "prompt_token_ids": [[5, 6, 7], [], None, [5, 6], [8] * 5, [9, 99999]],
         "sampling_params": [None, None, None, {"max_new_tokens": 4}, {"bogus": 1}, None],
@@ -58,8 +59,8 @@ def test_rows_errors_and_overrides_in_process(tiny_model_dir):
 
 
 def test_batches_share_block_cycles_in_process(tiny_model_dir):
-    actor = DLLMEngineActor(tiny_model_dir, ENGINE, LONG, rank=0, enable_metrics=False, record_batches=True,
-                            warmup=False)
+    actor = DLLMEngineActor(EngineSpec(tiny_model_dir, ENGINE, LONG, rank=0, enable_metrics=False,
+                                       record_batches=True, warmup=False))
 
     async def run():
         return await asyncio.gather(actor.run_batch(_batch(0, 4)), actor.run_batch(_batch(1, 4)))
@@ -78,7 +79,7 @@ def test_batches_overlap_in_a_ray_actor(tiny_model_dir, ray_local):
 
     Actor = ray.remote(DLLMEngineActor)
     actor = Actor.options(num_cpus=0.5, max_concurrency=4).remote(
-        tiny_model_dir, ENGINE, LONG, rank=0, record_batches=True, enable_metrics=False)
+        EngineSpec(tiny_model_dir, ENGINE, LONG, rank=0, record_batches=True, enable_metrics=False))
     try:
         outs = ray.get([actor.run_batch.remote(_batch(0, 6)), actor.run_batch.remote(_batch(1, 6))], timeout=120)
         assert [t.num_rows for t in outs] == [6, 6]
@@ -120,7 +121,7 @@ def test_dispatcher_puts_engine_columns_on_the_whole_batch():
     kept, a row per sample (row 1 with two samples here), an input column named like an
     output column replaced, `engine_retries` added."""
     from actors.engine_router import _ADDED, _ROW, EngineDispatcher
-    from actors.schema import ENGINE_RETRIES, STOP_TEXT
+    from common.schema import ENGINE_RETRIES, STOP_TEXT
 
     table = pa.table({"id": ["a", "b"], "payload": ["x", "y"], "engine_rank": [9, 9]})
     rows = [0, 1, 1]
@@ -147,6 +148,6 @@ def test_dispatcher_imports_no_torch():
 
     from conftest import ROOT
 
-    code = "import sys, actors.engine_router, actors.rank, actors.schema; print('torch' in sys.modules)"
+    code = "import sys, actors.engine_router, actors.rank, common.schema; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False", out.stderr

@@ -15,11 +15,13 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from actors.engine_actor import STOP_TEXT, DLLMEngineActor, _row_params, row_seed, sample_seeds
+from actors.engine_actor import STOP_TEXT, DLLMEngineActor, row_seed, sample_seeds
+from actors.spec import EngineSpec
 from conftest import ROOT, read_parts
 from engine import EngineConfig, SamplingParams
 from pipeline import stages
 from pipeline.config import DLLMProcessorConfig
+from actors.row_values import parse_sampling
 from pipeline.run import SUMMARY_FILE, JobError, preflight, run_offline
 from pipeline.stages import (PRE_ERROR, TEXT_PROMPT, chat_template_stage, detokenize_stage, load_tokenizer,
                              resolve_chat_template, tokenize_stage)
@@ -96,6 +98,10 @@ def test_resolve_chat_template(tmp_path):
 
 # --- sampling: per-row params, seeds, n, stop strings (in process) --------------------------------
 
+def _row_params(base, override):  # the engine actor's per-row parse: actors/row_values.py's
+    return parse_sampling(override, base)
+
+
 def test_row_params_take_vllm_names_and_name_unknown_keys():
     p = _row_params(SAMPLING, {**ACCEPTANCE, "policy": None})
     assert (p.max_new_tokens, p.top_p, p.top_k, list(p.stop), p.n, p.temperature, p.seed) == (
@@ -127,8 +133,8 @@ def test_actor_stop_strings_cut_the_text_and_n_expands_rows():
     """The trained tiny model reverses "abcxef" into "fexcba": the stop string "x" ends the
     request at that block and the text is cut before it; n=3 gives three rows."""
     tok = load_tokenizer(TINY)
-    actor = DLLMEngineActor(TINY, EngineConfig(block_length=8, steps_per_block=8, token_budget=2048),
-                            SamplingParams(max_new_tokens=16), rank=0, enable_metrics=False, warmup=False)
+    actor = DLLMEngineActor(EngineSpec(TINY, EngineConfig(block_length=8, steps_per_block=8, token_budget=2048),
+                                       SamplingParams(max_new_tokens=16), rank=0, enable_metrics=False, warmup=False))
     ids = tok("rev: abcxef", add_special_tokens=False)["input_ids"]
     table = pa.table({"prompt_token_ids": [ids, ids, ids], "id": ["s", "n", "bad"],
                       "sampling_params": [{"stop": ["x"]}, {"n": 3, "temperature": 0.7, "seed": 1},
@@ -149,8 +155,8 @@ def test_actor_stop_strings_cut_the_text_and_n_expands_rows():
 def test_duplicated_prompts_are_distinct_samples(tiny_model_dir):
     """Job seed 0, temperature 1: two rows with the same prompt and different ids get
     different seeds (so different tokens), the same id gets the same tokens again."""
-    actor = DLLMEngineActor(tiny_model_dir, ENGINE, SamplingParams(max_new_tokens=8, temperature=1.0, seed=0),
-                            rank=0, enable_metrics=False, warmup=False)
+    actor = DLLMEngineActor(EngineSpec(tiny_model_dir, ENGINE, SamplingParams(max_new_tokens=8, temperature=1.0, seed=0),
+                                       rank=0, enable_metrics=False, warmup=False))
     table = pa.table({"prompt_token_ids": [[5, 6, 7]] * 3, "id": ["a", "b", "a"]})
     toks = _run(actor, table).column("generated_token_ids").to_pylist()
     actor.loop.shutdown()

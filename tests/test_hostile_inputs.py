@@ -321,7 +321,7 @@ def test_stage_failures_name_their_cause(ray_local):
     job's one line still names the real error."""
     import ray.data
 
-    from pipeline.storage import describe_error
+    from common.storage import describe_error
 
     class BrokenBatches:  # defined here: pickled by value to the workers
         def __call__(self, batch):

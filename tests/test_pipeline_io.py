@@ -12,7 +12,7 @@ import pytest
 
 from conftest import read_parts
 from pipeline.reader import PromptParquetDatasource, list_parquet_files, read_prompts
-from pipeline.storage import StorageOptions, get_filesystem
+from common.storage import StorageOptions, get_filesystem
 from pipeline.writer import (OutputExistsError, TMP_DIR, atomic_write_table, prepare_output, write_json,
                              write_results)
 

@@ -29,8 +29,8 @@ N = 24
 
 
 def _engines():
-    """{pid: process title} of the engine actors of this test's Ray: `ray::EngineHost`,
-    `ray::EngineHost.run_batch` while it runs a batch (their dispatchers,
+    """{pid: process title} of the engine actors of this test's Ray: `ray::DLLMEngineActor`,
+    `ray::DLLMEngineActor.run_batch` while it runs a batch (their dispatchers,
     `MapWorker(MapBatches(EngineDispatcher))`, hold no engine)."""
     out = {}
     for raylet in children(os.getpid()):
@@ -39,7 +39,7 @@ def _engines():
                 title = open(f"/proc/{w}/cmdline", "rb").read().decode(errors="replace").split("\0")[0]
             except OSError:
                 continue
-            if title.startswith("ray::EngineHost"):
+            if title.startswith("ray::DLLMEngineActor"):
                 out[w] = title
     return out
 

@@ -118,7 +118,7 @@ def test_engine_resource_option(tiny_model_dir):
 
 def _titles(node) -> list:
     """Process titles of the workers of one node (children of its raylet): an engine actor
-    is `ray::EngineHost`, `ray::EngineHost.run_batch` while it runs a batch."""
+    is `ray::DLLMEngineActor`, `ray::DLLMEngineActor.run_batch` while it runs a batch."""
     from ray._private import ray_constants
 
     raylet = node.all_processes[ray_constants.PROCESS_TYPE_RAYLET][0].process.pid
@@ -132,7 +132,7 @@ def _titles(node) -> list:
 
 
 def _engine_titles(node) -> list:
-    return [t for t in _titles(node) if t.startswith("ray::EngineHost")]
+    return [t for t in _titles(node) if t.startswith("ray::DLLMEngineActor")]
 
 
 def _objects_rebuilt(session_dir: str) -> int:

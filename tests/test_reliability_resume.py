@@ -125,7 +125,7 @@ def test_resume_reads_complete_parts_only(tmp_path):
     """Without Ray: the ids of complete part files are skipped at read time; `_tmp/`
     leftovers of a dead run are neither counted nor kept; a finished output resumes to nothing."""
     from pipeline.reader import PromptParquetDatasource
-    from pipeline.storage import get_filesystem
+    from common.storage import get_filesystem
     from pipeline.writer import completed_ids, prepare_output
 
     inp, out = tmp_path / "in.parquet", tmp_path / "out"

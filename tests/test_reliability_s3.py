@@ -17,7 +17,7 @@ from conftest import S3_KEY, S3_REGION, part_files, read_parts, write_prompts
 from engine import EngineConfig, SamplingParams
 from pipeline import DLLMProcessorConfig, StorageOptions
 from pipeline.run import JobError, run_offline
-from pipeline.storage import get_filesystem
+from common.storage import get_filesystem
 from pipeline.writer import StorageWriteError, atomic_write_table
 from s3_fault_proxy import ACCESS_DENIED, FaultProxy
 

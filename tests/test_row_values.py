@@ -1,5 +1,5 @@
 """Issue 23, in process (no Ray): the boundary where per-row values become typed values
-(pipeline/row_values.py), the sorter that cannot hang on a huge budget, and a Hypothesis
+(actors/row_values.py), the sorter that cannot hang on a huge budget, and a Hypothesis
 property test that feeds random per-row values of random Arrow types through the
 tokenize, sort and engine stages' row-level functions (the real tiny engine in this
 process) and checks that every row comes out exactly once, the bad ones as error rows
@@ -21,7 +21,7 @@ from hypothesis import strategies as st
 
 from conftest import ROOT
 from engine import EngineConfig, SamplingParams
-from pipeline.row_values import RowValueError, parse_messages, parse_sampling, parse_seed, parse_token_ids
+from actors.row_values import RowValueError, parse_messages, parse_sampling, parse_seed, parse_token_ids
 from pipeline.sorting.cost import CostModel, work
 from pipeline.sorting.order import SortWindowUDF
 from pipeline.stages import PRE_ERROR, TOKEN_IDS, detokenize_stage, tokenize_stage
@@ -249,9 +249,10 @@ def batches(draw) -> Tuple[pa.Table, Dict[str, List[str]], str]:
 @pytest.fixture(scope="module")
 def actor():
     from actors.engine_actor import DLLMEngineActor
+    from actors.spec import EngineSpec
 
-    a = DLLMEngineActor(TINY, ENGINE, BASE, warmup=False, enable_metrics=False, seed_column="seed",
-                        token_ids_column=TOKEN_IDS, error_column=PRE_ERROR)
+    a = DLLMEngineActor(EngineSpec(TINY, ENGINE, BASE, warmup=False, enable_metrics=False, seed_column="seed",
+                                   token_ids_column=TOKEN_IDS, error_column=PRE_ERROR))
     yield a
     a.loop.shutdown(timeout=5)
 

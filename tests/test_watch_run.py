@@ -134,13 +134,13 @@ def test_dashboard_shows_the_job_and_its_engines(watched):
         deadline = time.time() + 180
         while alive < 2 and time.time() < deadline and watched.proc.poll() is None:
             page.goto(watched.dashboard_url + "/#/actors")
-            page.get_by_label("Class").fill("EngineHost")  # the actor holding each engine
-            page.locator("tr", has_text="EngineHost").first.wait_for()
+            page.get_by_label("Class").fill("DLLMEngineActor")  # the actor holding each engine
+            page.locator("tr", has_text="DLLMEngineActor").first.wait_for()
             time.sleep(1)
-            alive = page.locator("tr", has_text="EngineHost").filter(has_text="ALIVE").filter(has_text=job_id).count()
+            alive = page.locator("tr", has_text="DLLMEngineActor").filter(has_text="ALIVE").filter(has_text=job_id).count()
         page.screenshot(path=os.path.join(SHOTS, "dashboard-actors.png"), full_page=True)
         browser.close()
-    assert alive == 2, f"{alive} live EngineHost actors of job {job_id} in the dashboard; run log:\n{watched.text()[-3000:]}"
+    assert alive == 2, f"{alive} live DLLMEngineActor actors of job {job_id} in the dashboard; run log:\n{watched.text()[-3000:]}"
 
 
 # --- the Grafana dashboard against a real Prometheus ---------------------------------------

@@ -2,7 +2,7 @@
 `ModelConfig` (engine.models.config, no torch) in CPU workers that must not import torch."""
 from __future__ import annotations
 
-from ..lazy import lazy_exports
+from common.lazy import lazy_exports
 
 _EXPORTS = {"ModelConfig": ".config", "DLLM": ".transformer", "KVCache": ".transformer",
             "build_model": ".transformer", "checkpoint_names": ".weights"}

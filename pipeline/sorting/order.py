@@ -39,7 +39,7 @@ from engine.config import SamplingParams  # dataclasses only: no torch
 from engine.models.families.diffusion_gemma import cost_shape as diffusion_gemma_cost_shape  # torch-free
 
 from ..config import DLLMProcessorConfig
-from ..row_values import RowValueError, parse_sampling
+from actors.row_values import RowValueError, parse_sampling
 from ..stages import TOKEN_IDS
 from .cost import CostModel, Roofline
 from .model import ModelProfile, device_profile, read_model_config
@@ -50,7 +50,7 @@ COST_BUCKET_RATIO = 1.25
 
 def row_budget(override: Any, base: SamplingParams, column: str = "sampling_params") -> Optional[int]:
     """A row's generation budget: max_new_tokens of the SamplingParams the engine builds for
-    it (pipeline/row_values.py, the one parser of per-row values, which the engine actor
+    it (actors/row_values.py, the one parser of per-row values, which the engine actor
     uses too); None when the override does not parse (the engine reports it, as an error row)."""
     try:
         return parse_sampling(override, base, column).max_new_tokens

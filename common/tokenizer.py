@@ -9,6 +9,7 @@ tokenizer_config.json's added tokens, special tokens and chat template. Anything
 that needs the checkpoint's code is refused with a message naming what is needed."""
 from __future__ import annotations
 
+import functools
 import json
 import os
 from typing import Any, Dict, Optional, Tuple
@@ -65,8 +66,11 @@ def tokenizer_class(model_dir: str) -> Tuple[Optional[str], Optional[str]]:
                           f"{need}")
 
 
+@functools.lru_cache(maxsize=4)
 def load_tokenizer(model_dir: str):
-    """The tokenizer in `model_dir`, or None when it has no tokenizer files."""
+    """The tokenizer in `model_dir`, or None when it has no tokenizer files: the one
+    loader of every layer (stages, preflight, the engine's stop strings), cached per
+    process, so each actor reads the files once."""
     if not has_tokenizer(model_dir):
         return None
     import transformers

@@ -1,0 +1,28 @@
+"""Refusals that name the options they concern. `options` are option names (a
+DLLMProcessorConfig field or a keyword of run_offline: "model", "output", "id_column");
+str() adds them as the command line's flags, which is what the CLI prints; a library
+caller reads `message` and `options` and never sees a flag."""
+from __future__ import annotations
+
+
+def flag(option: str) -> str:
+    """The command line's flag of an option name."""
+    return "--" + option.replace("_", "-")
+
+
+class OptionError(Exception):
+    def __init__(self, message: str, *options: str):
+        super().__init__(message, *options)
+        self.message, self.options = message, options
+
+    def __str__(self) -> str:
+        flags = [flag(o) for o in self.options if flag(o) not in self.message]  # unless the message names it
+        return f"{self.message} ({', '.join(flags)})" if flags else self.message
+
+
+class JobError(OptionError, RuntimeError):
+    """The job cannot run (or did not finish); the message says why and what to change."""
+
+
+class CheckpointRefused(OptionError, ValueError):
+    """A one-line reason the model (or adapter) cannot be served as given."""

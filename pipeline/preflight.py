@@ -1,0 +1,267 @@
+"""The job-level checks, before any engine (or Ray) work: every refusal of a job that
+cannot run, each a `JobError` naming what was wrong and the options it concerns.
+(pipeline/errors.py): a library caller reads `message` and `options`, the CLI prints the
+message with the options' flags."""
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass
+from typing import Any, Dict, List, Optional, Tuple, Union
+
+import fsspec
+
+from common.storage import StorageOptions, describe_error, get_filesystem, protocol_of
+from common.tokenizer import has_tokenizer, load_tokenizer
+
+from .config import DLLMProcessorConfig
+from .errors import CheckpointRefused, JobError
+from .output_lock import OutputLock, OutputLocked
+from .reader import DuplicateIds, InputError, PromptParquetDatasource
+from .run_record import RECORD_FILE, build_record, check_resume, read_json, run_history
+from .stages import resolve_chat_template, template_of
+from .writer import check_output, completed_keys, prepare_output, write_json
+
+SUMMARY_FILE = "summary.json"
+
+# Default share of rows that may fail before the job reports failure: none. Anchored on
+# ray.data.llm, whose processors fail the job on the first failed row unless
+# should_continue_on_error=True. Here the run still finishes and writes every row (the
+# error rows say why), but the exit code tells the truth; --max-error-fraction 1.0 is
+# should_continue_on_error=True.
+MAX_ERROR_FRACTION = 0.0
+
+
+@dataclass
+class Preflight:
+    """What the job-level checks found: the input (ids already in the output left out),
+    those ids, the output location, the input's duplicated ids when allowed, and the
+    local directory holding the model's config and tokenizer."""
+
+    source: PromptParquetDatasource
+    done: List[str]
+    out_fs: fsspec.AbstractFileSystem
+    out_path: str
+    duplicates: Optional[DuplicateIds] = None
+    model_dir: Optional[str] = None
+    lock: Optional[OutputLock] = None  # this run's lease on the output, held until the run ends
+    record: Optional[Dict[str, Any]] = None  # what writes the output (pipeline/run_record.py)
+    history: List[Dict[str, Any]] = dataclasses.field(default_factory=list)  # earlier runs on it
+    settings_changed: List[str] = dataclasses.field(default_factory=list)  # vs the record kept (allowed)
+
+    def release(self) -> None:
+        if self.lock is not None:
+            self.lock.release()
+
+
+def check_tokenizer(model: str) -> None:
+    """Load the tokenizer once, as the stages will (never with remote code): a model that
+    needs its own code, or whose tokenizer does not load, is refused here, not in a stage."""
+    from common.tokenizer import NeedsRemoteCode
+
+    try:
+        load_tokenizer(model)
+    except NeedsRemoteCode as e:
+        raise JobError(f"model: {e}", "model") from e
+    except Exception as e:  # noqa: BLE001
+        raise JobError(f"model: the tokenizer in {model} does not load: {describe_error(e)}", "model") from e
+
+
+def check_model(model: str, needs_tokenizer: bool, storage: Optional[StorageOptions] = None,
+                adapter: Optional[str] = None, attention: str = "auto", sampling: Any = None,
+                engine: Any = None) -> str:
+    """A model the engines can load: config.json of a supported model (parsed by the
+    engine's own parser, never by transformers' remote code) and weights; a tokenizer that
+    loads when prompts are text. A remote model (s3://…, a hub id) is checked on a copy of
+    everything but its weights (common/model_source.py), its weights on the remote
+    listing. `sampling` / `engine`: the run's settings, refused where they do not apply to
+    the model (a DiffusionGemma with masked-diffusion options). Returns the local directory
+    checked."""
+    from .checkpoint_check import check_canvas_options, check_checkpoint
+    from common.model_source import ModelSourceError, classify, resolve_model
+
+    given, remote = model, not classify(model).is_local
+    if remote:
+        try:
+            model = resolve_model(model, storage, weights=False)
+        except ModelSourceError as e:
+            raise JobError(f"model: {e}", "model") from e
+    cfg = os.path.join(model, "config.json")
+    if not os.path.isdir(model):
+        raise JobError(f"model: {model} is not a directory", "model")
+    if not os.path.isfile(cfg):
+        raise JobError(f"model: {model} has no config.json", "model")
+    try:  # config.json through the family, shard headers, the adapter (pipeline/checkpoint_check.py)
+        check_checkpoint(model, model=given, adapter=adapter, attention=attention, storage=storage)
+        check_canvas_options(model, sampling, engine)
+    except CheckpointRefused as e:
+        raise JobError(f"model: {e.message}", *e.options) from e
+    if needs_tokenizer:
+        if not has_tokenizer(model):
+            raise JobError(f"model: {model} has no tokenizer files, needed for text prompts", "model")
+        check_tokenizer(model)
+    return model
+
+
+def check_columns(source: PromptParquetDatasource, config: DLLMProcessorConfig) -> bool:
+    """The input has a column prompts can come from, in every file; returns whether they
+    are text."""
+    names = source.schema.names if source.schema is not None else []
+    auto_chat = (config.apply_chat_template is None and config.messages_column in names
+                 and config.prompt_column not in names and config.prompt_token_ids_column not in names)
+    if config.apply_chat_template or auto_chat:
+        if config.messages_column not in names:
+            raise JobError(f"input has no {config.messages_column!r} column (--messages-column) for "
+                           f"apply_chat_template; columns: {names}", "messages_column")
+        column, text = config.messages_column, True
+    elif config.prompt_token_ids_column in names:
+        column, text = config.prompt_token_ids_column, False
+    elif config.prompt_column not in names:
+        raise JobError(f"input has no prompt column {config.prompt_column!r} (--prompt-column) nor "
+                       f"{config.prompt_token_ids_column!r}; columns: {names}", "prompt_column")
+    else:
+        column, text = config.prompt_column, True
+    missing = source.files_without(column)
+    if missing:
+        raise JobError(f"input file {missing[0]} has no {column!r} column, which the other input files have "
+                       f"({len(missing)} file(s) lack it)", "input")
+    return text
+
+
+def check_chat_template(config: DLLMProcessorConfig, names: List[str], model_dir: str) -> Optional[str]:
+    """The chat template the run will render with, or None when it renders none. Raises
+    JobError when one is asked for (apply_chat_template=True, or auto with only a messages
+    column) and neither --chat-template nor the tokenizer has one, or when the
+    --chat-template file is missing."""
+    try:
+        given = resolve_chat_template(config.chat_template)
+    except (OSError, ValueError) as e:
+        raise JobError(str(e).removesuffix(" (--chat-template)"), "chat_template") from e
+    wanted = config.apply_chat_template is True or (
+        config.apply_chat_template is None and config.messages_column in names)
+    if not wanted:
+        return None
+    template = template_of(model_dir, given)
+    if template:
+        return template
+    if config.apply_chat_template is None and (config.prompt_column in names
+                                               or config.prompt_token_ids_column in names):
+        return None  # auto: the text or token-id prompts are used as they are
+    raise JobError(f"the input's {config.messages_column!r} column needs a chat template, and the tokenizer of "
+                   f"{config.model} has none: give one with --chat-template PATH", "chat_template")
+
+
+def _comparable(fs: fsspec.AbstractFileSystem, path: str) -> Tuple[str, str]:
+    """(kind of store, normalised path) of a location, so that two URLs naming the same
+    place compare equal (local paths through symlinks too)."""
+    if protocol_of(fs.unstrip_protocol(path)) == "file":
+        return "file", os.path.realpath(path)
+    return type(fs).__name__, path.rstrip("/")
+
+
+def check_separate(input: Union[str, List[str]], output: str, out_fs: fsspec.AbstractFileSystem, out_path: str,
+                   storage: Optional[StorageOptions]) -> None:
+    """The output is neither an input nor inside one, and no input is inside the output:
+    results written among the inputs would be read as inputs by the next run."""
+    kind, out = _comparable(out_fs, out_path)
+    for url in [input] if isinstance(input, str) else list(input):
+        try:
+            fs, path = get_filesystem(url, storage)
+        except Exception:  # noqa: BLE001 - the input check names it
+            continue
+        k, inp = _comparable(fs, path)
+        if k != kind:
+            continue
+        if out == inp or out.startswith(inp.rstrip("/") + "/"):
+            raise JobError(f"output {output} is {'the input' if out == inp else 'inside the input'} {url}: results "
+                           "would be read back as prompts by the next run; choose an output outside the input",
+                           "output")
+        if inp.startswith(out.rstrip("/") + "/"):
+            raise JobError(f"input {url} is inside the output {output}; choose an output outside the input",
+                           "output")
+
+
+def _check_fraction(max_error_fraction: float) -> None:
+    if not 0.0 <= max_error_fraction <= 1.0:
+        raise JobError(f"max_error_fraction must be within [0, 1], got {max_error_fraction!r}",
+                       "max_error_fraction")
+
+
+def preflight(input: Union[str, List[str]], output: str, config: DLLMProcessorConfig, *,
+              storage: Optional[StorageOptions] = None, limit: Optional[int] = None, id_column: str = "id",
+              overwrite: bool = False, resume: bool = True, allow_duplicate_ids: bool = False,
+              max_error_fraction: float = MAX_ERROR_FRACTION, resume_mismatch: str = "refuse",
+              run_id: str = "") -> Preflight:
+    """The job-level checks, before any engine (or Ray) work: output apart from the input,
+    input readable with a prompt column in every file, agreeing column types and unique
+    ids, model and tokenizer loadable, output writable. Raises JobError naming the
+    option to fix. Nothing in the output is removed (overwrite) or created until every
+    other check has passed: the output is prepared last, under this run's lease on it
+    (`Preflight.lock`, released by run_offline), with the run record a resume is checked
+    against (`resume_mismatch="allow"` mixes settings on purpose)."""
+    _check_fraction(max_error_fraction)
+    resume = resume and not overwrite
+    try:
+        out_fs, out_path = get_filesystem(output, storage)
+    except Exception as e:  # noqa: BLE001
+        raise JobError(f"output {output} cannot be used: {type(e).__name__}: {e}", "output") from e
+    check_separate(input, output, out_fs, out_path, storage)
+    try:
+        check_output(out_fs, out_path, overwrite=overwrite, resume=resume)  # reachable; changes nothing
+    except Exception as e:  # noqa: BLE001
+        raise JobError(f"output {output} cannot be used: {type(e).__name__}: {e}", "output") from e
+    lock = OutputLock(out_fs, out_path, run_id)
+    try:
+        lock.check()  # changes nothing: taken once every check has passed
+    except OutputLocked as e:
+        raise JobError(f"{e}", "output") from e
+    except Exception:  # noqa: BLE001 - an output that cannot be read: the write probe below names why
+        pass
+    try:
+        source = PromptParquetDatasource(input, storage, id_column=id_column, limit=limit)
+    except InputError as e:
+        raise JobError(f"{e}", "input") from e
+    needs_tokenizer = check_columns(source, config)
+    names = source.schema.names if source.schema is not None else []
+    model_dir = check_model(config.model, needs_tokenizer, storage, config.adapter, config.attention,
+                            config.sampling, config.engine)
+    record = build_record(config, model_dir, check_chat_template(config, names, model_dir))
+    try:
+        keys = completed_keys(out_fs, out_path, id_column) if resume else []
+    except Exception as e:  # noqa: BLE001
+        raise JobError(f"output {output}: its part files cannot be read to resume: {describe_error(e)}; "
+                       "--overwrite starts afresh", "output") from e
+    done = [i for i, _ in keys]  # one per output row: a row of n samples is n rows
+    if len(keys) != len(set(keys)) and not allow_duplicate_ids:  # (id, sample_index) written twice
+        raise JobError(f"output {out_fs.unstrip_protocol(out_path)} already holds duplicate ids; "
+                       "rerun with --overwrite", "output")
+    changed: List[str] = []
+    if keys:
+        changed, refusal = check_resume(out_fs, out_path, record, resume_mismatch, out_fs.unstrip_protocol(out_path))
+        if refusal:
+            raise JobError(f"{refusal}", "output", "resume_mismatch")
+    try:
+        duplicates = source.scan_ids(exclude_ids=done)
+    except Exception as e:  # noqa: BLE001
+        raise JobError(f"input ids cannot be read: {describe_error(e)}", "input", "id_column") from e
+    if duplicates and not allow_duplicate_ids:
+        raise JobError(f"input has {duplicates.count} duplicated id(s) in column {id_column!r} "
+                       f"({duplicates.extra_rows} extra rows), first: {', '.join(map(repr, duplicates.first))}; "
+                       "make ids unique, or pass --allow-duplicate-ids to generate every row and report them",
+                       "input", "id_column")
+    history = run_history(read_json(out_fs, f"{out_path.rstrip('/')}/{SUMMARY_FILE}")) if resume else []
+    try:
+        lock.acquire()
+    except OutputLocked as e:
+        raise JobError(f"{e}", "output") from e
+    except Exception as e:  # noqa: BLE001
+        raise JobError(f"output {output} is not writable: {describe_error(e)}", "output") from e
+    try:
+        prepare_output(out_fs, out_path, overwrite=overwrite, resume=resume)
+        write_json((out_fs, out_path), RECORD_FILE, record)
+    except Exception as e:  # noqa: BLE001
+        lock.release()
+        raise JobError(f"output {output} cannot be used: {type(e).__name__}: {e}", "output") from e
+    return Preflight(source, done, out_fs, out_path, duplicates, model_dir, lock, record, history, changed)
+
+

@@ -1,0 +1,155 @@
+"""The package graph, read from the source (ast, every import statement, function-level
+ones included, `if TYPE_CHECKING:` blocks excepted): no import cycle among the project's
+modules nor among its packages; engine/ never imports Ray; common/ imports neither torch
+nor Ray nor any other layer of blockray."""
+from __future__ import annotations
+
+import ast
+import os
+import re
+from typing import Dict, List, Set
+
+from conftest import ROOT
+
+PACKAGES = ("common", "engine", "actors", "pipeline", "tiny", "bench")
+# Function-level imports left out, by (module, function): the model's layer factory picks
+# a subclass of Layer defined in a module that imports Layer (engine/models/, #24 part 3).
+LAYER_FACTORIES = {("engine.models.transformer", "make_layer")}
+
+
+def _modules() -> Dict[str, str]:
+    """{dotted module name: path} of every module of the project's packages."""
+    found = {}
+    for pkg in PACKAGES:
+        for d, _, files in os.walk(os.path.join(ROOT, pkg)):
+            for f in files:
+                if f.endswith(".py"):
+                    rel = os.path.relpath(os.path.join(d, f), ROOT)[:-3].replace(os.sep, ".")
+                    found[rel.removesuffix(".__init__")] = os.path.join(d, f)
+    return found
+
+
+def _skipped(name: str, node: ast.AST) -> bool:
+    if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+        return True
+    return isinstance(node, ast.FunctionDef) and (name, node.name) in LAYER_FACTORIES
+
+
+def _imports(name: str, path: str) -> Set[str]:
+    """Every module `name` imports (absolute names; `from pkg import sub` counts as pkg.sub)."""
+    tree = ast.parse(open(path, encoding="utf-8").read(), path)
+    is_pkg = path.endswith("__init__.py")
+    out: Set[str] = set()
+    todo: List[ast.AST] = [tree]
+    while todo:
+        node = todo.pop()
+        for child in ast.iter_child_nodes(node):
+            if not _skipped(name, child):
+                todo.append(child)
+        if isinstance(node, ast.Import):
+            out.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = name.split(".") if is_pkg else name.split(".")[:-1]
+                base = base[:len(base) - node.level + 1]
+                mod = ".".join(base + ([node.module] if node.module else []))
+            else:
+                mod = node.module or ""
+            out.add(mod)
+            out.update(f"{mod}.{a.name}" for a in node.names)
+    return out
+
+
+def _graph() -> Dict[str, Set[str]]:
+    mods = _modules()
+    graph = {}
+    for name, path in mods.items():
+        graph[name] = {m for m in _imports(name, path) if m in mods and m != name}
+    return graph
+
+
+def _external(prefix: str) -> Dict[str, Set[str]]:
+    """{module under `prefix`: top-level names of everything it imports}."""
+    return {name: {m.split(".")[0] for m in _imports(name, path)}
+            for name, path in _modules().items() if name == prefix or name.startswith(prefix + ".")}
+
+
+def _cycles(graph: Dict[str, Set[str]]) -> List[List[str]]:
+    """Strongly connected components of more than one node (Tarjan)."""
+    index: Dict[str, int] = {}
+    low: Dict[str, int] = {}
+    stack: List[str] = []
+    on: Set[str] = set()
+    out: List[List[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on.add(v)
+        for w in graph.get(v, ()):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                out.append(sorted(comp))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return out
+
+
+def _parents_of(name: str) -> Set[str]:
+    parts = name.split(".")
+    return {".".join(parts[:i]) for i in range(1, len(parts))}
+
+
+def test_no_import_cycle_among_modules():
+    graph = _graph()
+    # a package's __init__ importing its own submodules is not a cycle of the layers
+    graph = {m: {d for d in deps if m not in _parents_of(d) and d not in _parents_of(m)} for m, deps in graph.items()}
+    assert _cycles(graph) == []
+
+
+def test_no_import_cycle_among_packages():
+    packages: Dict[str, Set[str]] = {}
+    for mod, deps in _graph().items():
+        packages.setdefault(mod.split(".")[0], set()).update(d.split(".")[0] for d in deps)
+    for pkg, deps in packages.items():
+        deps.discard(pkg)
+    assert _cycles(packages) == [], packages
+
+
+def test_engine_never_imports_ray():
+    assert {m for m, names in _external("engine").items() if "ray" in names} == set()
+
+
+def test_common_imports_no_torch_no_ray_no_other_layer():
+    bad = {m: names & {"torch", "ray", *PACKAGES} - {"common"} for m, names in _external("common").items()}
+    assert {m: n for m, n in bad.items() if n} == {}
+
+
+def test_every_lazy_export_names_a_module_that_defines_it():
+    """Read from the source, so nothing is imported: each `_EXPORTS` entry's module exists
+    and defines, imports or lazily exports the name."""
+    mods = _modules()
+    for pkg, path in mods.items():
+        tree = ast.parse(open(path, encoding="utf-8").read(), path)
+        exports = next((ast.literal_eval(n.value) for n in tree.body if isinstance(n, ast.Assign)
+                        and any(getattr(t, "id", None) == "_EXPORTS" for t in n.targets)), {})
+        for name, target in exports.items():
+            mod = f"{pkg}{target}" if target.startswith(".") else target
+            assert mod in mods, f"{pkg}._EXPORTS[{name!r}]: no module {mod}"
+            src = open(mods[mod], encoding="utf-8").read()
+            defines = rf"(def|class) {name}\b|^{name}\b.*=|import .*\b{name}\b|\"{name}\": "
+            assert re.search(defines, src, re.M), (pkg, name, mod)
