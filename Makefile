@@ -15,7 +15,7 @@ $(STAMP): pyproject.toml
 setup: $(STAMP)
 
 test: $(STAMP)
-	$(BIN)/python -m pytest -q -p no:cacheprovider --durations=30 tests
+	$(BIN)/python -m pytest -q -p no:cacheprovider -n 2 --dist loadfile --durations=30 tests
 
 run: $(STAMP)
 	$(BIN)/python jobs/offline_eval.py $(ARGS)
