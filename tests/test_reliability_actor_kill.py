@@ -1,6 +1,7 @@
 """Issue 7, A2 / issue 17, acceptance 5: one of two engines is SIGKILLed mid-run; the
 batches it held are run by the other engine at once, not after its restart; the run
-completes with every id exactly once and no error rows from the kill.
+completes with every id exactly once and no error rows from the kill, and (the
+report on, as the job has it) writes its report.
 
 How (actors/engine_router.py): the engine stage's Ray Data actors are dispatchers, each
 with an engine actor of its own (max_restarts=-1, max_task_retries=0). The calls in
@@ -65,7 +66,7 @@ def test_engine_actor_killed_mid_run(tmp_path, tiny_model_dir, ray_local):
 
     t = threading.Thread(target=killer, daemon=True)
     t.start()
-    summary = run_offline(inp, out, config, rows_per_file=None)
+    summary = run_offline(inp, out, config, rows_per_file=None, report=True)  # as the job does: engines post stats
     t.join(5)
     assert "pid" in killed, "the run ended before an engine could be killed"
     assert killed["parts_before"] < N // 2  # killed mid-run, not after the last batch
@@ -73,6 +74,7 @@ def test_engine_actor_killed_mid_run(tmp_path, tiny_model_dir, ray_local):
     assert sorted(table.column("id").to_pylist()) == [f"k{i:02d}" for i in range(N)]  # exactly once
     assert not [e for e in table.column("error").to_pylist() if e]  # the kill caused no error rows
     assert summary["rows"] == N and summary["errors"] == 0
+    assert os.path.getsize(os.path.join(out, "report.html")) > 0  # the report survives an engine's death
 
     rows = table.select(["id", "engine_rank", "engine_retries", "finished_at", "latency_s"]).to_pylist()
     for r in rows:

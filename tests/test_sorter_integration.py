@@ -126,7 +126,8 @@ def test_sorter_bench_smoke_writes_json(tmp_path):
     every row once, per mode."""
     out = tmp_path / "sorter.json"
     subprocess.run([sys.executable, os.path.join(ROOT, "bench", "sorter_bench.py"), "--rows", "10",
-                    "--orders", "front_loaded", "--hidden-size", "32", "--layers", "1", "--out", str(out)],
+                    "--orders", "front_loaded", "--hidden-size", "32", "--layers", "1", "--max-new-tokens", "8",
+                    "--out", str(out)],
                    cwd=ROOT, env=ray_env(), check=True, timeout=600, capture_output=True)
     res = json.loads(out.read_text())["front_loaded"]
     for mode in ("none", "blendserve"):
@@ -141,7 +142,7 @@ def test_sorter_bench_scale_smoke_writes_json_and_png(tmp_path):
     out = tmp_path / "scale.json"
     subprocess.run([sys.executable, os.path.join(ROOT, "bench", "sorter_bench.py"), "--scale", "--scale-rows", "24,48",
                     "--scale-orders", "front_loaded", "--reps", "1", "--ordering-rows", "3000",
-                    "--max-new-tokens", "8", "--out", str(out)],
+                    "--max-new-tokens", "8", "--hidden-size", "32", "--layers", "1", "--out", str(out)],
                    cwd=ROOT, env=ray_env(), check=True, timeout=600, capture_output=True)
     res = json.loads(out.read_text())
     assert len(res["end_to_end"]) == 4
