@@ -34,24 +34,6 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-# --- the order files run in ----------------------------------------------------------
-
-# `make test` runs two xdist workers, a file to a worker (--dist loadfile), handing out
-# files in collection order. The files that start several Ray runs go first (heaviest
-# first, measured in CI), so that the quick ones fill the end and the workers finish
-# together instead of one running a 7-minute file alone at the end.
-HEAVY_FIRST = ["test_sorter_integration.py", "test_bad_rows.py", "test_hostile_inputs.py",
-               "test_checkpoints.py", "test_reliability_resume.py", "test_reliability_s3.py",
-               "test_reliability_node_loss.py", "test_metrics.py", "test_diffusion_gemma_job.py",
-               "test_model_source.py", "test_job.py", "test_chat_and_sampling.py", "test_moe.py",
-               "test_watch_run.py", "test_llada2.py", "test_reliability_actor_kill.py"]
-
-
-def pytest_collection_modifyitems(items):
-    rank = {name: i for i, name in enumerate(HEAVY_FIRST)}
-    items.sort(key=lambda item: rank.get(os.path.basename(str(item.path)), len(rank)))  # stable: file order kept
-
-
 # --- prompt inputs and result part files ------------------------------------------------
 
 def write_prompts(where, id_fmt: str, rows, alphabet: str = "abcdefgh", **columns) -> None:
