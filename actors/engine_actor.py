@@ -67,14 +67,10 @@ def resolve_dtype(dtype: Any, device: Any) -> Any:
 
 def _canvas_defaults(model_dir: str) -> Any:
     """A DiffusionGemma checkpoint's CanvasParams (generation_config.json), else None."""
-    import json
-    import os
+    from engine.models.families.diffusion_gemma import checkpoint_config
 
-    from engine.models.families.diffusion_gemma import is_diffusion_gemma
-
-    with open(os.path.join(model_dir, "config.json"), encoding="utf-8") as f:
-        if not is_diffusion_gemma(json.load(f)):
-            return None
+    if checkpoint_config(model_dir) is None:
+        return None
     from engine.canvas import CanvasParams
 
     return CanvasParams.from_generation_config(model_dir)

@@ -69,7 +69,7 @@ def catch_up_groups(need: List[int], floor: int, after: Optional[List[int]] = No
     return groups[::-1]
 
 
-def key_runs(rows: List[int], starts: List[int], width: int, overhead: int = 16) -> List[Tuple[int, int, int]]:
+def key_runs(rows: List[int], starts: List[int], width: int, overhead: int) -> List[Tuple[int, int, int]]:
     """The forward's rows (ascending slots; `starts[i]`: row i's first real column) as
     (slot start, slot stop, first key) runs: consecutive slots attended in one call to
     keys [first key, width), the smallest start among them. A row joins the current run
@@ -280,7 +280,7 @@ class ModelRunner:
         st.computed_cells += p.cells
         st.padded_cells += p.cells - p.n_real
         st.pad_key_cells += p.pad_keys
-        if p.group is not None:
+        st.pad_key_cells_unskipped += p.pad_keys_unskipped
+        if p.group is not None:  # a catch-up sub-batch
             for k, v in (("forwards", 1), ("cells", p.cells), ("padded_cells", p.cells - p.n_real), ("seconds", seconds)):
                 st.catch_up[k] += v
-        st.pad_key_cells_unskipped += p.pad_keys_unskipped

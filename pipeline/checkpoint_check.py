@@ -12,7 +12,7 @@ from typing import Any, Dict, Optional, Tuple
 
 from common.model_source import ModelSourceError, classify, resolve_model
 from common.storage import StorageOptions
-from engine.models.families.diffusion_gemma import is_diffusion_gemma
+from engine.models.families.diffusion_gemma import checkpoint_config, is_diffusion_gemma
 
 from .errors import CheckpointRefused
 
@@ -91,7 +91,7 @@ def check_checkpoint(model_dir: str, *, model: Optional[str] = None, adapter: Op
     from common.storage import get_filesystem
 
     cfg = model_config(model_dir, attention)
-    if is_diffusion_gemma(_read_json(os.path.join(model_dir, "config.json"))):
+    if checkpoint_config(model_dir) is not None:
         if adapter:
             raise CheckpointRefused("--adapter (a LoRA merged into a masked-diffusion model) does not apply to "
                                     f"DiffusionGemma ({model_dir}); drop --adapter")
@@ -118,7 +118,7 @@ def check_canvas_options(model_dir: str, sampling: Any, engine: Any) -> None:
     policy, ...) is refused, naming them: they would otherwise be silently ignored."""
     from engine.models.families.diffusion_gemma import masked_only_settings
 
-    if is_diffusion_gemma(_read_json(os.path.join(model_dir, "config.json"))):
+    if checkpoint_config(model_dir) is not None:
         bad = masked_only_settings(sampling, engine)
         if bad:
             raise CheckpointRefused(f"{', '.join(bad)}: masked-diffusion options, which do not apply to "

@@ -254,12 +254,7 @@ def write_llada_moe(root: str, variant: str = "Instruct", seed: int = 0, **tiny)
     hf = dict(LLADA_MOE_CONFIG, hidden_size=t["hidden"], num_attention_heads=t["heads"], num_key_value_heads=t["heads"],
               dense_intermediate_size=t["ffn"], expert_intermediate_size=t["ffn"] // 2, num_hidden_layers=2,
               moe_layer_freq=[1, 1], num_experts=4, num_experts_per_tok=2)
-    _weights(root, hf, 3, seed)
-    _dump(os.path.join(root, "config.json"), hf)
-    _fast_tokenizer(root, 157184, LING_SPECIAL, dict(eos_token="<|endoftext|>", pad_token="<|endoftext|>",
-                                                      mask_token="<|mask|>"), LING_TEMPLATE)
-    _remote_code_stubs(root, ("configuration_lladamoe.py", "modeling_lladamoe.py"))
-    return root
+    return _ling_checkpoint(root, hf, seed, ("configuration_lladamoe.py", "modeling_lladamoe.py"))
 
 
 def write_llada2(root: str, variant: str = "2.0-mini", seed: int = 0, **tiny) -> str:
@@ -273,11 +268,17 @@ def write_llada2(root: str, variant: str = "2.0-mini", seed: int = 0, **tiny) ->
     hf = dict(LLADA2_CONFIG, hidden_size=t["hidden"], num_attention_heads=t["heads"], num_key_value_heads=t["kv_heads"],
               head_dim=t["hidden"] // t["heads"], intermediate_size=t["ffn"], moe_intermediate_size=t["ffn"] // 2,
               num_hidden_layers=2, num_experts=4, num_experts_per_tok=2, n_group=2, topk_group=1)
+    return _ling_checkpoint(root, hf, seed, ("configuration_llada2_moe.py", "modeling_llada2_moe.py"))
+
+
+def _ling_checkpoint(root: str, hf: dict, seed: int, code_files) -> str:
+    """The files LLaDA-MoE and LLaDA2 share beside config.json `hf`: 3 shards with the
+    index, the Ling tokenizer (157184 tokens) and chat template, the remote-code files."""
     _weights(root, hf, 3, seed)
     _dump(os.path.join(root, "config.json"), hf)
     _fast_tokenizer(root, 157184, LING_SPECIAL, dict(eos_token="<|endoftext|>", pad_token="<|endoftext|>",
                                                       mask_token="<|mask|>"), LING_TEMPLATE)
-    _remote_code_stubs(root, ("configuration_llada2_moe.py", "modeling_llada2_moe.py"))
+    _remote_code_stubs(root, code_files)
     return root
 
 

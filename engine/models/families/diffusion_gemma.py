@@ -21,6 +21,20 @@ def is_diffusion_gemma(hf: Mapping[str, Any]) -> bool:
     return hf.get("model_type") == MODEL_TYPE
 
 
+def checkpoint_config(model_dir: str) -> Optional[dict]:
+    """config.json of `model_dir` when it is a DiffusionGemma checkpoint; None when it is
+    another model's or cannot be read (the callers' other paths then report it)."""
+    import json
+    import os
+
+    try:
+        with open(os.path.join(model_dir, "config.json"), encoding="utf-8") as f:
+            hf = json.load(f)
+    except (OSError, ValueError, TypeError):
+        return None
+    return hf if isinstance(hf, dict) and is_diffusion_gemma(hf) else None
+
+
 def check_config(hf: Mapping[str, Any]) -> None:
     """What the canvas engine needs from config.json beyond what transformers' class reads
     (every key of it is computed by transformers' own modules, so none is ignored)."""
@@ -75,12 +89,8 @@ def cost_shape(model_dir: str, max_denoising_steps: Optional[int] = None) -> Opt
     import json
     import os
 
-    try:
-        with open(os.path.join(model_dir, "config.json"), encoding="utf-8") as f:
-            hf = json.load(f)
-    except (OSError, ValueError, TypeError):
-        return None
-    if not is_diffusion_gemma(hf):
+    hf = checkpoint_config(model_dir)
+    if hf is None:
         return None
     steps = max_denoising_steps
     if steps is None:
