@@ -66,6 +66,32 @@ def tokenizer_class(model_dir: str) -> Tuple[Optional[str], Optional[str]]:
                           f"{need}")
 
 
+# tokenizer_config.json classes that AutoTokenizer loads as TokenizersBackend from tokenizer.json
+PLAIN_CLASSES = ("PreTrainedTokenizerFast", "TokenizersBackend")
+
+
+def plain_tokenizer(model_dir: str) -> bool:
+    """True when AutoTokenizer's choice is TokenizersBackend whatever the model's config
+    says: tokenizer_config.json names a plain class and no auto_map, there is a
+    tokenizer.json, and config.json's model_type is not a transformers model (AutoTokenizer
+    then reads a bare PreTrainedConfig and decides by tokenizer_class alone). Loading that
+    class directly skips AutoConfig, whose import pulls in torch: 3 CPU-s and ~250 MB in
+    every process that only tokenizes (the tokenize and detokenize actors, the driver's
+    checks). tests/test_checkpoints.py checks it against AutoTokenizer on every layout."""
+    cfg = _tokenizer_config(model_dir)
+    if cfg.get("tokenizer_class") not in PLAIN_CLASSES or "auto_map" in cfg or not os.path.isfile(
+            os.path.join(model_dir, "tokenizer.json")):
+        return False
+    try:
+        with open(os.path.join(model_dir, "config.json"), encoding="utf-8") as f:
+            model_type = json.load(f).get("model_type")
+    except (OSError, ValueError, AttributeError):
+        return False  # no model_type: AutoConfig guesses one from the path
+    from transformers.models.auto.auto_mappings import CONFIG_MAPPING_NAMES  # torch-free
+
+    return isinstance(model_type, str) and bool(model_type) and model_type not in CONFIG_MAPPING_NAMES
+
+
 @functools.lru_cache(maxsize=4)
 def load_tokenizer(model_dir: str):
     """The tokenizer in `model_dir`, or None when it has no tokenizer files: the one
@@ -77,6 +103,8 @@ def load_tokenizer(model_dir: str):
     from transformers.utils import logging as hf_logging
 
     target, _ = tokenizer_class(model_dir)
+    if target is None and plain_tokenizer(model_dir):
+        target = "TokenizersBackend"
     level = hf_logging.get_verbosity()
     hf_logging.set_verbosity_error()  # silence "model of type llada" noise from config.json
     try:
@@ -89,4 +117,4 @@ def load_tokenizer(model_dir: str):
         hf_logging.set_verbosity(level)
 
 
-__all__ = ["load_tokenizer", "has_tokenizer", "tokenizer_class", "NeedsRemoteCode", "COPIES", "TOKENIZER_FILES"]
+__all__ = ["load_tokenizer", "has_tokenizer", "tokenizer_class", "plain_tokenizer", "NeedsRemoteCode", "COPIES", "TOKENIZER_FILES"]

@@ -18,7 +18,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from checkpoints import DREAM_CONFIG, LAYOUTS, LLADA_CONFIG, write_layout, write_lora
+from checkpoints import DREAM_CONFIG, LAYOUTS, LLADA_CONFIG, MOE_LAYOUTS, write_layout, write_lora
 from conftest import ROOT, read_parts
 from procs import ray_temp_dir
 from engine import Engine, EngineConfig, ModelConfig, SamplingParams, build_model, load_model, save_model
@@ -311,6 +311,40 @@ def test_adapter_for_another_base_is_refused(tmp_path):
     dream_adapter = write_lora(str(tmp_path / "dream-lora"), ModelConfig.tiny("Dream", vocab_size=96, mask_token_id=95))
     with pytest.raises(ValueError, match="not a linear weight of the LLaDA base model"):
         load_model(root, adapter=dream_adapter)
+
+
+def _tokenizer_facts(tok) -> dict:
+    text = "<|startoftext|>copy: the cat<|endoftext|> <|im_end|> <|mask|> héllo\n\tworld"
+    ids = tok(text, add_special_tokens=True)["input_ids"]
+    return dict(cls=type(tok), vocab=tok.get_vocab(), special=tok.special_tokens_map,
+                added={i: str(t) for i, t in tok.added_tokens_decoder.items()}, template=tok.chat_template,
+                ids=ids, text=tok.decode(ids), plain=tok.decode(ids, skip_special_tokens=True),
+                side=tok.padding_side, max_len=tok.model_max_length, eos=tok.eos_token_id, pad=tok.pad_token_id)
+
+
+def test_plain_tokenizers_load_as_autotokenizer_would(tmp_path):
+    """common/tokenizer.py loads a plain tokenizer.json (no model of transformers' own)
+    without AutoTokenizer, so that tokenizing processes never import torch: on every
+    layout that takes that path the tokenizer is the one AutoTokenizer builds; a
+    transformers model type keeps AutoTokenizer."""
+    import transformers
+
+    from common.tokenizer import load_tokenizer, plain_tokenizer
+
+    dirs = {name: write_layout(name, str(tmp_path / name)) for name in [*LAYOUTS, *MOE_LAYOUTS]}
+    dirs["tiny"] = os.path.join(ROOT, "engine", "assets", "tiny-dllm")
+    plain = {name: plain_tokenizer(d) for name, d in dirs.items()}
+    assert plain == {name: not name.startswith("Dream") for name in dirs}, plain  # Dream: Qwen2Tokenizer
+    for name, d in dirs.items():
+        auto = transformers.AutoTokenizer.from_pretrained(d, local_files_only=True, trust_remote_code=False) \
+            if plain[name] else None
+        if auto is not None:
+            assert _tokenizer_facts(load_tokenizer(d)) == _tokenizer_facts(auto), name
+    native = tmp_path / "native"
+    shutil.copytree(dirs["tiny"], native)
+    cfg = json.loads((native / "config.json").read_text())
+    (native / "config.json").write_text(json.dumps({**cfg, "model_type": "qwen2"}))
+    assert not plain_tokenizer(str(native))  # AutoTokenizer would read Qwen2's config: left to it
 
 
 def test_tokenizer_needing_remote_code_names_what_is_needed(published, tmp_path):
