@@ -304,10 +304,13 @@ def run_job(args: argparse.Namespace) -> int:
             if address:
                 context = ray.init(address=address)
             else:  # address="local": never join a stale cluster left in /tmp/ray
-                context = ray.init(address="local", num_cpus=args.num_cpus, _temp_dir=args.temp_dir,
-                                   **local_ray_options(args.dashboard, args.dashboard_port),
-                                   runtime_env={"env_vars": {"PYTHONPATH": os.pathsep.join(
-                                       [ROOT] + [x for x in os.environ.get("PYTHONPATH", "").split(os.pathsep) if x])}})
+                from .local_ray import start_local_ray
+
+                context = start_local_ray(ray, num_cpus=args.num_cpus, _temp_dir=args.temp_dir,
+                                          **local_ray_options(args.dashboard, args.dashboard_port),
+                                          runtime_env={"env_vars": {"PYTHONPATH": os.pathsep.join(
+                                              [ROOT] + [x for x in os.environ.get("PYTHONPATH", "").split(os.pathsep)
+                                                        if x])}})
         except Exception as e:  # noqa: BLE001 - not a bug of blockray: say what to try
             return fail(f"Ray did not start: {describe_error(e)}. Try again (a loaded node can time out while it "
                         "starts), give it fewer CPUs (--num-cpus), a short --temp-dir on a disk with free space, or "

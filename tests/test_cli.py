@@ -9,6 +9,8 @@ import subprocess
 import sys
 from typing import List, Literal, Optional
 
+import pytest
+
 from conftest import ROOT
 from engine.config import EngineConfig, SamplingParams
 from pipeline.cli import add_config_options, build_parser, parse_args
@@ -91,3 +93,42 @@ def test_presets_apply_under_the_flags_given():
     h = build_config(parse_args(["--preset", "d2f-humaneval"]), 0)
     assert (h.engine.block_length, h.sampling.block_add_threshold) == (32, 0.1)
     assert build_config(parse_args([]), 0).sampling.block_add_threshold is None  # the default: one block at a time
+
+
+def test_a_local_ray_that_times_out_while_it_starts_is_started_once_more():
+    """Ray's fixed 30 s raylet registration wait can expire on a loaded machine: the
+    half-started node (this process's children; here a real child process) is killed and
+    the start tried once more; any other failure, or a second timeout, is raised. A stand-in
+    for ray: the timeout cannot be produced on demand."""
+
+    from pipeline.local_ray import STARTUP_TIMEOUT, start_local_ray
+
+    class FakeRay:
+        def __init__(self, failures):
+            self.failures, self.calls, self.shutdowns, self.children = list(failures), [], 0, []
+
+        def init(self, **kw):
+            self.calls.append(kw)
+            if self.failures:
+                self.children.append(subprocess.Popen(["sleep", "300"]))  # what a failed start leaves
+                raise self.failures.pop(0)
+            return "context"
+
+        def shutdown(self):
+            self.shutdowns += 1
+
+    timeout = Exception(f"The current node {STARTUP_TIMEOUT}. This could happen because ...")
+    bystander = subprocess.Popen(["sleep", "300"])  # started before: not the failed start's
+    ray = FakeRay([timeout])
+    assert start_local_ray(ray, num_cpus=2) == "context"
+    assert ray.calls == [{"address": "local", "num_cpus": 2}] * 2 and ray.shutdowns == 1
+    assert ray.children[0].poll() is not None  # killed (and reaped) before the second start
+    assert bystander.poll() is None
+    bystander.kill()
+    for failures in ([NotADirectoryError("temp dir")], [timeout, timeout]):
+        ray = FakeRay(failures)
+        with pytest.raises(Exception) as e:
+            start_local_ray(ray)
+        assert e.value is failures[-1] and len(ray.calls) == len(failures)
+        for child in ray.children:
+            child.kill()

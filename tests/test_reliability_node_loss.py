@@ -18,11 +18,11 @@ max_task_retries=0) started and owned by the run's group actor, also on the driv
 node. The calls in flight to the lost engine fail, and its dispatcher sends those batches,
 and its later ones, to the engine on worker 1; blocks lost with the node's object store
 are rebuilt from lineage. The lost engine waits for a free `engine_slot` to restart, and
-none frees before the job ends, so every row after the loss is the surviving engine's:
-the rows sent again (`engine_retries` > 0) carry its rank, and no restarted engine (a
-rank above 1) ran anything. Before (a Ray Data pool of engines, max_task_retries=-1) those
-batches waited for the lost engine's restart, which could happen only once the surviving
-engine had drained the input and Ray Data released it; they ran last, on the restarted engine.
+none frees before the surviving engine is done, so the rows sent again (`engine_retries` > 0)
+carry its rank, and a restarted engine (a rank above 1) runs none of them. Before (a Ray
+Data pool of engines, max_task_retries=-1) those batches waited for the lost engine's
+restart, which could happen only once the surviving engine had drained the input and Ray
+Data released it; they ran last, on the restarted engine.
 The report (printed with -s) counts the rows sent again and the objects rebuilt.
 BR_NODE_LOSS_SORT=none|blendserve picks the sort mode (default: the processor's).
 
@@ -83,12 +83,16 @@ def test_worker_node_lost_mid_job(tmp_path):
     assert not os.path.exists(tmp_path / "out" / "_tmp")
 
     # the batches the lost engine held were sent again, to the engine that was already
-    # running on worker 1, and no restarted engine ran a row (none could be placed)
+    # running on worker 1, not to a restarted one. The lost engine restarts (rank 2) only
+    # once a slot frees: when the surviving engine's dispatcher is released at the end of
+    # the input, a block Ray Data had already queued on the other dispatcher may run there
+    # (seen once under load), but never a batch sent again.
     ranks = table.column("engine_rank").to_pylist()
-    resent = [r for r, n in zip(ranks, table.column("engine_retries").to_pylist()) if n]
+    retries = table.column("engine_retries").to_pylist()
+    resent = [r for r, n in zip(ranks, retries) if n]
     assert len(resent) >= BATCH and report["summary"]["engine_retried_rows"] == len(resent), report
     assert len(set(resent)) == 1 and set(resent) <= {0, 1}, resent
-    assert set(ranks) <= {0, 1}, sorted(set(ranks))
+    assert not [n for r, n in zip(ranks, retries) if r > 1 and n], sorted(set(ranks))
     taken = [f - lat - report["removed_at"] for f, lat, n in zip(
         table.column("finished_at").to_pylist(), table.column("latency_s").to_pylist(),
         table.column("engine_retries").to_pylist()) if n]
