@@ -74,11 +74,13 @@ def ray_local(metrics_port):
     exported every second on `metrics_port` so the metrics test need not wait long."""
     import ray
 
+    from pipeline.local_ray import start_local_ray  # once more if its node times out while it starts
+
     if ray.is_initialized():
         ray.shutdown()
-    ctx = ray.init(address="local", num_cpus=2, include_dashboard=False, _metrics_export_port=metrics_port,
-                   _system_config={"metrics_report_interval_ms": 1000}, log_to_driver=False,
-                   runtime_env={"env_vars": {"PYTHONPATH": ROOT}})
+    ctx = start_local_ray(ray, num_cpus=2, include_dashboard=False, _metrics_export_port=metrics_port,
+                          _system_config={"metrics_report_interval_ms": 1000}, log_to_driver=False,
+                          runtime_env={"env_vars": {"PYTHONPATH": ROOT}})
     ray.data.DataContext.get_current().enable_progress_bars = False
     yield ctx
     ray.shutdown()
