@@ -47,7 +47,7 @@ def tokenizer_class(model_dir: str) -> Tuple[Optional[str], Optional[str]]:
     cfg = _tokenizer_config(model_dir)
     cls = cfg.get("tokenizer_class")
     if not cls or hasattr(transformers, cls) or hasattr(transformers, cls.removesuffix("Fast")):
-        return None, None
+        return ("TokenizersBackend" if plain_tokenizer(model_dir, cfg) else None), None
     base = cls.removesuffix("Fast")
     if base in COPIES:
         target, files = COPIES[base]
@@ -70,7 +70,7 @@ def tokenizer_class(model_dir: str) -> Tuple[Optional[str], Optional[str]]:
 PLAIN_CLASSES = ("PreTrainedTokenizerFast", "TokenizersBackend")
 
 
-def plain_tokenizer(model_dir: str) -> bool:
+def plain_tokenizer(model_dir: str, cfg: Optional[Dict[str, Any]] = None) -> bool:
     """True when AutoTokenizer's choice is TokenizersBackend whatever the model's config
     says: tokenizer_config.json names a plain class and no auto_map, there is a
     tokenizer.json, and config.json's model_type is not a transformers model (AutoTokenizer
@@ -78,7 +78,7 @@ def plain_tokenizer(model_dir: str) -> bool:
     class directly skips AutoConfig, whose import pulls in torch: 3 CPU-s and ~250 MB in
     every process that only tokenizes (the tokenize and detokenize actors, the driver's
     checks). tests/test_checkpoints.py checks it against AutoTokenizer on every layout."""
-    cfg = _tokenizer_config(model_dir)
+    cfg = _tokenizer_config(model_dir) if cfg is None else cfg
     if cfg.get("tokenizer_class") not in PLAIN_CLASSES or "auto_map" in cfg or not os.path.isfile(
             os.path.join(model_dir, "tokenizer.json")):
         return False
@@ -103,8 +103,6 @@ def load_tokenizer(model_dir: str):
     from transformers.utils import logging as hf_logging
 
     target, _ = tokenizer_class(model_dir)
-    if target is None and plain_tokenizer(model_dir):
-        target = "TokenizersBackend"
     level = hf_logging.get_verbosity()
     hf_logging.set_verbosity_error()  # silence "model of type llada" noise from config.json
     try:
