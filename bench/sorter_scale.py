@@ -21,6 +21,7 @@ driver process of its own, with a local Ray of its own, which is what a user's j
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -29,7 +30,7 @@ import subprocess
 import sys
 import time
 from dataclasses import dataclass
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Dict, Iterator, List, Optional, Sequence
 
 import numpy as np
 import pyarrow as pa
@@ -234,28 +235,34 @@ def job_in_fresh_driver(model: str, sort: str, n: int, order: str, a: ScaleArgs,
     return json.loads(lines[-1][len(_RESULT):])
 
 
-def start_local_ray() -> None:
-    """A local Ray of 2 CPUs for one bench driver, its workers importing this repository."""
+@contextlib.contextmanager
+def bench_ray() -> Iterator[None]:
+    """The Ray this process already has (a test's session Ray: no second cluster to start),
+    else a local Ray of 2 CPUs for one bench driver, its workers importing this repository,
+    shut down at the end."""
     import ray
 
+    if ray.is_initialized():
+        yield
+        return
     ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False,
              runtime_env={"env_vars": {"PYTHONPATH": ROOT}})
     ray.data.DataContext.get_current().enable_progress_bars = False
+    try:
+        yield
+    finally:
+        ray.shutdown()
 
 
 def _child(payload: str) -> None:
-    import ray
     import torch
 
     p = json.loads(payload)
     a = ScaleArgs(**{k: tuple(v) if isinstance(v, list) else v for k, v in p["args"].items()})
     torch.set_num_threads(1)
-    start_local_ray()
-    try:
+    with bench_ray():
         after_init = rss_mb()
         r = run_job(p["model"], p["sort"], p["n"], p["order"], a)
-    finally:
-        ray.shutdown()
     r.update(driver_rss_after_init_mb=after_init, fresh_driver=True)
     print(_RESULT + json.dumps(r, default=str), flush=True)
 

@@ -5,13 +5,10 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 
 import pytest
 import ray
 
-from conftest import ROOT, ray_env
 from engine import EngineConfig, SamplingParams
 from pipeline import DLLMProcessorConfig, build_processor
 from pipeline.sorting import PREFIX_CHUNK, order_dataset, prefix_key
@@ -121,14 +118,14 @@ def test_sort_modes_validated(tiny_model_dir):
         DLLMProcessorConfig(model=tiny_model_dir, sort="bogus")
 
 
-def test_sorter_bench_smoke_writes_json(tmp_path):
-    """bench/sorter_bench.py runs end to end (its own local Ray, both modes) and reports
-    every row once, per mode."""
+def test_sorter_bench_smoke_writes_json(tmp_path, ray_local):
+    """bench/sorter_bench.py runs end to end (both modes; on the session's Ray, which the
+    bench uses when its process has one) and reports every row once, per mode."""
+    from bench import sorter_bench
+
     out = tmp_path / "sorter.json"
-    subprocess.run([sys.executable, os.path.join(ROOT, "bench", "sorter_bench.py"), "--rows", "10",
-                    "--orders", "front_loaded", "--hidden-size", "32", "--layers", "1", "--max-new-tokens", "8",
-                    "--out", str(out)],
-                   cwd=ROOT, env=ray_env(), check=True, timeout=600, capture_output=True)
+    sorter_bench.main(["--rows", "10", "--orders", "front_loaded", "--hidden-size", "32", "--layers", "1",
+                       "--max-new-tokens", "8", "--out", str(out)])
     res = json.loads(out.read_text())["front_loaded"]
     for mode in ("none", "blendserve"):
         assert res[mode]["rows_out"] == 10 and res[mode]["ids_exactly_once"] and res[mode]["errors"] == 0
@@ -136,14 +133,16 @@ def test_sorter_bench_smoke_writes_json(tmp_path):
                                               "busy_cpu_spread_sorter<=0.10", "padding_sorter<padding_none"}
 
 
-def test_sorter_bench_scale_smoke_writes_json_and_png(tmp_path):
-    """The scale mode (bench/sorter_scale.py) runs end to end on tiny sizes: every run
-    returns every id once, the summary carries the issue's keys, the PNG is written."""
+def test_sorter_bench_scale_smoke_writes_json_and_png(tmp_path, ray_local):
+    """The scale mode (bench/sorter_scale.py) runs end to end on tiny sizes (on the
+    session's Ray): every run returns every id once, the summary carries the issue's keys,
+    the PNG is written."""
+    from bench import sorter_bench
+
     out = tmp_path / "scale.json"
-    subprocess.run([sys.executable, os.path.join(ROOT, "bench", "sorter_bench.py"), "--scale", "--scale-rows", "24,48",
-                    "--scale-orders", "front_loaded", "--reps", "1", "--ordering-rows", "3000",
-                    "--max-new-tokens", "8", "--hidden-size", "32", "--layers", "1", "--out", str(out)],
-                   cwd=ROOT, env=ray_env(), check=True, timeout=600, capture_output=True)
+    sorter_bench.main(["--scale", "--scale-rows", "24,48", "--scale-orders", "front_loaded", "--reps", "1",
+                       "--ordering-rows", "3000", "--max-new-tokens", "8", "--hidden-size", "32", "--layers", "1",
+                       "--out", str(out)])
     res = json.loads(out.read_text())
     assert len(res["end_to_end"]) == 4
     for r in res["end_to_end"]:
