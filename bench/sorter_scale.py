@@ -242,11 +242,13 @@ def bench_ray() -> Iterator[None]:
     shut down at the end."""
     import ray
 
+    from pipeline.local_ray import start_local_ray  # the job's start: once more after a startup timeout
+
     if ray.is_initialized():
         yield
         return
-    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False,
-             runtime_env={"env_vars": {"PYTHONPATH": ROOT}})
+    start_local_ray(ray, num_cpus=2, include_dashboard=False, log_to_driver=False,
+                    runtime_env={"env_vars": {"PYTHONPATH": ROOT}})
     ray.data.DataContext.get_current().enable_progress_bars = False
     try:
         yield
