@@ -199,22 +199,6 @@ def fetch_hub(repo_id: str, *, weights: bool = True) -> str:
             "on every engine node) or an object-storage URL (--model s3://bucket/prefix/)") from e
 
 
-def with_local_model(udf_cls: type, model: str, storage: Optional[StorageOptions] = None) -> type:
-    """`udf_cls` (a Ray Data callable class taking `model=`) with its model resolved to a
-    node-local directory without weights before it starts: the tokenizer stages of a
-    remote model, which may run on nodes the driver never saw. A local model: unchanged."""
-    if classify(model).is_local:
-        return udf_cls
-
-    class WithLocalModel(udf_cls):  # type: ignore[misc, valid-type]
-        def __init__(self, **kwargs):
-            kwargs["model"] = resolve_model(kwargs["model"], storage, weights=False)
-            super().__init__(**kwargs)
-
-    WithLocalModel.__name__ = WithLocalModel.__qualname__ = udf_cls.__name__  # Ray Data names stages after it
-    return WithLocalModel
-
-
 def model_name(model: str) -> str:
     """A short name for tags and logs: the last path component of the path, URL or hub id."""
     return model.rstrip("/").rsplit("/", 1)[-1] or model
@@ -234,4 +218,4 @@ def resolve_model(model: str, storage: Optional[StorageOptions] = None, *, weigh
 
 
 __all__ = ["ModelSource", "ModelSourceError", "classify", "cache_dir", "cache_root", "resolve_model",
-           "fetch_remote", "fetch_hub", "model_name", "with_local_model", "remote_listing", "check_listing", "CACHE_ENV", "DOWNLOAD_LOG"]
+           "fetch_remote", "fetch_hub", "model_name", "remote_listing", "check_listing", "CACHE_ENV", "DOWNLOAD_LOG"]

@@ -76,7 +76,7 @@ def plain_tokenizer(model_dir: str, cfg: Optional[Dict[str, Any]] = None) -> boo
     tokenizer.json, and config.json's model_type is not a transformers model (AutoTokenizer
     then reads a bare PreTrainedConfig and decides by tokenizer_class alone). Loading that
     class directly skips AutoConfig, whose import pulls in torch: 3 CPU-s and ~250 MB in
-    every process that only tokenizes (the tokenize and detokenize actors, the driver's
+    every process that only tokenizes (the tokenize and detokenize tasks, the driver's
     checks). tests/test_checkpoints.py checks it against AutoTokenizer on every layout."""
     cfg = _tokenizer_config(model_dir) if cfg is None else cfg
     if cfg.get("tokenizer_class") not in PLAIN_CLASSES or "auto_map" in cfg or not os.path.isfile(

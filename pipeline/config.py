@@ -85,9 +85,7 @@ class DLLMProcessorConfig:
     torch_threads: int = field(default=1, metadata={"help": "torch threads per CPU engine actor"})
     dtype: str = field(default="auto", metadata={"help": "weights' dtype (auto: bfloat16 on GPU, float32 on CPU)"})
     cpu_stage_num_cpus: float = field(default=0.25, metadata={"help": (
-        "CPUs per chat-template / tokenize / detokenize actor")})
-    cpu_stage_max_actors: int = field(default=1, metadata={"help": (
-        "each of those stages autoscales from 1 to this many actors")})
+        "CPUs per chat-template / tokenize / detokenize task")})
     # Start sending rows only once every engine has loaded its model (0: as soon as the
     # first is up). Otherwise the first engine ready takes the early batches and a small
     # run may never reach the others.
@@ -119,8 +117,6 @@ class DLLMProcessorConfig:
             raise ValueError("num_engines must be >= 1")
         if self.batch_size < 1:
             raise ValueError("batch_size must be >= 1")
-        if self.cpu_stage_max_actors < 1:
-            raise ValueError("cpu_stage_max_actors must be >= 1")
         if self.max_concurrent_batches < 1:
             raise ValueError("max_concurrent_batches must be >= 1")
         if self.sort_window_rows < 1:

@@ -22,7 +22,6 @@ from actors.engine_router import DISPATCHER_CPUS, EngineDispatcher
 from actors.metrics import new_run_id
 from actors.rank import engine_group
 from actors.spec import EngineSpec
-from common.model_source import with_local_model
 from common.schema import ENGINE_RETRIES, OUTPUT_SCHEMA, PRE_ERROR, TOKEN_IDS
 from common.storage import StorageOptions
 
@@ -73,12 +72,13 @@ class DLLMProcessor:
         cfg = self.config
         if self.preprocess is not None:
             ds = ds.map(_merge_preprocess(self.preprocess), num_cpus=cfg.cpu_stage_num_cpus)
+        # tasks (pipeline/stages.py): the tokenize stage fuses with the read
         cpu_stage = dict(batch_format="pyarrow", batch_size=cfg.batch_size, num_cpus=cfg.cpu_stage_num_cpus,
-                         udf_modifying_row_count=False,
-                         compute=ray.data.ActorPoolStrategy(min_size=1, max_size=cfg.cpu_stage_max_actors))
+                         udf_modifying_row_count=False)
+        where = dict(storage=self.storage, run_id=self.run_id, model=cfg.model)
         # chat template (auto: when a batch has messages and there is a template), then tokenize
-        ds = ds.map_batches(with_local_model(TokenizeUDF, cfg.model, self.storage), fn_constructor_kwargs=dict(
-            model=cfg.model, prompt_column=cfg.prompt_column, prompt_token_ids_column=cfg.prompt_token_ids_column,
+        ds = ds.map_batches(TokenizeUDF(
+            **where, prompt_column=cfg.prompt_column, prompt_token_ids_column=cfg.prompt_token_ids_column,
             add_special_tokens=cfg.add_special_tokens, chat=chat_stage_kwargs(cfg)), **cpu_stage)
 
         res = self.engine_resources()
@@ -113,8 +113,8 @@ class DLLMProcessor:
         if cfg.sort == "blendserve":  # lazy, streaming: windows ordered by a per-row key (pipeline/sorting)
             ds = order_dataset(ds, cfg, dict(num_cpus=cfg.cpu_stage_num_cpus), device=res["device"])
         ds = ds.map_batches(EngineDispatcher, **engines)
-        ds = ds.map_batches(with_local_model(DetokenizeUDF, cfg.model, self.storage), fn_constructor_kwargs=dict(
-            model=cfg.model, detokenize=cfg.detokenize, skip_special_tokens=cfg.skip_special_tokens), **cpu_stage)
+        ds = ds.map_batches(DetokenizeUDF(**where, detokenize=cfg.detokenize,
+                                          skip_special_tokens=cfg.skip_special_tokens), **cpu_stage)
         if self.postprocess is not None:
             ds = ds.map(self.postprocess, num_cpus=cfg.cpu_stage_num_cpus)
         return ds

@@ -28,7 +28,7 @@ MISMATCH_CHOICES = ("refuse", "allow")
 # `chat_template` are where they are read from: the record holds hashes of their contents.
 NOT_RESULT_FIELDS = frozenset({
     "model", "chat_template", "num_engines", "batch_size", "max_concurrent_batches", "num_gpus_per_engine",
-    "num_cpus_per_engine", "resources_per_engine", "torch_threads", "cpu_stage_num_cpus", "cpu_stage_max_actors",
+    "num_cpus_per_engine", "resources_per_engine", "torch_threads", "cpu_stage_num_cpus",
     "wait_for_engines_s", "sort", "sort_window_rows", "sort_min_prefix", "collect_engine_stats", "enable_metrics",
     "record_batches", "engine.token_budget", "engine.max_batch_size", "engine.scheduler", "engine.advance",
     "engine.profile",

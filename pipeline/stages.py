@@ -2,12 +2,15 @@
 
 Each stage is a plain function over a pyarrow batch (so user columns pass through with
 their exact types) that adds or replaces only its own columns, wrapped in a small
-callable class that Ray Data runs on an actor pool, as `ray.data.llm` does: the
-tokenizer is loaded once when the actor starts, before rows flow, instead of in the
-first task of every worker (seconds for `transformers`), which would otherwise trickle
-batches to the engines one at a time. A row that cannot be prepared gets a message in
-the internal error column and is skipped by the engine, which turns it into an output
-row with `finish_reason="error"`.
+callable object that Ray Data runs as tasks. Tasks rather than an actor pool (as
+`ray.data.llm` uses): they run in Ray's pooled task workers, which the read and write
+tasks use anyway and which outlive a dataset, and they fuse with the read; a tokenize
+and a detokenize actor are two more processes per run, measured at about a tenth of a
+small run's CPU on a 2-core machine. Each worker loads the tokenizer once
+(`load_tokenizer` caches it, without torch), well before the engines have loaded their
+models, which is when rows start to flow (`wait_for_engines_s`). A row that cannot be
+prepared gets a message in the internal error column and is skipped by the engine,
+which turns it into an output row with `finish_reason="error"`.
 """
 from __future__ import annotations
 
@@ -18,7 +21,9 @@ from typing import Any, Callable, Dict, List, Optional, Set, Tuple
 
 import pyarrow as pa
 
+from common.model_source import classify, resolve_model
 from common.schema import INTERNAL_COLUMNS, PRE_ERROR, STOP_TEXT, TEXT_PROMPT, TOKEN_IDS  # noqa: F401 - re-exported
+from common.storage import StorageOptions
 from common.tokenizer import load_tokenizer
 
 from actors.row_values import parse_messages, parse_token_ids, row_error
@@ -100,8 +105,7 @@ def chat_stage_kwargs(config: Any) -> Optional[Dict[str, Any]]:
     read here, on the driver), or None when chat templates are off
     (`apply_chat_template=False`). With None (auto) the stage renders only the batches
     that have the messages column, when there is a template. Rendering runs inside the
-    tokenize actor rather than in an actor pool of its own: a pool holds its CPU share
-    even when nothing is rendered, which a 2-core node cannot spare."""
+    tokenize stage rather than in a stage of its own: one pass over each batch."""
     if config.apply_chat_template is False:
         return None
     return dict(messages_column=config.messages_column, chat_template=resolve_chat_template(config.chat_template),
@@ -264,28 +268,37 @@ def detokenize_stage(batch: pa.Table, *, model: str, detokenize: bool = True,
     return _set(batch, "generated_text", texts, pa.string())
 
 
-class _StageUDF:
-    """A Ray Data callable class around one stage function: the actor loads the
-    tokenizer once (cached by common.tokenizer.load_tokenizer), then every batch reuses it."""
+_local_models: Dict[Tuple[str, str], str] = {}  # (remote model, run id) -> its node-local copy
+
+
+class _StageTask:
+    """One stage with its settings, called by Ray Data on each batch (Ray Data names the
+    stage after the class). A remote model (s3://…, a hub id) is resolved to its
+    node-local copy without weights once per worker process and run, since these tasks
+    may run on nodes the driver never saw; a later run checks the remote again."""
 
     stage: Callable[..., pa.Table]
 
-    def __init__(self, **kwargs: Any):
-        self.kwargs = kwargs
-        if kwargs.get("detokenize", True):
-            load_tokenizer(kwargs["model"])
+    def __init__(self, *, storage: Optional[StorageOptions] = None, run_id: str = "", **kwargs: Any):
+        self.storage, self.run_id, self.kwargs = storage, run_id, kwargs
 
     def __call__(self, batch: pa.Table) -> pa.Table:
-        return self.stage(batch, **self.kwargs)
+        model = self.kwargs["model"]
+        if classify(model).is_local:
+            return self.stage(batch, **self.kwargs)
+        key = (model, self.run_id)
+        if key not in _local_models:
+            _local_models[key] = resolve_model(model, self.storage, weights=False)
+        return self.stage(batch, **{**self.kwargs, "model": _local_models[key]})
 
 
-class ChatTemplateUDF(_StageUDF):
+class ChatTemplateUDF(_StageTask):
     stage = staticmethod(chat_template_stage)
 
 
-class TokenizeUDF(_StageUDF):
+class TokenizeUDF(_StageTask):
     stage = staticmethod(tokenize_stage)
 
 
-class DetokenizeUDF(_StageUDF):
+class DetokenizeUDF(_StageTask):
     stage = staticmethod(detokenize_stage)
