@@ -69,6 +69,14 @@ def metrics_port() -> int:
 
 
 @pytest.fixture(scope="session")
+def ray_address(ray_local) -> str:
+    """The session Ray's address, for job CLI runs whose subject is not the start or the
+    stop of a local Ray: joining it (`--address`) spares a run the Ray of its own (about
+    15 CPU-s, and a start that can time out on a loaded 2-core machine)."""
+    return ray_local.address_info["gcs_address"]
+
+
+@pytest.fixture(scope="session")
 def ray_local(metrics_port):
     """An in-process local Ray (2 CPUs, no dashboard UI) shared by the session; metrics are
     exported every second on `metrics_port` so the metrics test need not wait long."""

@@ -10,7 +10,7 @@ import signal
 import subprocess
 import tempfile
 import time
-from typing import Iterator, List
+from typing import Iterator, List, Optional
 
 
 @contextlib.contextmanager
@@ -22,6 +22,12 @@ def ray_temp_dir(prefix: str = "br-") -> Iterator[str]:
         yield path
     finally:
         shutil.rmtree(path, ignore_errors=True)
+
+
+def ray_flags(address: Optional[str], temp_dir: str) -> List[str]:
+    """The job CLI's flags to join the Ray at `address` (conftest.ray_address), or, without
+    one, to start a local Ray of 2 CPUs in `temp_dir`."""
+    return ["--address", address] if address else ["--num-cpus", "2", "--temp-dir", temp_dir]
 
 
 def children(pid: int) -> List[int]:

@@ -18,22 +18,23 @@ import signal
 import subprocess
 import sys
 import time
+from typing import Optional
 
 import pyarrow as pa
 import pyarrow.parquet as pq
-import pytest
 
 from conftest import ROOT, part_files, read_parts
-from procs import ray_temp_dir
+from procs import ray_flags, ray_temp_dir
 
 TINY = ["--block-length", "4", "--steps-per-block", "4", "--max-new-tokens", "8", "--token-budget", "1024",
-        "--num-cpus", "2", "--num-engines", "1"]
+        "--num-engines", "1"]
 SP = pa.struct([("top_p", pa.string()), ("stop_token_ids", pa.list_(pa.float64())), ("max_tokens", pa.int64())])
 
 
-def cli(*args: str, timeout: float = 420) -> subprocess.CompletedProcess:
+def cli(*args: str, timeout: float = 420, address: Optional[str] = None) -> subprocess.CompletedProcess:
+    """The job CLI on the Ray at `address` (conftest.ray_address), else on a Ray of its own."""
     with ray_temp_dir() as ray_tmp:
-        return subprocess.run([sys.executable, "jobs/offline_eval.py", *TINY, *args, "--temp-dir", ray_tmp],
+        return subprocess.run([sys.executable, "jobs/offline_eval.py", *TINY, *args, *ray_flags(address, ray_tmp)],
                               cwd=ROOT, capture_output=True, text=True, timeout=timeout, start_new_session=True,
                               stdin=subprocess.DEVNULL)
 
@@ -89,12 +90,12 @@ def check_rows(rows: dict, expected: dict) -> None:
             assert all(w in r["error"] for w in words), (words, r["error"])
 
 
-def test_bad_rows_are_error_rows_and_resume_refuses_other_settings(tmp_path):
+def test_bad_rows_are_error_rows_and_resume_refuses_other_settings(tmp_path, ray_address):
     a, b, out = str(tmp_path / "a.parquet"), str(tmp_path / "b.parquet"), str(tmp_path / "out")
     want_a, want_b = write_default_typed(a), write_wide_typed(b)
     # cases 1, 2, 3, 4, 12 under the default sort; --max-error-fraction 0 (default): exit 2, every row written
     t0 = time.time()
-    res = cli("--input", a, "--output", out, "--seed-column", "seed")
+    res = cli("--input", a, "--output", out, "--seed-column", "seed", address=ray_address)
     assert res.returncode == 2, res.stderr[-3000:]
     assert "6 of 8 rows failed" in last_error(res) and "Traceback" not in res.stderr
     rows = rows_by_key(out)
@@ -110,7 +111,7 @@ def test_bad_rows_are_error_rows_and_resume_refuses_other_settings(tmp_path):
     assert "--resume-mismatch allow" in err
     # ... unless mixing is asked for: cases 1 (a list), 3b, 5; summary.json keeps both runs
     res = cli("--input", b, "--output", out, "--seed-column", "seed", "--max-new-tokens", "12",
-              "--max-error-fraction", "1", "--resume-mismatch", "allow")
+              "--max-error-fraction", "1", "--resume-mismatch", "allow", address=ray_address)
     assert res.returncode == 0, res.stderr[-3000:]
     rows = rows_by_key(out)
     assert sorted(rows) == sorted([(f"a{i}", 0) for i in range(8)] + [(f"b{i}", 0) for i in range(5)])
@@ -148,7 +149,7 @@ def test_run_record_names_model_template_and_engine_changes(tmp_path, tiny_model
 
 def start(args, out: str, ray_tmp: str, log: str) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "jobs/offline_eval.py", *TINY, *args, "--output", out,
-                             "--temp-dir", ray_tmp], cwd=ROOT, stdout=open(log + ".out", "w"),
+                             *ray_flags(None, ray_tmp)], cwd=ROOT, stdout=open(log + ".out", "w"),
                             stderr=open(log + ".err", "w"), start_new_session=True, stdin=subprocess.DEVNULL)
 
 
@@ -206,7 +207,7 @@ def stop_midrun(args, out: str, sig: int, tmp_path, name: str, before=None) -> s
     return err
 
 
-def test_one_writer_per_output_and_clean_signals(tmp_path):
+def test_one_writer_per_output_and_clean_signals(tmp_path, ray_address):
     inp, out = str(tmp_path / "in.parquet"), str(tmp_path / "out")
     n = 160
     pq.write_table(pa.table({"id": [f"s{i}" for i in range(n)],
@@ -226,7 +227,7 @@ def test_one_writer_per_output_and_clean_signals(tmp_path):
     stop_midrun(args, out, signal.SIGTERM, tmp_path, "sigterm")  # case 9, resumed
     done = len(read_parts(out))
     assert 0 < done < n
-    res = cli(*args, "--output", out)  # resumable: the rest, every row once
+    res = cli(*args, "--output", out, address=ray_address)  # resumable: the rest, every row once
     assert res.returncode == 0, res.stderr[-3000:]
     assert sorted(rows_by_key(out)) == sorted((f"s{i}", 0) for i in range(n))
     summary = json.load(open(os.path.join(out, "summary.json")))

@@ -20,7 +20,6 @@ from safetensors.torch import save_file
 
 from checkpoints import DREAM_CONFIG, LAYOUTS, LLADA_CONFIG, MOE_LAYOUTS, write_layout, write_lora
 from conftest import ROOT, read_parts
-from procs import ray_temp_dir
 from engine import Engine, EngineConfig, ModelConfig, SamplingParams, build_model, load_model, save_model
 from engine.loader import read_config
 from pipeline import DLLMProcessorConfig
@@ -145,7 +144,7 @@ def test_lora_merge_equals_the_unmerged_computation(family, use_rslora, tmp_path
     assert all(torch.equal(plain.get_parameter(k), merged.get_parameter(k)) for k in untouched)
 
 
-def test_d2f_adapter_job_with_block_causal_matches_the_hand_merged_model(published, tmp_path):
+def test_d2f_adapter_job_with_block_causal_matches_the_hand_merged_model(published, ray_address, tmp_path):
     """`blockray --model LLaDA-8B-Instruct --adapter D2F_LLaDA_Instruct_8B_Lora --attention
     block_causal` (the real command, exit 0) gives, row for row, the tokens of the same
     model merged by hand with block-causal attention."""
@@ -156,10 +155,9 @@ def test_d2f_adapter_job_with_block_causal_matches_the_hand_merged_model(publish
     cmd = [sys.executable, "jobs/offline_eval.py", "--model", base, "--adapter", adapter, "--attention",
            "block_causal", "--input", inp, "--output", str(tmp_path / "out"), "--dtype", "float64",
            "--num-engines", "1", "--batch-size", "5", "--block-length", "4", "--steps-per-block", "4",
-           "--max-new-tokens", "8", "--policy", "fixed", "--cache", "refresh", "--num-cpus", "2",
-           "--no-enable-metrics"]
-    with ray_temp_dir() as ray_tmp:  # short: Ray's unix sockets live under it
-        res = subprocess.run(cmd + ["--temp-dir", ray_tmp], cwd=ROOT, capture_output=True, text=True, timeout=400)
+           "--max-new-tokens", "8", "--policy", "fixed", "--cache", "refresh", "--no-enable-metrics",
+           "--address", ray_address]  # the session's Ray: none to start
+    res = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=400)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     assert "126348 (chat template end of turn <|eot_id|>)" in res.stdout  # the summary names the stops' source
     got = {r["id"]: r["generated_token_ids"] for r in read_parts(str(tmp_path / "out")).to_pylist()}

@@ -14,7 +14,6 @@ import pytest
 import torch
 
 from conftest import ROOT, read_parts
-from procs import ray_temp_dir
 from engine import EngineConfig, SamplingParams
 from engine.canvas import CanvasEngine, CanvasParams, CanvasServe, load_diffusion_gemma
 from pipeline.run import JobError, check_model
@@ -36,19 +35,14 @@ def job(tmp_path_factory):
     return ckpt, inp, tmp
 
 
-def _cli(ckpt, inp, out, *extra):
-    cmd = [sys.executable, "jobs/offline_eval.py", "--model", ckpt, "--input", inp, "--output", out,
-           "--dtype", "float64", "--num-engines", "1", "--batch-size", "5", "--num-cpus", "2",
-           "--no-enable-metrics", *extra]
-    with ray_temp_dir() as ray_tmp:  # short: Ray's unix sockets live under it
-        return subprocess.run(cmd + ["--temp-dir", ray_tmp], cwd=ROOT, capture_output=True, text=True, timeout=300)
-
-
-def test_job_serves_diffusion_gemma_with_the_chat_template(job):
+def test_job_serves_diffusion_gemma_with_the_chat_template(job, ray_address):
     from transformers import AutoTokenizer
 
     ckpt, inp, tmp = job
-    res = _cli(ckpt, inp, str(tmp / "out"))
+    res = subprocess.run([sys.executable, "jobs/offline_eval.py", "--model", ckpt, "--input", inp, "--output",
+                          str(tmp / "out"), "--dtype", "float64", "--num-engines", "1", "--batch-size", "5",
+                          "--no-enable-metrics", "--address", ray_address],  # the session's Ray: none to start
+                         cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     rows = read_parts(str(tmp / "out")).to_pylist()
     assert sorted(r["id"] for r in rows) == [f"g{i}" for i in range(10)]  # every row exactly once

@@ -3,7 +3,8 @@ line on stderr and exit 2 before Ray starts (cases 2-6: `jobs/offline_eval.py` i
 subprocess, a few seconds each); rows that cannot be generated become error rows and
 the good rows are generated exactly once, with the tokens they get alone (case 1); too
 many failed rows, a dying S3 endpoint and a failure inside the run end the run with a
-JobError (cases 7-9: `run_offline` on the session's Ray, one CLI run for the exit code).
+JobError (cases 7-9: `run_offline` on the session's Ray, one CLI run, joining it, for the
+exit code).
 """
 from __future__ import annotations
 
@@ -13,23 +14,25 @@ import subprocess
 import sys
 import threading
 import time
+from typing import Optional
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
 from conftest import ROOT, S3_KEY, S3_REGION, S3_SECRET, part_files, read_parts, start_moto, write_prompts
-from procs import ray_temp_dir
+from procs import ray_flags, ray_temp_dir
 
 TINY = ["--block-length", "4", "--steps-per-block", "4", "--max-new-tokens", "8", "--token-budget", "1024"]
 
 
 # --- helpers -----------------------------------------------------------------------------
 
-def cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
-    """`python jobs/offline_eval.py …` with a private Ray temp dir (should Ray start)."""
+def cli(*args: str, timeout: float = 120, address: Optional[str] = None) -> subprocess.CompletedProcess:
+    """`python jobs/offline_eval.py …` on the Ray at `address`, else with a private Ray temp
+    dir (should Ray start)."""
     with ray_temp_dir() as ray_tmp:
-        return subprocess.run([sys.executable, "jobs/offline_eval.py", *args, "--num-cpus", "2", "--temp-dir", ray_tmp],
+        return subprocess.run([sys.executable, "jobs/offline_eval.py", *args, *ray_flags(address, ray_tmp)],
                               cwd=ROOT, capture_output=True, text=True, timeout=timeout, start_new_session=True,
                               stdin=subprocess.DEVNULL)
 
@@ -199,7 +202,7 @@ def test_overwrite_deletes_nothing_before_every_check_passed(tmp_path, tiny_mode
 
 # --- 7 (+5 with the flag): too many failed rows, through the CLI ----------------------------
 
-def test_failed_rows_over_the_bound_exit_non_zero(tmp_path, tiny_model_dir):
+def test_failed_rows_over_the_bound_exit_non_zero(tmp_path, tiny_model_dir, ray_address):
     """Every row fails (empty or untokenizable prompts), two ids repeat and are allowed: the
     run writes every row, exits 2 with one line naming the most frequent errors, and
     summary.json reports them with counts, and the duplicated ids."""
@@ -207,7 +210,7 @@ def test_failed_rows_over_the_bound_exit_non_zero(tmp_path, tiny_model_dir):
     prompts = ["", "   ", "", "copy: \u2603", "", "copy: \u2603\u2603", "", "   "]
     pq.write_table(pa.table({"id": ["e0", "e1", "e2", "e3", "e0", "e5", "e6", "e5"], "prompt": prompts}), inp)
     res = cli("--model", tiny_model_dir, "--input", inp, "--output", out, "--allow-duplicate-ids",
-              "--num-engines", "1", "--batch-size", "4", *TINY, timeout=300)
+              "--num-engines", "1", "--batch-size", "4", *TINY, timeout=300, address=ray_address)
     err = res.stderr.strip().splitlines()
     assert res.returncode == 2, res.stdout[-3000:] + res.stderr[-3000:]
     assert err[-1].startswith("error: 8 of 8 rows failed (100.0%, more than --max-error-fraction 0)"), err[-1]

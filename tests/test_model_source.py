@@ -13,7 +13,6 @@ import pytest
 
 from conftest import ROOT, S3_KEY, S3_REGION, part_files, write_prompts
 from common.model_source import (DOWNLOAD_LOG, ModelSourceError, cache_dir, classify, resolve_model)
-from common.storage import StorageOptions
 from procs import ray_temp_dir
 
 
