@@ -73,7 +73,7 @@ def test_metrics_exported_with_nonzero_values(tiny_model_dir, ray_local, metrics
     config = DLLMProcessorConfig(
         model=tiny_model_dir, num_engines=1, batch_size=8, max_concurrent_batches=4, sort="none",
         engine=EngineConfig(block_length=4, steps_per_block=8, token_budget=1024, max_batch_size=2),
-        sampling=SamplingParams(max_new_tokens=48, policy="fixed", stop_token_ids=[]))
+        sampling=SamplingParams(max_new_tokens=16, policy="fixed", stop_token_ids=[]))
     items = [{"prompt": "copy: " + "abcdefghijklmnop"[: 1 + i % 16]} for i in range(64)] + [{"prompt": ""}]
     ds = build_processor(config, run_id="mtest001")(ray.data.from_items(items, override_num_blocks=9))
     result = {}

@@ -18,7 +18,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from conftest import ROOT, part_files, read_parts, write_prompts
-from procs import ray_temp_dir
+from procs import ray_flags, ray_temp_dir
 
 N = 24
 
@@ -53,26 +53,26 @@ def _describe(pid: int) -> str:
         return "gone"
 
 
-def _job(model, inp, out, ray_tmp, *extra):
+def _job(model, inp, out, ray: list, *extra):
     return [sys.executable, "jobs/offline_eval.py", "--model", model, "--input", inp, "--output", out,
             "--num-engines", "1", "--batch-size", "2", "--max-concurrent-batches", "1", "--rows-per-file", "0",
             "--block-length", "4", "--steps-per-block", "4", "--max-new-tokens", "8", "--token-budget", "1024",
-            "--policy", "fixed", "--num-cpus", "2", "--temp-dir", ray_tmp, *extra]
+            "--policy", "fixed", *ray, *extra]
 
 
 def _ids(out):
     return read_parts(out, columns=["id"]).column("id").to_pylist()
 
 
-def test_killed_driver_then_resume(tmp_path, tiny_model_dir):
+def test_killed_driver_then_resume(tmp_path, tiny_model_dir, ray_address):
     inp, out = str(tmp_path / "in.parquet"), str(tmp_path / "out")
     write_prompts(inp, "r{:03d}", N)
     marker = "/tmp/ray/ray_current_cluster"
     marker_before = open(marker).read() if os.path.exists(marker) else None
     with ray_temp_dir() as ray_tmp:  # removed once the killed job's processes are gone
         log = open(tmp_path / "run1.log", "w")
-        proc = subprocess.Popen(_job(tiny_model_dir, inp, out, ray_tmp), cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
-                                start_new_session=True)
+        proc = subprocess.Popen(_job(tiny_model_dir, inp, out, ray_flags(None, ray_tmp)), cwd=ROOT, stdout=log,
+                                stderr=subprocess.STDOUT, start_new_session=True)
         try:
             deadline = time.time() + 180
             while len(part_files(out)) < 2:
@@ -107,9 +107,9 @@ def test_killed_driver_then_resume(tmp_path, tiny_model_dir):
     assert 0 < len(first) < N and len(first) == len(set(first))
     assert not os.path.exists(os.path.join(out, "summary.json"))  # the killed run is not presented as done
 
-    with ray_temp_dir() as ray_tmp:
-        res = subprocess.run(_job(tiny_model_dir, inp, out, ray_tmp), cwd=ROOT, capture_output=True, text=True,
-                             timeout=300, start_new_session=True)
+    # the rerun joins the session's Ray: no second Ray of its own to start
+    res = subprocess.run(_job(tiny_model_dir, inp, out, ray_flags(ray_address, "")), cwd=ROOT, capture_output=True,
+                         text=True, timeout=300, start_new_session=True)
     assert res.returncode == 0, (res.stdout + res.stderr)[-4000:]
     ids = _ids(out)
     assert sorted(ids) == [f"r{i:03d}" for i in range(N)]  # every id exactly once
