@@ -268,7 +268,7 @@ def detokenize_stage(batch: pa.Table, *, model: str, detokenize: bool = True,
     return _set(batch, "generated_text", texts, pa.string())
 
 
-_local_models: Dict[Tuple[str, str], str] = {}  # (remote model, run id) -> its node-local copy
+_local_models: Dict[Tuple[str, str], str] = {}  # (model, run id) -> its directory on this node
 
 
 class _StageTask:
@@ -284,11 +284,10 @@ class _StageTask:
 
     def __call__(self, batch: pa.Table) -> pa.Table:
         model = self.kwargs["model"]
-        if classify(model).is_local:
-            return self.stage(batch, **self.kwargs)
         key = (model, self.run_id)
-        if key not in _local_models:
-            _local_models[key] = resolve_model(model, self.storage, weights=False)
+        if key not in _local_models:  # once per worker and run, not per batch
+            _local_models[key] = model if classify(model).is_local else resolve_model(model, self.storage,
+                                                                                       weights=False)
         return self.stage(batch, **{**self.kwargs, "model": _local_models[key]})
 
 

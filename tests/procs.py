@@ -24,10 +24,20 @@ def ray_temp_dir(prefix: str = "br-") -> Iterator[str]:
         shutil.rmtree(path, ignore_errors=True)
 
 
-def ray_flags(address: Optional[str], temp_dir: str) -> List[str]:
-    """The job CLI's flags to join the Ray at `address` (conftest.ray_address), or, without
-    one, to start a local Ray of 2 CPUs in `temp_dir`."""
-    return ["--address", address] if address else ["--num-cpus", "2", "--temp-dir", temp_dir]
+def private_ray(temp_dir: str) -> List[str]:
+    """The job CLI's flags for a local Ray of its own: 2 CPUs, its session in `temp_dir`."""
+    return ["--num-cpus", "2", "--temp-dir", temp_dir]
+
+
+@contextlib.contextmanager
+def job_ray(address: Optional[str] = None) -> Iterator[List[str]]:
+    """The job CLI's Ray flags: join the Ray at `address` (conftest.ray_address), or, without
+    one, a private Ray in a fresh temp dir (removed when the block ends)."""
+    if address:
+        yield ["--address", address]
+        return
+    with ray_temp_dir() as temp_dir:
+        yield private_ray(temp_dir)
 
 
 def children(pid: int) -> List[int]:

@@ -24,7 +24,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from conftest import ROOT, part_files, read_parts
-from procs import ray_flags, ray_temp_dir
+from procs import job_ray, private_ray, ray_temp_dir
 
 TINY = ["--block-length", "4", "--steps-per-block", "4", "--max-new-tokens", "8", "--token-budget", "1024",
         "--num-engines", "1"]
@@ -33,8 +33,8 @@ SP = pa.struct([("top_p", pa.string()), ("stop_token_ids", pa.list_(pa.float64()
 
 def cli(*args: str, timeout: float = 420, address: Optional[str] = None) -> subprocess.CompletedProcess:
     """The job CLI on the Ray at `address` (conftest.ray_address), else on a Ray of its own."""
-    with ray_temp_dir() as ray_tmp:
-        return subprocess.run([sys.executable, "jobs/offline_eval.py", *TINY, *args, *ray_flags(address, ray_tmp)],
+    with job_ray(address) as ray:
+        return subprocess.run([sys.executable, "jobs/offline_eval.py", *TINY, *args, *ray],
                               cwd=ROOT, capture_output=True, text=True, timeout=timeout, start_new_session=True,
                               stdin=subprocess.DEVNULL)
 
@@ -149,7 +149,7 @@ def test_run_record_names_model_template_and_engine_changes(tmp_path, tiny_model
 
 def start(args, out: str, ray_tmp: str, log: str) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "jobs/offline_eval.py", *TINY, *args, "--output", out,
-                             *ray_flags(None, ray_tmp)], cwd=ROOT, stdout=open(log + ".out", "w"),
+                             *private_ray(ray_tmp)], cwd=ROOT, stdout=open(log + ".out", "w"),
                             stderr=open(log + ".err", "w"), start_new_session=True, stdin=subprocess.DEVNULL)
 
 

@@ -21,7 +21,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from conftest import ROOT, S3_KEY, S3_REGION, S3_SECRET, part_files, read_parts, start_moto, write_prompts
-from procs import ray_flags, ray_temp_dir
+from procs import job_ray
 
 TINY = ["--block-length", "4", "--steps-per-block", "4", "--max-new-tokens", "8", "--token-budget", "1024"]
 
@@ -31,8 +31,8 @@ TINY = ["--block-length", "4", "--steps-per-block", "4", "--max-new-tokens", "8"
 def cli(*args: str, timeout: float = 120, address: Optional[str] = None) -> subprocess.CompletedProcess:
     """`python jobs/offline_eval.py …` on the Ray at `address`, else with a private Ray temp
     dir (should Ray start)."""
-    with ray_temp_dir() as ray_tmp:
-        return subprocess.run([sys.executable, "jobs/offline_eval.py", *args, *ray_flags(address, ray_tmp)],
+    with job_ray(address) as ray:
+        return subprocess.run([sys.executable, "jobs/offline_eval.py", *args, *ray],
                               cwd=ROOT, capture_output=True, text=True, timeout=timeout, start_new_session=True,
                               stdin=subprocess.DEVNULL)
 

@@ -13,7 +13,7 @@ import pytest
 
 from conftest import ROOT, S3_KEY, S3_REGION, part_files, write_prompts
 from common.model_source import (DOWNLOAD_LOG, ModelSourceError, cache_dir, classify, resolve_model)
-from procs import ray_temp_dir
+from procs import job_ray
 
 
 def downloads(cache: str) -> list:
@@ -113,11 +113,11 @@ def test_job_with_an_s3_model_downloads_once_per_node(tmp_path, s3_endpoint, s3_
     secret = "zQ9-MODEL-SOURCE-SECRET-5e1d"  # moto accepts any secret; this one is easy to grep for
     env = dict(os.environ, AWS_ACCESS_KEY_ID=S3_KEY, AWS_SECRET_ACCESS_KEY=secret, AWS_REGION=S3_REGION,
                BLOCKRAY_MODEL_CACHE=model_cache)
-    with ray_temp_dir() as ray_tmp:
+    with job_ray() as ray:  # a Ray of its own: its node gets this environment
         res = subprocess.run([sys.executable, "jobs/offline_eval.py", "--model", s3_model, "--endpoint-url",
                               s3_endpoint, "--input", inp, "--output", out, "--num-engines", "2", "--batch-size",
                               "2", "--block-length", "4", "--steps-per-block", "4", "--max-new-tokens", "8",
-                              "--max-error-fraction", "1", "--sort", "none", "--num-cpus", "2", "--temp-dir", ray_tmp],
+                              "--max-error-fraction", "1", "--sort", "none", *ray],
                              cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     summary = json.load(open(os.path.join(out, "summary.json")))

@@ -18,7 +18,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from conftest import ROOT, part_files, read_parts, write_prompts
-from procs import ray_flags, ray_temp_dir
+from procs import private_ray, ray_temp_dir
 
 N = 24
 
@@ -71,7 +71,7 @@ def test_killed_driver_then_resume(tmp_path, tiny_model_dir, ray_address):
     marker_before = open(marker).read() if os.path.exists(marker) else None
     with ray_temp_dir() as ray_tmp:  # removed once the killed job's processes are gone
         log = open(tmp_path / "run1.log", "w")
-        proc = subprocess.Popen(_job(tiny_model_dir, inp, out, ray_flags(None, ray_tmp)), cwd=ROOT, stdout=log,
+        proc = subprocess.Popen(_job(tiny_model_dir, inp, out, private_ray(ray_tmp)), cwd=ROOT, stdout=log,
                                 stderr=subprocess.STDOUT, start_new_session=True)
         try:
             deadline = time.time() + 180
@@ -108,7 +108,7 @@ def test_killed_driver_then_resume(tmp_path, tiny_model_dir, ray_address):
     assert not os.path.exists(os.path.join(out, "summary.json"))  # the killed run is not presented as done
 
     # the rerun joins the session's Ray: no second Ray of its own to start
-    res = subprocess.run(_job(tiny_model_dir, inp, out, ray_flags(ray_address, "")), cwd=ROOT, capture_output=True,
+    res = subprocess.run(_job(tiny_model_dir, inp, out, ["--address", ray_address]), cwd=ROOT, capture_output=True,
                          text=True, timeout=300, start_new_session=True)
     assert res.returncode == 0, (res.stdout + res.stderr)[-4000:]
     ids = _ids(out)
