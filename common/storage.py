@@ -13,7 +13,6 @@ from dataclasses import dataclass, field
 from typing import Any, Dict, List, Mapping, Optional, Tuple
 
 import fsspec
-import s3fs
 
 _S3_PROTOCOLS = ("s3", "s3a", "s3n")
 # The one retry layer for object storage: botocore's "standard" mode retries every S3
@@ -91,15 +90,6 @@ class StorageOptions:
         return kw
 
 
-class SingleLayerS3FileSystem(s3fs.S3FileSystem):
-    """S3FileSystem without s3fs's own retry loop (its `retries` class attribute: up to 5
-    tries of every botocore call, each with botocore's retries inside). A class attribute,
-    not an instance one, so that it survives pickling to Ray tasks (fsspec pickles the
-    constructor arguments only)."""
-
-    retries = 1
-
-
 def protocol_of(url: str) -> str:
     """'s3' for s3://bucket/key, 'file' for plain paths."""
     return url.split("://", 1)[0] if "://" in url else "file"
@@ -114,6 +104,8 @@ def get_filesystem(url: str, options: Optional[StorageOptions] = None) -> Tuple[
     if protocol == "file":
         url = os.path.abspath(url.split("://", 1)[-1])
     if protocol in _S3_PROTOCOLS:
+        from .s3_filesystem import SingleLayerS3FileSystem  # s3fs only where S3 is used (0.4 CPU-s to import)
+
         fs = SingleLayerS3FileSystem(skip_instance_cache=True, **kwargs)
         return fs, fs._strip_protocol(url)
     fs, path = fsspec.core.url_to_fs(url, skip_instance_cache=True, **kwargs)

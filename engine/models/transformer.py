@@ -169,6 +169,14 @@ def make_layer(cfg: ModelConfig, index: int) -> nn.Module:
     return MoELayer(cfg, index)
 
 
+def _embedding(num: int, dim: int) -> nn.Embedding:
+    """nn.Embedding, without its own init on the meta device (the loader's, weights loaded
+    next): normal_ on meta imports torch._dynamo, 2.5 CPU-s at every engine start. On a real
+    device it draws as before, so that seeded random test models keep their weights."""
+    weight = torch.empty(num, dim)
+    return nn.Embedding(num, dim, _weight=weight) if weight.is_meta else nn.Embedding(num, dim)
+
+
 class DLLM(nn.Module):
     """Internal parameter names are layout-neutral; engine.models.weights maps them to
     each checkpoint format's real names."""
@@ -176,7 +184,7 @@ class DLLM(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.config = cfg
-        self.embed = nn.Embedding(cfg.embedding_size, cfg.hidden_size)
+        self.embed = _embedding(cfg.embedding_size, cfg.hidden_size)
         self.layers = nn.ModuleList(make_layer(cfg, i) for i in range(cfg.n_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.embedding_size,
