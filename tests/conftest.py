@@ -78,9 +78,12 @@ def ray_address(ray_local) -> str:
 
 @pytest.fixture(scope="session")
 def ray_local(metrics_port):
-    """An in-process local Ray (2 CPUs, no dashboard UI) shared by the session; metrics are
-    exported on `metrics_port` at Ray's default period (10 s: exporting every second cost a
-    fifth of an idle Ray's CPU, for the whole session)."""
+    """An in-process local Ray (2 CPUs, no dashboard UI) shared by the session, metrics on
+    `metrics_port`. The actors and tasks of this process's runs export them every second
+    (RAY_metrics_report_interval_ms in the job's env: a gauge is exported as its value at
+    that instant, and test_metrics must catch a queue that lasts a fraction of a second);
+    the Ray's own processes and the job CLI runs that join it keep Ray's 10 s (exporting
+    every second there cost a fifth of an idle Ray's CPU, for the whole session)."""
     import ray
 
     from pipeline.local_ray import start_local_ray  # once more if its node times out while it starts
@@ -88,7 +91,7 @@ def ray_local(metrics_port):
     if ray.is_initialized():
         ray.shutdown()
     ctx = start_local_ray(ray, num_cpus=2, include_dashboard=False, _metrics_export_port=metrics_port,
-                          log_to_driver=False, runtime_env={"env_vars": {"PYTHONPATH": ROOT}})
+                          log_to_driver=False, runtime_env={"env_vars": {"PYTHONPATH": ROOT, "RAY_metrics_report_interval_ms": "1000"}})
     ray.data.DataContext.get_current().enable_progress_bars = False
     yield ctx
     ray.shutdown()

