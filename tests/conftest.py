@@ -90,8 +90,9 @@ def ray_local(metrics_port):
 
     if ray.is_initialized():
         ray.shutdown()
+    env = {"PYTHONPATH": ROOT, "RAY_metrics_report_interval_ms": "1000"}
     ctx = start_local_ray(ray, num_cpus=2, include_dashboard=False, _metrics_export_port=metrics_port,
-                          log_to_driver=False, runtime_env={"env_vars": {"PYTHONPATH": ROOT, "RAY_metrics_report_interval_ms": "1000"}})
+                          log_to_driver=False, runtime_env={"env_vars": env})
     ray.data.DataContext.get_current().enable_progress_bars = False
     yield ctx
     ray.shutdown()
