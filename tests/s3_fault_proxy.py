@@ -16,7 +16,7 @@ import random
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Optional, Tuple
+from typing import Dict, Optional, Tuple
 from urllib.parse import urlsplit
 
 _ERRORS = [(500, "InternalError", "We encountered an internal error. Please try again."),
@@ -31,11 +31,13 @@ class FaultProxy:
         u = urlsplit(upstream)
         self.upstream = (u.hostname, u.port)
         self.fail_rate, self.delay_rate, self.delay_s = fail_rate, delay_rate, delay_s
-        self.max_consecutive = max_consecutive  # so a client with a few retries always gets through
+        # per request (method and path): a client's retries of one call get through within
+        # max_consecutive + 1 attempts, however many other clients' calls come in between
+        self.max_consecutive = max_consecutive
         self.rng = random.Random(seed)
         self.lock = threading.Lock()
         self.requests = self.faults = 0
-        self._streak = 0
+        self._streaks: Dict[Tuple[str, str], int] = {}
         self.write_prefix, self.allow_writes, self.write_error = write_prefix, allow_writes, write_error
         self.writes = self.write_faults = 0
         self.server = ThreadingHTTPServer(("127.0.0.1", 0), self._handler())
@@ -51,8 +53,9 @@ class FaultProxy:
                     self.write_faults += 1
                     return self.write_error, False
                 self.writes += 1
-            fail = self._streak < self.max_consecutive and self.rng.random() < self.fail_rate
-            self._streak = self._streak + 1 if fail else 0
+            streak = self._streaks.get((method, path), 0)
+            fail = streak < self.max_consecutive and self.rng.random() < self.fail_rate
+            self._streaks[(method, path)] = streak + 1 if fail else 0
             delay = not fail and self.rng.random() < self.delay_rate
             self.faults += fail
             return (self.rng.choice(_ERRORS) if fail else None), delay
