@@ -10,7 +10,7 @@ import signal
 import subprocess
 import tempfile
 import time
-from typing import Iterator, List, Optional
+from typing import Dict, Iterator, List, Optional
 
 
 @contextlib.contextmanager
@@ -51,6 +51,18 @@ def children(pid: int) -> List[int]:
                 continue
             if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
                 out.append(int(d))
+    return out
+
+
+def titles(parent: int) -> Dict[int, str]:
+    """{pid: process title} of `parent`'s children; a Ray worker's title is its actor's
+    class (`ray::DLLMEngineActor`, `.run_batch` appended while it runs that method)."""
+    out = {}
+    for pid in children(parent):
+        try:
+            out[pid] = open(f"/proc/{pid}/cmdline", "rb").read().decode(errors="replace").split("\0")[0]
+        except OSError:
+            pass
     return out
 
 

@@ -24,7 +24,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from conftest import ROOT, part_files, read_parts
-from procs import children, job_ray, private_ray, ray_temp_dir
+from procs import job_ray, private_ray, ray_temp_dir, titles
 
 TINY = ["--block-length", "4", "--steps-per-block", "4", "--max-new-tokens", "8", "--token-budget", "1024",
         "--num-engines", "1"]
@@ -176,21 +176,13 @@ def ray_processes(ray_tmp: str) -> list:
 
 
 def run_actors() -> set:
-    """Pids of the blockray actors (engines, dispatchers, group) on this process's Ray:
-    its raylet's children by process title."""
+    """Pids of the blockray actors (engines, dispatchers, group) on this process's Ray."""
     import ray
     from ray._private import ray_constants
 
     raylet = ray._private.worker._global_node.all_processes[ray_constants.PROCESS_TYPE_RAYLET][0].process.pid
-    found = set()
-    for pid in children(raylet):
-        try:
-            title = open(f"/proc/{pid}/cmdline", "rb").read().decode(errors="replace")
-        except OSError:
-            continue
-        if title.startswith(("ray::DLLMEngineActor", "ray::MapWorker", "ray::_EngineGroup")):
-            found.add(pid)
-    return found
+    return {pid for pid, t in titles(raylet).items()
+            if t.startswith(("ray::DLLMEngineActor", "ray::MapWorker", "ray::_EngineGroup"))}
 
 
 def stop_midrun(args, out: str, sig: int, tmp_path, name: str, before=None, address: Optional[str] = None) -> str:

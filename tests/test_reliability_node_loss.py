@@ -42,7 +42,7 @@ import threading
 import time
 
 from conftest import part_files, read_parts, write_prompts
-from procs import children, ray_temp_dir, stop_group
+from procs import ray_temp_dir, stop_group, titles
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 N = 48  # rows; enough that the removal lands while both engines still have work
@@ -135,18 +135,10 @@ def test_engine_resource_option(tiny_model_dir):
 # --- the script: one cluster, one job, one node lost ------------------------------------------
 
 def _titles(node) -> list:
-    """Process titles of the workers of one node (children of its raylet): an engine actor
-    is `ray::DLLMEngineActor`, `ray::DLLMEngineActor.run_batch` while it runs a batch."""
+    """Process titles of the workers of one node (children of its raylet)."""
     from ray._private import ray_constants
 
-    raylet = node.all_processes[ray_constants.PROCESS_TYPE_RAYLET][0].process.pid
-    titles = []
-    for pid in children(raylet):
-        try:
-            titles.append(open(f"/proc/{pid}/cmdline", "rb").read().decode(errors="replace").split("\0")[0])
-        except OSError:
-            pass
-    return titles
+    return list(titles(node.all_processes[ray_constants.PROCESS_TYPE_RAYLET][0].process.pid).values())
 
 
 def _engine_titles(node) -> list:
