@@ -125,12 +125,20 @@ class Layer(nn.Module):
 
     def forward(self, h, cos, sin, mask, cache: Optional[KVCache], idx: int, offset: int,
                 write: Optional[torch.Tensor] = None, runs: Optional[Sequence[Tuple[int, int, int]]] = None,
-                cols: Optional[torch.Tensor] = None):
-        B, T, _ = h.shape
+                cols: Optional[torch.Tensor] = None, keep: Optional[torch.Tensor] = None):
+        """`keep` [B, n]: the query columns whose output is wanted (the last layer's, for
+        the logits read): K/V are computed and stored for every column, attention and the
+        MLP only for these, and the output is [B, n, d]."""
         H, Hkv, D = self.cfg.n_heads, self.cfg.n_kv_heads, self.cfg.head_dim
         x = self.attn_norm(h)
         q, k, v = self.qkv(x, cos, sin)
         kv = cache.attend(idx, k, v, offset, mask.shape[-1], write, runs, cols) if cache is not None else (k, v)
+        if keep is not None:
+            h = h.gather(1, keep[..., None].expand(-1, -1, h.shape[-1]))
+            q = q.gather(2, keep[:, None, :, None].expand(-1, q.shape[1], -1, q.shape[-1]))
+            if mask.shape[2] != 1:
+                mask = mask.gather(2, keep[:, None, :, None].expand(-1, 1, -1, mask.shape[-1]))
+        B, T, _ = h.shape
         if isinstance(kv, list):  # one attention per run of cache rows
             a, o = [], 0
             for kr, vr in kv:
@@ -214,12 +222,12 @@ class DLLM(nn.Module):
         cos, sin = rope(pos, self.config.rotary_dim, self.config.rope_theta, h.dtype)
         if write is not None:
             write = write[:, None, :, None]
-        for i, layer in enumerate(self.layers):
-            h = layer(h, cos, sin, mask, cache, i, offset, write, runs, cols)
+        keep = logits_at
         if logits_last is not None:
-            h = h[:, -logits_last:]
-        elif logits_at is not None:
-            h = h.gather(1, logits_at[..., None].expand(-1, -1, h.shape[-1]))
+            keep = torch.arange(ids.shape[1] - logits_last, ids.shape[1], device=ids.device).expand(ids.shape[0], -1)
+        last = len(self.layers) - 1
+        for i, layer in enumerate(self.layers):
+            h = layer(h, cos, sin, mask, cache, i, offset, write, runs, cols, keep=keep if i == last else None)
         h = self.norm(h)
         logits = F.linear(h, self.embed.weight) if self.lm_head is None else self.lm_head(h)
         return logits[..., : self.config.vocab_size]
