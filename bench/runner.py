@@ -102,6 +102,8 @@ class RunResult:
     catch_up: Optional[Dict[str, Any]] = None  # catch-up forwards: share of forward time and cells, padding
     pad_keys_per_token: Optional[float] = None  # (query, left-pad key) pairs attended per generated token
     pad_keys_per_token_unskipped: Optional[float] = None  # the same had every row attended the whole box
+    compiled_forwards: int = 0  # forwards run by the compiled block-only step (compile_decode)
+    compile_fallbacks: int = 0  # 1 when that step hit dynamo's recompile limit and the run went on eager
 
     def summary(self) -> Dict[str, Any]:
         d = asdict(self)
@@ -180,6 +182,7 @@ def run(w: Workload, spec: RunSpec, deadline_s: Optional[float] = None) -> RunRe
         idle_row_fraction=idle, forward_overhead_cells=st.forward_overhead_cells,
         latency_p50_s=_quantile(lat, 0.5), latency_p99_s=_quantile(lat, 0.99),
         latency_mean_s=sum(lat) / max(1, len(lat)), cycles=st.cycles, forwards=st.forwards, steps=st.steps,
+        compiled_forwards=st.compiled_forwards, compile_fallbacks=st.compile_fallbacks,
         **st.memory_figures(),
         mean_rows=sum(len(b.request_ids) for b in log) / max(1, len(log)),
         max_rows=max((len(b.request_ids) for b in log), default=0), peak_cost=max((b.cost for b in log), default=0),

@@ -242,8 +242,9 @@ class EngineConfig:
         "engine's own forwards; set it, e.g. to a run's recorded EngineStats.forward_overhead_cells, for the "
         "same forwards, padding and tokens on every run)")})
     compile_decode: bool = field(default=False, metadata={"help": (
-        "dual cache: run the block-only step through torch.compile (CUDA: mode reduce-overhead, CUDA graphs per "
-        "rows x width shape; CPU: inductor), the same tokens; off: eager")})
+        "dual cache: run the block-only step through torch.compile with dynamic shapes (CUDA: mode "
+        "reduce-overhead, a CUDA graph per rows x width shape; CPU: inductor), the same tokens; eager again, "
+        "counted in EngineStats.compile_fallbacks, if dynamo hits its recompile limit; off: eager")})
     profile: bool = field(default=False, metadata={"help": (
         "synchronize the device after every forward so forward_s is exact (costs throughput on a GPU; "
         "off, the host runs ahead of the device)")})

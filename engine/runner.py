@@ -27,6 +27,10 @@ ATTENTION_OVERHEAD_KEYS_DEVICE = 2048
 # launches, per-layer host work); it keeps catch-up from splitting into tiny groups.
 FORWARD_OVERHEAD_CELLS = 256
 
+# Graphs the compiled block-only step may make before it gives up and runs eager (dynamo's
+# own limit, 8, is per code object: every model of the process shares it).
+COMPILE_RECOMPILE_LIMIT = 32
+
 
 def catch_up_groups(need: List[int], floor: int, after: Optional[List[int]] = None,
                     overhead: float = FORWARD_OVERHEAD_CELLS) -> List[List[int]]:
@@ -120,20 +124,37 @@ class ModelRunner:
         self.fit = ForwardFit()  # forward time = a + b * cells, from this engine's own forwards
         self.timer = ForwardTimer(self.fit, self.device, exact=self.cfg.profile)
         self.attention_overhead = ATTENTION_OVERHEAD_KEYS.get(self.device.type, ATTENTION_OVERHEAD_KEYS_DEVICE)
-        self._decode = None  # the compiled block-only step (EngineConfig.compile_decode)
-        self.compiled_forwards = 0
+        self._decode = None  # the compiled block-only step (EngineConfig.compile_decode); False: given up
 
     def decode_model(self):
-        """The model compiled for the dual cache's block-only step: its shape is (rows,
-        L) queries over a (rows, width) cache, fixed for as long as the batch's layout, so
-        on CUDA `reduce-overhead` captures one CUDA graph per shape and replays it with the
-        step's inputs copied in (not yet measured on a GPU: bench/gpu/run.sh's
-        blockserve+step+compile run does; whether torch graphs a step that writes the K/V
-        slots in place is what that run's log says). Its logits are read before the next step."""
+        """The model compiled for the dual cache's block-only step: (rows, L) queries over a
+        (rows, width) cache. Compiled with dynamic shapes, so one graph serves every batch
+        layout (a few specialisations: one row, a cache view that is the whole buffer),
+        where static shapes hit dynamo's recompile limit after 8 layouts and then ran
+        eager without a word. On CUDA `reduce-overhead` records one CUDA graph per shape
+        and replays it with the step's inputs copied in (not yet measured on a GPU:
+        bench/gpu/run.sh's blockserve+step+compile run does). Its logits are read before
+        the next step."""
         if self._decode is None:
             cuda = self.device.type == "cuda"
-            self._decode = torch.compile(self.model, mode="reduce-overhead" if cuda else None, dynamic=False)
+            self._decode = torch.compile(self.model, mode="reduce-overhead" if cuda else None, dynamic=True)
         return self._decode
+
+    def run_compiled(self, *args, **kwargs) -> Optional[torch.Tensor]:
+        """The compiled step, or None once dynamo would give up on it (its recompile limit:
+        then this runner runs eager from here on, counted in EngineStats.compile_fallbacks,
+        rather than dynamo falling back per call unseen)."""
+        if self._decode is False:
+            return None
+        try:
+            with torch._dynamo.config.patch(recompile_limit=COMPILE_RECOMPILE_LIMIT, fail_on_recompile_limit_hit=True):
+                out = self.decode_model()(*args, **kwargs)
+        except torch._dynamo.exc.FailOnRecompileLimitHit:
+            self._decode = False
+            self.stats.compile_fallbacks += 1
+            return None
+        self.stats.compiled_forwards += 1
+        return out
 
     def overhead_cells(self) -> float:
         """What one more forward costs the planner: EngineConfig.forward_overhead_cells when
@@ -226,7 +247,8 @@ class ModelRunner:
         plen = rows(b.prompt_len)
         return ForwardPlan(
             pick=pick, group=group, T=T, contiguous=contiguous, compiled=compiled, qc=qc, real=real,
-            write=None if bool(write.all()) else write, at=at, pos=(qc - start[:, None]).clamp(min=0), runs=runs,
+            write=None if bool(write.all()) and not compiled else write,  # compiled: always a tensor
+            at=at, pos=(qc - start[:, None]).clamp(min=0), runs=runs,
             cells=len(q0) * T, n_real=int(real.sum()), pad_keys=pad_keys, pad_keys_unskipped=T * int(start.sum()),
             prompt_fwd=(torch.minimum(q1, start + plen) - torch.maximum(lo, start)).clamp(min=0),
             cached_after=rows(b.block_start) - start)
@@ -258,10 +280,14 @@ class ModelRunner:
             if b.cache is None:
                 logits = self.model(tokens, pos_d, qmask[..., W - T:], logits_at=at_d)
             else:
-                model = self.decode_model() if p.compiled else self.model
-                self.compiled_forwards += p.compiled
-                logits = model(tokens, pos_d, qmask, b.cache, W - T, write=write_d, runs=p.runs,
-                               cols=None if p.contiguous else qc_d, logits_at=at_d)
+                args = (tokens, pos_d, qmask, b.cache, W - T)
+                kw = dict(write=write_d, runs=p.runs, cols=None if p.contiguous else qc_d, logits_at=at_d)
+                logits = None
+                if p.compiled:  # inputs of their own (no views of the upload): stable strides, no recompiles
+                    logits = self.run_compiled(*args, **{k: v if v is None or not torch.is_tensor(v) else
+                                                         v.contiguous() for k, v in kw.items()})
+                if logits is None:
+                    logits = self.model(*args, **kw)
             if self.cfg.profile and dev.type == "cuda":  # exact forward_s, at the cost of a stall
                 torch.cuda.synchronize()
         seconds = time.perf_counter() - t0

@@ -39,6 +39,10 @@ class EngineStats:
     pad_key_cells_unskipped: int = 0
     # catch-up sub-batches (engine.runner.catch_up): rows recomputed before the batch's forward
     catch_up: Dict[str, float] = field(default_factory=lambda: dict(forwards=0, cells=0, padded_cells=0, seconds=0.0))
+    # the compiled block-only step (EngineConfig.compile_decode): forwards it ran, and 1 once it gave
+    # up (dynamo's recompile limit) and the engine went on eager
+    compiled_forwards: int = 0
+    compile_fallbacks: int = 0
 
     @property
     def kv_bytes_copied(self) -> int:

@@ -168,16 +168,31 @@ def references(model):
                              for c in ["none", "refresh", "dual"]}
 
 
-@pytest.mark.parametrize("cache", ["none", "refresh", "dual"])
+@pytest.fixture(scope="module")
+def fresh_dynamo():
+    """Dynamo keeps compiled graphs per code object, for every model of the process: this
+    module's compiled runs start from none, so that other tests' graphs in this worker
+    never exhaust the runner's recompile limit (which would make it fall back to eager)."""
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+# compile: the dual cache's block-only step through torch.compile (inductor on the CPU)
+@pytest.mark.parametrize("cache,compile", [("none", False), ("refresh", False), ("dual", False), ("dual", True)])
 @pytest.mark.parametrize("scheduler,advance", [("blockserve", "block"), ("blockserve", "step"), ("static", "block"),
                                                ("static", "step"), ("sequential", "block"), ("sequential", "step")])
-def test_full_canvas_matches_the_reference(model, references, cache, scheduler, advance):
+def test_full_canvas_matches_the_reference(model, references, cache, compile, scheduler, advance, request):
     prompts, params, ref = references
+    if compile:
+        request.getfixturevalue("fresh_dynamo")
     cfg = EngineConfig(block_length=L, steps_per_block=S, cache=cache, scheduler=scheduler, advance=advance,
-                       token_budget=220, max_batch_size=5)
+                       token_budget=220, max_batch_size=5, compile_decode=compile)
     eng = Engine(model, cfg, record_batches=True)
     assert eng.full_canvas  # canvas="auto" on a bidirectional model
     outs = eng.generate(prompts, params)
+    if compile:  # every block-only step ran compiled: none fell back to eager
+        assert eng.stats.compile_fallbacks == 0 and eng.stats.compiled_forwards > 0
     if scheduler != "sequential":
         assert max(len(b.request_ids) for b in eng.batch_log) > 1  # mixed batches
     if scheduler == "blockserve":  # full-canvas rows count p + K L columns from admission
