@@ -172,6 +172,10 @@ class PlantedStops(nn.Module):
                 cols: Optional[torch.Tensor] = None, **kw) -> torch.Tensor:
         logits = self.model(ids, pos, mask, cache, offset, logits_last=logits_last, logits_at=logits_at,
                             runs=runs, cols=cols, **kw)
+        return self._plant(logits, ids, pos, mask, cache, offset, logits_at, runs, cols)
+
+    @torch.compiler.disable  # data-dependent host rules: the compiled step (compile_decode) graphs the model only
+    def _plant(self, logits, ids, pos, mask, cache, offset, logits_at, runs, cols) -> torch.Tensor:
         rows = None if runs is None else torch.cat([torch.arange(a, b) for a, b, *_ in runs]).to(ids.device)
         B, n = logits.shape[:2]
         Tq = ids.shape[1]

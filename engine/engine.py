@@ -206,8 +206,7 @@ class Engine:
         is_mask = window == mask_id
         if b.valid_dev is not None:  # only the rows' own blocks (not earlier committed ones) are denoised
             is_mask &= b.valid_dev
-        self.runner.catch_up(b)
-        logits = self.runner.forward(b)
+        logits = self.runner.step_logits(b)
         rp = b.unit_params
         keys = self._noise_keys(b)
         units = lambda t: t.reshape(B * NB, L, *t.shape[2:])  # noqa: E731

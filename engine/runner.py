@@ -33,7 +33,7 @@ COMPILE_RECOMPILE_LIMIT = 32
 
 
 def catch_up_groups(need: List[int], floor: int, after: Optional[List[int]] = None,
-                    overhead: float = FORWARD_OVERHEAD_CELLS) -> List[List[int]]:
+                    overhead: float = FORWARD_OVERHEAD_CELLS, rejoin: bool = True) -> List[List[int]]:
     """Rows to bring up to date before the batch's forward, grouped by similar stretch.
 
     `need[i]` is how many columns row i must compute now (at least `floor`);
@@ -45,7 +45,9 @@ def catch_up_groups(need: List[int], floor: int, after: Optional[List[int]] = No
     Picks the split with the fewest computed cells (dynamic programming over rows
     sorted by need, `overhead` cells per extra forward: EngineConfig.forward_overhead_cells,
     else the engine's online fit, or FORWARD_OVERHEAD_CELLS before it has one); [] when
-    one forward is cheapest.
+    one forward is cheapest. `rejoin`: caught-up rows also run in the batch's forward
+    (False: they take their step's logits from the catch-up, so the batch's forward is
+    the other rows', one more forward's overhead when there are any).
     Each group lists its rows in ascending order."""
     n = len(need)
     after = after if after is not None else [floor] * n
@@ -64,8 +66,11 @@ def catch_up_groups(need: List[int], floor: int, after: Optional[List[int]] = No
             c = best[j] + (k - j) * d[j] + overhead
             if c < best[k]:
                 best[k], cut[k] = c, j
-    # the rest join the batch forward, as wide as its widest row
-    k = min(range(m + 1), key=lambda k: best[k] + n * max(base, d[k], caught_after[k]))
+    def batch_forward(k: int) -> float:  # the rest (and, rejoining, the caught-up rows): as wide as the widest
+        if rejoin:
+            return n * max(base, d[k], caught_after[k])
+        return (n - k) * max(base, d[k]) + overhead if n > k else 0.0
+    k = min(range(m + 1), key=lambda k: best[k] + batch_forward(k))
     groups = []
     while k > 0:
         groups.append(sorted(order[i] for i in range(cut[k], k)))
@@ -178,22 +183,42 @@ class ModelRunner:
             q1 = torch.where(b.cached > 0, bs + L, q1)
         return torch.minimum(fresh, bs - self.shift), q1, fresh
 
-    def catch_up(self, b: Batch) -> None:
+    def step_logits(self, b: Batch) -> torch.Tensor:
+        """Window logits [B, NB L, V] of every row for this step. Rows a catch-up forward
+        brought up to date take theirs from it, as the reference's block-start forward over
+        the whole row is also the block's first step (Fast-dLLM's dual cache); the other
+        rows run in one forward. With compile_decode every row runs in that forward, so
+        that the step keeps one shape per layout."""
+        caught = self.catch_up(b)
+        if not caught or self.cfg.compile_decode:
+            return self.forward(b)
+        done = {i for g, _ in caught for i in g}
+        rest = [i for i in range(len(b.rows)) if i not in done]
+        if rest:
+            caught.append((rest, self.forward(b, rest, catch_up=False)))
+        out = caught[0][1].new_empty(len(b.rows), *caught[0][1].shape[1:])
+        for group, logits in caught:
+            out[torch.tensor(group, device=out.device)] = logits
+        return out
+
+    def catch_up(self, b: Batch) -> List[Tuple[List[int], torch.Tensor]]:
         """Forward the rows with a long uncached stretch first, in sub-batches of similar
-        stretch (catch_up_groups), so the batch's forward stays about one block wide."""
+        stretch (catch_up_groups), so the batch's forward stays about one block wide;
+        returns each sub-batch's rows and window logits."""
         mode = self.cfg.mode
         if not mode.caches:
-            return
+            return []
         q0, q1, _ = self.windows(b)
         L = self.cfg.block_length
         # once caught up, a row computes its block, and its suffix unless the dual cache holds it
         after = mode.later_step_columns(b.nact * L + self.shift, b.tail, None)
         overhead = self.overhead_cells()
         self.stats.forward_overhead_cells = overhead
-        for group in catch_up_groups((q1 - q0).tolist(), L + self.shift, after.tolist(), overhead):
-            self.forward(b, group)
+        groups = catch_up_groups((q1 - q0).tolist(), L + self.shift, after.tolist(), overhead,
+                                 rejoin=self.cfg.compile_decode)  # step_logits: compiled, every row runs again
+        return [(group, self.forward(b, group)) for group in groups]
 
-    def forward(self, b: Batch, group: Optional[List[int]] = None) -> torch.Tensor:
+    def forward(self, b: Batch, group: Optional[List[int]] = None, catch_up: bool = True) -> torch.Tensor:
         """Window logits [n, NB L, V] for the rows `group` (ascending; all rows when None):
         each row's current block, or the batch's window of NB blocks when D2F rows hold
         several in flight (positions outside a row's blocks are clamped into its query and
@@ -201,7 +226,7 @@ class ModelRunner:
         (`plan`), run with one upload of its index tensors (`run`), counted (`account`)."""
         p = self.plan(b, group)
         logits, seconds = self.run(b, p)
-        self.account(b, p, seconds)
+        self.account(b, p, seconds, catch_up=catch_up and group is not None)
         return logits
 
     def plan(self, b: Batch, group: Optional[List[int]] = None) -> ForwardPlan:
@@ -294,7 +319,7 @@ class ModelRunner:
         timer.stop(seconds)
         return logits, seconds
 
-    def account(self, b: Batch, p: ForwardPlan, seconds: float) -> None:
+    def account(self, b: Batch, p: ForwardPlan, seconds: float, catch_up: bool) -> None:
         """The batch's bookkeeping after the forward (what is cached, prompt columns
         forwarded) and the engine's counters."""
         if b.cache is not None:
@@ -307,6 +332,6 @@ class ModelRunner:
         st.padded_cells += p.cells - p.n_real
         st.pad_key_cells += p.pad_keys
         st.pad_key_cells_unskipped += p.pad_keys_unskipped
-        if p.group is not None:  # a catch-up sub-batch
+        if catch_up:  # a catch-up sub-batch
             for k, v in (("forwards", 1), ("cells", p.cells), ("padded_cells", p.cells - p.n_real), ("seconds", seconds)):
                 st.catch_up[k] += v

@@ -274,29 +274,34 @@ def test_catch_up_groups_pick_the_fewest_cells():
 
     from engine.runner import FORWARD_OVERHEAD_CELLS as C, catch_up_groups
 
-    def cells(need, floor, groups):
+    def cells(need, floor, groups, rejoin=True):
         caught = {i for g in groups for i in g}
-        rest = max([need[i] for i in range(len(need)) if i not in caught] + [floor])
-        return sum(len(g) * max(need[i] for i in g) + C for g in groups) + len(need) * rest
+        left = [need[i] for i in range(len(need)) if i not in caught]
+        rest = max(left + [floor])
+        batch = len(need) * rest if rejoin else (len(left) * rest + C if left else 0)
+        return sum(len(g) * max(need[i] for i in g) + C for g in groups) + batch
 
     assert catch_up_groups([8] * 10, 8) == []  # nothing to catch up
     assert catch_up_groups([600, 590, 580, 570], 8) == []  # all wide alike: one forward pads little
     assert catch_up_groups([8] * 30 + [900], 8) == [[30]]  # one newcomer among block-wide rows
     groups = catch_up_groups([8] * 30 + [1000, 990, 300, 290], 8)
     assert sorted(map(sorted, groups)) == [[30, 31], [32, 33]]  # two groups of similar stretch
+    # caught-up rows that take their logits from the catch-up: a lone newcomer runs once, alone
+    assert catch_up_groups([900], 8, rejoin=False) == [] and catch_up_groups([8, 900], 8, rejoin=False) == [[1]]
     rng = random.Random(0)
     for _ in range(200):  # optimal over every way of catching up a by-need prefix in contiguous groups
         need = [rng.choice([8, 8, 8, rng.randint(8, 1200)]) for _ in range(rng.randint(1, 7))]
-        got = cells(need, 8, catch_up_groups(need, 8))
-        order = sorted(range(len(need)), key=lambda i: -need[i])
-        best = cells(need, 8, [])
-        for k in range(1, len(need) + 1):
-            for cuts in itertools.product([0, 1], repeat=k - 1):
-                groups, cur = [], [order[0]]
-                for i, c in zip(order[1:k], cuts):
-                    groups, cur = (groups + [cur], [i]) if c else (groups, cur + [i])
-                best = min(best, cells(need, 8, groups + [cur]))
-        assert got == best
+        for rejoin in (True, False):
+            got = cells(need, 8, catch_up_groups(need, 8, rejoin=rejoin), rejoin)
+            order = sorted(range(len(need)), key=lambda i: -need[i])
+            best = cells(need, 8, [], rejoin)
+            for k in range(1, len(need) + 1):
+                for cuts in itertools.product([0, 1], repeat=k - 1):
+                    groups, cur = [], [order[0]]
+                    for i, c in zip(order[1:k], cuts):
+                        groups, cur = (groups + [cur], [i]) if c else (groups, cur + [i])
+                    best = min(best, cells(need, 8, groups + [cur], rejoin))
+            assert got == best
 
 
 def test_forward_overhead_is_fitted_from_the_engines_own_forwards():
