@@ -134,9 +134,8 @@ class ModelRunner:
     def decode_model(self):
         """The model compiled for the dual cache's block-only step: (rows, L) queries over a
         (rows, width) cache. Compiled with dynamic shapes, so one graph serves every batch
-        layout (a few specialisations: one row, a cache view that is the whole buffer),
-        where static shapes hit dynamo's recompile limit after 8 layouts and then ran
-        eager without a word. On CUDA `reduce-overhead` records one CUDA graph per shape
+        layout (a few specialisations: one row, a cache view that is the whole buffer);
+        static shapes hit dynamo's recompile limit after 8 layouts. On CUDA `reduce-overhead` records one CUDA graph per shape
         and replays it with the step's inputs copied in (not yet measured on a GPU:
         bench/gpu/run.sh's blockserve+step+compile run does). Its logits are read before
         the next step."""
@@ -309,8 +308,8 @@ class ModelRunner:
                 kw = dict(write=write_d, runs=p.runs, cols=None if p.contiguous else qc_d, logits_at=at_d)
                 logits = None
                 if p.compiled:  # inputs of their own (no views of the upload): stable strides, no recompiles
-                    logits = self.run_compiled(*args, **{k: v if v is None or not torch.is_tensor(v) else
-                                                         v.contiguous() for k, v in kw.items()})
+                    logits = self.run_compiled(*args, **{k: v.contiguous() if torch.is_tensor(v) else v
+                                                         for k, v in kw.items()})
                 if logits is None:
                     logits = self.model(*args, **kw)
             if self.cfg.profile and dev.type == "cuda":  # exact forward_s, at the cost of a stall
