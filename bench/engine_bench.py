@@ -259,7 +259,7 @@ def check_targets(workload: str, summary, rat, sizes) -> Dict[str, object]:
         s = summary[step]
         # the share of the run's time in catch-up forwards: each row's whole-row recompute at its block start,
         # which the reference requires and batching cannot share; ratio / share is the ratio if all else were free
-        share = (s["catch_up"] or {}).get("forward_share", 0) * s["forward_s"] / s["wall_s"] if s["wall_s"] else 0
+        share = ((s["catch_up"] or {}).get("forward_share") or 0) * s["forward_s"] / s["wall_s"] if s["wall_s"] else 0
         for name, base in (("over_peer", PEER), ("over_sequential", "sequential")):
             if base in summary:
                 v = median([x / y for x, y in zip(s[key], summary[base][key])])

@@ -130,6 +130,8 @@ class ModelRunner:
         self.timer = ForwardTimer(self.fit, self.device, exact=self.cfg.profile)
         self.attention_overhead = ATTENTION_OVERHEAD_KEYS.get(self.device.type, ATTENTION_OVERHEAD_KEYS_DEVICE)
         self._decode = None  # the compiled block-only step (EngineConfig.compile_decode); False: given up
+        # the compiled block-only step runs under the dual cache only (its later steps are block-only)
+        self.compiles = cfg.compile_decode and cfg.mode.caches_suffix
 
     def decode_model(self):
         """The model compiled for the dual cache's block-only step: (rows, L) queries over a
@@ -188,22 +190,23 @@ class ModelRunner:
         the whole row is also the block's first step (Fast-dLLM's dual cache); the other
         rows run in one forward. With compile_decode every row runs in that forward, so
         that the step keeps one shape per layout."""
-        caught = self.catch_up(b)
-        if not caught or self.cfg.compile_decode:
+        caught = self.catch_up(b, rejoin=self.compiles)
+        if not caught or self.compiles:
             return self.forward(b)
         done = {i for g, _ in caught for i in g}
         rest = [i for i in range(len(b.rows)) if i not in done]
         if rest:
-            caught.append((rest, self.forward(b, rest, catch_up=False)))
+            caught.append((rest, self.forward(b, rest)))
         out = caught[0][1].new_empty(len(b.rows), *caught[0][1].shape[1:])
         for group, logits in caught:
             out[torch.tensor(group, device=out.device)] = logits
         return out
 
-    def catch_up(self, b: Batch) -> List[Tuple[List[int], torch.Tensor]]:
+    def catch_up(self, b: Batch, rejoin: bool) -> List[Tuple[List[int], torch.Tensor]]:
         """Forward the rows with a long uncached stretch first, in sub-batches of similar
         stretch (catch_up_groups), so the batch's forward stays about one block wide;
-        returns each sub-batch's rows and window logits."""
+        returns each sub-batch's rows and window logits. `rejoin`: the caught-up rows run
+        in the batch's forward too (catch_up_groups plans for it)."""
         mode = self.cfg.mode
         if not mode.caches:
             return []
@@ -213,11 +216,10 @@ class ModelRunner:
         after = mode.later_step_columns(b.nact * L + self.shift, b.tail, None)
         overhead = self.overhead_cells()
         self.stats.forward_overhead_cells = overhead
-        groups = catch_up_groups((q1 - q0).tolist(), L + self.shift, after.tolist(), overhead,
-                                 rejoin=self.cfg.compile_decode)  # step_logits: compiled, every row runs again
-        return [(group, self.forward(b, group)) for group in groups]
+        groups = catch_up_groups((q1 - q0).tolist(), L + self.shift, after.tolist(), overhead, rejoin)
+        return [(group, self.forward(b, group, catch_up=True)) for group in groups]
 
-    def forward(self, b: Batch, group: Optional[List[int]] = None, catch_up: bool = True) -> torch.Tensor:
+    def forward(self, b: Batch, group: Optional[List[int]] = None, catch_up: bool = False) -> torch.Tensor:
         """Window logits [n, NB L, V] for the rows `group` (ascending; all rows when None):
         each row's current block, or the batch's window of NB blocks when D2F rows hold
         several in flight (positions outside a row's blocks are clamped into its query and
@@ -225,7 +227,7 @@ class ModelRunner:
         (`plan`), run with one upload of its index tensors (`run`), counted (`account`)."""
         p = self.plan(b, group)
         logits, seconds = self.run(b, p)
-        self.account(b, p, seconds, catch_up=catch_up and group is not None)
+        self.account(b, p, seconds, catch_up)
         return logits
 
     def plan(self, b: Batch, group: Optional[List[int]] = None) -> ForwardPlan:
@@ -256,7 +258,7 @@ class ModelRunner:
         cached = b.cache is not None
         contiguous = bool((q1 == W).all())
         # the compiled block-only step (dual cache, mid-block) attends whole boxes: one shape per layout
-        compiled = self.cfg.compile_decode and self.cfg.mode.caches_suffix and not contiguous and group is None
+        compiled = self.compiles and not contiguous and group is None
         slots = list(range(len(b.rows))) if group is None else group
         runs = key_runs(slots, start.tolist(), W, self.attention_overhead) if cached and not compiled else None
         if runs:  # pad keys attended: before each row's first real column, from its run's first key
