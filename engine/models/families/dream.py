@@ -32,10 +32,11 @@ DREAM = DreamFamily(
                         "num_key_value_heads", "intermediate_size", "rope_theta", "rms_norm_eps",
                         "tie_word_embeddings", "max_position_embeddings"}),
     # dropout is training-only; sliding_window / max_window_layers only matter with
-    # use_sliding_window, which `fixed` refuses
+    # use_sliding_window, which `fixed` refuses; use_mrope (Qwen2.5's config: multimodal RoPE)
+    # is accepted only off
     ignored=frozenset({"attention_dropout", "sliding_window", "max_window_layers"}),
     fixed={"hidden_act": ("silu",), "rope_scaling": (None,), "use_sliding_window": (False,),
-           "attention_bias": (True,)},
+           "attention_bias": (True,), "use_mrope": (False, None)},
     top_weights={"embed.weight": "model.embed_tokens.weight", "norm.weight": "model.norm.weight",
                  "lm_head.weight": "lm_head.weight", "lm_head.bias": "lm_head.bias"},
     layer_prefix="model.layers.{i}.",

@@ -51,6 +51,10 @@ class LLaDA2Family(LLaDAMoEFamily):
         if head_dim not in (None, d // H) or d % H:
             raise ConfigRefused(f"config.json head_dim={head_dim!r} with hidden_size={d}, num_attention_heads={H}: "
                                 f"blockray's LLaDA2 model computes head_dim = hidden_size / num_attention_heads")
+        rotary = hf.get("rotary_dim")
+        if rotary is not None and rotary != int((head_dim or d // H) * float(hf.get("partial_rotary_factor", 0.5))):
+            raise ConfigRefused(f"config.json rotary_dim={rotary!r} is not head_dim x partial_rotary_factor, which "
+                                "the published modeling code rotates; blockray's LLaDA2 model computes the same")
         experts = hf.get("num_experts")
         if experts is None:
             raise ConfigRefused("config.json num_experts=None (an all-dense LLaDA2) is not supported by blockray")
@@ -108,7 +112,7 @@ LLADA2_MOE = LLaDA2Family(
                         "head_dim", "intermediate_size", "moe_intermediate_size", "num_experts", "num_experts_per_tok",
                         "num_shared_experts", "first_k_dense_replace", "n_group", "topk_group",
                         "routed_scaling_factor", "use_qk_norm", "use_qkv_bias", "use_bias", "partial_rotary_factor",
-                        "rope_theta", "rms_norm_eps", "tie_word_embeddings", "max_position_embeddings"}),
+                        "rope_theta", "rms_norm_eps", "tie_word_embeddings", "max_position_embeddings", "rotary_dim"}),
     # dropout, init and training-only outputs; norm_topk_prob is read by no published
     # modeling code (the gate renormalises whenever top_k > 1); the sliding-window keys are
     # inert while use_sliding_window is false (fixed below)
@@ -116,7 +120,9 @@ LLADA2_MOE = LLaDA2Family(
                        "norm_topk_prob", "sliding_window", "max_window_layers", "router_aux_loss_coef"}),
     fixed={"hidden_act": ("silu",), "rope_scaling": (None,), "norm_head": (False,), "use_sliding_window": (False,),
            "score_function": ("sigmoid", None), "router_dtype": ("fp32", None),
-           "moe_router_enable_expert_bias": (True, None), "num_nextn_predict_layers": (0, None)},
+           "moe_router_enable_expert_bias": (True, None), "num_nextn_predict_layers": (0, None),
+           # the published config.json's layout switches, at the values its modeling code computes
+           "norm_softmax": (False, None), "use_rmsnorm": (True, None), "using_split_qkv_in_self_attention": (False, None)},
     top_weights={"embed.weight": "model.word_embeddings.weight", "norm.weight": "model.norm.weight",
                  "lm_head.weight": "lm_head.weight"},
     layer_prefix="model.layers.{i}.",
