@@ -14,7 +14,7 @@ import traceback
 from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Sequence
 
 from engine.config import SamplingParams  # dataclasses only: no torch
-from engine.sequence import RequestOutput
+from engine.sequence import FinishReason, RequestOutput
 
 if TYPE_CHECKING:
     from engine import Engine
@@ -27,7 +27,7 @@ StepHook = Callable[["Engine", List[RequestOutput]], None]
 def error_output(request_id: Any, prompt: Sequence[int], message: str) -> RequestOutput:
     """A RequestOutput for a request the engine never returned (it crashed or refused it)."""
     return RequestOutput(request_id=request_id, prompt_token_ids=list(prompt), token_ids=[],
-                         finish_reason="error", error=message)
+                         finish_reason=FinishReason.ERROR, error=message)
 
 
 class EngineLoop:

@@ -4,22 +4,24 @@ requests join, leave or start a new block.
 Rows are left-padded to the bounding-box width W and position ids count from the
 row's first real token. A row's current block ends `tail` columns before W: it is the
 row's last L columns under the block canvas (tail 0), and is followed by the row's
-still-masked later blocks under the full canvas. A D2F row (engine.d2f) has `nact`
-blocks in flight, its last nact L columns (block canvas only). The step decodes the
-batch's window, the last NB L columns before each row's tail (NB = the largest nact),
-as B x NB units of L positions, of which each row's last nact are its blocks. A
-re-layout rebuilds only the token ids and the bookkeeping; the rows' K/V stay where
-they are (engine.slots)."""
+still-masked later blocks under the full canvas. A row whose decoding rule keeps several
+blocks in flight (D2F, engine.d2f) has `nact` of them, its last nact L columns (block
+canvas only). The step decodes the batch's window, the last NB L columns before each
+row's tail (NB = the largest nact), as B x NB units of L positions, of which each row's
+last nact are its blocks. A re-layout rebuilds only the token ids and the bookkeeping;
+the rows' K/V stay where they are (engine.slots)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Dict, List, Optional
+from typing import Any, Dict, List, Optional
 
 import torch
 
 from .decoding import RowParams
 from .modes import CacheMode
-from .models import KVCache, ModelConfig
+from .models import KVCache
+from .models.families.base import BlockLayout
+from .rules import Traits
 from .sequence import Request, RowShape
 
 
@@ -44,15 +46,17 @@ class Batch:
     row_params: RowParams  # per-row decoding parameters, built once per layout
     block_length: int
     cache: Optional[KVCache] = None  # the box view of the engine's KV slots
-    nact: Optional[torch.Tensor] = None  # [B] blocks in flight (D2F rows; None: one each)
+    nact: Optional[torch.Tensor] = None  # [B] blocks in flight (None: one each)
 
     def __post_init__(self):
         dev, L = self.ids.device, self.block_length
         if self.nact is None:
             self.nact = torch.ones(len(self.rows), dtype=torch.long)
         self.n_window = max(1, int(self.nact.max()))  # NB
-        self.d2f_rows = torch.tensor([r.d2f is not None for r in self.rows], dtype=torch.bool)
-        self.has_d2f = bool(self.d2f_rows.any())
+        self.groups: Dict[Any, List[int]] = {}  # decoding rule -> its rows (engine.rules)
+        for i, r in enumerate(self.rows):
+            self.groups.setdefault(r.rule, []).append(i)
+        self.stepwise = any(rule.stepwise for rule in self.groups)  # rows commit at any step: advance by steps
         n = self.n_window * L
         self.window_start = self.width - self.tail - n  # [B] first column of the window (host)
         self.block_cols = (self.window_start[:, None] + torch.arange(n)[None]).to(dev)  # [B, NB L] device
@@ -80,8 +84,9 @@ class Batch:
 def attention_mask(lens: torch.Tensor, prompt_len: torch.Tensor, width: int, block_length: int,
                    block_causal: bool, absolute: bool = False) -> torch.Tensor:
     """Pad keys are never attended. Block-causal models: the prompt attends to the
-    prompt, block j to the prompt, earlier blocks and itself; `absolute` (LLaDA2): blocks
-    at multiples of the block length from position 0, the prompt's among them."""
+    prompt, block j to the prompt, earlier blocks and itself; `absolute`
+    (BlockLayout.ABSOLUTE): blocks at multiples of the block length from position 0, the
+    prompt's among them."""
     col = torch.arange(width, device=lens.device)[None]
     valid = col >= (width - lens)[:, None]
     if not block_causal:
@@ -106,13 +111,13 @@ def start_next_block(lens: torch.Tensor, tail: torch.Tensor, step: torch.Tensor,
     return lens, tail, torch.where(grew, 0, step), torch.where(grew, 0, busy), cached
 
 
-def relayout(old: Optional[Batch], rows: List[Request], grown: set, *, mcfg: ModelConfig, shape: RowShape,
-             mode: CacheMode, first_position: bool, device) -> Batch:
+def relayout(old: Optional[Batch], rows: List[Request], grown: set, *, traits: Traits, device) -> Batch:
     """The batch for `rows` (in slot order): kept rows are gathered from `old` (shifted
     to the new box, frozen if they were), rows in `grown` committed a block and start
     the next one, new rows are built from their tokens. `refresh` and `dual` recompute
     a row at every block start; `persistent` only ever computes the tokens it has not
     cached."""
+    mcfg, shape, mode, family = traits.model, traits.shape, traits.config.mode, traits.family
     L, dev, full_canvas = shape.block_length, device, shape.full_canvas
     old_index: Dict[Request, int] = {r: i for i, r in enumerate(old.rows)} if old is not None else {}
     B = len(rows)
@@ -143,9 +148,10 @@ def relayout(old: Optional[Batch], rows: List[Request], grown: set, *, mcfg: Mod
     window = torch.zeros(B, max(1, int(nact.max())) * L, dtype=torch.bool)
     window[:, -L:] = masked
     for i, r in enumerate(rows):
-        if r.d2f is not None:
-            n = window.shape[1] - r.d2f.n_active * L
-            window[i, n:] = (torch.tensor(r.d2f.tokens(), dtype=torch.long) == mcfg.mask_token_id) & ~frozen[i]
+        if r.rule.stepwise:  # its blocks in flight may hold masks in any of them
+            n = window.shape[1] - r.n_active * L
+            tokens = r.rule.in_flight(r, shape, mcfg.mask_token_id)
+            window[i, n:] = (torch.tensor(tokens, dtype=torch.long) == mcfg.mask_token_id) & ~frozen[i]
     masked = window
     W = int(lens.max())
     col = torch.arange(W)[None]
@@ -163,7 +169,7 @@ def relayout(old: Optional[Batch], rows: List[Request], grown: set, *, mcfg: Mod
         fresh = torch.full((len(new), W), mcfg.pad_token_id, dtype=torch.long)
         for j, i in enumerate(new):
             r = rows[i]
-            inflight = r.d2f.tokens() if r.d2f is not None else shape.block_tokens(r, mcfg.mask_token_id)
+            inflight = r.rule.in_flight(r, shape, mcfg.mask_token_id)
             fresh[j, W - shape.width(r):] = torch.tensor(r.prompt + r.generated + inflight)
         ids[torch.tensor(new, device=dev)] = fresh.to(dev)
     n = masked.shape[1]  # the window: a frozen D2F row may have masks in every block it had in flight
@@ -174,9 +180,11 @@ def relayout(old: Optional[Batch], rows: List[Request], grown: set, *, mcfg: Mod
     same_rows = old is not None and rows == old.rows  # Request compares by identity
     prompt_len = old.prompt_len if same_rows else torch.tensor([r.prompt_len for r in rows])
     row_params = old.row_params if same_rows else RowParams.build(
-        [r.params for r in rows], [r.noise_seed for r in rows], dev, first_position_default=first_position,
-        llada2=mcfg.llada2)
+        [r.params for r in rows], [r.noise_seed for r in rows], dev, first_position_default=family.first_position,
+        threshold=family.threshold, floor_one=[r.rule.floor_one for r in rows],
+        caps=[r.rule.step_cap(r, L, traits.config.steps_per_block) for r in rows])
     return Batch(rows=list(rows), ids=ids, lens=lens, tail=tail, prompt_len=prompt_len, cached=cached, step=step,
                  busy_steps=busy, prompt_fwd=fwd, frozen=frozen, masked=masked,
-                 mask=attention_mask(lens.to(dev), prompt_len.to(dev), W, L, mcfg.block_causal, mcfg.llada2),
+                 mask=attention_mask(lens.to(dev), prompt_len.to(dev), W, L, mcfg.block_causal,
+                                     family.blocks == BlockLayout.ABSOLUTE),
                  row_params=row_params, block_length=L, nact=nact)

@@ -2,6 +2,7 @@
 each request is decoded (SamplingParams)."""
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass, field, fields, replace
 from typing import Any, Dict, Literal, Optional, Sequence, get_args
 
@@ -11,8 +12,36 @@ Policy = Literal["fixed", "threshold", "factor", "timestep"]
 Remasking = Literal["low_confidence", "random", "entropy", "margin"]
 CacheMode = Literal["none", "refresh", "persistent", "dual"]
 Canvas = Literal["auto", "block", "full"]
-SchedulerKind = Literal["blockserve", "static", "sequential"]
 AdvanceMode = Literal["block", "step"]
+
+
+class SchedulerKind(enum.StrEnum):
+    """Who runs in an engine's next step (engine.scheduler, engine.canvas): `blockserve`
+    (block-grained continuous batching within the token budget), `static` (Fast-dLLM's
+    fixed groups run in lock step) and `sequential` (one request at a time), the baselines."""
+
+    BLOCKSERVE = "blockserve"
+    STATIC = "static"
+    SEQUENTIAL = "sequential"
+
+
+class Attention(enum.StrEnum):
+    """A masked-diffusion model's attention: `bidirectional` (every column sees every
+    column) or `block_causal` (the prompt sees the prompt, block j the prompt, earlier
+    blocks and itself); as an override (`--attention`), `auto` keeps what the checkpoint
+    declares."""
+
+    AUTO = "auto"
+    BIDIRECTIONAL = "bidirectional"
+    BLOCK_CAUSAL = "block_causal"
+
+
+def enum_value(name: str, value: Any, kind: type) -> Any:
+    """`value` as a member of the StrEnum `kind`; a ValueError naming the choices otherwise."""
+    try:
+        return kind(value)
+    except ValueError:
+        raise ValueError(f"{name} must be one of {', '.join(repr(k.value) for k in kind)}, got {value!r}") from None
 
 
 def not_one_of(name: str, value: Any, kind: Any) -> Optional[str]:
@@ -228,7 +257,7 @@ class EngineConfig:
         "(block-causal models)")})
     token_budget: int = field(default=65536, metadata={"help": (
         "cells (rows x width) of the padded batch box an engine may forward at once")})
-    scheduler: SchedulerKind = field(default="blockserve", metadata={"help": (
+    scheduler: SchedulerKind = field(default=SchedulerKind.BLOCKSERVE, metadata={"help": (
         "blockserve (continuous, block-grained batching), static or sequential (the baselines)")})
     max_batch_size: int = field(default=256, metadata={"help": (
         "cap on the requests an engine runs at once (the group size B of static)")})
@@ -252,8 +281,8 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.block_length < 1 or self.steps_per_block < 1:
             raise ValueError("block_length and steps_per_block must be >= 1")
-        for name, kind in (("cache", CacheMode), ("canvas", Canvas), ("scheduler", SchedulerKind),
-                           ("advance", AdvanceMode)):
+        self.scheduler = enum_value("scheduler", self.scheduler, SchedulerKind)
+        for name, kind in (("cache", CacheMode), ("canvas", Canvas), ("advance", AdvanceMode)):
             err = not_one_of(name, getattr(self, name), kind)
             if err:
                 raise ValueError(err)

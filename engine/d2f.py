@@ -1,5 +1,6 @@
-"""D2F (Discrete Diffusion Forcing) pipelined block decoding: a request keeps several
-blocks in flight, each denoised by the step's one forward.
+"""D2F (Discrete Diffusion Forcing) pipelined block decoding as a decoding rule
+(engine.rules): a request keeps several blocks in flight, each denoised by the step's one
+forward, and commits them at any step.
 
 The rules follow D2F's `_generate_block_single` / `_update_block_completion_states`
 (zhijie-group/Discrete-Diffusion-Forcing, D2F-eval/eval_llada.py), with the prompt as
@@ -19,7 +20,7 @@ block 0 (fully decoded) and K = max_new_tokens // L blocks at most. One step is:
    the active set once it has no masks and no block before it is active).
 
 The host runs 4's bookkeeping and 5, then 1 and 2 for the next step, right after the
-step's one device read (engine.engine), so a row's width grows by L between two steps.
+step's one device read (`D2FRule.commit`), so a row's width grows by L between two steps.
 Two conventions are the engine's own: decoded fractions count the block's tokens that
 are not the mask (D2F decrements a counter per commit: the same unless the model
 proposes the mask token itself), and a block still holding masks after L steps in the
@@ -28,7 +29,14 @@ stands, where D2F loops until its 10,000-step safety stop."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import List, Sequence
+from typing import Any, List, Optional, Sequence
+
+import torch
+
+from .decoding import select_d2f
+from .models.families.base import BlockLayout
+from .reads import D2F_SAMPLING, MASKED_SAMPLING
+from .rules import NOISE_MASK, BlockRule, Traits
 
 
 @dataclass
@@ -103,3 +111,89 @@ class D2FState:
         while self.active and (self.mask_id not in self.active[0].tokens or self.active[0].forced_steps >= L):
             done += self.active.pop(0).tokens
         return done
+
+
+class D2FRule(BlockRule):
+    """`SamplingParams.block_add_threshold` set: D2F's pipelined blocks (see the module
+    docstring), on block-causal, unshifted models with blocks after the prompt."""
+
+    name = "d2f"
+    reads = MASKED_SAMPLING | D2F_SAMPLING
+    stepwise = True
+
+    def applies(self, params: Any) -> bool:
+        return params.block_add_threshold is not None
+
+    def unsupported(self, req: Any, traits: Traits) -> Optional[str]:
+        m, shape, why = traits.model, traits.shape, None
+        if not m.block_causal:
+            why = ("needs block-causal attention (its blocks are decoded against unfinished predecessors); this "
+                   "model is bidirectional (config.json dllm_attention)")
+        elif m.shift_logits:
+            why = f"is implemented for unshifted logits (LLaDA); {m.model_type} reads each position from the one before"
+        elif traits.family.blocks != BlockLayout.AFTER_PROMPT:
+            why = f"is implemented for blocks after the prompt; {traits.family.name} places its blocks at absolute positions"
+        elif shape.full_canvas:
+            why = "needs the block canvas (EngineConfig.canvas 'block' or 'auto')"
+        elif traits.config.mode.caches_suffix:
+            why = "forwards every block in flight; cache 'dual' forwards one: use none, refresh or persistent"
+        elif req.params.max_new_tokens < shape.block_length:
+            why = (f"decodes max_new_tokens // block_length whole blocks: max_new_tokens={req.params.max_new_tokens} "
+                   f"< block_length={shape.block_length}")
+        return f"block_add_threshold (D2F decoding) {why}" if why else None
+
+    def start(self, req: Any, traits: Traits) -> D2FState:
+        p, L = req.params, traits.shape.block_length
+        return D2FState(float(p.block_add_threshold), float(p.decoded_token_threshold), L, self.blocks_needed(req, L),
+                        traits.model.mask_token_id, req.stop_ids)
+
+    def blocks_needed(self, req: Any, block_length: int) -> int:
+        return req.params.max_new_tokens // block_length  # D2F's count: whole blocks only
+
+    def n_active(self, req: Any) -> int:
+        return req.state.n_active
+
+    def in_flight(self, req: Any, shape: Any, mask_id: int) -> List[int]:
+        return req.state.tokens()
+
+    def noise_keys(self, req: Any, seed: int, step: int) -> List[int]:
+        """Per block in flight: (seed, tokens before it, the request's step)."""
+        st, L = req.state, req.state.block_length
+        return [hash((seed, (st.first_active + j) * L, st.steps)) & NOISE_MASK for j in range(st.n_active)]
+
+    def select(self, b: Any, rows: List[int], sel: torch.Tensor, **step: torch.Tensor) -> torch.Tensor:
+        """Its rows' blocks take D2F's rule: over threshold, or a complete block's most
+        confident position."""
+        NB = b.n_window
+        units = torch.zeros(len(b.rows) * NB, dtype=torch.bool)
+        complete = torch.zeros(len(b.rows) * NB, dtype=torch.bool)
+        for i in rows:
+            blocks = b.rows[i].state.active
+            units[i * NB:(i + 1) * NB] = True
+            complete[(i + 1) * NB - len(blocks):(i + 1) * NB] = torch.tensor([blk.complete for blk in blocks])
+        dev = sel.device
+        mine = select_d2f(step["conf"], step["is_mask"], b.unit_params, complete.to(dev))
+        return torch.where(units.to(dev)[:, None], mine, sel)
+
+    def commit(self, engine: Any, b: Any, rows: List[int], blocks: torch.Tensor, done: torch.Tensor) -> None:
+        """Every step: the blocks in flight take the step's tokens, leading finished blocks
+        are committed (the row may leave), the next step's block is added (the row grows
+        by L) and complete flags set."""
+        L = b.block_length
+        for i in rows:
+            r = b.rows[i]
+            st = r.state
+            before = st.n_active
+            committed = st.observe(blocks[i, -before * L:].tolist())
+            r.num_steps = st.steps
+            r.prompt_forwarded = int(b.prompt_fwd[i])
+            if committed and engine.commit(b, i, committed):
+                engine.relayout()  # a frozen row's blocks stop being denoised
+                continue
+            if st.plan():
+                engine.grow(r)
+            if st.n_active != before:
+                engine.relayout()
+
+
+D2F = D2FRule()

@@ -11,6 +11,8 @@ from typing import List, Optional, Sequence
 
 import torch
 
+from .models.families.base import ThresholdRule
+
 FIXED, THRESHOLD, FACTOR, TIMESTEP = 0, 1, 2, 3
 POLICY_IDS = {"fixed": FIXED, "threshold": THRESHOLD, "factor": FACTOR, "timestep": TIMESTEP}
 LOW_CONFIDENCE, RANDOM, ENTROPY, MARGIN = 0, 1, 2, 3
@@ -30,13 +32,14 @@ class DeviceParams:
     first_position: torch.Tensor  # bool
     top_p: torch.Tensor
     top_k: torch.Tensor
+    cap: torch.Tensor  # a rule's own step cap (-1: the policy's, step_cap)
 
     @classmethod
     def upload(cls, real: torch.Tensor, ints: torch.Tensor, device) -> "DeviceParams":
-        """From the host's [4, B] float64 and [4, B] long stacks: two copies, not eight."""
+        """From the host's [4, B] float64 and [5, B] long stacks: two copies, not nine."""
         r, i = real.to(device), ints.to(device)
         return cls(policy=i[0], threshold=r[0], factor=r[1], temperature=r[2], remasking=i[1],
-                   first_position=i[2].bool(), top_p=r[3], top_k=i[3])
+                   first_position=i[2].bool(), top_p=r[3], top_k=i[3], cap=i[4])
 
 
 @dataclass
@@ -47,18 +50,27 @@ class RowParams:
     params: List  # the rows' SamplingParams
     seeds: List[Optional[int]]  # noise seed per row, None when the row draws no noise
     real: torch.Tensor  # host [4, B] float64: threshold, factor, temperature, top_p
-    ints: torch.Tensor  # host [4, B] long: policy, remasking, first_position, top_k
+    ints: torch.Tensor  # host [5, B] long: policy, remasking, first_position, top_k, cap
     dev: DeviceParams
     any_entropy: bool
     any_margin: bool
-    llada2: bool = False  # LLaDA2's threshold rule (engine.llada2): strictly greater, a floor of k per step
-    max_new: Optional[torch.Tensor] = None  # LLaDA2: max_new_tokens per row (2.0's steps = min(steps, gen_length))
-    editing: Optional[torch.Tensor] = None  # LLaDA2: rows with token editing (2.1's loop: a floor of 1)
+    # ThresholdRule.SCHEDULE_FLOOR (LLaDA2's generate()): strictly greater, a floor of k per step,
+    # with max_new_tokens per row (2.0's steps = min(steps, gen_length)) and the rows whose
+    # floor is 1 (a decoding rule's: LLaDA2.1's token editing loop)
+    floor: bool = False
+    max_new: Optional[torch.Tensor] = None
+    floor_one: Optional[torch.Tensor] = None
 
     @property
     def policy(self) -> torch.Tensor:
         """Host [B] policy ids."""
         return self.ints[0]
+
+    def caps(self, block_length: int, steps: int, dev: bool = False) -> torch.Tensor:
+        """[B] steps after which a row's block is committed whatever it holds: its rule's
+        cap, else its policy's (step_cap); host values, or the device's (`dev`)."""
+        policy, cap = (self.dev.policy, self.dev.cap) if dev else (self.policy, self.ints[4])
+        return torch.where(cap >= 0, cap, step_cap(policy, block_length, steps))
 
     @property
     def first_position(self) -> torch.Tensor:
@@ -66,22 +78,25 @@ class RowParams:
         return self.ints[2].bool()
 
     @classmethod
-    def build(cls, params: Sequence, seeds: Sequence[Optional[int]], device,
-              first_position_default: bool = False, llada2: bool = False) -> "RowParams":
+    def build(cls, params: Sequence, seeds: Sequence[Optional[int]], device, first_position_default: bool = False,
+              threshold: ThresholdRule = ThresholdRule.AT_LEAST_TOP1,
+              floor_one: Optional[Sequence[bool]] = None, caps: Optional[Sequence[Optional[int]]] = None
+              ) -> "RowParams":
         first = [first_position_default if p.first_position is None else bool(p.first_position) for p in params]
+        floor = threshold == ThresholdRule.SCHEDULE_FLOOR
         real = torch.tensor([[float(p.threshold) for p in params], [float(p.factor) for p in params],
                              [float(p.temperature) for p in params], [float(p.top_p) for p in params]],
                             dtype=torch.float64).reshape(4, len(params))
         ints = torch.tensor([[POLICY_IDS[p.policy] for p in params], [REMASKING_IDS[p.remasking] for p in params],
-                             [int(f) for f in first], [max(0, int(p.top_k)) for p in params]],
-                            dtype=torch.long).reshape(4, len(params))
+                             [int(f) for f in first], [max(0, int(p.top_k)) for p in params],
+                             [-1 if c is None else int(c) for c in (caps or [None] * len(params))]],
+                            dtype=torch.long).reshape(5, len(params))
         return cls(params=list(params), seeds=list(seeds), real=real, ints=ints,
                    dev=DeviceParams.upload(real, ints, device),
                    any_entropy=any(p.remasking == "entropy" for p in params),
-                   any_margin=any(p.remasking == "margin" for p in params), llada2=llada2,
-                   max_new=torch.tensor([p.max_new_tokens for p in params], device=device) if llada2 else None,
-                   editing=torch.tensor([p.edit_threshold is not None for p in params], device=device)
-                   if llada2 else None)
+                   any_margin=any(p.remasking == "margin" for p in params), floor=floor,
+                   max_new=torch.tensor([p.max_new_tokens for p in params], device=device) if floor else None,
+                   floor_one=torch.tensor(list(floor_one or [False] * len(params)), device=device) if floor else None)
 
     def take(self, index: torch.Tensor) -> "RowParams":
         """The parameters of rows `index` (a host tensor): one entry per decoding unit
@@ -89,11 +104,11 @@ class RowParams:
         ix = index.tolist()
         real, ints = self.real[:, index], self.ints[:, index]
         dev_index = index.to(self.dev.policy.device)
-        pick = lambda t: None if t is None else t[dev_index]  # noqa: E731 - LLaDA2's device tensors
+        pick = lambda t: None if t is None else t[dev_index]  # noqa: E731 - the floor's device tensors
         return RowParams(params=[self.params[i] for i in ix], seeds=[self.seeds[i] for i in ix], real=real, ints=ints,
                          dev=DeviceParams.upload(real, ints, self.dev.policy.device),
-                         any_entropy=self.any_entropy, any_margin=self.any_margin, llada2=self.llada2,
-                         max_new=pick(self.max_new), editing=pick(self.editing))
+                         any_entropy=self.any_entropy, any_margin=self.any_margin, floor=self.floor,
+                         max_new=pick(self.max_new), floor_one=pick(self.floor_one))
 
 
 def fixed_schedule(step: torch.Tensor, block_length: int, steps: int) -> torch.Tensor:
@@ -189,12 +204,12 @@ def select(conf: torch.Tensor, is_mask: torch.Tensor, step: torch.Tensor, rp: Ro
     n_mask = is_mask.sum(1)
     # fixed: the k_s most confident masked positions
     by_fixed = rank < fixed_schedule(step, block_length, steps)[:, None]
-    # threshold: every confident position, at least the most confident one (LLaDA2's
-    # generate(): confidence strictly greater, at least k: 2.0's schedule over
-    # min(steps, max_new_tokens) steps, 1 in 2.1's loop, the editing rows')
-    if rp.llada2:
+    # threshold: every confident position, at least the most confident one (the schedule
+    # floor, LLaDA2's generate(): confidence strictly greater, at least k: 2.0's schedule
+    # over min(steps, max_new_tokens) steps, 1 in 2.1's loop, the editing rows')
+    if rp.floor:
         s_row = rp.max_new.clamp(max=steps)
-        k = torch.where(rp.editing, 1, block_length // s_row + (step < block_length % s_row).long())
+        k = torch.where(rp.floor_one, 1, block_length // s_row + (step < block_length % s_row).long())
         by_threshold = (conf > rp.dev.threshold[:, None]) | (rank < k[:, None])
     else:
         by_threshold = (conf >= rp.dev.threshold[:, None]) | (rank == 0)
@@ -215,7 +230,7 @@ def select(conf: torch.Tensor, is_mask: torch.Tensor, step: torch.Tensor, rp: Ro
     # scheduled policies fill the block by step S; threshold and factor run until it is
     # full (at most L steps, one token at least per step), forced at step max(S, L) only
     # if a model keeps proposing the mask token itself
-    last = (step >= step_cap(rp.dev.policy, block_length, steps) - 1)[:, None]
+    last = (step >= rp.caps(block_length, steps, dev=True) - 1)[:, None]
     sel = sel | last
     first = (rp.dev.first_position & (step == 0))[:, None]
     col0 = torch.arange(conf.shape[1], device=conf.device)[None] == 0
@@ -223,7 +238,7 @@ def select(conf: torch.Tensor, is_mask: torch.Tensor, step: torch.Tensor, rp: Ro
 
 
 def select_d2f(conf: torch.Tensor, is_mask: torch.Tensor, rp: RowParams, complete: torch.Tensor) -> torch.Tensor:
-    """D2F's rule for a block in flight (engine.d2f): every masked position whose
+    """D2F's rule for a block in flight (engine.d2f.D2FRule): every masked position whose
     probability is strictly greater than the threshold (D2F's skip_threshold), and,
     for a block in the complete state (`complete` [U]) that has none, its most
     confident masked position. `conf` is the proposals' probability (D2F rows rank

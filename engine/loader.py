@@ -43,10 +43,10 @@ def read_config(path: str | os.PathLike, attention: str = "auto") -> ModelConfig
         raise FileNotFoundError(f"model directory {root} has no config.json")
     hf = json.loads((root / "config.json").read_text())
     cfg = with_attention(ModelConfig.from_hf(hf), attention)
-    if cfg.llada2:  # config.json names only pad_token_id: the tokenizer's ids, else the published defaults
-        from .models.families.llada2_moe import tokenizer_ids
-        for key, value in tokenizer_ids(str(root), hf).items():
-            setattr(cfg, key, value)
+    from .models.stops import defined_tokens, tokenizer_eos
+    tokens = defined_tokens(str(root))
+    for key, value in cfg.family.tokenizer_ids(hf, tokens, tokenizer_eos(str(root), tokens)).items():
+        setattr(cfg, key, value)
     # none found (LLaDA2's config.json has no eos_token_id): config.json's, or the family's default
     cfg.stop_ids = list(checkpoint_stop_ids(str(root), hf)) or None
     return cfg

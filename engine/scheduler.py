@@ -8,7 +8,7 @@ import itertools
 from collections import deque
 from typing import Callable, List
 
-from .config import EngineConfig
+from .config import EngineConfig, SchedulerKind
 from .sequence import Request, RowShape
 
 
@@ -145,6 +145,9 @@ class StaticScheduler(Scheduler):
         return list(self.active)
 
 
+SCHEDULERS = {SchedulerKind.BLOCKSERVE: BlockServeScheduler, SchedulerKind.STATIC: StaticScheduler,
+              SchedulerKind.SEQUENTIAL: SequentialScheduler}
+
+
 def make_scheduler(cfg: EngineConfig, shape: RowShape) -> Scheduler:
-    return {"blockserve": BlockServeScheduler, "static": StaticScheduler,
-            "sequential": SequentialScheduler}[cfg.scheduler](cfg, shape)
+    return SCHEDULERS[cfg.scheduler](cfg, shape)

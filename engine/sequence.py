@@ -2,16 +2,25 @@
 and what the engine hands back (RequestOutput)."""
 from __future__ import annotations
 
-import math
+import enum
 import time
 from dataclasses import dataclass, field
 from typing import Any, List, Optional, Sequence, Tuple, Union
 
 from .config import EngineConfig, SamplingParams
-from .d2f import D2FState
 from .models import ModelConfig
+from .reads import refusal, unread
 
 Prompt = Union[str, Sequence[int]]
+
+
+class FinishReason(enum.StrEnum):
+    """Why a request ended: a stop token or string (`stop`), its token budget or its last
+    block (`length`), or a message saying why it could not run (`error`)."""
+
+    STOP = "stop"
+    LENGTH = "length"
+    ERROR = "error"
 
 
 @dataclass
@@ -19,7 +28,7 @@ class RequestOutput:
     request_id: Any
     prompt_token_ids: List[int]
     token_ids: List[int]
-    finish_reason: str  # "stop" | "length" | "error"
+    finish_reason: FinishReason
     text: Optional[str] = None
     error: Optional[str] = None
     num_blocks: int = 0
@@ -45,11 +54,12 @@ class Request:
     error: Optional[str] = None
     noise_seed: Optional[int] = None  # Gumbel seed when temperature > 0
     prompt_forwarded: int = 0  # prompt tokens forwarded over the request's life (cache accounting)
-    d2f: Optional[D2FState] = None  # D2F rows: the blocks in flight (SamplingParams.block_add_threshold)
-    # LLaDA2 (blocks at absolute positions, engine.llada2): the prompt's tail after its last
-    # whole block, which opens the first decoded block; `prompt` is then the whole blocks only
+    rule: Any = None  # its decoding rule (engine.rules): how its blocks are decoded and committed
+    state: Any = None  # the rule's state of the row (D2F's blocks in flight, the editing state)
+    # blocks at absolute positions (BlockLayout.ABSOLUTE, engine.rules.split_prompt): the
+    # prompt's tail after its last whole block, which opens the first decoded block;
+    # `prompt` is then the whole blocks only
     lead: List[int] = field(default_factory=list)
-    edit: Any = None  # LLaDA2.1 token editing: the current block's editing state (engine.llada2)
 
     @property
     def prompt_len(self) -> int:
@@ -62,8 +72,8 @@ class Request:
 
     @property
     def n_active(self) -> int:
-        """Blocks in flight: 1, or a D2F row's."""
-        return self.d2f.n_active if self.d2f is not None else 1
+        """Blocks in flight: 1, or as its rule says (D2F)."""
+        return self.rule.n_active(self)
 
 
 @dataclass(frozen=True)
@@ -75,9 +85,7 @@ class RowShape:
     full_canvas: bool = False
 
     def blocks_needed(self, r: Request) -> int:
-        if r.params.d2f:  # D2F's count: whole blocks only
-            return r.params.max_new_tokens // self.block_length
-        return math.ceil((len(r.lead) + r.params.max_new_tokens) / self.block_length)
+        return r.rule.blocks_needed(r, self.block_length)
 
     def block_index(self, r: Request) -> int:
         return len(r.generated) // self.block_length
@@ -119,47 +127,31 @@ def tokenize(prompt: Prompt, tokenizer) -> Tuple[Optional[List[int]], Optional[s
         return None, f"prompt could not be tokenized: {type(e).__name__}: {e}"
 
 
-def validate(req: Request, shape: RowShape, mcfg: ModelConfig, cfg: EngineConfig, has_tokenizer: bool
-             ) -> Optional[str]:
-    """What makes `req` impossible to serve on this engine, or None."""
+def validate(req: Request, traits: Any, has_tokenizer: bool) -> Optional[str]:
+    """What makes `req` impossible to serve on this engine (engine.rules.Traits), or None."""
     err = req.params.validate()
+    if err:
+        return err
+    err = refusal(unread(req.params, req.rule.reads), f"this row's decoding ({req.rule.name})")
     if err:
         return err
     if req.params.stop and not has_tokenizer:
         return "stop strings need a tokenizer (the engine has none); use stop_token_ids"
-    if not req.prompt:
+    if not req.prompt and not req.lead:
         return "empty prompt"
-    bad = [t for t in req.prompt if not 0 <= t < mcfg.vocab_size]
+    mcfg, cfg, shape = traits.model, traits.config, traits.shape
+    bad = [t for t in req.prompt + req.lead if not 0 <= t < mcfg.vocab_size]
     if bad:
         return f"token id {bad[0]} outside the vocabulary [0, {mcfg.vocab_size})"
-    if req.params.d2f:
-        err = d2f_unsupported(req, shape, mcfg, cfg)
-        if err:
-            return err
-    width, blocks = shape.final_width(req), shape.blocks_needed(req)
+    err = req.rule.unsupported(req, traits)
+    if err:
+        return err
+    width, blocks, p = shape.final_width(req), shape.blocks_needed(req), req.prompt_len + len(req.lead)
     if width > mcfg.max_seq_len:
-        return (f"prompt of {req.prompt_len} tokens + {blocks} blocks of "
+        return (f"prompt of {p} tokens + {blocks} blocks of "
                 f"{cfg.block_length} exceeds the model context of {mcfg.max_seq_len} tokens")
     if width > cfg.token_budget:
         return (f"request needs {width} tokens of batch budget alone "
-                f"(prompt {req.prompt_len} + {blocks} blocks of {cfg.block_length}), "
+                f"(prompt {p} + {blocks} blocks of {cfg.block_length}), "
                 f"more than token_budget={cfg.token_budget}")
     return None
-
-
-def d2f_unsupported(req: Request, shape: RowShape, mcfg: ModelConfig, cfg: EngineConfig) -> Optional[str]:
-    """Why this engine cannot serve `req` with D2F decoding, or None."""
-    why = None
-    if not mcfg.block_causal:
-        why = ("needs block-causal attention (its blocks are decoded against unfinished predecessors); this "
-               "model is bidirectional (config.json dllm_attention)")
-    elif mcfg.shift_logits:
-        why = f"is implemented for unshifted logits (LLaDA); {mcfg.model_type} reads each position from the one before"
-    elif shape.full_canvas:
-        why = "needs the block canvas (EngineConfig.canvas 'block' or 'auto')"
-    elif cfg.mode.caches_suffix:
-        why = "forwards every block in flight; cache 'dual' forwards one: use none, refresh or persistent"
-    elif req.params.max_new_tokens < shape.block_length:
-        why = (f"decodes max_new_tokens // block_length whole blocks: max_new_tokens={req.params.max_new_tokens} "
-               f"< block_length={shape.block_length}")
-    return f"block_add_threshold (D2F decoding) {why}" if why else None

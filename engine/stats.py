@@ -43,6 +43,7 @@ class EngineStats:
     # up (dynamo's recompile limit) and the engine went on eager
     compiled_forwards: int = 0
     compile_fallbacks: int = 0
+    step_failures: int = 0  # steps that raised (their rows failed; engine.core logs them)
 
     @property
     def kv_bytes_copied(self) -> int:

@@ -338,6 +338,39 @@ def test_step_advance_and_other_caches_give_the_same_tokens(model, references):
         assert [o.token_ids for o in eng.generate([prompts[i] for i in pick], params)] == [outs[i] for i in pick]
 
 
+def test_edits_that_write_the_mask_token_are_decoded_again():
+    """LLaDA2.1's published loop may edit a decoded token into the mask token (the model's
+    proposal, over edit_threshold): that position is decoded again, and the block ends only
+    when it holds no mask. A model (seed 6) whose workload does that many times: every
+    scheduler gives the published tokens (the engine once committed such a block at its
+    step cap, masks and all)."""
+    model = build_model(tiny_llada2(), dtype=torch.float64, seed=6)
+    ref = PublishedLLaDA2(model)
+    remasked = []
+
+    class Watch:  # the published loop's forwards: a position decoded at one step and masked at the next
+        prev = None
+
+        def __call__(self, x, keep):
+            blk = x[-L:].tolist()
+            if self.prev is not None and len(self.prev) == len(x):
+                remasked.extend(j for j, (a, b) in enumerate(zip(self.prev[-L:], blk)) if a != MASK and b == MASK)
+            self.prev = x.tolist()
+            return ref(x, keep)
+
+    prompts, jobs = workload()
+    pick = [i for i, (name, _) in enumerate(jobs) if name.startswith("2.1")]
+    outs = [published_tokens(generate_21(Watch(), prompts[i], jobs[i][1], L, SETTINGS[jobs[i][0]][0]["threshold"],
+                                         SETTINGS[jobs[i][0]][0]["edit_threshold"],
+                                         SETTINGS[jobs[i][0]][0].get("max_post_steps", 16))) for i in pick]
+    assert len(remasked) > 3
+    params = [SamplingParams(max_new_tokens=jobs[i][1], stop_token_ids=[EOS], **SETTINGS[jobs[i][0]][0]) for i in pick]
+    for scheduler in ("blockserve", "static", "sequential"):
+        eng = Engine(model, EngineConfig(block_length=L, steps_per_block=4, cache="persistent", scheduler=scheduler,
+                                         token_budget=48, max_batch_size=4))
+        assert [o.token_ids for o in eng.generate([prompts[i] for i in pick], params)] == outs, scheduler
+
+
 def test_editing_is_refused_on_other_families_and_d2f_on_llada2(model):
     m = build_model(ModelConfig.tiny("llada"), dtype=torch.float64)
     out = Engine(m, EngineConfig(block_length=L, steps_per_block=L)).generate([[5, 6]], SamplingParams(

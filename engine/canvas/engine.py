@@ -28,7 +28,8 @@ from typing import Any, List, Optional, Sequence
 
 import torch
 
-from ..sequence import RequestOutput
+from ..config import SchedulerKind, enum_value
+from ..sequence import FinishReason, RequestOutput
 from .params import CanvasParams
 
 # What a request gets back: the engine's RequestOutput (num_blocks counts canvases).
@@ -81,15 +82,14 @@ class _BatchCache:
 class CanvasEngine:
     """Serves DiffusionGemma requests; `model` is transformers' DiffusionGemmaForBlockDiffusion."""
 
-    def __init__(self, model, defaults: CanvasParams, scheduler: str = "blockserve", max_batch_size: int = 64,
-                 token_budget: int = 65536, stop_token_ids: Optional[Sequence[int]] = None):
+    def __init__(self, model, defaults: CanvasParams, scheduler: SchedulerKind = SchedulerKind.BLOCKSERVE,
+                 max_batch_size: int = 64, token_budget: int = 65536, stop_token_ids: Optional[Sequence[int]] = None):
         from transformers.models.diffusion_gemma import generation_diffusion_gemma as g
 
-        if scheduler not in ("blockserve", "static", "sequential"):
-            raise ValueError(f"scheduler must be blockserve, static or sequential, got {scheduler!r}")
         self._g = g
-        self.model, self.defaults, self.scheduler = model, defaults, scheduler
-        self.max_batch_size = 1 if scheduler == "sequential" else max_batch_size
+        self.model, self.defaults = model, defaults
+        self.scheduler = enum_value("scheduler", scheduler, SchedulerKind)
+        self.max_batch_size = 1 if self.scheduler == SchedulerKind.SEQUENTIAL else max_batch_size
         self.token_budget = token_budget
         cfg = model.config
         self.L, self.V = cfg.canvas_length, cfg.text_config.vocab_size
@@ -126,7 +126,7 @@ class CanvasEngine:
         if err is None and len(prompt) + math.ceil(max_tokens / self.L) * self.L > self.token_budget:
             err = f"prompt + max_tokens exceed the token budget {self.token_budget}"
         if err is not None:
-            self.outputs.append(RequestOutput(request_id, prompt, [], "error", error=err))
+            self.outputs.append(RequestOutput(request_id, prompt, [], FinishReason.ERROR, error=err))
             return
         self.waiting.append(_Row(request_id, prompt, max_tokens, p, torch.Generator().manual_seed(int(seed))))
 
@@ -147,17 +147,17 @@ class CanvasEngine:
         return sum(r.cur_len + self.L for r in rows)
 
     def _admit(self) -> None:
-        if self.scheduler == "static" and self.active:
+        if self.scheduler == SchedulerKind.STATIC and self.active:
             return
         while self.waiting and len(self.active) < self.max_batch_size:
             row = self.waiting[0]
             if self.active and self._area(self.active + [row]) > self.token_budget:
                 break
             self.waiting.pop(0)
+            self.active.append(row)  # before its prefill: a failing forward fails it with the others
             self._prefill(row)
             if row.canvas is None:  # else a preempted row resumes its canvas
                 self._start_canvas(row)
-            self.active.append(row)
 
     def _preempt(self) -> None:
         """Recompute preemption (vLLM's policy): while the admitted rows outgrow the token
@@ -172,24 +172,22 @@ class CanvasEngine:
     @torch.no_grad()
     def step(self) -> List[CanvasOutput]:
         """Admit, one decoder forward over every active row, commit the canvases that stopped.
-        Returns every output so far (`outputs`)."""
+        Returns every output so far (`outputs`). A forward that raises propagates: the
+        caller (engine.canvas.serve, an EngineCore) fails the active rows (`fail`)."""
         self._preempt()
         self._admit()
         if not self.active:
             return self.outputs
         rows = list(self.active)
-        try:
-            logits = self._decode(rows)
-        except Exception as exc:  # one failing forward fails its rows, never the engine
-            return self._fail(rows, exc)
+        logits = self._decode(rows)
         done = [r for b, r in enumerate(rows) if self._denoise_row(r, logits[b:b + 1])]
         self._commit([r for r in done if not self._ends(r)])
         return self.outputs
 
-    def _fail(self, rows: Sequence[_Row], exc: Exception) -> List[CanvasOutput]:
-        for r in rows:
-            self._finish(r, "error", error=f"{type(exc).__name__}: {exc}")
-        return self.outputs
+    def fail(self, message: str) -> None:
+        """Every active row finishes with `message` (a step raised); waiting rows go on."""
+        for r in list(self.active):
+            self._finish(r, FinishReason.ERROR, error=message)
 
     # ------------------------------------------------------------------ per row
     def _prefill(self, row: _Row) -> None:
@@ -299,12 +297,12 @@ class CanvasEngine:
             cut = len(row.generated) - self.L + next(i for i, t in enumerate(canvas) if t in self.eos) + 1
             toks = row.generated[:cut]
             if len(toks) > row.max_tokens:
-                self._finish(row, "length", toks[:row.max_tokens])
+                self._finish(row, FinishReason.LENGTH, toks[:row.max_tokens])
             else:
-                self._finish(row, "stop", toks)
+                self._finish(row, FinishReason.STOP, toks)
             return True
         if len(row.generated) >= row.max_tokens:
-            self._finish(row, "length", row.generated[:row.max_tokens])
+            self._finish(row, FinishReason.LENGTH, row.generated[:row.max_tokens])
             return True
         return False
 
@@ -317,11 +315,7 @@ class CanvasEngine:
         m, L = self.model, self.L
         cache, masks, pos = self._gather(rows, causal=True)
         ids = torch.tensor([r.generated[-L:] for r in rows], dtype=torch.long, device=m.device)
-        try:
-            m.model.encoder(input_ids=ids, attention_mask=masks, cache=cache, position_ids=pos)
-        except Exception as exc:  # the rows of a failing forward fail, never the engine
-            self._fail(rows, exc)
-            return
+        m.model.encoder(input_ids=ids, attention_mask=masks, cache=cache, position_ids=pos)
         self.encoder_forwards += 1
         self.cells += len(rows) * L
         for i, (k, v) in sorted(cache.written.items()):
@@ -330,7 +324,7 @@ class CanvasEngine:
         for r in rows:
             self._start_canvas(r)
 
-    def _finish(self, row: _Row, reason: str, tokens: Optional[List[int]] = None,
+    def _finish(self, row: _Row, reason: FinishReason, tokens: Optional[List[int]] = None,
                 error: Optional[str] = None) -> None:
         self.active.remove(row)
         self.outputs.append(RequestOutput(row.request_id, row.prompt, tokens or [], reason, error=error,

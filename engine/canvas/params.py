@@ -67,13 +67,13 @@ def load_diffusion_gemma(model_dir: str, dtype: torch.dtype = torch.bfloat16, de
     the dtype has it, else its eager path, which loops over experts (never tokens)."""
     from transformers import DiffusionGemmaForBlockDiffusion
 
-    from ..models.families.diffusion_gemma import check_config, is_diffusion_gemma
+    from ..models.families.diffusion_gemma import DIFFUSION_GEMMA
 
     with open(os.path.join(model_dir, "config.json"), encoding="utf-8") as f:
         hf = json.load(f)
-    if not is_diffusion_gemma(hf):
+    if not DIFFUSION_GEMMA.matches(hf):
         raise ValueError(f"{model_dir}: model_type {hf.get('model_type')!r} is not diffusion_gemma")
-    check_config(hf)
+    DIFFUSION_GEMMA.check_config(hf)
     experts = "eager" if dtype == torch.float64 else None
     kw = {"experts_implementation": experts} if experts else {}
     model = DiffusionGemmaForBlockDiffusion.from_pretrained(

@@ -1,18 +1,19 @@
-"""ModelConfig: one description for every supported dLLM, parsed from (and written
-back to) the Hugging Face `config.json` of LLaDA or Dream."""
+"""ModelConfig: one description for every supported dLLM, parsed from (and written back
+to) a Hugging Face `config.json` by the model's family (engine.models.families)."""
 from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass, field
 from typing import Any, Dict, List, Optional
 
+from ..config import Attention, enum_value
 from .families import Family, family_for, family_named
 from .families.moe import MoESpec
 
 
 @dataclass
 class ModelConfig:
-    model_type: str  # "llada" | "Dream"
+    model_type: str  # the family's (engine.models.families): "llada", "Dream", "llada2_moe", ...
     vocab_size: int
     hidden_size: int
     n_layers: int
@@ -34,12 +35,13 @@ class ModelConfig:
     qkv_bias: bool = False
     linear_bias: bool = False  # LLaDA include_bias: every linear has a bias
     max_seq_len: int = 4096
-    dllm_attention: str = "bidirectional"  # or "block_causal"
+    dllm_attention: Attention = Attention.BIDIRECTIONAL  # or BLOCK_CAUSAL
     extra: Dict[str, Any] = field(default_factory=dict)  # keys known to be irrelevant, written back unchanged
     moe: Optional[MoESpec] = None  # mixture-of-experts layers (LLaDA-MoE); None: dense SwiGLU MLPs
     qk_norm: bool = False  # RMSNorm over each head's q and k before RoPE
     partial_rotary_factor: float = 1.0  # RoPE on the first head_dim * factor dims of each head
     attn_out_bias: bool = False  # LLaDA2 use_bias: the attention output projection has a bias
+    head_dim: Optional[int] = None  # None: hidden_size / n_heads (explicit in Qwen3-style configs)
 
     def __post_init__(self) -> None:
         if isinstance(self.moe, dict):  # as_dict() round trip
@@ -48,14 +50,15 @@ class ModelConfig:
             self.embedding_size = self.vocab_size
         if self.pad_token_id is None:
             self.pad_token_id = self.eos_token_id
-        if self.dllm_attention not in ("bidirectional", "block_causal"):
-            raise ValueError(f"dllm_attention must be 'bidirectional' or 'block_causal', got {self.dllm_attention!r}")
-        if self.hidden_size % self.n_heads or self.n_heads % self.n_kv_heads:
-            raise ValueError("hidden_size must divide by n_heads and n_heads by n_kv_heads")
-
-    @property
-    def head_dim(self) -> int:
-        return self.hidden_size // self.n_heads
+        self.dllm_attention = enum_value("dllm_attention", self.dllm_attention, Attention)
+        if self.dllm_attention == Attention.AUTO:
+            raise ValueError("dllm_attention must be 'bidirectional' or 'block_causal', got 'auto'")
+        if self.head_dim is None:
+            if self.hidden_size % self.n_heads:
+                raise ValueError("hidden_size must divide by n_heads (or head_dim be given)")
+            self.head_dim = self.hidden_size // self.n_heads
+        if self.n_heads % self.n_kv_heads:
+            raise ValueError("n_heads must divide by n_kv_heads")
 
     @property
     def rotary_dim(self) -> int:
@@ -77,13 +80,8 @@ class ModelConfig:
         return self.family.shift_logits
 
     @property
-    def llada2(self) -> bool:
-        """LLaDA2's decoding (engine.llada2): blocks at absolute positions, the prompt block-causal."""
-        return self.family.llada2
-
-    @property
     def block_causal(self) -> bool:
-        return self.dllm_attention == "block_causal"
+        return self.dllm_attention == Attention.BLOCK_CAUSAL
 
     @property
     def stop_token_ids(self) -> List[int]:

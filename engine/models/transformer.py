@@ -1,7 +1,9 @@
-"""The one transformer both LLaDA and Dream are: pre-norm blocks, RoPE, SwiGLU MLP,
-non-causal attention under an explicit boolean mask, and an optional K/V cache that
-forwards write into in place (so a block-only step attends to a prefix computed by an
-earlier full-row step)."""
+"""The one transformer every masked-diffusion family is: pre-norm blocks, RoPE (full or
+partial), a SwiGLU MLP (dense, or routed experts with a shared expert), attention under an
+explicit boolean mask, and an optional K/V cache that forwards write into in place (so a
+block-only step attends to a prefix computed by an earlier full-row step). What a layer
+holds is what its family declares (engine.models.families: fused or separate q/k/v, QK
+norm, head_dim, biases) and its ModelConfig says (sizes, MoE, tied embeddings)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -12,37 +14,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from .config import ModelConfig
-
-
-def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
-    """Norms and RoPE run in float32, or float64 when the model itself is float64."""
-    return torch.float64 if dtype == torch.float64 else torch.float32
-
-
-class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float):
-        super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.ones(dim))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        xf = x.to(_compute_dtype(x.dtype))
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * xf.to(x.dtype)
-
-
-def rope(pos: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype):
-    """cos/sin of shape [B, 1, T, D] for rotate-half RoPE at integer positions `pos` [B, T]."""
-    cd = _compute_dtype(dtype)
-    inv = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=pos.device, dtype=cd) / head_dim))
-    ang = pos.to(cd)[..., None] * inv
-    ang = torch.cat([ang, ang], dim=-1)[:, None]
-    return ang.cos().to(dtype), ang.sin().to(dtype)
-
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    a, b = x.chunk(2, dim=-1)
-    return torch.cat([-b, a], dim=-1)
+from .moe import MLP, experts_forward
+from .ops import RMSNorm, apply_rope, rope
 
 
 @dataclass
@@ -109,19 +82,39 @@ class KVCache:
 
 
 class Layer(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    """One pre-norm block: what its family declares (fused or separate q/k/v) and its config
+    says (head_dim, QK norm, biases, a dense or MoE MLP)."""
+
+    def __init__(self, cfg: ModelConfig, index: int):
         super().__init__()
-        d, kv, f, b = cfg.hidden_size, cfg.n_kv_heads * cfg.head_dim, cfg.intermediate_size, cfg.linear_bias
+        d, hd, H, Hkv = cfg.hidden_size, cfg.head_dim, cfg.n_heads, cfg.n_kv_heads
+        family, qkv_b = cfg.family, cfg.qkv_bias or cfg.linear_bias
         self.cfg = cfg
         self.attn_norm = RMSNorm(d, cfg.rms_norm_eps)
-        self.q = nn.Linear(d, d, bias=cfg.qkv_bias or b)
-        self.k = nn.Linear(d, kv, bias=cfg.qkv_bias or b)
-        self.v = nn.Linear(d, kv, bias=cfg.qkv_bias or b)
-        self.o = nn.Linear(d, d, bias=b)
+        self.q = nn.Linear(d, H * hd, bias=qkv_b)
+        self.k = nn.Linear(d, Hkv * hd, bias=qkv_b)
+        self.v = nn.Linear(d, Hkv * hd, bias=qkv_b)
+        self.o = nn.Linear(H * hd, d, bias=cfg.linear_bias or (cfg.attn_out_bias and not family.fused_qkv))
+        if cfg.qk_norm:
+            self.q_norm, self.k_norm = RMSNorm(hd, cfg.rms_norm_eps), RMSNorm(hd, cfg.rms_norm_eps)
         self.mlp_norm = RMSNorm(d, cfg.rms_norm_eps)
-        self.gate = nn.Linear(d, f, bias=b)
-        self.up = nn.Linear(d, f, bias=b)
-        self.down = nn.Linear(f, d, bias=b)
+        spec = cfg.moe
+        self.routed = spec is not None and not spec.dense_layers[index]
+        if spec is None:  # a dense model's MLP, its projections on the layer itself
+            f, b = cfg.intermediate_size, cfg.linear_bias
+            self.gate, self.up, self.down = nn.Linear(d, f, bias=b), nn.Linear(d, f, bias=b), nn.Linear(f, d, bias=b)
+        elif not self.routed:
+            self.dense = MLP(d, spec.dense_size)
+        else:
+            self.router = nn.Linear(d, spec.num_experts, bias=False)
+            self.expert_bias = nn.Parameter(torch.zeros(spec.num_experts)) if spec.expert_bias else None
+            self.experts = nn.ModuleList(MLP(d, spec.expert_size) for _ in range(spec.num_experts))
+            self.shared = MLP(d, spec.shared_size) if spec.shared_size else None
+        if family.fused_qkv:  # q, k and v in one matrix (q heads, then k, then v), fused last, as this
+            # layer was always built: seeded random models (build_model) keep their weights
+            del self.q, self.k, self.v
+            self.qkv_proj = nn.Linear(d, (H + 2 * Hkv) * hd, bias=qkv_b)
+            self.o = nn.Linear(H * hd, d, bias=cfg.linear_bias or cfg.attn_out_bias)
 
     def forward(self, h, cos, sin, mask, cache: Optional[KVCache], idx: int, offset: int,
                 write: Optional[torch.Tensor] = None, runs: Optional[Sequence[Tuple[int, int, int]]] = None,
@@ -154,27 +147,26 @@ class Layer(nn.Module):
         return h + self.ffn(x)
 
     def qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
-        """q [B, H, T, D], k and v [B, H_kv, T, D] of the normed input, RoPE applied."""
+        """q [B, H, T, D], k and v [B, H_kv, T, D] of the normed input: projected (one fused
+        projection split per head, or three), QK-normed per head, RoPE applied."""
         B, T, _ = x.shape
         H, Hkv, D = self.cfg.n_heads, self.cfg.n_kv_heads, self.cfg.head_dim
-        q = self.q(x).view(B, T, H, D).transpose(1, 2)
-        k = self.k(x).view(B, T, Hkv, D).transpose(1, 2)
-        v = self.v(x).view(B, T, Hkv, D).transpose(1, 2)
-        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin, v
+        if hasattr(self, "qkv_proj"):
+            q, k, v = self.qkv_proj(x).view(B, T, H + 2 * Hkv, D).split([H, Hkv, Hkv], dim=2)
+        else:
+            q, k, v = self.q(x).view(B, T, H, D), self.k(x).view(B, T, Hkv, D), self.v(x).view(B, T, Hkv, D)
+        if self.cfg.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+        return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
 
     def ffn(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down(F.silu(self.gate(x)) * self.up(x))
-
-
-def make_layer(cfg: ModelConfig, index: int) -> nn.Module:
-    """A dense block, or (cfg.moe) engine.models.moe's block with experts or QK norm."""
-    if cfg.moe is None and not cfg.qk_norm:
-        return Layer(cfg)
-    if cfg.llada2:  # fused query_key_value (engine.models.llada2)
-        from .llada2 import LLaDA2Layer
-        return LLaDA2Layer(cfg, index)
-    from .moe import MoELayer
-    return MoELayer(cfg, index)
+        if hasattr(self, "gate"):
+            return self.down(F.silu(self.gate(x)) * self.up(x))
+        if not self.routed:
+            return self.dense(x)
+        out = experts_forward(x, self.router.weight, self.expert_bias, self.experts, self.cfg.moe)
+        return out if self.shared is None else out + self.shared(x)
 
 
 def _embedding(num: int, dim: int) -> nn.Embedding:
@@ -193,7 +185,7 @@ class DLLM(nn.Module):
         super().__init__()
         self.config = cfg
         self.embed = _embedding(cfg.embedding_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(make_layer(cfg, i) for i in range(cfg.n_layers))
+        self.layers = nn.ModuleList(Layer(cfg, i) for i in range(cfg.n_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.embedding_size,
                                                                        bias=cfg.linear_bias)

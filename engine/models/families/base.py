@@ -1,19 +1,28 @@
-"""What a model family declares, in one object: how its config.json is parsed (and which
-keys it honours, knows to be irrelevant, or accepts only at one value), its checkpoint
-weight names and shapes, and its decoding traits. Torch-free: the preflight and the
-sorter's cost model read it in processes that never import torch."""
+"""What a model family declares, in one object: how its config.json is parsed (the keys
+it honours, those that cannot change the math, those accepted at one value only), its
+layer (fused or separate q/k/v, QK norm, head_dim, dense or MoE MLP, biases, tied
+embeddings: read by engine.models.transformer), its checkpoint weight names, and its
+decoding traits (logit shift, where blocks start, the threshold rule, the first-position
+rule, token editing: read by the engine's decoding rules). Torch-free: the preflight and
+the sorter read it in processes that never import torch.
+
+A new family is one module that builds a `Family` and `register`s it (engine.models.
+families); docs/adding-a-family.md walks through it."""
 from __future__ import annotations
 
+import ast
+import enum
+import functools
+import importlib.util
+import os
 from dataclasses import dataclass, field
-from typing import Any, Dict, FrozenSet, Iterable, List, Mapping, Tuple
+from typing import Any, Dict, FrozenSet, Iterable, List, Mapping, Optional, Tuple
 
-# Keys of any Hugging Face config.json that describe how a file was written or which code
-# loads it, never what the network computes.
-COMMON_IGNORED = frozenset({
-    "architectures", "auto_map", "torch_dtype", "dtype", "transformers_version", "use_cache", "_name_or_path",
-    "bos_token_id", "initializer_range", "tokenizer_class", "return_dict", "output_hidden_states",
-    "output_attentions", "is_encoder_decoder", "id2label", "label2id",
-})
+# Keys of any Hugging Face config.json that say how a file was written or which code loads
+# it, never what the network computes (beside transformers' PreTrainedConfig's own, which
+# `common_inert` reads from transformers' source).
+LOADING_KEYS = frozenset({"auto_map", "_name_or_path", "torch_dtype", "use_cache", "bos_token_id",
+                          "initializer_range", "tokenizer_class", "output_attentions"})
 # blockray's own keys (written by save_model): honoured by every family.
 BLOCKRAY_KEYS = frozenset({"model_type", "dllm_attention", "eot_token_id", "mask_token_id", "eos_token_id",
                            "pad_token_id"})
@@ -27,49 +36,145 @@ class FamilyNotSupported(ConfigRefused):
     """config.json describes a model family blockray does not implement."""
 
 
+class BlockLayout(enum.StrEnum):
+    """Where a row's blocks start. AFTER_PROMPT: block 0 right after the prompt, the prompt
+    one attention segment (LLaDA, Dream, D2F). ABSOLUTE: blocks at multiples of the block
+    length from position 0, the prompt's tail opening the first decoded block and the
+    prompt block-causal over those blocks (LLaDA2's generate())."""
+
+    AFTER_PROMPT = "after_prompt"
+    ABSOLUTE = "absolute"
+
+
+class ThresholdRule(enum.StrEnum):
+    """The `threshold` policy's rule. AT_LEAST_TOP1 (Fast-dLLM): every position whose
+    confidence is >= threshold, at least the most confident. SCHEDULE_FLOOR (LLaDA2's
+    generate()): confidence strictly greater, at least the fixed schedule's k of the step
+    over min(steps, max_new_tokens) steps (k = 1 while token editing, LLaDA2.1's loop)."""
+
+    AT_LEAST_TOP1 = "at_least_top1"
+    SCHEDULE_FLOOR = "schedule_floor"
+
+
+class Serving(enum.StrEnum):
+    """Which engine serves a family: MASKED (engine.engine.Engine: masked diffusion over
+    blockray's own transformer) or CANVAS (engine.canvas: DiffusionGemma through
+    transformers' own class)."""
+
+    MASKED = "masked"
+    CANVAS = "canvas"
+
+
 def _first(v: Any) -> Any:
     return v[0] if isinstance(v, list) and v else v
 
 
+def _class_keys(path: str, name: Optional[str] = None) -> FrozenSet[str]:
+    """The fields of the config classes in transformers source file `path` (all of them, or
+    the one called `name`): annotated class attributes (transformers 5) and __init__
+    arguments (4.x), ClassVars left out."""
+    tree = ast.parse(open(path, encoding="utf-8").read(), path)
+    keys: set = set()
+    for node in tree.body:
+        if not isinstance(node, ast.ClassDef) or not node.name.endswith("Config") or name not in (None, node.name):
+            continue
+        for item in node.body:
+            if isinstance(item, ast.AnnAssign) and isinstance(item.target, ast.Name) \
+                    and "ClassVar" not in ast.unparse(item.annotation):
+                keys.add(item.target.id)
+            if isinstance(item, ast.FunctionDef) and item.name == "__init__":
+                keys.update(a.arg for a in item.args.args + item.args.kwonlyargs if a.arg != "self")
+    return frozenset(keys)
+
+
+def _transformers_file(*parts: str) -> str:
+    spec = importlib.util.find_spec("transformers")  # located, not imported (its config module imports torch)
+    if spec is None or spec.origin is None:
+        raise ConfigRefused("transformers is not installed: blockray reads its config classes' keys")
+    return os.path.join(os.path.dirname(spec.origin), *parts)
+
+
+@functools.lru_cache(maxsize=None)
+def transformers_config_keys(model: str) -> FrozenSet[str]:
+    """The keys transformers' config class of `model` ("qwen2", "qwen3", ...) defines,
+    read from transformers' source (no import)."""
+    return _class_keys(_transformers_file("models", model, f"configuration_{model}.py"))
+
+
+@functools.lru_cache(maxsize=1)
+def common_inert() -> FrozenSet[str]:
+    """Keys any config.json may carry that cannot change the math: PreTrainedConfig's own
+    fields (how a config is written and used by transformers' heads and trainers) and the
+    loading keys above."""
+    return _class_keys(_transformers_file("configuration_utils.py"), "PreTrainedConfig") | LOADING_KEYS
+
+
 @dataclass(frozen=True)
 class Family:
-    """One model family. `honoured`: config.json keys parse() reads; `ignored`: keys that
-    cannot change what this engine computes (dropout, init, kernels), each listed on
-    purpose; `fixed`: keys accepted only at the values the engine implements. Any other
-    key is refused (check_config), never silently ignored."""
+    """One model family (see the module docstring).
+
+    config.json: `honoured` are the keys parse() reads; `fixed` the keys accepted only at
+    the values the engine implements; `layout`: the transformers config class whose keys
+    the family neither reads nor fixes cannot change the math (its modeling code's
+    training knobs, cache and init settings), derived from transformers' source rather
+    than listed; `ignored`: keys outside that class that cannot change the math, each
+    listed on purpose. Any other key is refused (check_config), never silently ignored.
+
+    Weights: internal parameter names are `layers.{i}.{module}[.{sub}...].{weight|bias}`
+    (engine.models.transformer), mapped to the checkpoint's through `top_weights`,
+    `layer_prefix` + `layer_weights[module]`, and `mlp_weights` for the projections inside
+    an MLP (dense layer of a MoE model, expert, shared expert)."""
 
     name: str  # e.g. "LLaDA"
     model_type: str  # ModelConfig.model_type
     examples: str  # published checkpoints, for messages
     honoured: FrozenSet[str]
-    ignored: FrozenSet[str]
     fixed: Mapping[str, Tuple[Any, ...]]
     top_weights: Mapping[str, str]  # internal name -> checkpoint key
     layer_prefix: str  # "model.layers.{i}."
     layer_weights: Mapping[str, str]  # internal module -> checkpoint module
-    shift_logits: bool  # token i predicted at position i-1 (Dream: adapted from an AR model)
-    first_position: bool  # decoding default: Dream commits a block's first position first
-    defaults: Mapping[str, Any] = field(default_factory=dict)
-    # LLaDA2's decoding (engine.llada2): blocks at absolute positions, the prompt block-causal,
-    # its threshold rule, and LLaDA2.1's token editing
-    llada2: bool = False
+    ignored: FrozenSet[str] = frozenset()
+    layout: Optional[str] = None  # transformers model whose config class the checkpoint's config.json uses
+    aliases: Tuple[str, ...] = ()  # other model_type spellings of config.json
+    mlp_weights: Mapping[str, str] = field(default_factory=dict)  # gate/up/down inside an MLP module
+    # the layer (ModelConfig holds the rest: head_dim, qk_norm, moe, biases, tied embeddings)
+    fused_qkv: bool = False  # one query_key_value projection: q heads, then k, then v
+    # decoding traits
+    shift_logits: bool = False  # token i predicted at position i-1 (Dream: adapted from an AR model)
+    first_position: bool = False  # decoding default: a block's first step commits its first position only
+    blocks: BlockLayout = BlockLayout.AFTER_PROMPT
+    threshold: ThresholdRule = ThresholdRule.AT_LEAST_TOP1
+    editing: bool = False  # LLaDA2.1's token editing (SamplingParams.edit_threshold)
+    attention: Optional[str] = None  # the attention its layout requires (None: config.json's dllm_attention)
+    serving: Serving = Serving.MASKED
+    defaults: Mapping[str, Any] = field(default_factory=dict)  # ids published loops default to
 
     # --- config.json --------------------------------------------------------------------
+    def matches(self, hf: Mapping[str, Any]) -> bool:
+        """Whether config.json `hf` is this family's (by model_type; a family whose
+        model_type is shared overrides this)."""
+        return hf.get("model_type") in (self.model_type, *self.aliases)
+
+    @property
+    def inert(self) -> FrozenSet[str]:
+        """The keys accepted without being read: they cannot change what the engine computes."""
+        derived = transformers_config_keys(self.layout) if self.layout else frozenset()
+        return (derived | self.ignored | common_inert()) - self.honoured - frozenset(self.fixed)
+
     def check_config(self, hf: Mapping[str, Any]) -> None:
         """Raise ConfigRefused for the first key the engine would not honour."""
-        known = self.honoured | BLOCKRAY_KEYS
+        known = self.honoured | BLOCKRAY_KEYS | self.inert
         for key, value in hf.items():
-            if key in known or key in self.ignored or key in COMMON_IGNORED:
-                continue
             if key in self.fixed:
                 if value in self.fixed[key]:
                     continue
                 allowed = " or ".join(repr(v) for v in self.fixed[key])
                 raise ConfigRefused(f"config.json {key}={value!r} is not supported by blockray's {self.name} model "
                                     f"(supported: {allowed}); it would compute a different network")
-            raise ConfigRefused(f"config.json key {key!r} (= {str(value)[:80]!r}) is not one blockray's {self.name} "
-                                f"model honours, and it is not known to be irrelevant; refusing rather than "
-                                f"ignoring it (honoured: {', '.join(sorted(self.honoured))})")
+            if key not in known:
+                raise ConfigRefused(f"config.json key {key!r} (= {str(value)[:80]!r}) is not one blockray's "
+                                    f"{self.name} model honours, and it is not known to be irrelevant; refusing "
+                                    f"rather than ignoring it (honoured: {', '.join(sorted(self.honoured))})")
 
     def parse(self, hf: Mapping[str, Any]) -> Dict[str, Any]:
         """ModelConfig keyword arguments from config.json (after check_config)."""
@@ -78,48 +183,93 @@ class Family:
     def to_hf(self, cfg: Any) -> Dict[str, Any]:
         raise NotImplementedError
 
+    def tokenizer_ids(self, hf: Mapping[str, Any], tokens: Mapping[str, int], eos: Optional[int]) -> Dict[str, Any]:
+        """ModelConfig ids config.json does not name but the tokenizer does (`tokens`: the
+        added tokens' ids, `eos`: tokenizer_config.json's eos_token's); none by default."""
+        return {}
+
     def _common(self, hf: Mapping[str, Any]) -> Dict[str, Any]:
         eos = hf.get("eos_token_id", self.defaults.get("eos_token_id"))
         eos_ids = [int(t) for t in (eos if isinstance(eos, list) else [eos]) if t is not None]
         return dict(model_type=self.model_type, mask_token_id=hf.get("mask_token_id", self.defaults["mask_token_id"]),
-                    eos_token_id=eos_ids[0], eos_token_ids=eos_ids if isinstance(eos, list) else None, pad_token_id=_first(hf.get("pad_token_id")),
-                    eot_token_id=hf.get("eot_token_id"),
-                    dllm_attention=hf.get("dllm_attention", "bidirectional"))
+                    eos_token_id=eos_ids[0], eos_token_ids=eos_ids if isinstance(eos, list) else None,
+                    pad_token_id=_first(hf.get("pad_token_id")), eot_token_id=hf.get("eot_token_id"),
+                    dllm_attention=self.attention or hf.get("dllm_attention", "bidirectional"))
 
     # --- weights ------------------------------------------------------------------------
     def checkpoint_name(self, internal: str) -> str:
         if internal in self.top_weights:
             return self.top_weights[internal]
-        _, i, module, kind = internal.split(".")  # layers.{i}.{module}.{weight|bias}
-        return self.layer_prefix.format(i=i) + f"{self.layer_weights[module]}.{kind}"
+        _, i, module, *rest = internal.split(".")  # layers.{i}.{module}[.{sub}...].{weight|bias}
+        return self.layer_prefix.format(i=i) + ".".join([self.layer_weights[module],
+                                                         *(self.mlp_weights.get(r, r) for r in rest)])
+
+    def attention_shapes(self, cfg: Any, p: str) -> Dict[str, Tuple[int, ...]]:
+        """The attention projections of the layer whose names start with `p`."""
+        d, hd, H, Hkv = cfg.hidden_size, cfg.head_dim, cfg.n_heads, cfg.n_kv_heads
+        out: Dict[str, Tuple[int, ...]] = {}
+        parts = (("qkv_proj", (H + 2 * Hkv) * hd),) if self.fused_qkv else (("q", H * hd), ("k", Hkv * hd),
+                                                                            ("v", Hkv * hd))
+        for m, rows in parts:
+            out[p + f"{m}.weight"] = (rows, d)
+            if cfg.qkv_bias or cfg.linear_bias:
+                out[p + f"{m}.bias"] = (rows,)
+        out[p + "o.weight"] = (d, H * hd)
+        if cfg.linear_bias or cfg.attn_out_bias:
+            out[p + "o.bias"] = (d,)
+        return out
+
+    @staticmethod
+    def mlp_shapes(cfg: Any, i: int, p: str) -> Dict[str, Tuple[int, ...]]:
+        """Layer i's MLP: the dense model's gate/up/down; a MoE model's dense layer, or its
+        router, expert bias, experts and shared expert."""
+        d, m = cfg.hidden_size, cfg.moe
+
+        def swiglu(q: str, f: int, bias: bool = False) -> Dict[str, Tuple[int, ...]]:
+            out: Dict[str, Tuple[int, ...]] = {}
+            for name, shape in (("gate", (f, d)), ("up", (f, d)), ("down", (d, f))):
+                out[f"{q}{name}.weight"] = shape
+                if bias:
+                    out[f"{q}{name}.bias"] = (shape[0],)
+            return out
+
+        if m is None:
+            return swiglu(p, cfg.intermediate_size, cfg.linear_bias)
+        if m.dense_layers[i]:
+            return swiglu(p + "dense.", m.dense_size)
+        out: Dict[str, Tuple[int, ...]] = {p + "router.weight": (m.num_experts, d)}
+        if m.expert_bias:
+            out[p + "expert_bias"] = (m.num_experts,)
+        for j in range(m.num_experts):
+            out.update(swiglu(p + f"experts.{j}.", m.expert_size))
+        if m.shared_size:
+            out.update(swiglu(p + "shared.", m.shared_size))
+        return out
 
     def param_shapes(self, cfg: Any) -> Dict[str, Tuple[int, ...]]:
         """{internal parameter name: shape} of the model `cfg` describes (the DLLM's own
         parameters, in its order; engine.loader checks the two agree)."""
-        d, kv, f, E = cfg.hidden_size, cfg.n_kv_heads * cfg.head_dim, cfg.intermediate_size, cfg.embedding_size
-        qkv_b, b = cfg.qkv_bias or cfg.linear_bias, cfg.linear_bias
+        d, E = cfg.hidden_size, cfg.embedding_size
         out: Dict[str, Tuple[int, ...]] = {"embed.weight": (E, d)}
         for i in range(cfg.n_layers):
             p = f"layers.{i}."
             out[p + "attn_norm.weight"] = (d,)
-            for m, rows in (("q", d), ("k", kv), ("v", kv)):
-                out[p + f"{m}.weight"] = (rows, d)
-                if qkv_b:
-                    out[p + f"{m}.bias"] = (rows,)
-            for m, shape in (("o", (d, d)), ("mlp_norm", (d,)), ("gate", (f, d)), ("up", (f, d)), ("down", (d, f))):
-                out[p + f"{m}.weight"] = shape
-                if b and m != "mlp_norm":
-                    out[p + f"{m}.bias"] = (shape[0],)
+            out.update(self.attention_shapes(cfg, p))
+            if cfg.qk_norm:
+                out.update({p + "q_norm.weight": (cfg.head_dim,), p + "k_norm.weight": (cfg.head_dim,)})
+            out[p + "mlp_norm.weight"] = (d,)
+            out.update(self.mlp_shapes(cfg, i, p))
         out["norm.weight"] = (d,)
         if not cfg.tie_word_embeddings:
             out["lm_head.weight"] = (E, d)
-            if b:
+            if cfg.linear_bias:
                 out["lm_head.bias"] = (E,)
         return out
 
-    def keeps_float32(self, internal: str) -> bool:
+    @staticmethod
+    def keeps_float32(internal: str) -> bool:
         """Whether parameter `internal` stays float32 in a lower-precision model (MoE routers)."""
-        return False
+        return internal.endswith((".router.weight", ".expert_bias"))
 
     def checkpoint_shapes(self, cfg: Any) -> Dict[str, Tuple[int, ...]]:
         """{checkpoint key: shape} every checkpoint of `cfg` holds, and nothing else."""

@@ -1,20 +1,25 @@
-"""Dream (Dream-org/Dream-v0-Instruct-7B, -Base-7B): a Qwen2.5 network (Qwen2 config.json
-and weight names, q/k/v biases) adapted to diffusion, so it predicts token i from
-position i-1 (logit shift)."""
+"""Dream (Dream-org/Dream-v0-Instruct-7B, -Base-7B; DiffuCoder and Dream-Coder share the
+architecture): a Qwen2.5 network (transformers' Qwen2Config keys and Qwen2 weight names,
+q/k/v biases) adapted to diffusion, so it predicts token i from position i-1 (logit
+shift), and its block decoding commits a block's first position first."""
 from __future__ import annotations
 
 from typing import Any, Dict, Mapping
 
-from .base import Family
+from .base import ConfigRefused, Family
 
 
 class DreamFamily(Family):
     def parse(self, hf: Mapping[str, Any]) -> Dict[str, Any]:
+        types = hf.get("layer_types")
+        if types is not None and any(t != "full_attention" for t in types):
+            raise ConfigRefused(f"config.json layer_types {sorted(set(types))} has sliding-window layers; blockray's "
+                                f"{self.name} model attends to every position in every layer")
         return dict(
             self._common(hf), vocab_size=hf["vocab_size"], hidden_size=hf["hidden_size"],
             n_layers=hf["num_hidden_layers"], n_heads=hf["num_attention_heads"],
             n_kv_heads=hf.get("num_key_value_heads") or hf["num_attention_heads"],
-            intermediate_size=hf["intermediate_size"], rope_theta=hf.get("rope_theta", 10000.0),
+            intermediate_size=hf["intermediate_size"], rope_theta=rope_theta(hf, 10000.0),
             rms_norm_eps=hf.get("rms_norm_eps", 1e-6), tie_word_embeddings=hf.get("tie_word_embeddings", False),
             qkv_bias=True, max_seq_len=hf.get("max_position_embeddings", 32768))
 
@@ -26,17 +31,27 @@ class DreamFamily(Family):
                     tie_word_embeddings=cfg.tie_word_embeddings, max_position_embeddings=cfg.max_seq_len)
 
 
+def rope_theta(hf: Mapping[str, Any], default: float) -> float:
+    """RoPE's base from `rope_theta` (transformers 4), or from `rope_parameters` (transformers 5),
+    whose rope_type must be the default (no scaling)."""
+    params = hf.get("rope_parameters")
+    if params is None:
+        return float(hf.get("rope_theta", default))
+    if not isinstance(params, Mapping) or params.get("rope_type", "default") != "default":
+        raise ConfigRefused(f"config.json rope_parameters={params!r}: blockray implements the default RoPE only")
+    return float(params.get("rope_theta", hf.get("rope_theta", default)))
+
+
 DREAM = DreamFamily(
-    name="Dream", model_type="Dream", examples="Dream-org/Dream-v0-Instruct-7B, Dream-v0-Base-7B",
+    name="Dream", model_type="Dream", aliases=("dream",), layout="qwen2",
+    examples="Dream-org/Dream-v0-Instruct-7B, Dream-v0-Base-7B",
     honoured=frozenset({"vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
-                        "num_key_value_heads", "intermediate_size", "rope_theta", "rms_norm_eps",
-                        "tie_word_embeddings", "max_position_embeddings"}),
-    # dropout is training-only; sliding_window / max_window_layers only matter with
-    # use_sliding_window, which `fixed` refuses; use_mrope (Qwen2.5's config: multimodal RoPE)
-    # is accepted only off
-    ignored=frozenset({"attention_dropout", "sliding_window", "max_window_layers"}),
+                        "num_key_value_heads", "intermediate_size", "rope_theta", "rope_parameters", "rms_norm_eps",
+                        "tie_word_embeddings", "max_position_embeddings", "layer_types"}),
+    # Qwen2Config's other keys (dropout, init, cache; sliding_window and max_window_layers,
+    # inert while use_sliding_window is off) are derived inert from `layout`
     fixed={"hidden_act": ("silu",), "rope_scaling": (None,), "use_sliding_window": (False,),
-           "attention_bias": (True,), "use_mrope": (False, None)},
+           "attention_bias": (True,), "use_mrope": (False, None)},  # use_mrope: Qwen2.5's multimodal RoPE, off
     top_weights={"embed.weight": "model.embed_tokens.weight", "norm.weight": "model.norm.weight",
                  "lm_head.weight": "lm_head.weight", "lm_head.bias": "lm_head.bias"},
     layer_prefix="model.layers.{i}.",

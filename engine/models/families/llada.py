@@ -1,5 +1,6 @@
 """LLaDA (GSAI-ML/LLaDA-8B-Instruct, -Base, LLaDA-1.5): OLMo-style config.json and weight
-names, LLaMA blocks (SwiGLU, RMSNorm, RoPE), no logit shift."""
+names, LLaMA blocks (SwiGLU, RMSNorm, RoPE), no logit shift. transformers has no config
+class for these OLMo keys, so the irrelevant ones are listed by hand."""
 from __future__ import annotations
 
 from typing import Any, Dict, Mapping
@@ -8,6 +9,11 @@ from .base import Family
 
 
 class LLaDAFamily(Family):
+    def matches(self, hf: Mapping[str, Any]) -> bool:
+        """model_type 'llada' (or none) with OLMo's keys: LLaDA-MoE's config.json says 'llada' too."""
+        mt = hf.get("model_type")
+        return "d_model" in hf and (mt is None or super().matches(hf))
+
     def parse(self, hf: Mapping[str, Any]) -> Dict[str, Any]:
         d = hf["d_model"]
         return dict(
@@ -29,7 +35,8 @@ class LLaDAFamily(Family):
 
 
 LLADA = LLaDAFamily(
-    name="LLaDA", model_type="llada", examples="GSAI-ML/LLaDA-8B-Instruct, LLaDA-8B-Base, LLaDA-1.5",
+    name="LLaDA", model_type="llada", aliases=("LLaDA",),
+    examples="GSAI-ML/LLaDA-8B-Instruct, LLaDA-8B-Base, LLaDA-1.5",
     honoured=frozenset({"vocab_size", "embedding_size", "d_model", "n_layers", "n_heads", "n_kv_heads",
                         "mlp_hidden_size", "mlp_ratio", "rope_theta", "rms_norm_eps", "weight_tying", "include_bias",
                         "include_qkv_bias", "max_sequence_length"}),
@@ -49,6 +56,5 @@ LLADA = LLaDAFamily(
     layer_prefix="model.transformer.blocks.{i}.",
     layer_weights={"attn_norm": "attn_norm", "q": "q_proj", "k": "k_proj", "v": "v_proj", "o": "attn_out",
                    "mlp_norm": "ff_norm", "gate": "ff_proj", "up": "up_proj", "down": "ff_out"},
-    shift_logits=False, first_position=False,
     defaults={"mask_token_id": 126336, "eos_token_id": 126081},
 )

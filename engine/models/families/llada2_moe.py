@@ -6,55 +6,43 @@ dense MLP, then MoE layers: sigmoid router scores in float32, `gate.expert_bias`
 selection only, group-limited top-k (top-2 sum per group), weights renormalised and times
 routed_scaling_factor, a shared expert of moe_intermediate_size * num_shared_experts.
 
-Decoding traits (engine.llada2): blocks at absolute positions (multiples of the block
-length from position 0: the prompt's tail opens the first decoded block), the prompt
-block-causal, LLaDA2's threshold rule, LLaDA2.1's token editing. The config names only
-`pad_token_id`; EOS 156892 and <|mask|> 156895 are the published generate()'s defaults."""
+Decoding traits: blocks at absolute positions (multiples of the block length from
+position 0: the prompt's tail opens the first decoded block), the prompt block-causal,
+LLaDA2's threshold rule, LLaDA2.1's token editing. The config names only `pad_token_id`;
+EOS and <|mask|> come from the tokenizer, else generate()'s defaults 156892 / 156895."""
 from __future__ import annotations
 
-from typing import Any, Dict, Mapping, Tuple
+from typing import Any, Dict, Mapping, Optional
 
-from .base import ConfigRefused
-from .llada_moe import LLaDAMoEFamily
+from .base import BlockLayout, ConfigRefused, Family, ThresholdRule
+from .llada_moe import PROJECTIONS
 from .moe import MoESpec
 
 # internal module (after "layers.{i}.") -> checkpoint module (after "model.layers.{i}.")
-_MODULES = {"attn_norm": "input_layernorm", "qkv_proj": "attention.query_key_value", "o": "attention.dense",
-            "q_norm": "attention.query_layernorm", "k_norm": "attention.key_layernorm",
-            "mlp_norm": "post_attention_layernorm", "router": "mlp.gate", "dense": "mlp",
-            "shared": "mlp.shared_experts", "experts": "mlp.experts"}
+MODULES = {"attn_norm": "input_layernorm", "qkv_proj": "attention.query_key_value", "o": "attention.dense",
+           "q_norm": "attention.query_layernorm", "k_norm": "attention.key_layernorm",
+           "mlp_norm": "post_attention_layernorm", "router": "mlp.gate", "expert_bias": "mlp.gate.expert_bias",
+           "dense": "mlp", "shared": "mlp.shared_experts", "experts": "mlp.experts"}
 
 
-def tokenizer_ids(model_dir: str, hf: Mapping[str, Any]) -> Dict[str, Any]:
-    """ModelConfig ids config.json does not name, from the tokenizer's added tokens
-    (<|mask|>, its eos_token) where it defines them; else the family's defaults stand."""
-    from ..stops import defined_tokens, tokenizer_eos
-
-    tokens = defined_tokens(model_dir)
-    out: Dict[str, Any] = {}
-    if "mask_token_id" not in hf and "<|mask|>" in tokens:
-        out["mask_token_id"] = tokens["<|mask|>"]
-    eos = tokenizer_eos(model_dir, tokens)
-    if "eos_token_id" not in hf and eos is not None:
-        out.update(eos_token_id=eos, eos_token_ids=None)
-    return out
-
-
-class LLaDA2Family(LLaDAMoEFamily):
-    """LLaDA-MoE's weights but for the attention (attention_shapes) and the expert bias's key."""
-
-    expert_bias_key = "mlp.gate.expert_bias"
+class LLaDA2Family(Family):
+    def tokenizer_ids(self, hf: Mapping[str, Any], tokens: Mapping[str, int], eos: Optional[int]) -> Dict[str, Any]:
+        """<|mask|> and the tokenizer's eos_token where config.json names neither (it does not)."""
+        out: Dict[str, Any] = {}
+        if "mask_token_id" not in hf and "<|mask|>" in tokens:
+            out["mask_token_id"] = tokens["<|mask|>"]
+        if "eos_token_id" not in hf and eos is not None:
+            out.update(eos_token_id=eos, eos_token_ids=None)
+        return out
 
     def parse(self, hf: Mapping[str, Any]) -> Dict[str, Any]:
         n, d, H = hf["num_hidden_layers"], hf["hidden_size"], hf["num_attention_heads"]
-        head_dim = hf.get("head_dim")
-        if head_dim not in (None, d // H) or d % H:
-            raise ConfigRefused(f"config.json head_dim={head_dim!r} with hidden_size={d}, num_attention_heads={H}: "
-                                f"blockray's LLaDA2 model computes head_dim = hidden_size / num_attention_heads")
+        head_dim = hf.get("head_dim") or d // H  # the published attention: config.head_dim or hidden / heads
+        prf = float(hf.get("partial_rotary_factor", 0.5))
         rotary = hf.get("rotary_dim")
-        if rotary is not None and rotary != int((head_dim or d // H) * float(hf.get("partial_rotary_factor", 0.5))):
-            raise ConfigRefused(f"config.json rotary_dim={rotary!r} is not head_dim x partial_rotary_factor, which "
-                                "the published modeling code rotates; blockray's LLaDA2 model computes the same")
+        if rotary is not None and rotary != int(head_dim * prf):
+            raise ConfigRefused(f"config.json rotary_dim={rotary!r} is not head_dim x partial_rotary_factor "
+                                f"({head_dim} x {prf}), the dims the published modeling code rotates")
         experts = hf.get("num_experts")
         if experts is None:
             raise ConfigRefused("config.json num_experts=None (an all-dense LLaDA2) is not supported by blockray")
@@ -73,12 +61,11 @@ class LLaDA2Family(LLaDAMoEFamily):
         kv = hf.get("num_key_value_heads") or H
         return dict(
             self._common(hf), vocab_size=hf["vocab_size"], hidden_size=d, n_layers=n, n_heads=H, n_kv_heads=kv,
-            intermediate_size=max(moe.dense_size, 0), rope_theta=hf.get("rope_theta", 10000.0),
+            head_dim=head_dim, intermediate_size=max(moe.dense_size, 0), rope_theta=hf.get("rope_theta", 10000.0),
             rms_norm_eps=hf.get("rms_norm_eps", 1e-5), tie_word_embeddings=hf.get("tie_word_embeddings", False),
             max_seq_len=hf.get("max_position_embeddings", 16384), moe=moe, qk_norm=bool(hf.get("use_qk_norm", True)),
-            partial_rotary_factor=float(hf.get("partial_rotary_factor", 0.5)),
-            qkv_bias=bool(hf.get("use_qkv_bias", False)), attn_out_bias=bool(hf.get("use_bias", True)),
-            dllm_attention="block_causal")
+            partial_rotary_factor=prf, qkv_bias=bool(hf.get("use_qkv_bias", False)),
+            attn_out_bias=bool(hf.get("use_bias", True)))
 
     def to_hf(self, cfg: Any) -> Dict[str, Any]:
         m = cfg.moe
@@ -94,25 +81,15 @@ class LLaDA2Family(LLaDAMoEFamily):
                     rope_theta=cfg.rope_theta, rms_norm_eps=cfg.rms_norm_eps,
                     tie_word_embeddings=cfg.tie_word_embeddings, max_position_embeddings=cfg.max_seq_len)
 
-    def attention_shapes(self, cfg: Any, p: str) -> Dict[str, Tuple[int, ...]]:
-        """The fused query_key_value (q heads, then k, then v) and the output projection."""
-        d, hd = cfg.hidden_size, cfg.head_dim
-        qkv = (cfg.n_heads + 2 * cfg.n_kv_heads) * hd
-        out: Dict[str, Tuple[int, ...]] = {p + "qkv_proj.weight": (qkv, d), p + "o.weight": (d, cfg.n_heads * hd)}
-        if cfg.qkv_bias:
-            out[p + "qkv_proj.bias"] = (qkv,)
-        if cfg.attn_out_bias:
-            out[p + "o.bias"] = (d,)
-        return out
 
 LLADA2_MOE = LLaDA2Family(
-    name="LLaDA2", model_type="llada2_moe",
+    name="LLaDA2", model_type="llada2_moe", aliases=("llada2",),
     examples="inclusionAI/LLaDA2.0-mini, LLaDA2.1-mini, LLaDA2.0-flash, LLaDA2.1-flash",
     honoured=frozenset({"vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
                         "head_dim", "intermediate_size", "moe_intermediate_size", "num_experts", "num_experts_per_tok",
                         "num_shared_experts", "first_k_dense_replace", "n_group", "topk_group",
                         "routed_scaling_factor", "use_qk_norm", "use_qkv_bias", "use_bias", "partial_rotary_factor",
-                        "rope_theta", "rms_norm_eps", "tie_word_embeddings", "max_position_embeddings", "rotary_dim"}),
+                        "rotary_dim", "rope_theta", "rms_norm_eps", "tie_word_embeddings", "max_position_embeddings"}),
     # dropout, init and training-only outputs; norm_topk_prob is read by no published
     # modeling code (the gate renormalises whenever top_k > 1); the sliding-window keys are
     # inert while use_sliding_window is false (fixed below)
@@ -126,9 +103,8 @@ LLADA2_MOE = LLaDA2Family(
     top_weights={"embed.weight": "model.word_embeddings.weight", "norm.weight": "model.norm.weight",
                  "lm_head.weight": "lm_head.weight"},
     layer_prefix="model.layers.{i}.",
-    layer_weights=_MODULES,
-    shift_logits=False, first_position=False,
+    layer_weights=MODULES, mlp_weights=PROJECTIONS, fused_qkv=True,
+    blocks=BlockLayout.ABSOLUTE, threshold=ThresholdRule.SCHEDULE_FLOOR, editing=True, attention="block_causal",
     # generate()'s eos_id / mask_id defaults (the Ling tokenizer: <|endoftext|>, <|mask|>)
     defaults={"mask_token_id": 156895, "eos_token_id": 156892},
-    llada2=True,
 )

@@ -8,30 +8,23 @@ weights, optional shared expert, dense layers where moe_layer_freq is 0. Written
 the published modeling_lladamoe.py / configuration_lladamoe.py."""
 from __future__ import annotations
 
-from typing import Any, Dict, Mapping, Tuple
+from typing import Any, Dict, Mapping
 
 from .base import Family
 from .moe import MoESpec
 
 # internal module (after "layers.{i}.") -> checkpoint module (after "model.layers.{i}.")
-_MODULES = {"attn_norm": "input_layernorm", "q": "self_attn.q_proj", "k": "self_attn.k_proj",
-            "v": "self_attn.v_proj", "o": "self_attn.o_proj", "q_norm": "self_attn.q_norm",
-            "k_norm": "self_attn.k_norm", "mlp_norm": "post_attention_layernorm", "router": "mlp.gate",
-            "dense": "mlp", "shared": "shared_expert", "experts": "mlp.experts"}
-_PROJ = {"gate": "gate_proj", "up": "up_proj", "down": "down_proj"}
-
-
-def is_llada_moe(hf: Mapping[str, Any]) -> bool:
-    """LLaDA-MoE's config.json: model_type 'llada' with Hugging Face keys and experts."""
-    return hf.get("model_type") in ("llada", "LLaDA", "lladamoe") and "d_model" not in hf and "num_experts" in hf
-
-
-def mlp_shapes(prefix: str, d: int, f: int) -> Dict[str, Tuple[int, ...]]:
-    return {f"{prefix}gate.weight": (f, d), f"{prefix}up.weight": (f, d), f"{prefix}down.weight": (d, f)}
+MODULES = {"attn_norm": "input_layernorm", "q": "self_attn.q_proj", "k": "self_attn.k_proj",
+           "v": "self_attn.v_proj", "o": "self_attn.o_proj", "q_norm": "self_attn.q_norm",
+           "k_norm": "self_attn.k_norm", "mlp_norm": "post_attention_layernorm", "router": "mlp.gate",
+           "expert_bias": "mlp.expert_bias", "dense": "mlp", "shared": "shared_expert", "experts": "mlp.experts"}
+PROJECTIONS = {"gate": "gate_proj", "up": "up_proj", "down": "down_proj"}  # inside an MLP module
 
 
 class LLaDAMoEFamily(Family):
-    expert_bias_key = "mlp.expert_bias"  # where the checkpoint keeps layer i's expert bias
+    def matches(self, hf: Mapping[str, Any]) -> bool:
+        """LLaDA-MoE's config.json: model_type 'llada' with Hugging Face keys and experts."""
+        return hf.get("model_type") in ("llada", "LLaDA", "lladamoe") and "d_model" not in hf and "num_experts" in hf
 
     def parse(self, hf: Mapping[str, Any]) -> Dict[str, Any]:
         n = hf["num_hidden_layers"]
@@ -66,49 +59,6 @@ class LLaDAMoEFamily(Family):
                     rope_theta=cfg.rope_theta, rms_norm_eps=cfg.rms_norm_eps,
                     tie_word_embeddings=cfg.tie_word_embeddings, max_position_embeddings=cfg.max_seq_len)
 
-    def checkpoint_name(self, internal: str) -> str:
-        if internal in self.top_weights:
-            return self.top_weights[internal]
-        parts = internal.split(".")  # layers.{i}.{module}[.{j}][.{proj}].{weight}
-        i, module, rest = parts[1], parts[2], parts[3:]
-        if module == "expert_bias":
-            return self.layer_prefix.format(i=i) + self.expert_bias_key
-        rest = [_PROJ.get(r, r) for r in rest]
-        return self.layer_prefix.format(i=i) + ".".join([self.layer_weights[module], *rest])
-
-    def keeps_float32(self, internal: str) -> bool:
-        return internal.endswith((".router.weight", ".expert_bias"))
-
-    def attention_shapes(self, cfg: Any, p: str) -> Dict[str, Tuple[int, ...]]:
-        """The attention projections of the layer whose names start with `p`."""
-        d, kv = cfg.hidden_size, cfg.n_kv_heads * cfg.head_dim
-        return {p + "q.weight": (d, d), p + "k.weight": (kv, d), p + "v.weight": (kv, d), p + "o.weight": (d, d)}
-
-    def param_shapes(self, cfg: Any) -> Dict[str, Tuple[int, ...]]:
-        d, hd, m = cfg.hidden_size, cfg.head_dim, cfg.moe
-        out: Dict[str, Tuple[int, ...]] = {"embed.weight": (cfg.embedding_size, d)}
-        for i in range(cfg.n_layers):
-            p = f"layers.{i}."
-            out[p + "attn_norm.weight"] = (d,)
-            out.update(self.attention_shapes(cfg, p))
-            if cfg.qk_norm:
-                out.update({p + "q_norm.weight": (hd,), p + "k_norm.weight": (hd,)})
-            out[p + "mlp_norm.weight"] = (d,)
-            if m.dense_layers[i]:
-                out.update(mlp_shapes(p + "dense.", d, m.dense_size))
-                continue
-            out[p + "router.weight"] = (m.num_experts, d)
-            if m.expert_bias:
-                out[p + "expert_bias"] = (m.num_experts,)
-            for j in range(m.num_experts):
-                out.update(mlp_shapes(p + f"experts.{j}.", d, m.expert_size))
-            if m.shared_size:
-                out.update(mlp_shapes(p + "shared.", d, m.shared_size))
-        out["norm.weight"] = (d,)
-        if not cfg.tie_word_embeddings:
-            out["lm_head.weight"] = (cfg.embedding_size, d)
-        return out
-
 
 LLADA_MOE = LLaDAMoEFamily(
     name="LLaDA-MoE", model_type="llada_moe",
@@ -129,8 +79,7 @@ LLADA_MOE = LLaDAMoEFamily(
     top_weights={"embed.weight": "model.embed_tokens.weight", "norm.weight": "model.norm.weight",
                  "lm_head.weight": "lm_head.weight"},
     layer_prefix="model.layers.{i}.",
-    layer_weights=_MODULES,
-    shift_logits=False, first_position=False,
+    layer_weights=MODULES, mlp_weights=PROJECTIONS,
     # the Ling tokenizer LLaDA-MoE and LLaDA2 share: <|endoftext|> 156892, <|mask|> 156895
     defaults={"mask_token_id": 156895, "eos_token_id": 156892},
 )

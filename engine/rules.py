@@ -1,0 +1,119 @@
+"""Decoding rules as objects: how a row's blocks are decoded and committed, one class per
+variant behind one interface (as engine.modes does for cache modes, and SGLang's
+dllm algorithms for its decoders). The engine calls every hook, for the rows of each
+rule in its batch, at the same points of every step; it names no rule itself.
+
+- `BlockRule`: one block at a time, the positions of a step chosen by the row's policy
+  (engine.decoding), the block committed once it holds no mask (or its step cap).
+- `EditingRule` (engine.editing): LLaDA2.1's token editing on top of it.
+- `D2FRule` (engine.d2f): several blocks in flight, committed at any step.
+
+A row's rule comes from its SamplingParams (engine.decoders.rule_for: the first rule that
+`applies`); what the model's family allows (its decoding traits) each rule checks in
+`unsupported`."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, FrozenSet, List, Optional
+
+import torch
+
+from .config import EngineConfig
+from .models.config import ModelConfig
+from .models.families.base import BlockLayout, Family
+from .reads import MASKED_SAMPLING
+
+if TYPE_CHECKING:
+    from .batch import Batch
+    from .sequence import Request, RowShape
+
+NOISE_MASK = 2**62 - 1
+
+
+@dataclass(frozen=True)
+class Traits:
+    """What the engine serving a row is: the model's family (decoding traits) and config,
+    the rows' shape and the engine's config; read by the rules' checks."""
+
+    family: Family
+    model: ModelConfig
+    shape: "RowShape"
+    config: EngineConfig
+
+
+class BlockRule:
+    """One block at a time (LLaDA's generate(), Fast-dLLM, Dream's block decoding, LLaDA2's
+    loop): the step's positions are chosen by engine.decoding.select, the block is
+    committed when it holds no mask or reached its step cap, and the row grows by a block."""
+
+    name = "block"
+    reads: FrozenSet[str] = MASKED_SAMPLING
+    stepwise = False  # commits at any step (the batch then advances by steps)
+    floor_one = False  # the schedule floor's k is 1 (ThresholdRule.SCHEDULE_FLOOR)
+
+    def applies(self, params: Any) -> bool:
+        """Whether SamplingParams `params` ask for this rule."""
+        return True
+
+    def unsupported(self, req: "Request", traits: Traits) -> Optional[str]:
+        """Why the engine cannot serve `req` with this rule, or None."""
+        return None
+
+    def start(self, req: "Request", traits: Traits) -> Any:
+        """The row's state for this rule (Request.state), once its request is valid."""
+        return None
+
+    def blocks_needed(self, req: "Request", block_length: int) -> int:
+        return -(-(len(req.lead) + req.params.max_new_tokens) // block_length)
+
+    def n_active(self, req: "Request") -> int:
+        """Blocks in flight."""
+        return 1
+
+    def in_flight(self, req: "Request", shape: "RowShape", mask_id: int) -> List[int]:
+        """The tokens of the row's blocks in flight (and under the full canvas the masked
+        suffix), as a row is (re)built."""
+        return shape.block_tokens(req, mask_id)
+
+    def step_cap(self, req: "Request", block_length: int, steps: int) -> Optional[int]:
+        """Steps after which the row's block is committed whatever it holds; None: its
+        policy's (engine.decoding.step_cap: S, or max(S, L) for threshold and factor)."""
+        return None
+
+    def noise_keys(self, req: "Request", seed: int, step: int) -> List[int]:
+        """Per block in flight, the seed of its noise at this step: (seed, tokens before
+        it, step in the block)."""
+        return [hash((seed, len(req.generated), step)) & NOISE_MASK]
+
+    def select(self, b: "Batch", rows: List[int], sel: torch.Tensor, **step: torch.Tensor) -> torch.Tensor:
+        """The step's selection [B NB, L] after the policies chose it; this rule's `rows`
+        (not frozen) may change theirs. `step`: conf, is_mask, x0, window, logits."""
+        return sel
+
+    def after_step(self, b: "Batch", rows: List[int], blocks: torch.Tensor, done: torch.Tensor) -> torch.Tensor:
+        """`done` [B] (whose current block is complete) once the step's tokens are on the
+        host (`blocks`); a rule may keep a block open."""
+        return done
+
+    def commit(self, engine: Any, b: "Batch", rows: List[int], blocks: torch.Tensor, done: torch.Tensor) -> None:
+        """Commit this rule's completed blocks (engine.commit), growing the rows that go on
+        to their next block (engine.grow)."""
+        L = b.block_length
+        for i in rows:
+            if bool(done[i]):
+                r = b.rows[i]
+                r.num_steps += int(b.busy_steps[i])
+                if not engine.commit(b, i, blocks[i, -L:].tolist()):
+                    engine.grow(r)
+
+
+BLOCK = BlockRule()
+
+
+def split_prompt(req: "Request", traits: Traits) -> None:
+    """Under BlockLayout.ABSOLUTE (LLaDA2), move the prompt's tail after its last whole
+    block into `req.lead`: it opens the first decoded block, and is never unmasked."""
+    L = traits.shape.block_length
+    r = len(req.prompt) % L
+    if traits.family.blocks == BlockLayout.ABSOLUTE and r:
+        req.prompt, req.lead = req.prompt[:-r], req.prompt[-r:]
