@@ -5,15 +5,23 @@ Hugging Face style directory. A remote model is therefore copied once per node i
 `$BLOCKRAY_MODEL_CACHE/<hash of the URL>` (default `~/.cache/blockray/models/…`), under
 a file lock so that two actors of one node never download it twice, and verified
 (every shard named by the safetensors index present, every file the size the remote
-lists) before anyone loads it. A later start on the node finds the copy, checks it
-against the remote listing (one LIST call) and reuses it; a changed remote is fetched
-again. Hub ids go through `huggingface_hub.snapshot_download` (its own cache and locks).
+lists) before anyone loads it. The completion marker records each file's size and version
+identity as the store lists it (S3's ETag), so a later start on the node checks the copy
+against the remote listing (one LIST call) and fetches it again when any file changed,
+even to content of the same size. Hub ids go through `huggingface_hub.snapshot_download`
+(its own cache and locks).
 
 `weights=False` fetches everything but the weights (config, tokenizer, settings): what
 the driver's preflight and the tokenizer stages need, without gigabytes of weights.
+
+Why `fingerprint` reads the source and never the cache: the driver holds a metadata-only
+copy and an engine node the full one, and a record of what a run read must not differ
+between the two, nor between the same files in a folder and under an s3:// prefix.
 """
 from __future__ import annotations
 
+import dataclasses
+import enum
 import hashlib
 import json
 import logging
@@ -22,8 +30,9 @@ import re
 import shutil
 import time
 from dataclasses import dataclass
-from typing import Dict, Optional
+from typing import Any, Dict, Mapping, Optional, Tuple
 
+import fsspec
 from filelock import FileLock
 
 from .storage import StorageOptions, describe_error, get_filesystem, protocol_of
@@ -33,37 +42,57 @@ logger = logging.getLogger(__name__)
 CACHE_ENV = "BLOCKRAY_MODEL_CACHE"
 DEFAULT_CACHE = os.path.join("~", ".cache", "blockray", "models")
 INDEX_FILE = "model.safetensors.index.json"
-COMPLETE_MARKER = ".blockray-complete.json"  # written last: {relative path: size} of the verified copy
+# Written last: {"files": {relative path: {"size": bytes, "version": identity}}} of the verified copy.
+COMPLETE_MARKER = ".blockray-complete.json"
 DOWNLOAD_LOG = "downloads.log"  # one line per download actually made (an audit trail of the cache)
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 _LOCK_TIMEOUT_S = 3600  # a multi-GB checkpoint on a slow link; a waiter gives up after this
+_WHOLE_MAX = 2 << 20  # fingerprint: files up to this size are hashed whole…
+_EDGE = 1 << 20  # …larger ones (weights) by their first and last MiB: a safetensors header and tensors at both ends
 
 
 class ModelSourceError(ValueError):
     """The model cannot be found, fetched or verified; the message says what to give instead."""
 
 
+class SourceKind(enum.StrEnum):
+    """Where a model is read from. String values, so that JSON and `kind == "remote"` keep working."""
+
+    LOCAL = "local"  # a directory on this machine
+    REMOTE = "remote"  # an fsspec URL (s3://…), copied into the node cache
+    HUB = "hub"  # a Hugging Face hub id (org/name)
+
+
 @dataclass(frozen=True)
 class ModelSource:
-    """`kind`: "local" (a directory), "remote" (an fsspec URL) or "hub" (a hub id)."""
+    """`spec`: the local path (file:// stripped), the URL or the hub id; `kind`: which of the three."""
 
     spec: str
-    kind: str
+    kind: SourceKind
 
     @property
     def is_local(self) -> bool:
-        return self.kind == "local"
+        return self.kind is SourceKind.LOCAL
+
+
+@dataclass(frozen=True)
+class FileStat:
+    """One file of a model as its store lists it. `version`: the store's identity of the
+    content (see `_version`), "" when the listing offers none (then only the size is checked)."""
+
+    size: int
+    version: str
 
 
 def classify(model: str) -> ModelSource:
     """A URL with a scheme other than file:// is remote; an existing path, or anything that
     looks like a path, is local; `org/name` that is not a local path is a hub id."""
     if "://" in model and protocol_of(model) != "file":
-        return ModelSource(model, "remote")
+        return ModelSource(model, SourceKind.REMOTE)
     path = model.split("://", 1)[-1]
     if os.path.exists(path) or path.startswith(("/", ".", "~")) or not _HUB_ID.match(model):
-        return ModelSource(path, "local")
-    return ModelSource(model, "hub")
+        return ModelSource(path, SourceKind.LOCAL)
+    return ModelSource(model, SourceKind.HUB)
 
 
 def cache_root() -> str:
@@ -81,23 +110,110 @@ def _is_weight(rel: str) -> bool:
     return rel.endswith((".safetensors", ".bin", ".pt", ".pth", ".gguf"))
 
 
-def remote_listing(url: str, storage: Optional[StorageOptions] = None) -> Dict[str, int]:
-    """{path relative to the model folder: size in bytes} of every file under `url`."""
+def _is_model_file(rel: str) -> bool:
+    """Hidden files and folders (our marker, `.cache/` of `huggingface-cli download --local-dir`,
+    `.gitattributes`) and lock files belong to whoever copied the model, not to the model."""
+    return not any(part.startswith(".") for part in rel.split("/")) and not rel.endswith(".lock")
+
+
+# Where fsspec listings put a file's version: S3 (s3fs) and Azure an ETag (S3's is the MD5 of
+# a single-part upload), GCS an etag / md5Hash / generation, the hub a git blob id; times last.
+_VERSION_KEYS = ("ETag", "etag", "md5Hash", "md5", "generation", "blob_id", "mtime", "LastModified", "last_modified")
+
+
+def _version(info: Mapping[str, Any]) -> str:
+    """The identity of a file's content as its store reports it: the hub's LFS sha256 first,
+    else the first of _VERSION_KEYS present (quotes stripped: S3 lists ETags quoted)."""
+    lfs = info.get("lfs")
+    if isinstance(lfs, Mapping) and lfs.get("sha256"):
+        return str(lfs["sha256"])
+    for key in _VERSION_KEYS:
+        if info.get(key) not in (None, ""):
+            return str(info[key]).strip('"')
+    return ""
+
+
+def _is_file(fs: fsspec.AbstractFileSystem, path: str, info: Mapping[str, Any]) -> bool:
+    """A file, or a link to one (a hub snapshot folder is links to blobs; fsspec lists them as "other")."""
+    return info.get("type", "file") == "file" or (bool(info.get("islink")) and fs.isfile(path))
+
+
+def _hub_error(repo_id: str, doing: str, e: BaseException) -> ModelSourceError:
+    return ModelSourceError(
+        f"model {repo_id!r} is not a local directory, and as a hub id it cannot be {doing} here "
+        f"({describe_error(e, limit=300)}). Download it where the hub is reachable "
+        f"(`huggingface-cli download {repo_id} --local-dir DIR`) and pass --model DIR (a directory present "
+        "on every engine node) or an object-storage URL (--model s3://bucket/prefix/)")
+
+
+def _source_files(model: str, storage: Optional[StorageOptions]
+                  ) -> Tuple[fsspec.AbstractFileSystem, str, Dict[str, FileStat]]:
+    """(filesystem, root, listing) of `model`. A hub id is read through huggingface_hub's
+    fsspec filesystem (hf://), with its own credentials (HF_TOKEN), not `storage`'s."""
+    src = classify(model)
     try:
-        fs, root = get_filesystem(url, storage)
+        if src.kind is SourceKind.HUB:
+            fs, root = get_filesystem(f"hf://{src.spec}")
+        else:
+            fs, root = get_filesystem(os.path.expanduser(src.spec) if src.is_local else src.spec, storage)
         found = fs.find(root, detail=True)
+        root = root.rstrip("/")
+        files = {p[len(root) + 1:]: FileStat(int(info.get("size") or 0), _version(info))
+                 for p, info in found.items()
+                 if p.startswith(root + "/") and _is_model_file(p[len(root) + 1:]) and _is_file(fs, p, info)}
     except Exception as e:  # noqa: BLE001
-        raise ModelSourceError(f"model {url} cannot be listed: {describe_error(e)}") from e
-    root = root.rstrip("/")
-    return {p[len(root) + 1:]: int(info.get("size") or 0) for p, info in found.items()
-            if info.get("type", "file") == "file" and p.startswith(root + "/")}
+        if src.kind is SourceKind.HUB:
+            raise _hub_error(src.spec, "listed", e) from e
+        raise ModelSourceError(f"model {model} cannot be listed: {describe_error(e)}") from e
+    return fs, root, files
+
+
+def listing(model: str, storage: Optional[StorageOptions] = None) -> Dict[str, FileStat]:
+    """{path relative to the model folder ("/"-separated): FileStat} of every file of `model`
+    (a local directory, an fsspec URL or a hub id), hidden and lock files left out; {} when
+    there is nothing there. One listing call: no file is read."""
+    return _source_files(model, storage)[2]
+
+
+def _content_digest(fs: fsspec.AbstractFileSystem, path: str, size: int) -> str:
+    """sha256 of the whole file up to _WHOLE_MAX, else of its first and last _EDGE bytes, read
+    as byte ranges: a multi-GB shard costs two small reads wherever it lives."""
+    if size <= _WHOLE_MAX:
+        return hashlib.sha256(fs.cat_file(path)).hexdigest()
+    h = hashlib.sha256(fs.cat_file(path, start=0, end=_EDGE))
+    h.update(fs.cat_file(path, start=size - _EDGE, end=size))
+    return h.hexdigest()
+
+
+def fingerprint(model: str, storage: Optional[StorageOptions] = None) -> str:
+    """A sha256 (hex) naming the files of a model or adapter, read from its source (never
+    from the node cache): over the files of `listing`, sorted by relative path, each one's
+    path, size and `_content_digest`. The same files give the same value in a local folder,
+    under an s3:// prefix or as a hub id (through hf://), and a cached copy of any extent
+    does not change it. A change in the middle of a file larger than 2 MiB that keeps its
+    size is not seen (the price of never reading a whole shard). A hub id needs the hub:
+    offline or unknown, ModelSourceError saying how to give a local path instead.
+    Cost: one listing, then each small file read whole and two 1 MiB ranges of each larger one."""
+    fs, root, files = _source_files(model, storage)
+    if not files:
+        raise ModelSourceError(f"model {model} does not exist or is empty: nothing to fingerprint")
+    h = hashlib.sha256()
+    try:
+        for rel in sorted(files):
+            digest = _content_digest(fs, f"{root}/{rel}", files[rel].size)
+            h.update(f"{rel}\0{files[rel].size}\0{digest}\n".encode())
+    except Exception as e:  # noqa: BLE001
+        if classify(model).kind is SourceKind.HUB:
+            raise _hub_error(model, "read", e) from e
+        raise ModelSourceError(f"model {model} cannot be read: {describe_error(e)}") from e
+    return h.hexdigest()
 
 
 # What each kind of folder must hold: a model its config.json, a PEFT adapter its adapter_config.json.
 REQUIRED_FILE = {"model": "config.json", "adapter": "adapter_config.json"}
 
 
-def check_listing(url: str, files: Dict[str, int], index: Optional[dict] = None, kind: str = "model") -> None:
+def check_listing(url: str, files: Mapping[str, FileStat], index: Optional[dict] = None, kind: str = "model") -> None:
     """config.json (an adapter: adapter_config.json) and weights present; with a shard
     index, every shard it names present."""
     if not files:
@@ -112,7 +228,7 @@ def check_listing(url: str, files: Dict[str, int], index: Optional[dict] = None,
             raise ModelSourceError(f"model {url}: {INDEX_FILE} names shard(s) that are missing: {missing[:5]}")
 
 
-def _read_index(url: str, files: Dict[str, int], storage: Optional[StorageOptions]) -> Optional[dict]:
+def _read_index(url: str, files: Mapping[str, FileStat], storage: Optional[StorageOptions]) -> Optional[dict]:
     if INDEX_FILE not in files:
         return None
     fs, root = get_filesystem(url, storage)
@@ -120,35 +236,39 @@ def _read_index(url: str, files: Dict[str, int], storage: Optional[StorageOption
         return json.load(f)
 
 
-def _complete(local: str, wanted: Dict[str, int]) -> bool:
-    """The copy at `local` was verified against exactly this listing (and is still there)."""
+def _complete(local: str, wanted: Mapping[str, FileStat]) -> bool:
+    """The copy at `local` was verified against exactly this listing: the same files, sizes and
+    versions (a marker of older code, sizes only, never matches), all still there."""
     try:
         with open(os.path.join(local, COMPLETE_MARKER)) as f:
             recorded = json.load(f)["files"]
-    except (OSError, ValueError, KeyError):
+    except (OSError, ValueError, KeyError, TypeError):
         return False
-    return all(recorded.get(rel) == size and os.path.isfile(os.path.join(local, rel))
-               and os.path.getsize(os.path.join(local, rel)) == size for rel, size in wanted.items())
+    return isinstance(recorded, dict) and set(recorded) == set(wanted) and all(
+        recorded.get(rel) == dataclasses.asdict(stat) and os.path.isfile(os.path.join(local, rel))
+        and os.path.getsize(os.path.join(local, rel)) == stat.size for rel, stat in wanted.items())
 
 
-def _download(url: str, wanted: Dict[str, int], local: str, storage: Optional[StorageOptions]) -> None:
+def _download(url: str, wanted: Mapping[str, FileStat], local: str, storage: Optional[StorageOptions]) -> None:
     """Copy `wanted` into a fresh temporary folder beside `local`, check every size, then
-    swap it in: a reader never sees a half-written model."""
+    swap it in: a reader never sees a half-written model. The marker records the versions
+    listed before the copy: a file replaced meanwhile is fetched again next time, never trusted."""
     fs, root = get_filesystem(url, storage)
     tmp = f"{local}.tmp-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
-    t0, total = time.time(), sum(wanted.values())
+    t0, total = time.time(), sum(s.size for s in wanted.values())
     logger.info("downloading model %s (%d files, %.1f MB) to %s", url, len(wanted), total / 1e6, local)
     try:
         for rel in sorted(wanted):
             dest = os.path.join(tmp, rel)
             os.makedirs(os.path.dirname(dest), exist_ok=True)
             fs.get_file(f"{root.rstrip('/')}/{rel}", dest)
-            if os.path.getsize(dest) != wanted[rel]:
+            if os.path.getsize(dest) != wanted[rel].size:
                 raise ModelSourceError(f"model {url}: {rel} is {os.path.getsize(dest)} bytes after download, "
-                                       f"{wanted[rel]} remotely")
+                                       f"{wanted[rel].size} remotely")
         with open(os.path.join(tmp, COMPLETE_MARKER), "w") as f:
-            json.dump({"url": url, "files": wanted, "downloaded_at": time.time()}, f)
+            json.dump({"url": url, "files": {r: dataclasses.asdict(s) for r, s in wanted.items()},
+                       "downloaded_at": time.time()}, f)
         shutil.rmtree(local, ignore_errors=True)
         os.replace(tmp, local)
     except ModelSourceError:
@@ -168,7 +288,7 @@ def fetch_remote(url: str, storage: Optional[StorageOptions] = None, *, weights:
     """The node-local verified copy of the model at `url` (without weights: a metadata-only
     copy, unless the full copy is already there), downloading it under the node's lock."""
     url = url.rstrip("/")
-    files = remote_listing(url, storage)
+    files = listing(url, storage)
     check_listing(url, files, _read_index(url, files, storage), kind)
     full = cache_dir(url)
     wanted = files if weights else {r: s for r, s in files.items() if not _is_weight(r)}
@@ -192,11 +312,7 @@ def fetch_hub(repo_id: str, *, weights: bool = True) -> str:
 
         return snapshot_download(repo_id, allow_patterns=None if weights else HUB_METADATA)
     except Exception as e:  # noqa: BLE001
-        raise ModelSourceError(
-            f"model {repo_id!r} is not a local directory, and as a hub id it cannot be downloaded here "
-            f"({describe_error(e, limit=300)}). Download it where the hub is reachable "
-            f"(`huggingface-cli download {repo_id} --local-dir DIR`) and pass --model DIR (a directory present "
-            "on every engine node) or an object-storage URL (--model s3://bucket/prefix/)") from e
+        raise _hub_error(repo_id, "downloaded", e) from e
 
 
 def model_name(model: str) -> str:
@@ -210,12 +326,13 @@ def resolve_model(model: str, storage: Optional[StorageOptions] = None, *, weigh
     settings). Local directories are returned unchanged, without any check. `kind`
     "adapter": a PEFT adapter folder (--adapter), fetched and cached by the same rules."""
     src = classify(model)
-    if src.kind == "remote":
+    if src.kind is SourceKind.REMOTE:
         return fetch_remote(src.spec, storage, weights=weights, kind=kind)
-    if src.kind == "hub":
+    if src.kind is SourceKind.HUB:
         return fetch_hub(src.spec, weights=weights)
     return src.spec
 
 
-__all__ = ["ModelSource", "ModelSourceError", "classify", "cache_dir", "cache_root", "resolve_model",
-           "fetch_remote", "fetch_hub", "model_name", "remote_listing", "check_listing", "CACHE_ENV", "DOWNLOAD_LOG"]
+__all__ = ["ModelSource", "SourceKind", "FileStat", "ModelSourceError", "classify", "cache_dir", "cache_root",
+           "resolve_model", "fetch_remote", "fetch_hub", "model_name", "listing", "fingerprint", "check_listing",
+           "CACHE_ENV", "DOWNLOAD_LOG"]

@@ -2,8 +2,10 @@
 S3 endpoint on loopback) or a hub id; one verified download per node into the model cache."""
 from __future__ import annotations
 
+import hashlib
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -12,7 +14,8 @@ import uuid
 import pytest
 
 from conftest import ROOT, S3_KEY, S3_REGION, part_files, write_prompts
-from common.model_source import (DOWNLOAD_LOG, ModelSourceError, cache_dir, classify, resolve_model)
+from common.model_source import (COMPLETE_MARKER, DOWNLOAD_LOG, FileStat, ModelSourceError, SourceKind, cache_dir,
+                                 classify, fingerprint, listing, resolve_model)
 from procs import job_ray
 
 
@@ -28,21 +31,34 @@ def model_cache(tmp_path, monkeypatch) -> str:
     return cache
 
 
+def upload(s3fs_client, folder: str, name: str = "tiny-dllm") -> str:
+    """Every file of `folder` uploaded to a fresh bucket; its s3:// URL."""
+    bucket = f"models-{uuid.uuid4().hex[:8]}"
+    s3fs_client.mkdir(bucket)
+    s3fs_client.put(folder.rstrip("/") + "/", f"{bucket}/{name}/", recursive=True)
+    return f"s3://{bucket}/{name}"
+
+
 @pytest.fixture
 def s3_model(s3fs_client, tiny_model_dir) -> str:
     """The tiny checkpoint uploaded to a fresh bucket; its s3:// URL."""
-    bucket = f"models-{uuid.uuid4().hex[:8]}"
-    s3fs_client.mkdir(bucket)
-    s3fs_client.put(tiny_model_dir.rstrip("/") + "/", f"{bucket}/tiny-dllm/", recursive=True)
-    return f"s3://{bucket}/tiny-dllm"
+    return upload(s3fs_client, tiny_model_dir)
+
+
+def same_size_edit(data: bytes) -> bytes:
+    """`data` with its first digit changed: other content, same size (config.json stays JSON)."""
+    i = next(i for i, c in enumerate(data) if chr(c).isdigit())
+    return data[:i] + str((int(chr(data[i])) + 1) % 10).encode() + data[i + 1:]
 
 
 def test_classify():
-    assert classify("engine/assets/tiny-dllm").kind == "local"  # exists (cwd is the repo root in CI)
-    assert classify("/no/such/dir").kind == "local"
+    assert classify("engine/assets/tiny-dllm").kind is SourceKind.LOCAL  # exists (cwd is the repo root in CI)
+    assert classify("/no/such/dir").kind is SourceKind.LOCAL
     assert classify("file:///tmp/x").spec == "/tmp/x"
-    assert classify("s3://bucket/llada/").kind == "remote"
-    assert classify("GSAI-ML/LLaDA-8B-Instruct").kind == "hub"
+    assert classify("s3://bucket/llada/").kind is SourceKind.REMOTE
+    assert classify("GSAI-ML/LLaDA-8B-Instruct").kind is SourceKind.HUB
+    assert classify("s3://bucket/llada/").kind == "remote" and json.dumps(SourceKind.HUB) == '"hub"'  # still strings
+    assert classify("/no/such/dir").is_local and not classify("s3://bucket/llada/").is_local
 
 
 def test_s3_model_is_downloaded_once_verified_and_refreshed(s3_model, s3_storage, s3fs_client, model_cache):
@@ -128,3 +144,129 @@ def test_job_with_an_s3_model_downloads_once_per_node(tmp_path, s3_endpoint, s3_
     assert [d["dir"] for d in made].count(full) == 1, made  # two engines, one download
     assert [d["dir"] for d in made].count(full + "-meta") == 1, made  # the driver's checks
     assert secret not in res.stdout + res.stderr + json.dumps(summary)
+
+
+def test_listing_reports_sizes_and_the_stores_versions(tmp_path, tiny_model_dir, s3fs_client, s3_storage):
+    """S3 (s3fs) lists each object's ETag, quoted; the listing keeps it unquoted, which for a
+    single-part upload is the MD5 of the content. Hidden files and lock files are no model's."""
+    folder = str(tmp_path / "m")
+    shutil.copytree(tiny_model_dir, folder)
+    for extra in (".gitattributes", ".cache/huggingface/download/config.json.metadata", "x.lock"):
+        os.makedirs(os.path.dirname(os.path.join(folder, extra)), exist_ok=True)
+        open(os.path.join(folder, extra), "w").write("not the model's")
+    url = upload(s3fs_client, folder)
+    names = sorted(os.listdir(tiny_model_dir))
+    remote, local = listing(url, s3_storage), listing(folder)
+    assert sorted(remote) == sorted(local) == names
+    config = open(os.path.join(folder, "config.json"), "rb").read()
+    assert remote["config.json"] == FileStat(len(config), hashlib.md5(config).hexdigest())
+    assert local["config.json"].size == len(config) and local["config.json"].version  # its mtime
+    assert listing(url + "-typo", s3_storage) == {} and listing(str(tmp_path / "none")) == {}
+
+
+def test_fingerprint_is_the_same_for_the_same_files_wherever_they_are(
+        tmp_path, tiny_model_dir, s3fs_client, s3_storage, model_cache):
+    """A folder and its copy under s3:// give one fingerprint; the metadata-only and the full
+    cached copies of an s3:// model do not change it (it is read from the source); a changed
+    byte in config.json changes it."""
+    url = upload(s3fs_client, tiny_model_dir)
+    fp = fingerprint(tiny_model_dir)
+    assert fingerprint(url, s3_storage) == fingerprint(url + "/", s3_storage) == fp and len(fp) == 64
+
+    meta = resolve_model(url, s3_storage, weights=False)
+    assert fingerprint(url, s3_storage) == fp
+    assert fingerprint(meta) != fp  # the copy the driver holds lacks the weights: why the source is read
+    full = resolve_model(url, s3_storage)
+    assert fingerprint(url, s3_storage) == fp
+    assert fingerprint(full) == fp  # a full copy is the same files (the cache's marker is left out)
+    assert len(downloads(model_cache)) == 2
+
+    key = url.removeprefix("s3://") + "/config.json"
+    s3fs_client.pipe(key, same_size_edit(s3fs_client.cat(key)))
+    changed = fingerprint(url, s3_storage)
+    assert changed != fp
+    folder = str(tmp_path / "m")
+    shutil.copytree(tiny_model_dir, folder)
+    with open(os.path.join(folder, "config.json"), "wb") as f:
+        f.write(s3fs_client.cat(key))
+    assert fingerprint(folder) == changed
+    snapshot = str(tmp_path / "snapshot")  # a hub snapshot's layout: links to the files
+    os.makedirs(snapshot)
+    for name in os.listdir(folder):
+        os.symlink(os.path.join(folder, name), os.path.join(snapshot, name))
+    assert fingerprint(snapshot) == changed
+    with pytest.raises(ModelSourceError, match="does not exist or is empty"):
+        fingerprint(url + "-typo", s3_storage)
+
+
+def test_fingerprint_reads_the_ends_of_large_files(tmp_path, tiny_model_dir, s3fs_client, s3_storage):
+    """A file over 2 MiB (a weight shard) counts by its size and its first and last MiB, read
+    as byte ranges: a change there is seen, locally and on S3 alike; one in the middle that
+    keeps the size is not (the price of never reading a whole shard)."""
+    folder = str(tmp_path / "m")
+    shutil.copytree(tiny_model_dir, folder)
+    shard = os.path.join(folder, "model-00002-of-00002.safetensors")
+    data = bytearray(os.urandom(5 << 20))
+    open(shard, "wb").write(data)
+    fp = fingerprint(folder)
+    assert fingerprint(upload(s3fs_client, folder), s3_storage) == fp
+
+    def with_byte(at: int) -> str:
+        edited = bytearray(data)
+        edited[at] ^= 0xFF
+        open(shard, "wb").write(edited)
+        return fingerprint(folder)
+
+    assert with_byte(len(data) - 1) != fp and with_byte(10) != fp
+    assert with_byte(len(data) // 2) == fp
+    open(shard, "wb").write(data + b"\0")
+    assert fingerprint(folder) != fp  # its size
+
+
+def test_content_changed_at_the_same_size_is_fetched_again(s3_model, s3_storage, s3fs_client, model_cache):
+    local = resolve_model(s3_model, s3_storage)
+    assert resolve_model(s3_model, s3_storage) == local
+    assert len(downloads(model_cache)) == 1  # unchanged: not downloaded again
+
+    key = s3_model.removeprefix("s3://") + "/config.json"
+    new = same_size_edit(s3fs_client.cat(key))
+    assert len(new) == os.path.getsize(os.path.join(local, "config.json"))
+    s3fs_client.pipe(key, new)
+    assert resolve_model(s3_model, s3_storage) == local
+    assert open(os.path.join(local, "config.json"), "rb").read() == new
+    assert [d["dir"] for d in downloads(model_cache)] == [local, local]
+    assert resolve_model(s3_model, s3_storage) == local and len(downloads(model_cache)) == 2
+
+    weights = s3_model.removeprefix("s3://") + "/model.safetensors"  # a shard re-uploaded at its size
+    data = bytearray(s3fs_client.cat(weights))
+    data[len(data) // 2] ^= 0xFF
+    s3fs_client.pipe(weights, bytes(data))
+    assert resolve_model(s3_model, s3_storage) == local and len(downloads(model_cache)) == 3
+    assert open(os.path.join(local, "model.safetensors"), "rb").read() == bytes(data)
+
+    s3fs_client.rm(s3_model.removeprefix("s3://") + "/special_tokens_map.json")  # a file gone at the source
+    assert resolve_model(s3_model, s3_storage) == local and len(downloads(model_cache)) == 4
+    assert not os.path.exists(os.path.join(local, "special_tokens_map.json"))
+
+
+def test_marker_of_sizes_only_is_fetched_again(s3_model, s3_storage, model_cache):
+    """A copy verified by older code (its marker lists sizes, no versions) is fetched once more."""
+    local = resolve_model(s3_model, s3_storage)
+    marker = os.path.join(local, COMPLETE_MARKER)
+    record = json.load(open(marker))
+    assert set(record["files"]["config.json"]) == {"size", "version"}
+    record["files"] = {rel: stat["size"] for rel, stat in record["files"].items()}
+    json.dump(record, open(marker, "w"))
+    assert resolve_model(s3_model, s3_storage) == local
+    assert len(downloads(model_cache)) == 2
+    assert set(json.load(open(marker))["files"]["config.json"]) == {"size", "version"}
+    assert resolve_model(s3_model, s3_storage) == local and len(downloads(model_cache)) == 2
+
+
+def test_fingerprint_of_an_unreachable_hub_id_says_how_to_give_a_local_path(monkeypatch):
+    """Offline (no request leaves the process), a hub id fails with one ModelSourceError line."""
+    monkeypatch.setattr("huggingface_hub.constants.HF_HUB_OFFLINE", True)
+    with pytest.raises(ModelSourceError) as info:
+        fingerprint("no-such-org/no-such-dllm")
+    message = str(info.value)
+    assert "no-such-org/no-such-dllm" in message and "--local-dir" in message and "\n" not in message
