@@ -34,9 +34,10 @@ from typing import Any, Dict, List, Optional, Sequence, Union
 import pyarrow as pa
 import ray
 
-from common.model_source import model_name, resolve_model
+from common.model_source import model_name
 from common.schema import OUTPUT_SCHEMA, STOP_TEXT, as_table
 from actors.row_values import RowValueError, parse_sampling, parse_seed
+from engine.models.families import Serving  # torch-free
 
 from .engine_loop import EngineLoop, error_output
 from .metrics import EngineMetrics
@@ -63,17 +64,6 @@ def resolve_dtype(dtype: Any, device: Any) -> Any:
     if dtype == "auto":
         return torch.bfloat16 if device.type == "cuda" else torch.float32
     return getattr(torch, dtype)
-
-
-def _canvas_defaults(model_dir: str) -> Any:
-    """A DiffusionGemma checkpoint's CanvasParams (generation_config.json), else None."""
-    from engine.models.families.diffusion_gemma import checkpoint_config
-
-    if checkpoint_config(model_dir) is None:
-        return None
-    from engine.canvas import CanvasParams
-
-    return CanvasParams.from_generation_config(model_dir)
 
 
 def derive_seed(*parts: Any) -> int:
@@ -123,22 +113,20 @@ class DLLMEngineActor:
         self._tokenizer = None  # loaded for the first row with stop strings
         self.rank = spec.rank if spec.rank is not None else (
             int(ray.get(group.next.remote())) if group is not None else 0)
-        # s3://… or a hub id: downloaded once per node (under a lock), then loaded from disk.
-        self.model_name = model_name(spec.model)
-        self.model_dir = resolve_model(spec.model, spec.model_storage)  # also where stop strings' tokenizer is
-        self.canvas = _canvas_defaults(self.model_dir)
+        self.checkpoint = ckpt = spec.checkpoint()  # read once by the job's preflight
+        self.model_name = model_name(ckpt.model)
+        # s3://… or a hub id: downloaded once per node (under a lock), then loaded from disk
+        self.model_dir = ckpt.weights_dir()  # also where stop strings' tokenizer is
         dtype = resolve_dtype(spec.dtype, self.device)
-        if self.canvas is not None:  # DiffusionGemma: transformers' own class, served by engine.canvas
-            from engine.canvas import CanvasServe, load_diffusion_gemma
+        if ckpt.serving == Serving.CANVAS:  # DiffusionGemma: transformers' own class, served by engine.canvas
+            from engine.canvas import CanvasParams, CanvasServe, load_diffusion_gemma
 
-            if spec.adapter or spec.attention != "auto":
-                raise ValueError("--adapter and --attention apply to masked-diffusion models only, not DiffusionGemma")
-            self.model = load_diffusion_gemma(self.model_dir, dtype, str(self.device))
-            factory = lambda: CanvasServe(self.model, self.canvas, self.engine_config)  # noqa: E731
+            defaults = CanvasParams.from_generation(ckpt.generation)
+            self.model = load_diffusion_gemma(ckpt, dtype, str(self.device), weights_dir=self.model_dir)
+            factory = lambda: CanvasServe(self.model, defaults, self.engine_config)  # noqa: E731
         else:
-            adapter = resolve_model(spec.adapter, spec.model_storage, kind="adapter") if spec.adapter else None
-            self.model, _ = load_model(self.model_dir, dtype=dtype, device=self.device, tokenizer=False,
-                                       attention=spec.attention, adapter=adapter)
+            self.model, _ = load_model(ckpt, dtype=dtype, device=self.device, tokenizer=False,
+                                       weights_dir=self.model_dir)
             factory = lambda: Engine(self.model, self.engine_config, tokenizer=self._tokenizer,  # noqa: E731
                                      record_batches=spec.record_batches)
             if spec.warmup:
@@ -148,7 +136,7 @@ class DLLMEngineActor:
         self._batch_seq = itertools.count()
         self._in_flight = 0
         self.loop = EngineLoop(factory, on_step=self._on_step)
-        logger.info("engine rank %d ready on %s (%s)", self.rank, self.device, spec.model)
+        logger.info("engine rank %d ready on %s (%s)", self.rank, self.device, ckpt.model)
 
     # --- setup ----------------------------------------------------------------------
     def _warmup(self) -> None:
@@ -260,7 +248,7 @@ class DLLMEngineActor:
             params = dataclasses.replace(params, seed=row_seed(own, seed, self.sampling.seed, row_id))
         except RowValueError as e:  # a bad per-row value fails that row only, naming the field
             return None, str(e)
-        if params.stop and self.canvas is None and not self._ensure_tokenizer():
+        if params.stop and self.checkpoint.serving == Serving.MASKED and not self._ensure_tokenizer():
             return None, "stop strings need the model's tokenizer, and the model has none; use stop_token_ids"
         return params, ""
 
@@ -271,7 +259,7 @@ class DLLMEngineActor:
             from common.tokenizer import load_tokenizer
 
             try:
-                self._tokenizer = load_tokenizer(self.model_dir)
+                self._tokenizer = load_tokenizer(self.model_dir, self.checkpoint.hf)
             except Exception:  # noqa: BLE001 - no tokenizer: such rows fail, the rest run
                 logger.warning("no tokenizer for stop strings in %s", self.model_dir, exc_info=True)
             if self._tokenizer is None:

@@ -3,7 +3,7 @@ the processor builds it on the driver, the dispatchers and the group actor pass 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, List, Optional
+from typing import Any, List, Optional, Union
 
 from engine.config import EngineConfig, SamplingParams  # dataclasses only: no torch
 
@@ -13,15 +13,14 @@ class EngineSpec:
     """The model, the engine's and the default sampling settings, where the engine runs,
     and the input columns it reads; see actors/engine_actor.py."""
 
-    model: str  # a local directory, s3://… or a hub id (common/model_source.py)
+    # the run's Checkpoint (engine.checkpoint: the processor passes the one its preflight
+    # opened), or a local directory, s3://… or hub id that the actor opens itself
+    model: Union[str, Any]
     engine: EngineConfig = field(default_factory=EngineConfig)
     sampling: SamplingParams = field(default_factory=SamplingParams)
     dtype: str = "auto"
     device: str = "auto"
     torch_threads: Optional[int] = 1
-    adapter: Optional[str] = None
-    attention: str = "auto"
-    model_storage: Any = None  # StorageOptions of a remote model
     rank: Optional[int] = None  # else the next rank of the run's group actor, else 0
     run_id: str = ""  # the `run` tag of its metrics
     enable_metrics: bool = True
@@ -33,6 +32,12 @@ class EngineSpec:
     sampling_column: str = "sampling_params"
     seed_column: Optional[str] = None
     id_column: Optional[str] = "id"
+
+    def checkpoint(self) -> Any:
+        """The model's Checkpoint: as given, or opened from its path or URL."""
+        from engine.checkpoint import Checkpoint
+
+        return self.model if isinstance(self.model, Checkpoint) else Checkpoint.open(self.model)
 
     def columns(self) -> List[str]:
         """The input columns the engine reads (the dispatcher sends it only these)."""

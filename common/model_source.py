@@ -30,7 +30,7 @@ import re
 import shutil
 import time
 from dataclasses import dataclass
-from typing import Any, Dict, Mapping, Optional, Tuple
+from typing import Any, Dict, Mapping, Optional
 
 import fsspec
 from filelock import FileLock
@@ -146,67 +146,116 @@ def _hub_error(repo_id: str, doing: str, e: BaseException) -> ModelSourceError:
         "on every engine node) or an object-storage URL (--model s3://bucket/prefix/)")
 
 
-def _source_files(model: str, storage: Optional[StorageOptions]
-                  ) -> Tuple[fsspec.AbstractFileSystem, str, Dict[str, FileStat]]:
-    """(filesystem, root, listing) of `model`. A hub id is read through huggingface_hub's
-    fsspec filesystem (hf://), with its own credentials (HF_TOKEN), not `storage`'s."""
-    src = classify(model)
-    try:
-        if src.kind is SourceKind.HUB:
-            fs, root = get_filesystem(f"hf://{src.spec}")
-        else:
-            fs, root = get_filesystem(os.path.expanduser(src.spec) if src.is_local else src.spec, storage)
-        found = fs.find(root, detail=True)
-        root = root.rstrip("/")
-        files = {p[len(root) + 1:]: FileStat(int(info.get("size") or 0), _version(info))
-                 for p, info in found.items()
-                 if p.startswith(root + "/") and _is_model_file(p[len(root) + 1:]) and _is_file(fs, p, info)}
-    except Exception as e:  # noqa: BLE001
-        if src.kind is SourceKind.HUB:
-            raise _hub_error(src.spec, "listed", e) from e
-        raise ModelSourceError(f"model {model} cannot be listed: {describe_error(e)}") from e
-    return fs, root, files
+class SourceFiles:
+    """A model's (or adapter's) files at its source, listed once, each file read at most
+    once: the Checkpoint (engine.checkpoint) parses its small files, checks its shards'
+    headers by byte range and fingerprints it from this one object. A hub id is read
+    through huggingface_hub's fsspec filesystem (hf://), with its own credentials
+    (HF_TOKEN), not `storage`'s. It also serves engine.models.headers' file operations
+    (read a range, size, isfile, names) on paths under `root`."""
+
+    def __init__(self, model: str, storage: Optional[StorageOptions] = None):
+        self.model, self.source = model, classify(model)
+        self._whole: Dict[str, bytes] = {}
+        try:
+            if self.source.kind is SourceKind.HUB:
+                self.fs, root = get_filesystem(f"hf://{self.source.spec}")
+            else:
+                spec = os.path.expanduser(self.source.spec) if self.source.is_local else self.source.spec
+                self.fs, root = get_filesystem(spec, storage)
+            self.root = root.rstrip("/")
+            found = self.fs.find(self.root, detail=True)
+            self.files: Dict[str, FileStat] = {
+                p[len(self.root) + 1:]: FileStat(int(info.get("size") or 0), _version(info))
+                for p, info in found.items() if p.startswith(self.root + "/")
+                and _is_model_file(p[len(self.root) + 1:]) and _is_file(self.fs, p, info)}
+        except Exception as e:  # noqa: BLE001
+            raise self._error("listed", e) from e
+
+    def _error(self, doing: str, e: BaseException) -> ModelSourceError:
+        if self.source.kind is SourceKind.HUB:
+            return _hub_error(self.source.spec, doing, e)
+        return ModelSourceError(f"model {self.model} cannot be {doing}: {describe_error(e)}")
+
+    def bytes(self, rel: str) -> Optional[bytes]:
+        """The whole content of file `rel` (read once), or None when the model has no such file."""
+        if rel not in self.files:
+            return None
+        if rel not in self._whole:
+            try:
+                self._whole[rel] = self.fs.cat_file(f"{self.root}/{rel}")
+            except Exception as e:  # noqa: BLE001
+                raise self._error("read", e) from e
+        return self._whole[rel]
+
+    def json(self, rel: str) -> Optional[Any]:
+        """File `rel` parsed as JSON, None when absent; ValueError naming it when it is not JSON."""
+        data = self.bytes(rel)
+        if data is None:
+            return None
+        try:
+            return json.loads(data)
+        except ValueError as e:
+            raise ValueError(f"{rel} of model {self.model} is not valid JSON: {e}") from e
+
+    def digest(self, rel: str) -> str:
+        """sha256 of the whole file up to _WHOLE_MAX, else of its first and last _EDGE bytes,
+        read as byte ranges: a multi-GB shard costs two small reads wherever it lives."""
+        size = self.files[rel].size
+        if size <= _WHOLE_MAX:
+            return hashlib.sha256(self.bytes(rel)).hexdigest()
+        h = hashlib.sha256(self.read(f"{self.root}/{rel}", 0, _EDGE))
+        h.update(self.read(f"{self.root}/{rel}", size - _EDGE, size))
+        return h.hexdigest()
+
+    def fingerprint(self) -> str:
+        """See `fingerprint`."""
+        if not self.files:
+            raise ModelSourceError(f"model {self.model} does not exist or is empty: nothing to fingerprint")
+        h = hashlib.sha256()
+        for rel in sorted(self.files):
+            h.update(f"{rel}\0{self.files[rel].size}\0{self.digest(rel)}\n".encode())
+        return h.hexdigest()
+
+    # --- engine.models.headers' file operations, on full paths under `root` ---------------
+    def read(self, path: str, start: int, end: int) -> bytes:
+        rel = path[len(self.root) + 1:]
+        if rel in self._whole:
+            return self._whole[rel][start:end]
+        try:
+            return self.fs.cat_file(path, start=start, end=end)
+        except Exception as e:  # noqa: BLE001
+            raise self._error("read", e) from e
+
+    def size(self, path: str) -> int:
+        return self.files[path[len(self.root) + 1:]].size
+
+    def isfile(self, path: str) -> bool:
+        return path[len(self.root) + 1:] in self.files
+
+    def names(self, path: str) -> list:
+        prefix = "" if path.rstrip("/") == self.root else path[len(self.root) + 1:].rstrip("/") + "/"
+        return sorted({r[len(prefix):].split("/", 1)[0] for r in self.files if r.startswith(prefix)})
 
 
 def listing(model: str, storage: Optional[StorageOptions] = None) -> Dict[str, FileStat]:
     """{path relative to the model folder ("/"-separated): FileStat} of every file of `model`
     (a local directory, an fsspec URL or a hub id), hidden and lock files left out; {} when
     there is nothing there. One listing call: no file is read."""
-    return _source_files(model, storage)[2]
-
-
-def _content_digest(fs: fsspec.AbstractFileSystem, path: str, size: int) -> str:
-    """sha256 of the whole file up to _WHOLE_MAX, else of its first and last _EDGE bytes, read
-    as byte ranges: a multi-GB shard costs two small reads wherever it lives."""
-    if size <= _WHOLE_MAX:
-        return hashlib.sha256(fs.cat_file(path)).hexdigest()
-    h = hashlib.sha256(fs.cat_file(path, start=0, end=_EDGE))
-    h.update(fs.cat_file(path, start=size - _EDGE, end=size))
-    return h.hexdigest()
+    return SourceFiles(model, storage).files
 
 
 def fingerprint(model: str, storage: Optional[StorageOptions] = None) -> str:
     """A sha256 (hex) naming the files of a model or adapter, read from its source (never
     from the node cache): over the files of `listing`, sorted by relative path, each one's
-    path, size and `_content_digest`. The same files give the same value in a local folder,
-    under an s3:// prefix or as a hub id (through hf://), and a cached copy of any extent
-    does not change it. A change in the middle of a file larger than 2 MiB that keeps its
-    size is not seen (the price of never reading a whole shard). A hub id needs the hub:
-    offline or unknown, ModelSourceError saying how to give a local path instead.
-    Cost: one listing, then each small file read whole and two 1 MiB ranges of each larger one."""
-    fs, root, files = _source_files(model, storage)
-    if not files:
-        raise ModelSourceError(f"model {model} does not exist or is empty: nothing to fingerprint")
-    h = hashlib.sha256()
-    try:
-        for rel in sorted(files):
-            digest = _content_digest(fs, f"{root}/{rel}", files[rel].size)
-            h.update(f"{rel}\0{files[rel].size}\0{digest}\n".encode())
-    except Exception as e:  # noqa: BLE001
-        if classify(model).kind is SourceKind.HUB:
-            raise _hub_error(model, "read", e) from e
-        raise ModelSourceError(f"model {model} cannot be read: {describe_error(e)}") from e
-    return h.hexdigest()
+    path, size and digest (the sha256 of its content up to 2 MiB, else of its first and last
+    MiB). The same files give the same value in a local folder, under an s3:// prefix or as
+    a hub id (through hf://), and a cached copy of any extent does not change it. A change
+    in the middle of a file larger than 2 MiB that keeps its size is not seen (the price of
+    never reading a whole shard). A hub id needs the hub: offline or unknown,
+    ModelSourceError saying how to give a local path instead. Cost: one listing, then each
+    small file read whole and two 1 MiB ranges of each larger one."""
+    return SourceFiles(model, storage).fingerprint()
 
 
 # What each kind of folder must hold: a model its config.json, a PEFT adapter its adapter_config.json.
@@ -333,6 +382,6 @@ def resolve_model(model: str, storage: Optional[StorageOptions] = None, *, weigh
     return src.spec
 
 
-__all__ = ["ModelSource", "SourceKind", "FileStat", "ModelSourceError", "classify", "cache_dir", "cache_root",
+__all__ = ["ModelSource", "SourceKind", "SourceFiles", "FileStat", "ModelSourceError", "classify", "cache_dir", "cache_root",
            "resolve_model", "fetch_remote", "fetch_hub", "model_name", "listing", "fingerprint", "check_listing",
            "CACHE_ENV", "DOWNLOAD_LOG"]

@@ -9,7 +9,6 @@ tokenizer_config.json's added tokens, special tokens and chat template. Anything
 that needs the checkpoint's code is refused with a message naming what is needed."""
 from __future__ import annotations
 
-import functools
 import json
 import os
 from typing import Any, Dict, Optional, Tuple
@@ -39,7 +38,7 @@ def _tokenizer_config(model_dir: str) -> Dict[str, Any]:
     return cfg if isinstance(cfg, dict) else {}
 
 
-def tokenizer_class(model_dir: str) -> Tuple[Optional[str], Optional[str]]:
+def tokenizer_class(model_dir: str, config: Optional[Dict[str, Any]] = None) -> Tuple[Optional[str], Optional[str]]:
     """(the transformers class to load with, or None for AutoTokenizer; the remote class
     it stands in for). Raises NeedsRemoteCode when no transformers class reads the files."""
     import transformers
@@ -47,7 +46,7 @@ def tokenizer_class(model_dir: str) -> Tuple[Optional[str], Optional[str]]:
     cfg = _tokenizer_config(model_dir)
     cls = cfg.get("tokenizer_class")
     if not cls or hasattr(transformers, cls) or hasattr(transformers, cls.removesuffix("Fast")):
-        return ("TokenizersBackend" if plain_tokenizer(model_dir, cfg) else None), None
+        return ("TokenizersBackend" if plain_tokenizer(model_dir, config, cfg) else None), None
     base = cls.removesuffix("Fast")
     if base in COPIES:
         target, files = COPIES[base]
@@ -70,39 +69,57 @@ def tokenizer_class(model_dir: str) -> Tuple[Optional[str], Optional[str]]:
 PLAIN_CLASSES = ("PreTrainedTokenizerFast", "TokenizersBackend")
 
 
-def plain_tokenizer(model_dir: str, cfg: Optional[Dict[str, Any]] = None) -> bool:
+def plain_tokenizer(model_dir: str, config: Optional[Dict[str, Any]] = None, cfg: Optional[Dict[str, Any]] = None
+                    ) -> bool:
     """True when AutoTokenizer's choice is TokenizersBackend whatever the model's config
-    says: tokenizer_config.json names a plain class and no auto_map, there is a
-    tokenizer.json, and config.json's model_type is not a transformers model (AutoTokenizer
-    then reads a bare PreTrainedConfig and decides by tokenizer_class alone). Loading that
-    class directly skips AutoConfig, whose import pulls in torch: 3 CPU-s and ~250 MB in
-    every process that only tokenizes (the tokenize and detokenize tasks, the driver's
-    checks). tests/test_checkpoints.py checks it against AutoTokenizer on every layout."""
+    says: tokenizer_config.json (`cfg`) names a plain class and no auto_map, there is a
+    tokenizer.json, and config.json's (`config`, else read here) model_type is not a
+    transformers model (AutoTokenizer then reads a bare PreTrainedConfig and decides by
+    tokenizer_class alone). Loading that class directly skips AutoConfig, whose import
+    pulls in torch: 3 CPU-s and ~250 MB in every process that only tokenizes (the tokenize
+    and detokenize tasks, the driver's checks). tests/test_checkpoints.py checks it against
+    AutoTokenizer on every layout."""
     cfg = _tokenizer_config(model_dir) if cfg is None else cfg
     if cfg.get("tokenizer_class") not in PLAIN_CLASSES or "auto_map" in cfg or not os.path.isfile(
             os.path.join(model_dir, "tokenizer.json")):
         return False
-    try:
-        with open(os.path.join(model_dir, "config.json"), encoding="utf-8") as f:
-            model_type = json.load(f).get("model_type")
-    except (OSError, ValueError, AttributeError):
-        return False  # no model_type: AutoConfig guesses one from the path
+    model_type = _model_config(model_dir, config).get("model_type")
     from transformers.models.auto.auto_mappings import CONFIG_MAPPING_NAMES  # torch-free
 
     return isinstance(model_type, str) and bool(model_type) and model_type not in CONFIG_MAPPING_NAMES
 
 
-@functools.lru_cache(maxsize=4)
-def load_tokenizer(model_dir: str):
+def _model_config(model_dir: str, config: Optional[Dict[str, Any]]) -> Dict[str, Any]:
+    """config.json as the caller read it (a run's Checkpoint: engine.checkpoint), else read here."""
+    if config is not None:
+        return config
+    try:
+        with open(os.path.join(model_dir, "config.json"), encoding="utf-8") as f:
+            found = json.load(f)
+    except (OSError, ValueError):
+        return {}  # no model_type: AutoConfig guesses one from the path
+    return found if isinstance(found, dict) else {}
+
+
+_LOADED: Dict[str, Any] = {}  # model_dir -> its tokenizer (or None): each process reads the files once
+
+
+def load_tokenizer(model_dir: str, config: Optional[Dict[str, Any]] = None):
     """The tokenizer in `model_dir`, or None when it has no tokenizer files: the one
     loader of every layer (stages, preflight, the engine's stop strings), cached per
-    process, so each actor reads the files once."""
-    if not has_tokenizer(model_dir):
-        return None
+    process, so each actor reads the files once. `config`: the model's config.json as
+    the caller read it (a run's Checkpoint), so that neither this nor transformers reads
+    it again (AutoTokenizer is given the config it would have loaded)."""
+    if model_dir not in _LOADED:
+        _LOADED[model_dir] = _load(model_dir, config) if has_tokenizer(model_dir) else None
+    return _LOADED[model_dir]
+
+
+def _load(model_dir: str, config: Optional[Dict[str, Any]]):
     import transformers
     from transformers.utils import logging as hf_logging
 
-    target, _ = tokenizer_class(model_dir)
+    target, _ = tokenizer_class(model_dir, config)
     level = hf_logging.get_verbosity()
     hf_logging.set_verbosity_error()  # silence "model of type llada" noise from config.json
     try:
@@ -110,9 +127,20 @@ def load_tokenizer(model_dir: str):
             return getattr(transformers, target).from_pretrained(model_dir, local_files_only=True)
         # trust_remote_code=False, explicitly: never run a model directory's code, and never
         # let transformers ask an interactive [y/N] question.
-        return transformers.AutoTokenizer.from_pretrained(model_dir, local_files_only=True, trust_remote_code=False)
+        kw: Dict[str, Any] = {}
+        if config is not None and config.get("model_type") in _config_names():
+            kw["config"] = transformers.AutoConfig.for_model(
+                config["model_type"], **{k: v for k, v in config.items() if k != "model_type"})
+        return transformers.AutoTokenizer.from_pretrained(model_dir, local_files_only=True, trust_remote_code=False,
+                                                          **kw)
     finally:
         hf_logging.set_verbosity(level)
+
+
+def _config_names() -> Any:
+    from transformers.models.auto.auto_mappings import CONFIG_MAPPING_NAMES  # torch-free
+
+    return CONFIG_MAPPING_NAMES
 
 
 __all__ = ["load_tokenizer", "has_tokenizer", "tokenizer_class", "plain_tokenizer", "NeedsRemoteCode", "COPIES", "TOKENIZER_FILES"]

@@ -1,78 +1,61 @@
 """Load and save models in the Hugging Face directory layout (config.json +
 *.safetensors, optionally sharded with an index, + tokenizer files), from local disk
-only: nothing is fetched from a hub. Parsing, weight names and shapes come from the
-model's family (engine.models.families); a PEFT LoRA adapter is merged at load time
-(engine.models.lora)."""
+only: nothing is fetched from a hub. What a checkpoint holds is its Checkpoint's
+(engine.checkpoint: config.json parsed by the model's family, the shard headers checked,
+the adapter planned), so loading reads only weights; a PEFT LoRA adapter is merged at
+load time (engine.models.lora)."""
 from __future__ import annotations
 
 import json
 import os
 from pathlib import Path
-from typing import Dict, Optional, Tuple
+from typing import Dict, Optional, Tuple, Union
 
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from .checkpoint import Checkpoint
+from .config import Attention
 from .models import DLLM, ModelConfig, checkpoint_names
-from .models.checkpoint import check_weights
+from .models.families import Serving
+from .models.families.base import ConfigRefused
 from .models.lora import read_adapter
-from .models.stops import checkpoint_stop_ids
 from common.tokenizer import load_tokenizer
 
-ATTENTIONS = ("auto", "bidirectional", "block_causal")
+
+def read_config(path: Union[str, os.PathLike], attention: str = "auto") -> ModelConfig:
+    """The ModelConfig of a model folder (engine.checkpoint, without its shard headers)."""
+    return Checkpoint.open(str(path), attention=attention, weights=False).config
 
 
-def with_attention(cfg: ModelConfig, attention: str = "auto") -> ModelConfig:
-    """`cfg` with its attention overridden: "auto" keeps what the checkpoint declares
-    (bidirectional when it declares nothing); D2F adapters run "block_causal" on an
-    unchanged LLaDA or Dream folder."""
-    if attention not in ATTENTIONS:
-        raise ValueError(f"attention must be one of {ATTENTIONS}, got {attention!r}")
-    if attention != "auto":
-        cfg.dllm_attention = attention
-    return cfg
-
-
-def read_config(path: str | os.PathLike, attention: str = "auto") -> ModelConfig:
-    """The ModelConfig of a model folder (parsed through its family), with its stop ids
-    read from the checkpoint and `attention` applied. ValueError names any config.json key
-    the engine would not honour."""
-    root = Path(path)
-    if not (root / "config.json").is_file():
-        raise FileNotFoundError(f"model directory {root} has no config.json")
-    hf = json.loads((root / "config.json").read_text())
-    cfg = with_attention(ModelConfig.from_hf(hf), attention)
-    from .models.stops import defined_tokens, tokenizer_eos
-    tokens = defined_tokens(str(root))
-    for key, value in cfg.family.tokenizer_ids(hf, tokens, tokenizer_eos(str(root), tokens)).items():
-        setattr(cfg, key, value)
-    # none found (LLaDA2's config.json has no eos_token_id): config.json's, or the family's default
-    cfg.stop_ids = list(checkpoint_stop_ids(str(root), hf)) or None
-    return cfg
-
-
-def load_model(path: str | os.PathLike, dtype: torch.dtype = torch.bfloat16, device="cpu",
-               tokenizer: bool = True, adapter: Optional[str | os.PathLike] = None,
-               attention: str = "auto") -> Tuple[DLLM, Optional[object]]:
-    """(model, tokenizer) from a local HF-style directory; tokenizer is None when the
-    directory has no tokenizer files. `adapter`: a local PEFT LoRA folder merged into the
-    weights here; `attention`: "auto" | "bidirectional" | "block_causal". A config key or
-    tensor the engine would not honour, a missing or misshaped weight, or an adapter that
-    does not fit is refused (ValueError; KeyError for a missing weight) naming it."""
-    root = Path(path)
-    cfg = read_config(root, attention)
-    infos = check_weights(str(root), cfg)
+def load_model(source: Union[str, os.PathLike, Checkpoint], dtype: torch.dtype = torch.bfloat16, device="cpu",
+               tokenizer: bool = True, adapter: Optional[Union[str, os.PathLike]] = None,
+               attention: str = "auto", weights_dir: Optional[str] = None) -> Tuple[DLLM, Optional[object]]:
+    """(model, tokenizer) of a checkpoint: a local HF-style directory (opened as a
+    Checkpoint here, with `adapter` and `attention`), or a Checkpoint the job's preflight
+    opened (its adapter and attention already in it), whose weights are in `weights_dir`
+    (default: Checkpoint.weights_dir(), a remote model's node-local copy). tokenizer is None
+    when the model has no tokenizer files. A config key or tensor the engine would not
+    honour, a missing or misshaped weight, or an adapter that does not fit is refused
+    (ValueError; KeyError for a missing weight) naming it."""
+    ckpt = source if isinstance(source, Checkpoint) else Checkpoint.open(
+        str(source), adapter=None if adapter is None else str(adapter), attention=attention)
+    if ckpt.serving != Serving.MASKED:
+        raise ConfigRefused(f"{ckpt.model} is {ckpt.family.name}, served by engine.canvas "
+                            "(engine.canvas.load_diffusion_gemma), not by blockray's transformer")
+    root = weights_dir or ckpt.weights_dir()
+    cfg = ckpt.config
     with torch.device("meta"):
         model = DLLM(cfg)
     shapes = {n: tuple(p.shape) for n, p in model.named_parameters()}
     assert shapes == cfg.family.param_shapes(cfg), "the family's param_shapes disagree with DLLM"
-    lora = read_adapter(str(adapter), cfg, shapes) if adapter is not None else None
+    lora = read_adapter(ckpt.adapter_dir(), ckpt.adapter) if ckpt.adapter is not None else None
     state = {}
     handles: Dict[str, object] = {}
     try:
         for name, key in checkpoint_names(cfg, shapes).items():
-            file = infos[key].file
+            file = os.path.join(root, ckpt.tensors[key].file)
             fh = handles.get(file) or handles.setdefault(file, safe_open(file, framework="pt", device="cpu"))
             t = fh.get_tensor(key)
             if lora is not None:
@@ -83,10 +66,10 @@ def load_model(path: str | os.PathLike, dtype: torch.dtype = torch.bfloat16, dev
         handles.clear()
     model.load_state_dict(state, assign=True, strict=True)
     model.eval()
-    return model, (load_tokenizer(str(root)) if tokenizer else None)
+    return model, (load_tokenizer(root, ckpt.hf) if tokenizer else None)
 
 
-def save_model(model: DLLM, path: str | os.PathLike, max_shard_bytes: Optional[int] = None) -> None:
+def save_model(model: DLLM, path: Union[str, os.PathLike], max_shard_bytes: Optional[int] = None) -> None:
     """Write config.json and safetensors under the real checkpoint names (sharded with an
     index when `max_shard_bytes` is set), so load_model and other tools read it back."""
     root = Path(path)
@@ -112,3 +95,6 @@ def save_model(model: DLLM, path: str | os.PathLike, max_shard_bytes: Optional[i
         save_file(shard, str(root / fname), metadata={"format": "pt"})
         weight_map.update({k: fname for k in shard})
     (root / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}, indent=2))
+
+
+__all__ = ["load_model", "save_model", "read_config", "Attention"]

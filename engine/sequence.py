@@ -7,8 +7,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, List, Optional, Sequence, Tuple, Union
 
-from .config import EngineConfig, SamplingParams
-from .models import ModelConfig
+from .config import SamplingParams
 from .reads import refusal, unread
 
 Prompt = Union[str, Sequence[int]]

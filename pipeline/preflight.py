@@ -12,7 +12,7 @@ from typing import Any, Dict, List, Optional, Tuple, Union
 import fsspec
 
 from common.storage import StorageOptions, describe_error, get_filesystem, protocol_of
-from common.tokenizer import has_tokenizer, load_tokenizer
+from common.tokenizer import load_tokenizer
 
 from .config import DLLMProcessorConfig
 from .errors import CheckpointRefused, JobError
@@ -36,14 +36,14 @@ MAX_ERROR_FRACTION = 0.0
 class Preflight:
     """What the job-level checks found: the input (ids already in the output left out),
     those ids, the output location, the input's duplicated ids when allowed, and the
-    local directory holding the model's config and tokenizer."""
+    model's Checkpoint."""
 
     source: PromptParquetDatasource
     done: List[str]
     out_fs: fsspec.AbstractFileSystem
     out_path: str
     duplicates: Optional[DuplicateIds] = None
-    model_dir: Optional[str] = None
+    checkpoint: Any = None  # the model, read once (engine.checkpoint.Checkpoint): the run passes it on
     lock: Optional[OutputLock] = None  # this run's lease on the output, held until the run ends
     record: Optional[Dict[str, Any]] = None  # what writes the output (pipeline/run_record.py)
     history: List[Dict[str, Any]] = dataclasses.field(default_factory=list)  # earlier runs on it
@@ -54,13 +54,16 @@ class Preflight:
             self.lock.release()
 
 
-def check_tokenizer(model: str) -> None:
+def check_tokenizer(checkpoint: Any) -> None:
     """Load the tokenizer once, as the stages will (never with remote code): a model that
     needs its own code, or whose tokenizer does not load, is refused here, not in a stage."""
     from common.tokenizer import NeedsRemoteCode
 
+    model = checkpoint.model
+    if not checkpoint.tokenizer.present:
+        raise JobError(f"model: {model} has no tokenizer files, needed for text prompts", "model")
     try:
-        load_tokenizer(model)
+        load_tokenizer(checkpoint.metadata_dir(), checkpoint.hf)
     except NeedsRemoteCode as e:
         raise JobError(f"model: {e}", "model") from e
     except Exception as e:  # noqa: BLE001
@@ -69,38 +72,24 @@ def check_tokenizer(model: str) -> None:
 
 def check_model(model: str, needs_tokenizer: bool, storage: Optional[StorageOptions] = None,
                 adapter: Optional[str] = None, attention: str = "auto", sampling: Any = None,
-                engine: Any = None) -> str:
-    """A model the engines can load: config.json of a supported model (parsed by the
-    engine's own parser, never by transformers' remote code) and weights; a tokenizer that
-    loads when prompts are text. A remote model (s3://…, a hub id) is checked on a copy of
-    everything but its weights (common/model_source.py), its weights on the remote
-    listing. `sampling` / `engine`: the run's settings, refused where they do not apply to
-    the model (a DiffusionGemma with masked-diffusion options). Returns the local directory
-    checked."""
-    from .checkpoint_check import check_canvas_options, check_checkpoint
-    from common.model_source import ModelSourceError, classify, resolve_model
+                engine: Any = None) -> Any:
+    """The model's Checkpoint (engine.checkpoint), read once from its source and checked:
+    config.json of a supported family (parsed by the engine's own parser, never by a
+    checkpoint's remote code), every shard header (a remote model's by byte range: no
+    weights are downloaded), the adapter; `sampling` / `engine`: the run's settings,
+    refused where the model's engine would ignore them; a tokenizer that loads when prompts
+    are text."""
+    from .checkpoint_check import check_settings, open_checkpoint
 
-    given, remote = model, not classify(model).is_local
-    if remote:
-        try:
-            model = resolve_model(model, storage, weights=False)
-        except ModelSourceError as e:
-            raise JobError(f"model: {e}", "model") from e
-    cfg = os.path.join(model, "config.json")
-    if not os.path.isdir(model):
-        raise JobError(f"model: {model} is not a directory", "model")
-    if not os.path.isfile(cfg):
-        raise JobError(f"model: {model} has no config.json", "model")
-    try:  # config.json through the family, shard headers, the adapter (pipeline/checkpoint_check.py)
-        check_checkpoint(model, model=given, adapter=adapter, attention=attention, storage=storage)
-        check_canvas_options(model, sampling, engine)
+    storage = (storage or StorageOptions()).resolved()  # once: every stage and engine reads it the same way
+    try:
+        checkpoint = open_checkpoint(model, adapter=adapter, attention=attention, storage=storage)
+        check_settings(checkpoint, sampling, engine)
     except CheckpointRefused as e:
         raise JobError(f"model: {e.message}", *e.options) from e
     if needs_tokenizer:
-        if not has_tokenizer(model):
-            raise JobError(f"model: {model} has no tokenizer files, needed for text prompts", "model")
-        check_tokenizer(model)
-    return model
+        check_tokenizer(checkpoint)
+    return checkpoint
 
 
 def check_columns(source: PromptParquetDatasource, config: DLLMProcessorConfig) -> bool:
@@ -128,7 +117,7 @@ def check_columns(source: PromptParquetDatasource, config: DLLMProcessorConfig) 
     return text
 
 
-def check_chat_template(config: DLLMProcessorConfig, names: List[str], model_dir: str) -> Optional[str]:
+def check_chat_template(config: DLLMProcessorConfig, names: List[str], checkpoint: Any) -> Optional[str]:
     """The chat template the run will render with, or None when it renders none. Raises
     JobError when one is asked for (apply_chat_template=True, or auto with only a messages
     column) and neither --chat-template nor the tokenizer has one, or when the
@@ -141,7 +130,7 @@ def check_chat_template(config: DLLMProcessorConfig, names: List[str], model_dir
         config.apply_chat_template is None and config.messages_column in names)
     if not wanted:
         return None
-    template = template_of(model_dir, given)
+    template = template_of(checkpoint.metadata_dir(), given, checkpoint.hf)
     if template:
         return template
     if config.apply_chat_template is None and (config.prompt_column in names
@@ -223,9 +212,9 @@ def preflight(input: Union[str, List[str]], output: str, config: DLLMProcessorCo
         raise JobError(f"{e}", "input") from e
     needs_tokenizer = check_columns(source, config)
     names = source.schema.names if source.schema is not None else []
-    model_dir = check_model(config.model, needs_tokenizer, storage, config.adapter, config.attention,
-                            config.sampling, config.engine)
-    record = build_record(config, model_dir, check_chat_template(config, names, model_dir))
+    checkpoint = check_model(config.model, needs_tokenizer, storage, config.adapter, config.attention,
+                             config.sampling, config.engine)
+    record = build_record(config, checkpoint, check_chat_template(config, names, checkpoint))
     try:
         keys = completed_keys(out_fs, out_path, id_column) if resume else []
     except Exception as e:  # noqa: BLE001
@@ -262,6 +251,6 @@ def preflight(input: Union[str, List[str]], output: str, config: DLLMProcessorCo
     except Exception as e:  # noqa: BLE001
         lock.release()
         raise JobError(f"output {output} cannot be used: {type(e).__name__}: {e}", "output") from e
-    return Preflight(source, done, out_fs, out_path, duplicates, model_dir, lock, record, history, changed)
+    return Preflight(source, done, out_fs, out_path, duplicates, checkpoint, lock, record, history, changed)
 
 

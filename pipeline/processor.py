@@ -54,6 +54,7 @@ class DLLMProcessor:
     postprocess: Optional[RowFn] = None
     storage: Optional[StorageOptions] = None  # where a remote model (s3://…) is read from
     run_id: str = field(default_factory=new_run_id)  # the `run` tag of the engines' metrics
+    checkpoint: Any = None  # the model read once (engine.checkpoint.Checkpoint): every stage and engine gets it
 
     def engine_resources(self) -> Dict[str, Any]:
         """num_gpus / num_cpus / device of each engine actor, resolved against the cluster."""
@@ -75,7 +76,7 @@ class DLLMProcessor:
         # tasks (pipeline/stages.py): the tokenize stage fuses with the read
         cpu_stage = dict(batch_format="pyarrow", batch_size=cfg.batch_size, num_cpus=cfg.cpu_stage_num_cpus,
                          udf_modifying_row_count=False)
-        where = dict(storage=self.storage, run_id=self.run_id, model=cfg.model)
+        where = dict(run_id=self.run_id, checkpoint=self.checkpoint)
         # chat template (auto: when a batch has messages and there is a template), then tokenize
         ds = ds.map_batches(TokenizeUDF(
             **where, prompt_column=cfg.prompt_column, prompt_token_ids_column=cfg.prompt_token_ids_column,
@@ -84,9 +85,8 @@ class DLLMProcessor:
         res = self.engine_resources()
         k = cfg.max_concurrent_batches
         spec = EngineSpec(
-            model=cfg.model, engine=cfg.engine, sampling=cfg.sampling, dtype=cfg.dtype, device=res["device"],
-            torch_threads=cfg.torch_threads, adapter=cfg.adapter, attention=cfg.attention, model_storage=self.storage,
-            run_id=self.run_id, enable_metrics=cfg.enable_metrics, post_stats=cfg.collect_engine_stats,
+            model=self.checkpoint, engine=cfg.engine, sampling=cfg.sampling, dtype=cfg.dtype,
+            device=res["device"], torch_threads=cfg.torch_threads, run_id=self.run_id, enable_metrics=cfg.enable_metrics, post_stats=cfg.collect_engine_stats,
             record_batches=cfg.record_batches, token_ids_column=TOKEN_IDS, error_column=PRE_ERROR,
             sampling_column=cfg.sampling_column, seed_column=cfg.seed_column, id_column=cfg.id_column)
         if cfg.wait_for_engines_s > 0 and ds.context.wait_for_min_actors_s <= 0:
@@ -111,7 +111,7 @@ class DLLMProcessor:
             label_selector={"ray.io/node-id": ray.get_runtime_context().get_node_id()},
             fallback_strategy=[{"label_selector": {}}])
         if cfg.sort == "blendserve":  # lazy, streaming: windows ordered by a per-row key (pipeline/sorting)
-            ds = order_dataset(ds, cfg, dict(num_cpus=cfg.cpu_stage_num_cpus), device=res["device"])
+            ds = order_dataset(ds, cfg, self.checkpoint, dict(num_cpus=cfg.cpu_stage_num_cpus), device=res["device"])
         ds = ds.map_batches(EngineDispatcher, **engines)
         ds = ds.map_batches(DetokenizeUDF(**where, detokenize=cfg.detokenize,
                                           skip_special_tokens=cfg.skip_special_tokens), **cpu_stage)
@@ -122,7 +122,7 @@ class DLLMProcessor:
 
 def build_processor(config: DLLMProcessorConfig, preprocess: Optional[RowFn] = None,
                     postprocess: Optional[RowFn] = None, *, storage: Optional[StorageOptions] = None,
-                    run_id: Optional[str] = None) -> DLLMProcessor:
+                    run_id: Optional[str] = None, checkpoint: Any = None) -> DLLMProcessor:
     """A callable that maps a Dataset of prompts to a Dataset of generations.
 
     `preprocess(row) -> dict` runs first and its fields are merged into the row (e.g.
@@ -130,14 +130,17 @@ def build_processor(config: DLLMProcessorConfig, preprocess: Optional[RowFn] = N
     `postprocess(row) -> dict` runs last and its result *is* the output row.
     `storage`: object-storage options for a remote `config.model` (default: AWS_* variables).
     `run_id`: the engines' `run` metrics tag (default: a fresh one).
-    Raises ValueError (one line) when the model cannot be loaded, before any actor starts.
+    `checkpoint`: the model's Checkpoint when the caller's preflight opened it (the job
+    does); else the model is opened and checked here, once.
+    Raises ValueError (one line) when the model cannot be served, before any actor starts.
     """
     from .preflight import JobError, check_model
 
     storage = (storage or StorageOptions()).resolved()  # once, here: every actor talks to the same endpoint
-    try:
-        check_model(config.model, needs_tokenizer=False, storage=storage, adapter=config.adapter,
-                    attention=config.attention, sampling=config.sampling, engine=config.engine)
-    except JobError as e:
-        raise ValueError(e.message) from None
-    return DLLMProcessor(config, preprocess, postprocess, storage, run_id or new_run_id())
+    if checkpoint is None:
+        try:
+            checkpoint = check_model(config.model, needs_tokenizer=False, storage=storage, adapter=config.adapter,
+                                     attention=config.attention, sampling=config.sampling, engine=config.engine)
+        except JobError as e:
+            raise ValueError(e.message) from None
+    return DLLMProcessor(config, preprocess, postprocess, storage, run_id or new_run_id(), checkpoint)

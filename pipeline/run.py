@@ -109,7 +109,7 @@ def _run(checked: Preflight, input: Union[str, List[str]], config: DLLMProcessor
     engines: Dict[Any, Any] = {}
     if source.num_rows:
         try:  # building the processor checks the model: inside, too
-            processor = build_processor_for(config, storage, run_id)
+            processor = build_processor_for(config, storage, run_id, checked.checkpoint)
             ds = processor(read_prompts(input, rows_per_block=config.batch_size, source=source))
             sink = write_results(ds, (out_fs, out_path), rows_per_file=rows_per_file, stats_fn=stats_fn)
             engines = engine_figures(processor) if report else {}
@@ -136,8 +136,8 @@ def _run(checked: Preflight, input: Union[str, List[str]], config: DLLMProcessor
         max_error_fraction=max_error_fraction,
         duplicate_ids=checked.duplicates.to_dict() if checked.duplicates else None,
     )
-    summary.update(run_record(config, checked.model_dir or config.model))
-    summary["stop_token_ids"] = stop_sources(checked.model_dir or config.model, config.sampling.stop_token_ids)
+    summary.update(run_record(config, checked.checkpoint))
+    summary["stop_token_ids"] = stop_sources(checked.checkpoint, config.sampling.stop_token_ids)
     summary["status"] = "failed" if summary["error_fraction"] > max_error_fraction else "ok"
     summary["finished_at"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
     summary["run_record"] = checked.record
@@ -168,10 +168,10 @@ def engine_figures(processor: Any) -> Dict[str, Dict[str, Any]]:
 
 
 def build_processor_for(config: DLLMProcessorConfig, storage: Optional[StorageOptions] = None,
-                        run_id: Optional[str] = None):
+                        run_id: Optional[str] = None, checkpoint: Any = None):
     from .processor import build_processor
 
-    return build_processor(config, storage=storage, run_id=run_id)
+    return build_processor(config, storage=storage, run_id=run_id, checkpoint=checkpoint)
 
 
 __all__ = ["run_offline", "preflight", "Preflight", "SUMMARY_FILE", "JobError", "ErrorFractionExceeded",

@@ -1,7 +1,9 @@
 """What wrote an output: the run record a resume is checked against.
 
 A resume keeps the part files already in the output and generates only the missing ids,
-so it must generate them the way the kept ones were: same model (a hash of its files),
+so it must generate them the way the kept ones were: same model (the fingerprint of its
+files at their source, engine.checkpoint: the same whichever copy is local, a folder or
+s3://),
 adapter, engine and sampling settings, chat template and blockray version. The record is
 derived from the config dataclasses field by field (a field another change adds, e.g.
 `adapter` or `attention`, is part of it with nothing to list here); only the fields that
@@ -15,7 +17,6 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
-import os
 from typing import Any, Dict, List, Optional, Tuple
 
 import fsspec
@@ -33,7 +34,6 @@ NOT_RESULT_FIELDS = frozenset({
     "record_batches", "engine.token_budget", "engine.max_batch_size", "engine.scheduler", "engine.advance",
     "engine.profile",
 })
-_HEAD_BYTES = 1 << 20  # of each weight file hashed: its safetensors header and first tensors
 
 
 def settings(obj: Any, prefix: str = "") -> Dict[str, Any]:
@@ -52,42 +52,19 @@ def settings(obj: Any, prefix: str = "") -> Dict[str, Any]:
     return out
 
 
-def hash_path(path: Optional[str]) -> Optional[str]:
-    """sha256 of a local model or adapter: every file's name and size, the whole of its
-    small files (configs, tokenizer) and the head and tail of its weights (never all of a
-    checkpoint's gigabytes); None when there is nothing local to hash."""
-    if not path or not os.path.exists(path):
-        return None
-    h = hashlib.sha256()
-    files = [path] if os.path.isfile(path) else sorted(
-        os.path.join(d, n) for d, _, names in os.walk(path) for n in names if not n.startswith("."))
-    for p in files:
-        size = os.path.getsize(p)
-        h.update(f"{os.path.relpath(p, path)}\0{size}\0".encode())
-        with open(p, "rb") as fh:
-            if size <= 2 * _HEAD_BYTES:
-                h.update(fh.read())
-            else:
-                h.update(fh.read(_HEAD_BYTES))
-                fh.seek(size - _HEAD_BYTES)
-                h.update(fh.read())
-    return h.hexdigest()
-
-
-def build_record(config: Any, model_dir: Optional[str], chat_template: Optional[str]) -> Dict[str, Any]:
-    """The record of a run with `config` on the local model directory `model_dir`, rendering
-    `chat_template` (its text, None when prompts are not rendered)."""
+def build_record(config: Any, checkpoint: Any, chat_template: Optional[str]) -> Dict[str, Any]:
+    """The record of a run with `config` on the model of `checkpoint` (engine.checkpoint),
+    rendering `chat_template` (its text, None when prompts are not rendered)."""
     from .summary import _version
 
     record: Dict[str, Any] = {
-        "model_sha256": hash_path(model_dir or config.model),
+        "model_sha256": checkpoint.fingerprint,
         "chat_template_sha256": hashlib.sha256(chat_template.encode()).hexdigest() if chat_template else None,
         "blockray_version": _version(),
         "settings": settings(config),
     }
-    adapter = getattr(config, "adapter", None)
-    if isinstance(adapter, str):
-        record["adapter_sha256"] = hash_path(adapter)
+    if checkpoint.adapter is not None:
+        record["adapter_sha256"] = checkpoint.adapter.fingerprint
     return record
 
 
@@ -147,5 +124,5 @@ def history_entry(summary: Dict[str, Any], diffs: Optional[List[str]] = None) ->
     return entry
 
 
-__all__ = ["RECORD_FILE", "MISMATCH_CHOICES", "NOT_RESULT_FIELDS", "settings", "hash_path", "build_record",
+__all__ = ["RECORD_FILE", "MISMATCH_CHOICES", "NOT_RESULT_FIELDS", "settings", "build_record",
            "differences", "check_resume", "run_history", "history_entry", "read_json"]

@@ -14,33 +14,18 @@ which turns it into an output row with `finish_reason="error"`.
 """
 from __future__ import annotations
 
-import functools
 import logging
 import os
 from typing import Any, Callable, Dict, List, Optional, Set, Tuple
 
 import pyarrow as pa
 
-from common.model_source import classify, resolve_model
 from common.schema import INTERNAL_COLUMNS, PRE_ERROR, STOP_TEXT, TEXT_PROMPT, TOKEN_IDS  # noqa: F401 - re-exported
-from common.storage import StorageOptions
 from common.tokenizer import load_tokenizer
 
 from actors.row_values import parse_messages, parse_token_ids, row_error
 
 logger = logging.getLogger(__name__)
-
-
-@functools.lru_cache(maxsize=4)
-def vocab_size(model: str) -> Optional[int]:
-    """The model's vocabulary size from its config.json (None when it cannot be read here):
-    pre-tokenized ids past it are refused per row before they reach an engine."""
-    try:
-        from .sorting.model import read_model_config
-
-        return int(read_model_config(model).vocab_size)
-    except Exception:  # noqa: BLE001 - the engine checks the vocabulary as well
-        return None
 
 
 def _set(table: pa.Table, name: str, values: List[Any], type_: pa.DataType) -> pa.Table:
@@ -91,12 +76,13 @@ def resolve_chat_template(value: Optional[str]) -> Optional[str]:
     raise ValueError(f"chat_template {value!r} is neither a file nor a Jinja template (--chat-template)")
 
 
-def template_of(model: str, chat_template: Optional[str] = None) -> Optional[str]:
+def template_of(model: str, chat_template: Optional[str] = None, config: Optional[Dict[str, Any]] = None
+                ) -> Optional[str]:
     """The chat template prompts would be rendered with: `chat_template`, else the
-    tokenizer's own, else None."""
+    tokenizer's own, else None. `config`: the model's config.json as read (load_tokenizer)."""
     if chat_template:
         return chat_template
-    tok = load_tokenizer(model)
+    tok = load_tokenizer(model, config)
     return getattr(tok, "chat_template", None) if tok is not None else None
 
 
@@ -123,8 +109,8 @@ def render_chat(tok: Any, messages: List[Dict[str, Any]], chat_template: Optiona
 
 
 def chat_template_stage(batch: pa.Table, *, model: str, messages_column: str, chat_template: Optional[str] = None,
-                        mode: Optional[bool] = True, prompt_column: str = "prompt",
-                        keep_prompt: bool = True) -> pa.Table:
+                        mode: Optional[bool] = True, prompt_column: str = "prompt", keep_prompt: bool = True,
+                        config: Optional[Dict[str, Any]] = None) -> pa.Table:
     """Render `messages_column` (a list of {role, content}) with `chat_template` or the
     tokenizer's into the text the engine gets; with `keep_prompt` it is also the output's
     `prompt_column` (as ray.data.llm keeps it), so what the model saw can be audited.
@@ -136,8 +122,8 @@ def chat_template_stage(batch: pa.Table, *, model: str, messages_column: str, ch
         if mode is None:
             return batch
         raise ValueError(f"apply_chat_template is set but the input has no {messages_column!r} column")
-    tok = load_tokenizer(model)
-    template = template_of(model, chat_template)
+    tok = load_tokenizer(model, config)
+    template = template_of(model, chat_template, config)
     if mode is None and template is None:
         return batch
     errors = _errors(batch)
@@ -181,12 +167,15 @@ def note_raw_prompts(model: str, tok: Any, column: str) -> None:
 
 
 def tokenize_stage(batch: pa.Table, *, model: str, prompt_column: str, prompt_token_ids_column: str,
-                   add_special_tokens: bool = False, chat: Optional[Dict[str, Any]] = None) -> pa.Table:
+                   add_special_tokens: bool = False, chat: Optional[Dict[str, Any]] = None,
+                   config: Optional[Dict[str, Any]] = None, vocab: Optional[int] = None) -> pa.Table:
     """Add the internal token-id column from, in order of preference: the chat-template
     text, pre-tokenized `prompt_token_ids_column`, or text `prompt_column`. `chat`
-    (`chat_stage_kwargs`): render the messages first (see chat_template_stage)."""
+    (`chat_stage_kwargs`): render the messages first (see chat_template_stage).
+    `config`, `vocab`: the model's config.json and vocabulary size as read (a run's
+    Checkpoint); pre-tokenized ids past the vocabulary are refused per row here."""
     if chat is not None:
-        batch = chat_template_stage(batch, model=model, prompt_column=prompt_column, **chat)
+        batch = chat_template_stage(batch, model=model, prompt_column=prompt_column, config=config, **chat)
     names = batch.column_names
     errors = _errors(batch)
     ids: List[Optional[List[int]]] = [None] * batch.num_rows
@@ -194,7 +183,6 @@ def tokenize_stage(batch: pa.Table, *, model: str, prompt_column: str, prompt_to
         source, texts = "chat template", batch.column(TEXT_PROMPT).to_pylist()
     elif prompt_token_ids_column in names:
         source, texts = None, None
-        vocab = vocab_size(model)
         for i, v in enumerate(batch.column(prompt_token_ids_column).to_pylist()):
             try:  # per-row error: not a list of integers in the vocabulary
                 ids[i] = parse_token_ids(v, prompt_token_ids_column, vocab)
@@ -213,7 +201,7 @@ def tokenize_stage(batch: pa.Table, *, model: str, prompt_column: str, prompt_to
         raise ValueError(f"input rows need a {prompt_column!r}, {prompt_token_ids_column!r} or chat "
                          f"messages column; got columns {names}")
     if texts is not None:
-        tok = load_tokenizer(model)
+        tok = load_tokenizer(model, config)
         if source == prompt_column:
             note_raw_prompts(model, tok, prompt_column)
         for i, text in enumerate(texts):
@@ -252,11 +240,11 @@ def tokenize_stage(batch: pa.Table, *, model: str, prompt_column: str, prompt_to
     return _set(batch, PRE_ERROR, errors, pa.string())
 
 
-def detokenize_stage(batch: pa.Table, *, model: str, detokenize: bool = True,
-                     skip_special_tokens: bool = True) -> pa.Table:
+def detokenize_stage(batch: pa.Table, *, model: str, detokenize: bool = True, skip_special_tokens: bool = True,
+                     config: Optional[Dict[str, Any]] = None) -> pa.Table:
     """Add `generated_text` and drop the internal columns. A row that had stop strings
     takes the engine's text, which is cut before the first stop string (as vLLM's)."""
-    tok = load_tokenizer(model) if detokenize else None
+    tok = load_tokenizer(model, config) if detokenize else None
     texts: List[Optional[str]] = []
     errors = batch.column("error").to_pylist()
     cut = batch.column(STOP_TEXT).to_pylist() if STOP_TEXT in batch.column_names else [None] * batch.num_rows
@@ -268,27 +256,30 @@ def detokenize_stage(batch: pa.Table, *, model: str, detokenize: bool = True,
     return _set(batch, "generated_text", texts, pa.string())
 
 
-_local_models: Dict[Tuple[str, str], str] = {}  # (model, run id) -> its directory on this node
+_local_dirs: Dict[Tuple[str, str], str] = {}  # (model, run id) -> a folder of its tokenizer files on this node
 
 
 class _StageTask:
     """One stage with its settings, called by Ray Data on each batch (Ray Data names the
-    stage after the class). A remote model (s3://…, a hub id) is resolved to its
-    node-local copy without weights once per worker process and run, since these tasks
-    may run on nodes the driver never saw; a later run checks the remote again."""
+    stage after the class), over the run's Checkpoint (engine.checkpoint): its config and
+    vocabulary as the preflight read them, and a folder of its tokenizer files on this
+    node (a remote model's fetched without weights once per worker process and run, since
+    these tasks may run on nodes the driver never saw; a later run checks the remote again)."""
 
     stage: Callable[..., pa.Table]
 
-    def __init__(self, *, storage: Optional[StorageOptions] = None, run_id: str = "", **kwargs: Any):
-        self.storage, self.run_id, self.kwargs = storage, run_id, kwargs
+    def __init__(self, *, checkpoint: Any, run_id: str = "", **kwargs: Any):
+        self.checkpoint, self.run_id, self.kwargs = checkpoint, run_id, kwargs
 
     def __call__(self, batch: pa.Table) -> pa.Table:
-        model = self.kwargs["model"]
-        key = (model, self.run_id)
-        if key not in _local_models:  # once per worker and run, not per batch
-            _local_models[key] = model if classify(model).is_local else resolve_model(model, self.storage,
-                                                                                       weights=False)
-        return self.stage(batch, **{**self.kwargs, "model": _local_models[key]})
+        ckpt = self.checkpoint
+        key = (ckpt.model, self.run_id)
+        if key not in _local_dirs:  # once per worker and run, not per batch
+            _local_dirs[key] = ckpt.metadata_dir()
+        model = dict(model=_local_dirs[key], config=ckpt.hf)
+        if self.stage is tokenize_stage:
+            model["vocab"] = ckpt.config.vocab_size
+        return self.stage(batch, **model, **self.kwargs)
 
 
 class ChatTemplateUDF(_StageTask):

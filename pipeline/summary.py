@@ -6,7 +6,6 @@ driver sums small dicts at the end instead of reading every output file back.
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import math
 import os
 import subprocess
@@ -217,14 +216,6 @@ def summarize(block_stats_list: Iterable[Dict[str, Any]], wall_s: float, **extra
     }
 
 
-def _sha256(path: str) -> Optional[str]:
-    try:
-        with open(path, "rb") as f:
-            return hashlib.sha256(f.read()).hexdigest()
-    except OSError:
-        return None
-
-
 def _git_commit() -> Optional[str]:
     """The checkout's commit when blockray runs from a git clone (None from a wheel)."""
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -246,14 +237,16 @@ def _version() -> Optional[str]:
         return None
 
 
-def run_record(config: Any, model_dir: str) -> Dict[str, Any]:
+def run_record(config: Any, checkpoint: Any) -> Dict[str, Any]:
     """What a run was, so that its summary.json says how to repeat it: every field of the
-    processor config (engine and sampling included), the model and a hash of its
-    config.json, blockray's version and git commit when known."""
+    processor config (engine and sampling included), the model, a hash of its config.json
+    and the fingerprint of its files (engine.checkpoint), blockray's version and git
+    commit when known."""
     return {
         "config": dataclasses.asdict(config),
         "model": config.model,
-        "model_config_sha256": _sha256(os.path.join(model_dir, "config.json")),
+        "model_config_sha256": checkpoint.config_sha256,
+        "model_fingerprint": checkpoint.fingerprint,
         "blockray_version": _version(),
         "git_commit": _git_commit(),
     }

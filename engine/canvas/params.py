@@ -27,16 +27,22 @@ class CanvasParams:
 
     @classmethod
     def from_generation_config(cls, model_dir: str) -> "CanvasParams":
+        """The defaults of a checkpoint folder's generation_config.json (tests, tools; a run
+        has its Checkpoint's: `from_generation`)."""
+        path = os.path.join(model_dir, "generation_config.json")
+        gc: Mapping[str, Any] = {}
+        if os.path.exists(path):
+            with open(path, encoding="utf-8") as f:
+                gc = json.load(f)
+        return cls.from_generation(gc)
+
+    @classmethod
+    def from_generation(cls, gc: Mapping[str, Any]) -> "CanvasParams":
         """generation_config.json's values, transformers' global defaults where it has none
         (exactly what `model.generate()` would use)."""
         from transformers.models.diffusion_gemma.generation_diffusion_gemma import DiffusionGemmaGenerationConfig
 
         defaults = DiffusionGemmaGenerationConfig._get_default_generation_params()
-        gc: Mapping[str, Any] = {}
-        path = os.path.join(model_dir, "generation_config.json")
-        if os.path.exists(path):
-            with open(path, encoding="utf-8") as f:
-                gc = json.load(f)
         sampler = gc.get("sampler_config") or {}
         out = {k: gc.get(k) if gc.get(k) is not None else defaults[k] for k in KNOBS if k != "entropy_bound"}
         out["entropy_bound"] = sampler.get("entropy_bound", defaults["sampler_config"].entropy_bound)
@@ -61,23 +67,26 @@ class CanvasParams:
         return None
 
 
-def load_diffusion_gemma(model_dir: str, dtype: torch.dtype = torch.bfloat16, device: str = "cpu"):
-    """transformers' DiffusionGemmaForBlockDiffusion from local files only (the class ships
-    with transformers: no remote code). Experts run grouped: transformers' grouped_mm where
-    the dtype has it, else its eager path, which loops over experts (never tokens)."""
-    from transformers import DiffusionGemmaForBlockDiffusion
+def load_diffusion_gemma(source: Any, dtype: torch.dtype = torch.bfloat16, device: str = "cpu",
+                         weights_dir: Optional[str] = None):
+    """transformers' DiffusionGemmaForBlockDiffusion (the class ships with transformers: no
+    remote code) of a checkpoint folder or a Checkpoint (engine.checkpoint), from local
+    files only, built from the Checkpoint's config.json rather than a second read of it.
+    Experts run grouped: transformers' grouped_mm where the dtype has it, else its eager
+    path, which loops over experts (never tokens)."""
+    from transformers import DiffusionGemmaConfig, DiffusionGemmaForBlockDiffusion
 
-    from ..models.families.diffusion_gemma import DIFFUSION_GEMMA
+    from ..checkpoint import Checkpoint
+    from ..models.families import Serving
 
-    with open(os.path.join(model_dir, "config.json"), encoding="utf-8") as f:
-        hf = json.load(f)
-    if not DIFFUSION_GEMMA.matches(hf):
-        raise ValueError(f"{model_dir}: model_type {hf.get('model_type')!r} is not diffusion_gemma")
-    DIFFUSION_GEMMA.check_config(hf)
+    ckpt = source if isinstance(source, Checkpoint) else Checkpoint.open(str(source))
+    if ckpt.serving != Serving.CANVAS:
+        raise ValueError(f"{ckpt.model}: model_type {ckpt.hf.get('model_type')!r} is not diffusion_gemma")
     experts = "eager" if dtype == torch.float64 else None
     kw = {"experts_implementation": experts} if experts else {}
     model = DiffusionGemmaForBlockDiffusion.from_pretrained(
-        model_dir, dtype=dtype, local_files_only=True, trust_remote_code=False, **kw)
+        weights_dir or ckpt.weights_dir(), config=DiffusionGemmaConfig.from_dict(ckpt.hf), dtype=dtype,
+        local_files_only=True, trust_remote_code=False, **kw)
     return model.to(device).eval()
 
 

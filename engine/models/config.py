@@ -124,9 +124,15 @@ class ModelConfig:
     def from_hf(cls, hf: Dict[str, Any]) -> "ModelConfig":
         """Parse config.json through its family (engine.models.families): a key the engine
         would not honour is refused (ConfigRefused, a ValueError), as is a family it does
-        not implement; keys known to be irrelevant are kept in `extra`."""
+        not implement."""
         family = family_for(hf)
         family.check_config(hf)
+        return cls.parse(hf, family)
+
+    @classmethod
+    def parse(cls, hf: Dict[str, Any], family: Family) -> "ModelConfig":
+        """config.json `hf` (checked by `family`) as a ModelConfig; the keys the family knows
+        to be irrelevant are kept in `extra` and written back by to_hf."""
         cfg = cls(**family.parse(hf))
         written = cfg.to_hf()
         cfg.extra = {k: v for k, v in hf.items() if k not in family.honoured and k not in written}

@@ -7,7 +7,6 @@ and are not implemented (DoRA, modules_to_save, bias training, rank/alpha patter
 are refused, never ignored."""
 from __future__ import annotations
 
-import json
 import math
 import os
 import re
@@ -114,28 +113,38 @@ class Adapter:
         return weight.to(cd) + self.delta(name, cd)
 
 
-def plan_adapter(path: str, cfg, shapes: Mapping[str, Tuple[int, ...]]) -> Tuple[LoraConfig, Dict[str, Dict[str, str]]]:
-    """(the adapter's LoraConfig, {internal parameter name: {"lora_A": key, "lora_B": key}})
-    for the LoRA folder `path` on a model `cfg` (a ModelConfig) whose parameters have
-    `shapes`, from adapter_config.json and the safetensors header only (torch-free: the
-    preflight calls it). Every tensor must be a lora_A / lora_B of one targeted linear
-    weight of the base model, with the adapter's rank and the base's shapes."""
-    from .checkpoint import read_header
+@dataclass(frozen=True)
+class AdapterPlan:
+    """An adapter checked against its base model, from its config and tensor headers only
+    (torch-free: the preflight makes it, the engine loads by it): where it comes from,
+    a fingerprint of its files (common.model_source), its LoraConfig and, per internal
+    parameter name, the keys of its lora_A and lora_B."""
 
-    root = str(path)
-    cpath, wpath = os.path.join(root, ADAPTER_CONFIG), os.path.join(root, ADAPTER_WEIGHTS)
-    if not os.path.isfile(cpath):
+    source: str
+    fingerprint: str
+    config: LoraConfig
+    pairs: Dict[str, Dict[str, str]]
+
+
+def plan_adapter(files, cfg, shapes: Mapping[str, Tuple[int, ...]]) -> AdapterPlan:
+    """The plan of the LoRA adapter whose files are `files` (common.model_source.SourceFiles)
+    on a model `cfg` (a ModelConfig) whose parameters have `shapes`. Every tensor must be a
+    lora_A / lora_B of one targeted linear weight of the base model, with the adapter's
+    rank and the base's shapes."""
+    from .headers import read_header
+
+    root = files.model
+    if ADAPTER_CONFIG not in files.files:
         raise AdapterError(f"adapter {root} has no {ADAPTER_CONFIG} (a PEFT LoRA adapter folder is expected)")
-    if not os.path.isfile(wpath):
-        bins = [f for f in os.listdir(root) if f.endswith(".bin")]
+    if ADAPTER_WEIGHTS not in files.files:
+        bins = [f for f in files.files if f.endswith(".bin")]
         raise AdapterError(f"adapter {root} has no {ADAPTER_WEIGHTS}" + (
             f" ({bins[0]} is a pickle, which blockray never loads: convert it to safetensors)" if bins else ""))
-    with open(cpath) as f:
-        lcfg = LoraConfig.from_dict(json.load(f), cpath)
+    lcfg = LoraConfig.from_dict(files.json(ADAPTER_CONFIG), f"{root}/{ADAPTER_CONFIG}")
     family = cfg.family
     by_key = {family.checkpoint_name(n): n for n in shapes}
     found: Dict[str, Dict[str, str]] = {}
-    have = read_header(wpath)
+    have = read_header(f"{files.root}/{ADAPTER_WEIGHTS}", files)
     for key in have:
         m = re.fullmatch(r"(?:base_model\.model\.)?(.+)\.(lora_A|lora_B)(?:\.[\w-]+)?\.weight", key)
         if m is None:
@@ -148,7 +157,7 @@ def plan_adapter(path: str, cfg, shapes: Mapping[str, Tuple[int, ...]]) -> Tuple
         if name is None or len(shapes[name]) != 2 or name.startswith("embed"):
             raise AdapterError(f"adapter {root}: {key!r} targets {module!r}, which is not a linear weight of the "
                                f"{family.name} base model (its weights are named like "
-                               f"{family.checkpoint_name('layers.0.q.weight')!r}): a different base model?")
+                               f"{family.checkpoint_name('layers.0.o.weight')!r}): a different base model?")
         if not lcfg.targets(module):
             raise AdapterError(f"adapter {root}: {key!r} is for {module!r}, which target_modules "
                                f"{lcfg.target_modules!r} does not name")
@@ -165,17 +174,17 @@ def plan_adapter(path: str, cfg, shapes: Mapping[str, Tuple[int, ...]]) -> Tuple
                                f"{(out, inp)}: the adapter was trained for a different base model")
     if not found:
         raise AdapterError(f"adapter {root} holds no LoRA weights")
-    return lcfg, found
+    return AdapterPlan(root, files.fingerprint(), lcfg, found)
 
 
-def read_adapter(path: str, cfg, shapes: Mapping[str, Tuple[int, ...]]) -> Adapter:
-    """The adapter of `plan_adapter`, with its tensors."""
+def read_adapter(path: str, plan: AdapterPlan) -> Adapter:
+    """The adapter of `plan`, its tensors read from its local folder `path`."""
     from safetensors import safe_open
 
-    lcfg, plan = plan_adapter(path, cfg, shapes)
     with safe_open(os.path.join(str(path), ADAPTER_WEIGHTS), framework="pt") as fh:
-        pairs = {name: (fh.get_tensor(p["lora_A"]), fh.get_tensor(p["lora_B"])) for name, p in plan.items()}
-    return Adapter(lcfg, pairs, str(path))
+        pairs = {name: (fh.get_tensor(p["lora_A"]), fh.get_tensor(p["lora_B"])) for name, p in plan.pairs.items()}
+    return Adapter(plan.config, pairs, str(path))
 
 
-__all__ = ["LoraConfig", "Adapter", "AdapterError", "read_adapter", "plan_adapter", "ADAPTER_CONFIG", "ADAPTER_WEIGHTS"]
+__all__ = ["LoraConfig", "Adapter", "AdapterPlan", "AdapterError", "read_adapter", "plan_adapter", "ADAPTER_CONFIG",
+           "ADAPTER_WEIGHTS"]

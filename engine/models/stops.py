@@ -1,27 +1,66 @@
-"""The ids that end a row, read from the checkpoint itself: config.json's and
-generation_config.json's `eos_token_id` (an int or a list) and the chat template's
-end-of-turn token (`<|eot_id|>`, `<|im_end|>`) where the tokenizer defines it. No rule
-on vocabulary sizes: a re-exported or resized checkpoint keeps its stops. Torch-free
-(the preflight and the job summary read it)."""
+"""The ids that end a row and the tokenizer facts config.json leaves out, from the
+checkpoint's own files: config.json's and generation_config.json's `eos_token_id` (an
+int or a list) and the chat template's end-of-turn token (`<|eot_id|>`, `<|im_end|>`)
+where the tokenizer defines it; no rule on vocabulary sizes, so a re-exported or resized
+checkpoint keeps its stops. Pure functions of the parsed files (engine.checkpoint reads
+them once). Torch-free."""
 from __future__ import annotations
 
-import json
-import os
-from typing import Any, Dict, List, Optional
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Mapping, Optional
+
+from common.model_source import SourceFiles
 
 END_OF_TURN = ("<|eot_id|>", "<|im_end|>", "<end_of_turn>", "<|end|>")
 
 # Where the default stop ids come from, for --help and the README.
 STOP_IDS_HELP = ("config.json's and generation_config.json's eos_token_id (int or list) and the chat template's "
                  "end-of-turn token (<|eot_id|>, <|im_end|>) where the tokenizer defines it")
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
 
 
-def _read(path: str) -> Optional[Any]:
-    try:
-        with open(path, encoding="utf-8") as f:
-            return json.load(f)
-    except (OSError, ValueError):
-        return None
+@dataclass(frozen=True)
+class TokenizerFacts:
+    """What the tokenizer files say without loading a tokenizer: whether there are any,
+    tokenizer_config.json, the added tokens ({content: id}: tokenizer_config.json's
+    added_tokens_decoder, added_tokens.json, tokenizer.json's added_tokens), every chat
+    template (tokenizer_config.json's `chat_template`, a string or named templates, and
+    chat_template.jinja), and the id of tokenizer_config.json's eos_token."""
+
+    present: bool = False
+    config: Dict[str, Any] = field(default_factory=dict)
+    tokens: Dict[str, int] = field(default_factory=dict)
+    chat_template: str = ""
+    eos: Optional[int] = None
+
+    @classmethod
+    def read(cls, files: SourceFiles) -> "TokenizerFacts":
+        tc = _dict(files.json("tokenizer_config.json"))
+        tokens: Dict[str, int] = {}
+        for i, tok in (_dict(tc.get("added_tokens_decoder"))).items():
+            if isinstance(tok, dict) and "content" in tok:
+                tokens[tok["content"]] = int(i)
+        for content, i in _dict(files.json("added_tokens.json")).items():
+            if isinstance(i, int):
+                tokens.setdefault(content, i)
+        if "tokenizer.json" in files.files:
+            for tok in _dict(files.json("tokenizer.json")).get("added_tokens") or []:
+                if isinstance(tok, dict) and "content" in tok and "id" in tok:
+                    tokens.setdefault(tok["content"], int(tok["id"]))
+        tpl = tc.get("chat_template")
+        parts: List[str] = [tpl] if isinstance(tpl, str) else [t.get("template", "") for t in tpl or []
+                                                              if isinstance(t, dict)]
+        jinja = files.bytes("chat_template.jinja")
+        if jinja is not None:
+            parts.append(jinja.decode("utf-8", "replace"))
+        eos = tc.get("eos_token")
+        eos = eos.get("content") if isinstance(eos, dict) else eos
+        return cls(present=any(f in files.files for f in TOKENIZER_FILES), config=tc, tokens=tokens,
+                   chat_template="\n".join(parts), eos=tokens.get(eos) if isinstance(eos, str) else None)
+
+
+def _dict(value: Any) -> Dict[str, Any]:
+    return value if isinstance(value, dict) else {}
 
 
 def _ids(value: Any) -> List[int]:
@@ -34,73 +73,35 @@ def _ids(value: Any) -> List[int]:
     return []
 
 
-def chat_template_text(model_dir: str) -> str:
-    """Every chat template the tokenizer files carry, concatenated (tokenizer_config.json's
-    `chat_template`, a string or a list of named templates, and chat_template.jinja)."""
-    parts: List[str] = []
-    tc = _read(os.path.join(model_dir, "tokenizer_config.json")) or {}
-    tpl = tc.get("chat_template") if isinstance(tc, dict) else None
-    if isinstance(tpl, str):
-        parts.append(tpl)
-    elif isinstance(tpl, list):
-        parts += [t.get("template", "") for t in tpl if isinstance(t, dict)]
-    try:
-        with open(os.path.join(model_dir, "chat_template.jinja"), encoding="utf-8") as f:
-            parts.append(f.read())
-    except OSError:
-        pass
-    return "\n".join(parts)
-
-
-def defined_tokens(model_dir: str) -> Dict[str, int]:
-    """{content: id} of the tokenizer's added tokens (tokenizer_config.json's
-    added_tokens_decoder, tokenizer.json's added_tokens)."""
-    out: Dict[str, int] = {}
-    tc = _read(os.path.join(model_dir, "tokenizer_config.json")) or {}
-    for i, tok in ((tc.get("added_tokens_decoder") or {}) if isinstance(tc, dict) else {}).items():
-        if isinstance(tok, dict) and "content" in tok:
-            out[tok["content"]] = int(i)
-    tj = _read(os.path.join(model_dir, "tokenizer.json")) or {}
-    for tok in (tj.get("added_tokens") or []) if isinstance(tj, dict) else []:
-        if isinstance(tok, dict) and "content" in tok and "id" in tok:
-            out.setdefault(tok["content"], int(tok["id"]))
-    return out
-
-
-def checkpoint_stop_ids(model_dir: str, hf: Optional[Dict[str, Any]] = None) -> Dict[int, str]:
+def stop_ids(hf: Mapping[str, Any], generation: Mapping[str, Any], tok: TokenizerFacts) -> Dict[int, str]:
     """{stop id: where it came from}, in the order found."""
     found: Dict[int, str] = {}
-    hf = hf if hf is not None else (_read(os.path.join(model_dir, "config.json")) or {})
     for t in _ids(hf.get("eos_token_id")):
         found.setdefault(t, "config.json eos_token_id")
     for t in _ids(hf.get("eot_token_id")):
         found.setdefault(t, "config.json eot_token_id")
-    gen = _read(os.path.join(model_dir, "generation_config.json")) or {}
-    for t in _ids(gen.get("eos_token_id") if isinstance(gen, dict) else None):
+    for t in _ids(generation.get("eos_token_id")):
         found.setdefault(t, "generation_config.json eos_token_id")
-    template = chat_template_text(model_dir)
-    tokens = defined_tokens(model_dir) if template or not found else {}
-    for name in END_OF_TURN if template else ():
-        if name in template and name in tokens:
-            found.setdefault(tokens[name], f"chat template end of turn {name}")
-    eos = tokenizer_eos(model_dir, tokens) if not found else None
-    if eos is not None:  # no eos_token_id anywhere (LLaDA2's config.json): the tokenizer's eos_token
-        found[eos] = "tokenizer_config.json eos_token"
+    for name in END_OF_TURN if tok.chat_template else ():
+        if name in tok.chat_template and name in tok.tokens:
+            found.setdefault(tok.tokens[name], f"chat template end of turn {name}")
+    if not found and tok.eos is not None:  # no eos_token_id anywhere (LLaDA2's config.json): the tokenizer's
+        found[tok.eos] = "tokenizer_config.json eos_token"
     return found
 
 
-def tokenizer_eos(model_dir: str, tokens: Optional[Dict[str, int]] = None) -> Optional[int]:
-    """The id of tokenizer_config.json's eos_token among the added tokens, or None."""
-    eos = (_read(os.path.join(model_dir, "tokenizer_config.json")) or {}).get("eos_token")
-    eos = eos.get("content") if isinstance(eos, dict) else eos
-    tokens = defined_tokens(model_dir) if tokens is None else tokens
-    return tokens.get(eos) if isinstance(eos, str) else None
+def checkpoint_stop_ids(model_dir: str, hf: Optional[Mapping[str, Any]] = None) -> Dict[int, str]:
+    """stop_ids of the checkpoint folder `model_dir` (its files read here: tests and tools;
+    a run reads them once, in engine.checkpoint)."""
+    files = SourceFiles(model_dir)
+    return stop_ids(hf if hf is not None else _dict(files.json("config.json")),
+                    _dict(files.json("generation_config.json")), TokenizerFacts.read(files))
 
 
-def describe(stops: Dict[int, str]) -> str:
+def describe(stops: Mapping[int, str]) -> str:
     """One line: `126081 (config.json eos_token_id), 126348 (chat template end of turn <|eot_id|>)`."""
     return ", ".join(f"{t} ({src})" for t, src in stops.items()) or "none"
 
 
-__all__ = ["checkpoint_stop_ids", "tokenizer_eos", "describe", "chat_template_text", "defined_tokens", "END_OF_TURN",
-           "STOP_IDS_HELP"]
+__all__ = ["TokenizerFacts", "stop_ids", "checkpoint_stop_ids", "describe", "END_OF_TURN", "STOP_IDS_HELP",
+           "TOKENIZER_FILES"]

@@ -1,12 +1,11 @@
 """What the sorter knows about the model and the device: the engine's own `ModelConfig`
-(one model description, one K/V-size formula) and the dtype the engine will load,
-read without importing torch, since the ordering runs in data-side workers."""
+(one model description, one K/V-size formula: the run's Checkpoint's) and the dtype the
+engine will load, read without importing torch, since the ordering runs in data-side
+workers (a ModelConfig unpickles there without torch: engine.models exports lazily)."""
 from __future__ import annotations
 
-import json
-import os
 from dataclasses import dataclass
-from typing import Any, Dict, Mapping, Union
+from typing import Any, Mapping, Union
 
 # Bytes per element of the dtypes an engine may load (actors.engine_actor.resolve_dtype
 # resolves the config's name to a torch dtype: these are their itemsizes).
@@ -22,19 +21,16 @@ def model_config_class() -> type:
 
 
 def read_model_config(model: Union[str, Mapping[str, Any], Any]) -> Any:
-    """A ModelConfig from a model directory, a config.json dict, or a ModelConfig (a
-    DiffusionGemma's is approximate: engine.models.families.diffusion_gemma.approx_model_config)."""
+    """A ModelConfig from a model directory (its Checkpoint's, engine.checkpoint), a
+    config.json dict, or a ModelConfig (returned as it is)."""
     cls = model_config_class()
     if isinstance(model, cls):
         return model
     if isinstance(model, Mapping):
-        hf = dict(model)
-    else:
-        with open(os.path.join(str(model), "config.json")) as f:
-            hf = json.load(f)
-    from engine.models.families.diffusion_gemma import approx_model_config, is_diffusion_gemma
+        return cls.from_hf(dict(model))
+    from engine.checkpoint import Checkpoint
 
-    return approx_model_config(hf) if is_diffusion_gemma(hf) else cls.from_hf(hf)
+    return Checkpoint.open(str(model), weights=False).config
 
 
 def dtype_bytes(dtype: str = "auto", device: str = "cpu") -> int:
@@ -63,11 +59,6 @@ class ModelProfile:
         size of the dtype the engine will load on `device`."""
         return cls(read_model_config(model), dtype_bytes(dtype, device))
 
-    def __reduce__(self):
-        """Pickled as config.json's dict: unpickling the ModelConfig by its class path
-        would import `engine.models` (torch) in the data worker that receives it."""
-        return _profile_from_hf, (self.config.to_hf(), self.bytes_per_element)
-
     def linear_flops_per_token(self) -> float:
         """Dense matmul FLOPs of one token through all layers (QKV, O, gated MLP; a MoE
         model's active experts and its router: the active parameters per token)."""
@@ -89,10 +80,6 @@ class ModelProfile:
     def kv_bytes_per_token(self) -> int:
         """K and V of one column over all layers: the engine's formula."""
         return self.config.kv_bytes_per_token(self.bytes_per_element)
-
-
-def _profile_from_hf(hf: Dict[str, Any], bytes_per_element: int) -> ModelProfile:
-    return ModelProfile(read_model_config(hf), bytes_per_element)
 
 
 @dataclass(frozen=True)

@@ -16,10 +16,9 @@ each, which the engine actors of a small machine do not leave free.)
 The key, in order:
   1. cost bucket, descending: the request's estimated engine time on a geometric grid
      of ratio COST_BUCKET_RATIO, so requests of similar cost sit together and the
-     costliest go first. The time is the roofline of the engines' model, dtype and
-     device under their cache mode and canvas (`cost.Roofline`), or, where the model's
-     config.json cannot be read here (a remote model), the forwarded cells
-     (`cost.CostModel`);
+     costliest go first. The time is the roofline of the engines' model (the run's
+     Checkpoint, wherever the model lives), dtype and device under their cache mode and
+     canvas (`cost.Roofline`);
   2. prefix group: a hash of the prompt's first `sort_min_prefix` tokens (in
      PREFIX_CHUNK pieces), so prompts sharing a preamble sit next to each other within
      their bucket; 0 for prompts shorter than that;
@@ -35,14 +34,15 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import ray.data
 
-from engine.config import SamplingParams  # dataclasses only: no torch
-from engine.models.families.diffusion_gemma import cost_shape as diffusion_gemma_cost_shape  # torch-free
+from engine.config import Attention, SamplingParams  # dataclasses only: no torch
+from engine.models.families import Serving
+from engine.models.families.diffusion_gemma import DEFAULT_MAX_DENOISING_STEPS
 
 from ..config import DLLMProcessorConfig
 from actors.row_values import RowValueError, parse_sampling
 from ..stages import TOKEN_IDS
 from .cost import CostModel, Roofline
-from .model import ModelProfile, device_profile, read_model_config
+from .model import ModelProfile, device_profile, dtype_bytes
 from .prefix import PREFIX_CHUNK, prefix_key
 
 COST_BUCKET_RATIO = 1.25
@@ -64,16 +64,10 @@ def _budget(override: Any, base: SamplingParams) -> int:
     return base.max_new_tokens if budget is None else budget
 
 
-def full_canvas(cfg: DLLMProcessorConfig) -> bool:
-    """The canvas the engines will use (EngineConfig.canvas, "auto" resolved from the
-    model's config.json as the engine does); full when the config cannot be read here."""
-    try:
-        declared = cfg.attention == "block_causal" or (  # --attention overrides the checkpoint
-            cfg.attention == "auto" and read_model_config(cfg.model).block_causal)
-        block_causal = cfg.engine.canvas == "auto" and declared
-    except (OSError, ValueError, KeyError):
-        return True
-    return cfg.engine.full_canvas(block_causal)
+def full_canvas(cfg: DLLMProcessorConfig, checkpoint: Any) -> bool:
+    """The canvas the engines will use: EngineConfig.canvas, "auto" resolved from the
+    checkpoint's attention (with --attention applied) as the engine resolves it."""
+    return cfg.engine.full_canvas(checkpoint.config.dllm_attention == Attention.BLOCK_CAUSAL)
 
 
 class SortWindowUDF:
@@ -122,40 +116,53 @@ class SortWindowUDF:
         return batch.take(pa.array(np.lexsort((-lens, prefix, -bucket)), pa.int64()))  # the last key is the primary one
 
 
-def max_width(cfg: DLLMProcessorConfig) -> int:
-    """The widest request the engines accept: token_budget, and the model's context where
-    its config.json is readable here (engine/sequence.py `validate` refuses wider ones)."""
-    try:
-        return min(cfg.engine.token_budget, int(read_model_config(cfg.model).max_seq_len))
-    except (OSError, ValueError, KeyError):
-        return cfg.engine.token_budget
+def max_width(cfg: DLLMProcessorConfig, checkpoint: Any) -> int:
+    """The widest request the engines accept: token_budget and the model's context
+    (engine/sequence.py `validate` refuses wider ones)."""
+    return min(cfg.engine.token_budget, int(checkpoint.config.max_seq_len))
 
 
-def cost_model(cfg: DLLMProcessorConfig, device: str = "cpu") -> Union[Roofline, CostModel]:
-    """The ordering's cost: the roofline of the engines' model (their ModelConfig, the
-    dtype they load on `device`), cache mode and canvas; forwarded cells where the
-    model's config.json is not readable here (a remote model)."""
-    # DiffusionGemma: a block is a canvas (engine.models.families.diffusion_gemma.cost_shape)
-    shape = diffusion_gemma_cost_shape(str(cfg.model), cfg.sampling.max_denoising_steps) or dict(
-        block_length=cfg.engine.block_length, steps_per_block=cfg.engine.steps_per_block,
-        cache=cfg.engine.cache, full_canvas=full_canvas(cfg))
-    try:
-        model = ModelProfile.from_config(cfg.model, dtype=cfg.dtype, device=device)
-    except (OSError, ValueError, KeyError):
-        return CostModel(a=0.0, b=1.0, **shape)
-    return Roofline(model=model, device=device_profile(device), **shape)
+def cost_shape(cfg: DLLMProcessorConfig, checkpoint: Any) -> Dict[str, Any]:
+    """What a block is, as the engine serving the model runs it. A DiffusionGemma block is
+    a canvas (`canvas_length`) of at most `max_denoising_steps` decoder steps (the request's
+    knob, else generation_config.json's, else transformers' default); the encoder writes
+    the prompt once and every committed canvas once, the last one never: cache
+    "persistent" on a block canvas, p + K S L + (K - 1) L cells for K = ceil(g / L)
+    canvases. An upper bound of what the canvas engine forwards (its `cells`), reached
+    when no canvas stops early and no row ends before max_tokens; a preempted row's
+    recompute is not charged."""
+    if checkpoint.serving == Serving.CANVAS:
+        steps = cfg.sampling.max_denoising_steps or checkpoint.generation.get("max_denoising_steps")
+        return dict(block_length=checkpoint.family.canvas_length(checkpoint.hf),
+                    steps_per_block=int(steps or DEFAULT_MAX_DENOISING_STEPS), cache="persistent", full_canvas=False)
+    return dict(block_length=cfg.engine.block_length, steps_per_block=cfg.engine.steps_per_block,
+                cache=cfg.engine.cache, full_canvas=full_canvas(cfg, checkpoint))
 
 
-def order_dataset(ds: ray.data.Dataset, cfg: DLLMProcessorConfig,
+def cost_model(cfg: DLLMProcessorConfig, device: str = "cpu", checkpoint: Any = None) -> Roofline:
+    """The ordering's cost: the roofline of the engines' model (its Checkpoint's
+    ModelConfig; opened from cfg.model when not given), the dtype they load on `device`,
+    its cache mode and canvas."""
+    if checkpoint is None:
+        from engine.checkpoint import Checkpoint
+
+        checkpoint = Checkpoint.open(cfg.model, attention=cfg.attention, weights=False)
+    model = ModelProfile(checkpoint.config, dtype_bytes(cfg.dtype, device))
+    return Roofline(model=model, device=device_profile(device), **cost_shape(cfg, checkpoint))
+
+
+def order_dataset(ds: ray.data.Dataset, cfg: DLLMProcessorConfig, checkpoint: Any,
                   ray_remote_args: Optional[Dict[str, Any]] = None, device: str = "cpu") -> ray.data.Dataset:
     """`ds` (tokenized) in blendserve order, window by window; lazy like every stage.
-    `device`: where the engines run ("cuda" or "cpu"), for the roofline."""
-    cost = cost_model(cfg, device)
+    `checkpoint`: the run's model (engine.checkpoint); `device`: where the engines run
+    ("cuda" or "cpu"), for the roofline."""
+    cost = cost_model(cfg, device, checkpoint)
     min_chunks = -(-cfg.sort_min_prefix // PREFIX_CHUNK) if cfg.sort_min_prefix > 0 else 0
     remote = ray_remote_args or {}
     # A task stage (the UDF is stateless): no actor of its own to start before the first
     # window, which on a small machine delays the engines by seconds.
-    ordered = ds.map_batches(SortWindowUDF(cost, cfg.sampling, cfg.sampling_column, min_chunks, max_width(cfg)),
+    ordered = ds.map_batches(SortWindowUDF(cost, cfg.sampling, cfg.sampling_column, min_chunks,
+                                           max_width(cfg, checkpoint)),
                              batch_format="pyarrow", batch_size=cfg.sort_window_rows, udf_modifying_row_count=False,
                              **remote)
     # Ray Data joins a stage's yields into one block; engines pull whole blocks, so cut the

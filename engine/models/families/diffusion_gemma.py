@@ -46,6 +46,9 @@ class DiffusionGemmaFamily(Family):
                     eos_token_id=int(eos[0] if isinstance(eos, list) else eos),
                     max_seq_len=int(tc.get("max_position_embeddings", 131072)))
 
+    def to_hf(self, cfg: Any) -> Dict[str, Any]:
+        return {"model_type": self.model_type}  # approximate: never written back as a checkpoint
+
     def param_shapes(self, cfg: Any) -> Dict[str, Any]:
         raise ConfigRefused("DiffusionGemma's weights are read by transformers' own class (engine.canvas), "
                             "not by blockray's transformer")

@@ -1,8 +1,10 @@
-"""What a checkpoint folder holds, read from the safetensors headers only (no weights):
+"""What a checkpoint's shards hold, read from their safetensors headers only (no weights):
 every tensor's name, dtype and shape, per shard, checked against the tensors the family
-says config.json implies. The loader and the job's preflight both call
-`check_weights`, so a missing, misshaped, unused or truncated tensor is refused in the
-preflight (seconds) rather than by the engine after minutes of loading. Torch-free."""
+says config.json implies. engine.checkpoint calls `check_weights` once, when the job's
+preflight opens the checkpoint, so a missing, misshaped, unused or truncated tensor is
+refused in seconds rather than by the engine after minutes of loading. The file
+operations (`files`: read a byte range, size, isfile, names) are those of
+common.model_source.SourceFiles, for a local folder and object storage alike. Torch-free."""
 from __future__ import annotations
 
 import json
@@ -26,30 +28,14 @@ class MissingWeight(CheckpointError, KeyError):
         return str(self.args[0])
 
 
-class LocalFiles:
-    """The four file operations the header checks need, on local disk; an object-storage
-    model passes an adapter of its fsspec filesystem with the same methods
-    (pipeline/checkpoint_check.py), so only header bytes are read there too."""
-
-    @staticmethod
-    def read(path: str, start: int, end: int) -> bytes:
-        with open(path, "rb") as f:
-            f.seek(start)
-            return f.read(end - start)
-
-    size = staticmethod(os.path.getsize)
-    isfile = staticmethod(os.path.isfile)
-    names = staticmethod(os.listdir)
-
-
 @dataclass(frozen=True)
 class TensorInfo:
-    file: str
+    file: str  # the shard's path (engine.checkpoint keeps its name relative to the model folder)
     dtype: str
     shape: Tuple[int, ...]
 
 
-def read_header(path: str, files=LocalFiles) -> Dict[str, TensorInfo]:
+def read_header(path: str, files) -> Dict[str, TensorInfo]:
     """{name: TensorInfo} from a .safetensors file's header; CheckpointError when the file is
     not a whole safetensors file (truncated, or not one at all)."""
     size = files.size(path)
@@ -76,7 +62,7 @@ def read_header(path: str, files=LocalFiles) -> Dict[str, TensorInfo]:
     return out
 
 
-def read_tensors(model_dir: str, files=LocalFiles) -> Dict[str, TensorInfo]:
+def read_tensors(model_dir: str, files) -> Dict[str, TensorInfo]:
     """Every tensor of the checkpoint, from the shard index (each shard it names, which must
     hold the tensors the index assigns it) or from every *.safetensors file."""
     index = f"{model_dir.rstrip('/')}/{INDEX_FILE}"
@@ -102,10 +88,10 @@ def read_tensors(model_dir: str, files=LocalFiles) -> Dict[str, TensorInfo]:
     return out
 
 
-def check_weights(model_dir: str, cfg, files=LocalFiles) -> Dict[str, TensorInfo]:
+def check_weights(model_dir: str, cfg, files) -> Dict[str, TensorInfo]:
     """The checkpoint's tensors, refused (CheckpointError, MissingWeight) unless they are
     exactly the ones `cfg` (a ModelConfig) implies, with its shapes. `files`: where they
-    are read (LocalFiles, or an object store's adapter)."""
+    are read (common.model_source.SourceFiles)."""
     family = cfg.family
     have = read_tensors(str(model_dir), files)
     want = family.checkpoint_shapes(cfg)
@@ -121,4 +107,4 @@ def check_weights(model_dir: str, cfg, files=LocalFiles) -> Dict[str, TensorInfo
     return have
 
 
-__all__ = ["check_weights", "read_tensors", "read_header", "LocalFiles", "CheckpointError", "MissingWeight", "TensorInfo"]
+__all__ = ["check_weights", "read_tensors", "read_header", "CheckpointError", "MissingWeight", "TensorInfo"]

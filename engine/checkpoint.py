@@ -1,0 +1,152 @@
+"""The Checkpoint: everything a run knows about its model, read once.
+
+Why one object: a model travels from `--model` to the engines through the preflight,
+the tokenize stages, the sorter, the run record, the summary and the engine actors. Each
+used to open config.json on its own (about 14 times in a tiny run, three parsers that
+disagreed), a remote model lost what only its files say (the sorter fell back to a crude
+cost model), and the run record hashed whichever copy happened to be local. Now the
+job's preflight opens the Checkpoint once, from the model source (a folder, s3://… or a
+hub id: common.model_source.SourceFiles lists it and reads each small file once), and
+hands it on; it is torch-free and picklable (the processor puts it in every stage's and
+engine's arguments).
+
+It holds: the source and a fingerprint of its files that does not depend on which copy
+is local; config.json and generation_config.json as read; the family; the fully resolved
+ModelConfig (mask, EOS, pad and stop ids with where each came from, the attention, the
+--attention override applied); what the tokenizer files say; the shard headers (names,
+dtypes, shapes, checked against what config.json implies); the adapter's plan. The
+engine actor loads weights from it (engine.loader.load_model), the canvas engine its
+generation defaults."""
+from __future__ import annotations
+
+import hashlib
+import os
+from dataclasses import dataclass, field, replace
+from typing import Any, Dict, Optional
+
+from common.model_source import ModelSource, ModelSourceError, SourceFiles, SourceKind, resolve_model
+from common.storage import StorageOptions
+
+from .config import Attention, enum_value
+from .models.config import ModelConfig
+from .models.families import Family, Serving, family_for
+from .models.families.base import ConfigRefused
+from .models.headers import CheckpointError, TensorInfo, check_weights
+from .models.lora import AdapterError, AdapterPlan, plan_adapter
+from .models.stops import TokenizerFacts, stop_ids
+
+CONFIG = "config.json"
+GENERATION = "generation_config.json"
+
+
+@dataclass
+class Checkpoint:
+    """See the module docstring; `Checkpoint.open` builds one."""
+
+    model: str  # as given: a local directory, an fsspec URL or a hub id
+    source: ModelSource
+    storage: Optional[StorageOptions]  # of a remote model (and adapter)
+    fingerprint: str  # common.model_source.fingerprint of its files
+    config_sha256: str  # of config.json's bytes
+    hf: Dict[str, Any]  # config.json
+    generation: Dict[str, Any]  # generation_config.json ({} when it has none)
+    family: Family
+    config: ModelConfig  # resolved: ids, stops and attention applied
+    ids: Dict[str, str]  # where mask_token_id and eos_token_id came from
+    stops: Dict[int, str]  # stop id -> where it came from
+    tokenizer: TokenizerFacts
+    tensors: Dict[str, TensorInfo] = field(default_factory=dict)  # TensorInfo.file: the shard's name
+    adapter: Optional[AdapterPlan] = None
+    attention: Attention = Attention.AUTO  # the override asked for (--attention)
+    local_dir: Optional[str] = None  # this node's copy of its metadata, where it was opened
+
+    @classmethod
+    def open(cls, model: str, *, adapter: Optional[str] = None, attention: Any = Attention.AUTO,
+             storage: Optional[StorageOptions] = None, weights: bool = True) -> "Checkpoint":
+        """Read `model`'s files once and check them; `weights=False` skips the shard headers
+        (tools that need only the config). Raises ModelSourceError (cannot be listed or
+        read), ConfigRefused (config.json asks for what the engine does not compute, names
+        the key), CheckpointError (shards), AdapterError (the adapter does not fit)."""
+        attention = enum_value("attention", attention, Attention)
+        files = SourceFiles(model, storage)
+        if files.source.is_local and not os.path.isdir(files.root):
+            raise ModelSourceError(f"model {model} is not a directory")
+        if not files.files:
+            raise ModelSourceError(f"model {model} does not exist or is empty")
+        raw = files.bytes(CONFIG)
+        if raw is None:
+            raise ModelSourceError(f"model {model} has no {CONFIG}")
+        hf = files.json(CONFIG)
+        if not isinstance(hf, dict):
+            raise ConfigRefused(f"{CONFIG} of model {model} is not a JSON object")
+        family = family_for(hf)
+        family.check_config(hf)
+        try:
+            cfg = ModelConfig.parse(hf, family)
+        except KeyError as e:
+            raise ConfigRefused(f"{CONFIG} lacks {e}") from e
+        if attention != Attention.AUTO:
+            cfg = replace(cfg, dllm_attention=_override(family, attention))
+        tok = TokenizerFacts.read(files)
+        ids = {k: CONFIG if k in hf else f"{family.name}'s published default" for k in ("mask_token_id", "eos_token_id")}
+        for key, value in family.tokenizer_ids(hf, tok.tokens, tok.eos).items():
+            setattr(cfg, key, value)
+            ids[key] = "the tokenizer files"
+        generation = files.json(GENERATION) or {}
+        stops = stop_ids(hf, generation, tok)
+        cfg.stop_ids = list(stops) or None
+        tensors: Dict[str, TensorInfo] = {}
+        if weights and family.serving == Serving.MASKED:
+            found = check_weights(files.root, cfg, files)
+            tensors = {k: replace(v, file=v.file[len(files.root) + 1:]) for k, v in found.items()}
+        plan = None
+        if adapter:
+            if family.serving != Serving.MASKED:
+                raise AdapterError(f"an adapter (a LoRA merged into a masked-diffusion model) does not apply to "
+                                   f"{family.name} ({model}); drop --adapter")
+            try:
+                adapter_files = SourceFiles(adapter, storage)
+            except ModelSourceError as e:
+                raise AdapterError(f"adapter {adapter}: {e}") from e
+            plan = plan_adapter(adapter_files, cfg, family.param_shapes(cfg))
+        return cls(model=model, source=files.source, storage=storage, fingerprint=files.fingerprint(),
+                   config_sha256=hashlib.sha256(raw).hexdigest(), hf=hf, generation=generation, family=family,
+                   config=cfg, ids=ids, stops=stops, tokenizer=tok, tensors=tensors, adapter=plan,
+                   attention=attention, local_dir=files.root if files.source.is_local else None)
+
+    # --- where its files are on this node ------------------------------------------------
+    def metadata_dir(self) -> str:
+        """A local folder holding its config and tokenizer files on this node: the model's
+        own folder, or the node cache's copy without weights (fetched once per node)."""
+        if self.source.is_local:
+            return os.path.expanduser(self.source.spec)
+        return resolve_model(self.model, self.storage, weights=False)
+
+    def weights_dir(self) -> str:
+        """A local folder holding its weights on this node (a remote one downloaded once per
+        node, under the node's lock, and verified)."""
+        return resolve_model(self.model, self.storage)
+
+    def adapter_dir(self) -> Optional[str]:
+        return None if self.adapter is None else resolve_model(self.adapter.source, self.storage, kind="adapter")
+
+    @property
+    def serving(self) -> Serving:
+        return self.family.serving
+
+    def __repr__(self) -> str:
+        return f"Checkpoint({self.model!r}, {self.family.name}, fingerprint {self.fingerprint[:12]})"
+
+
+def _override(family: Family, attention: Attention) -> Attention:
+    """The attention --attention asks for, where the family lets a run choose it."""
+    if family.serving != Serving.MASKED:
+        raise ConfigRefused(f"--attention {attention} applies to masked-diffusion models only; {family.name}'s "
+                            "attention is its own")
+    if family.attention is not None and attention != family.attention:
+        raise ConfigRefused(f"--attention {attention}: {family.name}'s decoding needs {family.attention} attention "
+                            "(its blocks and its K/V are laid out for it)")
+    return attention
+
+
+__all__ = ["Checkpoint", "CheckpointError", "ModelSourceError", "SourceKind"]
