@@ -1,8 +1,9 @@
-"""Issue 22: the published checkpoints served as published (tests/checkpoints.py rebuilds
-their file sets with tiny weights and real vocabulary sizes): load_model + generate, the
-stop ids and where they come from, the rendered chat prompt, the job's preflight and a
-10-row run; PEFT LoRA adapters merged exactly; block-causal attention on request; every
-setting the engine would ignore refused with its message."""
+"""Issue 22: the published checkpoints served as published. Loading, generating, the stop
+ids, the chat prompt, the preflight and a 10-row job of every vendored published file set
+are tests/test_published.py's; here, on those sets built by tests/published.py (tiny
+weights, the published files): PEFT LoRA adapters (D2F's) merged exactly, block-causal
+attention on request, Dream's <|im_end|> ending a row, the plain tokenizer loader, and
+every setting the engine would ignore refused with its message."""
 from __future__ import annotations
 
 import json
@@ -18,87 +19,32 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from checkpoints import DREAM_CONFIG, LAYOUTS, LLADA_CONFIG, MOE_LAYOUTS, write_layout, write_lora
+import published
+from checkpoints import write_llada_moe, write_lora
 from conftest import ROOT, read_parts
 from engine import Engine, EngineConfig, ModelConfig, SamplingParams, build_model, load_model, save_model
 from engine.loader import read_config
-from pipeline import DLLMProcessorConfig
-from pipeline.run import JobError, check_model, preflight, run_offline
+from pipeline.run import JobError, check_model
 
 ENGINE = EngineConfig(block_length=4, steps_per_block=4, cache="refresh", token_budget=2048, max_batch_size=8)
 SAMPLING = SamplingParams(max_new_tokens=8, policy="fixed")
-MESSAGES = [[{"role": "user", "content": f"copy: {'abcdefgh'[: i % 8 + 1]}"}] for i in range(10)]
-STOPS = {
-    "llada": {126081: "config.json eos_token_id", 126348: "chat template end of turn <|eot_id|>"},
-    "Dream": {151643: "config.json eos_token_id", 151645: "chat template end of turn <|im_end|>"},
-}
-CHAT = {
-    "llada": "<|startoftext|><|start_header_id|>user<|end_header_id|>\n\ncopy: abc<|eot_id|>"
-             "<|start_header_id|>assistant<|end_header_id|>\n\n",
-    "Dream": "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n<|im_start|>user\ncopy: abc<|im_end|>\n"
-             "<|im_start|>assistant\n",
-}
+# vendored published sets (tests/published/)
+LLADA, DREAM = "GSAI-ML__LLaDA-8B-Instruct", "Dream-org__Dream-v0-Instruct-7B"
+DREAM_BASE = "Dream-org__Dream-v0-Base-7B"
 
 
 @pytest.fixture(scope="module")
-def published(tmp_path_factory):
-    """{name: folder} of every published layout and the two D2F adapters."""
+def built(tmp_path_factory):
+    """{name: folder}: the published LLaDA-8B-Instruct (it stands for LLaDA), Dream-v0
+    Instruct and Base sets built by tests/published.py, and D2F's two adapters on them."""
     root = tmp_path_factory.mktemp("published")
-    dirs = {name: write_layout(name, str(root / name), seed=i) for i, name in enumerate(LAYOUTS)}
+    names = (LLADA, DREAM, DREAM_BASE)
+    dirs = {name: published.build(name, str(root / name), seed=i) for i, name in enumerate(names)}
     dirs["D2F_LLaDA_Instruct_8B_Lora"] = write_lora(str(root / "D2F_LLaDA_Instruct_8B_Lora"),
-                                                    read_config(dirs["LLaDA-8B-Instruct"]),
-                                                    base="GSAI-ML/LLaDA-8B-Instruct")
-    dirs["D2F_Dream_Base_7B_Lora"] = write_lora(str(root / "D2F_Dream_Base_7B_Lora"),
-                                                read_config(dirs["Dream-v0-Base-7B"]),
+                                                    read_config(dirs[LLADA]), base="GSAI-ML/LLaDA-8B-Instruct")
+    dirs["D2F_Dream_Base_7B_Lora"] = write_lora(str(root / "D2F_Dream_Base_7B_Lora"), read_config(dirs[DREAM_BASE]),
                                                 base="Dream-org/Dream-v0-Base-7B")
     return dirs
-
-
-def _messages_input(path: str) -> str:
-    pq.write_table(pa.table({"id": [f"m{i}" for i in range(10)], "messages": MESSAGES}), path)
-    return path
-
-
-@pytest.mark.parametrize("name", list(LAYOUTS))
-def test_published_layout_loads_generates_and_passes_the_preflight(name, published, tmp_path):
-    model, tok = load_model(published[name], dtype=torch.float32)
-    family = model.config.model_type
-    assert type(tok).__name__ == ("Qwen2Tokenizer" if family == "Dream" else "TokenizersBackend")
-    assert read_config(published[name]).stop_ids == list(STOPS[family])  # the union, in order
-    from engine.models.stops import checkpoint_stop_ids
-
-    assert checkpoint_stop_ids(published[name]) == STOPS[family]
-    assert model.config.stop_token_ids == list(STOPS[family])
-    msgs = [{"role": "user", "content": "copy: abc"}]
-    assert tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True) == CHAT[family]
-    mask = {"llada": ("<|mdm_mask|>", 126336), "Dream": ("<|mask|>", 151666)}[family]
-    assert tok.convert_tokens_to_ids(mask[0]) == mask[1] == model.config.mask_token_id
-    outs = Engine(model, ENGINE, tokenizer=tok).generate([CHAT[family], "copy: the"], SAMPLING)
-    assert [o.error for o in outs] == [None, None]
-    assert all(o.finish_reason in ("stop", "length") and len(o.token_ids) <= 8 for o in outs)
-    checked = preflight(_messages_input(str(tmp_path / "in.parquet")), str(tmp_path / "out"),
-                        DLLMProcessorConfig(model=published[name], engine=ENGINE, sampling=SAMPLING))
-    assert checked.source.num_rows == 10
-
-
-# LLaDA-8B-Instruct's 10-row job is the real command with the D2F adapter (below).
-JOBS = [("LLaDA-8B-Base", None, "auto"), ("Dream-v0-Instruct-7B", None, "auto"),
-        ("Dream-v0-Base-7B", "D2F_Dream_Base_7B_Lora", "block_causal")]
-
-
-@pytest.mark.parametrize("name,adapter,attention", JOBS)
-def test_published_layout_ten_row_job(name, adapter, attention, published, ray_local, tmp_path):
-    """The job (preflight, chat template, tokenize, engine, detokenize, writer) on 10 rows
-    of chat messages; the summary names the stop ids and where they came from."""
-    config = DLLMProcessorConfig(model=published[name], adapter=published.get(adapter), attention=attention,
-                                 batch_size=5, engine=ENGINE, sampling=SAMPLING, enable_metrics=False)
-    summary = run_offline(_messages_input(str(tmp_path / "in.parquet")), str(tmp_path / "out"), config)
-    assert (summary["rows"], summary["errors"], summary["status"]) == (10, 0, "ok")
-    family = read_config(published[name]).model_type
-    assert summary["stop_token_ids"] == {str(t): s for t, s in STOPS[family].items()}
-    rows = read_parts(str(tmp_path / "out")).to_pylist()
-    assert sorted(r["id"] for r in rows) == [f"m{i}" for i in range(10)]
-    assert all(r["prompt"].endswith(CHAT[family][-20:]) for r in rows)  # rendered with the checkpoint's template
 
 
 def _hand_merged(base: str, adapter: str, dtype=torch.float64):
@@ -144,11 +90,11 @@ def test_lora_merge_equals_the_unmerged_computation(family, use_rslora, tmp_path
     assert all(torch.equal(plain.get_parameter(k), merged.get_parameter(k)) for k in untouched)
 
 
-def test_d2f_adapter_job_with_block_causal_matches_the_hand_merged_model(published, ray_address, tmp_path):
+def test_d2f_adapter_job_with_block_causal_matches_the_hand_merged_model(built, ray_address, tmp_path):
     """`blockray --model LLaDA-8B-Instruct --adapter D2F_LLaDA_Instruct_8B_Lora --attention
     block_causal` (the real command, exit 0) gives, row for row, the tokens of the same
     model merged by hand with block-causal attention."""
-    base, adapter = published["LLaDA-8B-Instruct"], published["D2F_LLaDA_Instruct_8B_Lora"]
+    base, adapter = built[LLADA], built["D2F_LLaDA_Instruct_8B_Lora"]
     prompts = [f"copy: {'abcdefgh'[: i % 8 + 1]}" for i in range(10)]
     inp = str(tmp_path / "in.parquet")
     pq.write_table(pa.table({"id": [f"p{i}" for i in range(10)], "prompt": prompts}), inp)
@@ -170,12 +116,31 @@ def test_d2f_adapter_job_with_block_causal_matches_the_hand_merged_model(publish
         o.token_ids for o in ref]  # the adapter changes the tokens: the comparison means something
 
 
-def test_dream_im_end_ends_the_row_and_stays_out_of_the_text(published):
+def test_dream_d2f_adapter_with_block_causal_matches_the_hand_merged_model(built):
+    """`--model Dream-v0-Base-7B --adapter D2F_Dream_Base_7B_Lora --attention block_causal`
+    (Dream's D2F command; the job path of an adapter is the LLaDA test's above): the
+    preflight accepts it, and the adapter merged at load onto the published Dream names
+    gives, row for row, the tokens of the model merged by hand, block-causal."""
+    base, adapter = built[DREAM_BASE], built["D2F_Dream_Base_7B_Lora"]
+    assert check_model(base, needs_tokenizer=True, adapter=adapter, attention="block_causal") == base
+    prompts = [f"copy: {'abcdefgh'[: i % 8 + 1]}" for i in range(4)]
+    merged, tok = load_model(base, dtype=torch.float64, adapter=adapter, attention="block_causal")
+    hand, _ = _hand_merged(base, adapter)
+    hand.config.dllm_attention = "block_causal"
+    ref = Engine(hand, ENGINE, tokenizer=tok).generate(prompts, SAMPLING)
+    assert [o.token_ids for o in Engine(merged, ENGINE, tokenizer=tok).generate(prompts, SAMPLING)] == [
+        o.token_ids for o in ref]
+    plain, _ = load_model(base, dtype=torch.float64, attention="block_causal")
+    assert [o.token_ids for o in Engine(plain, ENGINE, tokenizer=tok).generate(prompts, SAMPLING)] != [
+        o.token_ids for o in ref]  # the adapter changes the tokens: the comparison means something
+
+
+def test_dream_im_end_ends_the_row_and_stays_out_of_the_text(built):
     """A <|im_end|> the model produces ends the row with finish_reason "stop" in the first
     block that holds it, and is not in generated_text. The model is the Dream layout with
     the embedding and output rows of one token t and <|im_end|> swapped: it computes
     exactly what the original does, with <|im_end|> wherever the original produced t."""
-    model, tok = load_model(published["Dream-v0-Instruct-7B"], dtype=torch.float64)
+    model, tok = load_model(built[DREAM], dtype=torch.float64)
     prompt = "user: copy: abc\nassistant:"  # neither t nor <|im_end|> in the prompt: the swap is exact
     free = SamplingParams(max_new_tokens=16, policy="fixed", stop_token_ids=[])
     orig = Engine(model, ENGINE, tokenizer=tok).generate([prompt], free)[0].token_ids
@@ -233,10 +198,10 @@ def _tiny(family: str, root, **extra_config) -> str:
     """A tiny checkpoint whose config.json carries the published keys of its family."""
     cfg = ModelConfig.tiny(family, vocab_size=96, mask_token_id=95)
     save_model(build_model(cfg, seed=0), root)
-    published = {k: v for k, v in (LLADA_CONFIG if family == "llada" else DREAM_CONFIG).items()
-                 if k not in cfg.to_hf() and k not in cfg.family.honoured}
+    hf = published.config(LLADA if family == "llada" else DREAM)  # the published config.json
+    keys = {k: v for k, v in hf.items() if k not in cfg.to_hf() and k not in cfg.family.honoured}
     with open(os.path.join(root, "config.json"), "w") as f:
-        json.dump({**published, **cfg.to_hf(), **extra_config}, f)
+        json.dump({**keys, **cfg.to_hf(), **extra_config}, f)
     return str(root)
 
 
@@ -323,13 +288,15 @@ def _tokenizer_facts(tok) -> dict:
 def test_plain_tokenizers_load_as_autotokenizer_would(tmp_path):
     """common/tokenizer.py loads a plain tokenizer.json (no model of transformers' own)
     without AutoTokenizer, so that tokenizing processes never import torch: on every
-    layout that takes that path the tokenizer is the one AutoTokenizer builds; a
-    transformers model type keeps AutoTokenizer."""
+    layout that takes that path (every published set tests/published.py builds) the
+    tokenizer is the one AutoTokenizer builds; a transformers model type keeps AutoTokenizer."""
     import transformers
 
     from common.tokenizer import load_tokenizer, plain_tokenizer
 
-    dirs = {name: write_layout(name, str(tmp_path / name)) for name in [*LAYOUTS, *MOE_LAYOUTS]}
+    buildable = [f for f in published.folders() if published.config(f)["model_type"] in published.SHRINK]
+    dirs = {name: published.build(name, str(tmp_path / name)) for name in buildable}
+    dirs["LLaDA-MoE-7B-A1B-Instruct"] = write_llada_moe(str(tmp_path / "LLaDA-MoE"))  # no published files
     dirs["tiny"] = os.path.join(ROOT, "engine", "assets", "tiny-dllm")
     plain = {name: plain_tokenizer(d) for name, d in dirs.items()}
     assert plain == {name: not name.startswith("Dream") for name in dirs}, plain  # Dream: Qwen2Tokenizer
@@ -345,11 +312,11 @@ def test_plain_tokenizers_load_as_autotokenizer_would(tmp_path):
     assert not plain_tokenizer(str(native))  # AutoTokenizer would read Qwen2's config: left to it
 
 
-def test_tokenizer_needing_remote_code_names_what_is_needed(published, tmp_path):
+def test_tokenizer_needing_remote_code_names_what_is_needed(built, tmp_path):
     """Dream without merges.txt cannot be read as Qwen2Tokenizer: refused, naming the file;
     the message never blames config.json's auto_map (the engine never uses it)."""
     d = tmp_path / "dream"
-    shutil.copytree(published["Dream-v0-Instruct-7B"], d)
+    shutil.copytree(built[DREAM], d)
     os.remove(d / "merges.txt")
     with pytest.raises(JobError) as e:
         check_model(str(d), needs_tokenizer=True)

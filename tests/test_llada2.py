@@ -15,12 +15,11 @@ from __future__ import annotations
 
 import random
 
-import pyarrow as pa
-import pyarrow.parquet as pq
 import pytest
 import torch
 import torch.nn.functional as F
 
+import published
 from engine import Engine, EngineConfig, ModelConfig, SamplingParams, build_model
 from engine.models.families.moe import MoESpec
 
@@ -382,44 +381,44 @@ def test_editing_is_refused_on_other_families_and_d2f_on_llada2(model):
     assert bad.finish_reason == "error" and "D2F" in bad.error and good.finish_reason in ("stop", "length")
 
 
+# the published LLaDA2.x file sets vendored under tests/published/ (tests/published.py)
+LLADA2_FOLDERS = [f for f in published.folders() if published.config(f)["model_type"] == "llada2_moe"]
+
+
 @pytest.mark.parametrize("change,message", [({"use_sliding_window": True}, "use_sliding_window"),
                                             ({"score_function": "softmax"}, "score_function"),
                                             ({"head_dim": 64}, "head_dim"), ({"num_nextn_predict_layers": 1},
                                                                               "num_nextn_predict_layers"),
                                             ({"moe_capacity": 2}, "moe_capacity")])
 def test_llada2_settings_the_engine_would_ignore_are_refused(change, message):
-    from checkpoints import LLADA2_CONFIG
     from engine.models.families import ConfigRefused
 
-    cfg = ModelConfig.from_hf(LLADA2_CONFIG)  # the published keys are all accounted for
-    assert (cfg.mask_token_id, cfg.eos_token_id, cfg.llada2, cfg.block_causal) == (156895, 156892, True, True)
-    with pytest.raises(ConfigRefused, match=message):
-        ModelConfig.from_hf({**LLADA2_CONFIG, **change})
+    assert LLADA2_FOLDERS
+    for folder in LLADA2_FOLDERS:
+        hf = published.config(folder)
+        cfg = ModelConfig.from_hf(hf)  # the published keys are all accounted for
+        # config.json names no mask nor eos id: generate()'s defaults 156895 / 156892
+        assert (cfg.mask_token_id, cfg.eos_token_id, cfg.llada2, cfg.block_causal) == (156895, 156892, True, True)
+        with pytest.raises(ConfigRefused, match=message):
+            ModelConfig.from_hf({**hf, **change})
 
 
-def test_published_layout_loads_and_runs_through_the_job(ray_local, tmp_path):
-    from checkpoints import write_layout
-    from conftest import read_parts
+@pytest.mark.parametrize("folder", LLADA2_FOLDERS)
+def test_published_layout_loads_in_bfloat16_with_float32_routers(folder, tmp_path):
+    """The tiny build of the published files (its 10-row job: tests/test_published.py) in
+    bfloat16: the routers (mlp.gate.weight, mlp.gate.expert_bias) stay float32, every other
+    tensor is bfloat16; ids and vocabulary as published."""
     from engine import load_model
-    from engine.loader import read_config
-    from pipeline import DLLMProcessorConfig
-    from pipeline.run import run_offline
 
-    root = write_layout("LLaDA2.0-mini", str(tmp_path / "LLaDA2.0-mini"))
-    cfg = read_config(root)
+    root = published.build(folder, str(tmp_path / folder))
+    model, tok = load_model(root, dtype=torch.bfloat16)
+    cfg = model.config
+    # vocab_size: config.json; <|mask|> 156895: generate()'s default (config.json names none);
+    # 156892: tokenizer_config.json's eos_token <|endoftext|>, config.json's pad_token_id
     assert (cfg.model_type, cfg.mask_token_id, cfg.stop_token_ids, cfg.vocab_size) == ("llada2_moe", 156895,
                                                                                        [156892], 157184)
-    model, tok = load_model(root, dtype=torch.bfloat16)
-    assert model.layers[1].router.weight.dtype == model.layers[1].expert_bias.dtype == torch.float32
     assert tok.convert_tokens_to_ids("<|mask|>") == 156895
-    engine = EngineConfig(block_length=4, steps_per_block=4, cache="persistent", token_budget=2048, max_batch_size=8)
-    sampling = SamplingParams(max_new_tokens=4, threshold=0.95, edit_threshold=0.9)
-    msgs = [[{"role": "user", "content": f"copy: {'abcdefgh'[: i % 8 + 1]}"}] for i in range(4)]
-    pq.write_table(pa.table({"id": [f"m{i}" for i in range(4)], "messages": msgs}), str(tmp_path / "in.parquet"))
-    config = DLLMProcessorConfig(model=root, batch_size=4, engine=engine, sampling=sampling, enable_metrics=False)
-    summary = run_offline(str(tmp_path / "in.parquet"), str(tmp_path / "out"), config)
-    assert (summary["rows"], summary["errors"], summary["status"]) == (4, 0, "ok")
-    assert summary["stop_token_ids"] == {"156892": "tokenizer_config.json eos_token"}
-    rows = read_parts(str(tmp_path / "out")).to_pylist()
-    assert sorted(r["id"] for r in rows) == [f"m{i}" for i in range(4)]
-    assert all(r["prompt"].endswith("<role>ASSISTANT</role>") for r in rows)
+    dtypes = {cfg.family.checkpoint_name(n): p.dtype for n, p in model.named_parameters()}
+    routers = {k for k in dtypes if k.endswith((".mlp.gate.weight", ".mlp.gate.expert_bias"))}
+    assert routers == {"model.layers.1.mlp.gate.weight", "model.layers.1.mlp.gate.expert_bias"}  # layer 0 dense
+    assert {k: v for k, v in dtypes.items() if v != torch.bfloat16} == dict.fromkeys(routers, torch.float32)

@@ -1,0 +1,187 @@
+"""Every published file set vendored under tests/published/ (the files people download,
+byte for byte) against blockray: a family it serves loads (tests/published.py builds a
+tiny checkpoint from the published files, only sizes shrunk), generates, passes the
+preflight and runs a 10-row job with the published stop ids, mask id and chat template;
+a family it does not serve is refused naming its model_type. The expected values are
+read from the published files here, never from the engine."""
+from __future__ import annotations
+
+import filecmp
+import os
+from typing import Any, Dict, List, Optional, Tuple
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import torch
+
+import published
+from conftest import read_parts
+from engine import Engine, EngineConfig, ModelConfig, SamplingParams, load_model
+from engine.models.families import FamilyNotSupported
+from pipeline import DLLMProcessorConfig
+from pipeline.run import JobError, preflight, run_offline
+
+# model_type of each vendored config.json: served today, or not (yet). A folder of another
+# model_type fails test_every_vendored_folder_is_classified until it is put in one of them.
+SERVED = {"llada", "Dream", "llada2_moe"}
+NOT_SERVED = {"sdar", "sdar_moe"}  # JetLM's SDAR / SDAR-MoE: another issue adds them (and a shrink rule)
+
+FOLDERS = published.folders()
+
+
+def model_type(folder: str) -> str:
+    return published.config(folder)["model_type"]
+
+
+SERVED_FOLDERS = [f for f in FOLDERS if model_type(f) in SERVED]
+NOT_SERVED_FOLDERS = [f for f in FOLDERS if model_type(f) in NOT_SERVED]
+
+ENGINE = EngineConfig(block_length=4, steps_per_block=4, cache="refresh", token_budget=2048, max_batch_size=8)
+SAMPLING = SamplingParams(max_new_tokens=8, policy="fixed")
+# LLaDA2.x as docs/usage.md's command runs it: the persistent cache, the threshold rule, 2.1's token editing
+LLADA2_ENGINE = EngineConfig(block_length=4, steps_per_block=4, cache="persistent", token_budget=2048,
+                             max_batch_size=8)
+LLADA2_SAMPLING = SamplingParams(max_new_tokens=8, threshold=0.95, edit_threshold=0.9)
+USER = "copy: abc"
+MESSAGES = [[{"role": "user", "content": f"copy: {'abcdefgh'[: i % 8 + 1]}"}] for i in range(10)]
+# tokenizer_config.json tokenizer_class -> the class common.tokenizer reads it with
+TOKENIZER_CLASS = {"PreTrainedTokenizerFast": "TokenizersBackend", "DreamTokenizer": "Qwen2Tokenizer"}
+
+
+def settings(folder: str) -> Tuple[EngineConfig, SamplingParams]:
+    """The engine and sampling settings of the folder's family (small: each job ~10 s)."""
+    return (LLADA2_ENGINE, LLADA2_SAMPLING) if model_type(folder) == "llada2_moe" else (ENGINE, SAMPLING)
+
+
+# --- what the published files say --------------------------------------------------------
+
+def render(folder: str, messages: List[Dict[str, str]]) -> str:
+    """The published chat template rendered as transformers renders it (a sandboxed jinja2
+    with trim_blocks / lstrip_blocks, the special tokens as variables)."""
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    tc = published.tokenizer_config(folder)
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+    specials = {k: published.token_text(v) for k, v in tc.items() if k.endswith("_token") and not k.startswith("add_")}
+    return env.from_string(published.chat_template(folder)).render(messages=messages, add_generation_prompt=True,
+                                                                    **specials)
+
+
+def _ids(value: Any) -> List[int]:
+    return value if isinstance(value, list) else [] if value is None else [value]
+
+
+def end_of_turn(folder: str) -> Optional[str]:
+    """The added token the published chat template closes a message with, if it numbers
+    one (LLaDA: <|eot_id|>; Dream: <|im_end|>; LLaDA2's <|role_end|> has no id in its files)."""
+    text = render(folder, [{"role": "user", "content": "MARK"}])
+    after = text[text.index("MARK") + 4:]
+    return next((t["content"] for t in published.added_tokens(folder).values() if after.startswith(t["content"])),
+                None)
+
+
+def expected_stops(folder: str) -> Dict[int, str]:
+    """{stop id: where the published files give it}, in the order the engine reports them."""
+    hf, tc = published.config(folder), published.tokenizer_config(folder)
+    gen = published.read_json(folder, "generation_config.json") or {}
+    ids = published.published_ids(folder)
+    stops: Dict[int, str] = {}
+    for t in _ids(hf.get("eos_token_id")):  # config.json eos_token_id: LLaDA 126081, Dream 151643
+        stops.setdefault(t, "config.json eos_token_id")
+    for t in _ids(gen.get("eos_token_id")):  # generation_config.json: LLaDA's and Dream's repeat config.json's
+        stops.setdefault(t, "generation_config.json eos_token_id")
+    eot = end_of_turn(folder)  # tokenizer_config.json added_tokens_decoder: <|eot_id|> 126348, <|im_end|> 151645
+    if eot is not None:
+        stops.setdefault(ids[eot], f"chat template end of turn {eot}")
+    if not stops:  # LLaDA2 names no eos id: tokenizer_config.json eos_token <|endoftext|>, whose id 156892 is
+        eos = published.token_text(tc["eos_token"])  # config.json pad_token_id (pad_token is the same token)
+        stops[ids[eos]] = "tokenizer_config.json eos_token"
+    return stops
+
+
+def _messages_input(path: str) -> str:
+    pq.write_table(pa.table({"id": [f"m{i}" for i in range(10)], "messages": MESSAGES}), path)
+    return path
+
+
+# --- the vendored files -------------------------------------------------------------------
+
+def test_vendored_files_are_the_published_files():
+    """Where the shared copies exist (<repo>/../shared/checkpoints), every published set
+    there (a folder with a config.json) is vendored, file for file, byte for byte; a set
+    added there later fails here until it is vendored."""
+    if not os.path.isdir(published.SHARED):
+        pytest.skip(f"{published.SHARED} is absent (a clean clone): the vendored copies are the reference")
+    shared = sorted(d for d in os.listdir(published.SHARED)
+                    if os.path.isfile(os.path.join(published.SHARED, d, "config.json")))
+    assert FOLDERS == shared
+    for folder in shared:
+        names = sorted(os.listdir(os.path.join(published.SHARED, folder)))
+        assert sorted(os.listdir(published.path(folder))) == names, folder
+        _, mismatch, errors = filecmp.cmpfiles(os.path.join(published.SHARED, folder), published.path(folder), names,
+                                               shallow=False)
+        assert (mismatch, errors) == ([], []), folder
+
+
+def test_every_vendored_folder_is_classified():
+    """Each vendored set says where it comes from, and its model_type is one blockray
+    serves or one it is known not to (so a new set is never silently skipped)."""
+    assert FOLDERS and all(os.path.isfile(published.path(f, "SOURCE.md")) for f in FOLDERS)
+    assert {f: model_type(f) for f in FOLDERS if model_type(f) not in SERVED | NOT_SERVED} == {}
+    assert SERVED_FOLDERS
+
+
+# --- a family blockray does not serve -----------------------------------------------------
+
+@pytest.mark.parametrize("folder", NOT_SERVED_FOLDERS, ids=[f"{f}-not-served" for f in NOT_SERVED_FOLDERS])
+def test_family_blockray_does_not_serve_is_refused(folder, tmp_path):
+    """Not served yet (SDAR today): the published config.json is refused naming its
+    model_type, by the engine's parser and by the job's preflight (before any engine),
+    never run as another family."""
+    mt = model_type(folder)
+    with pytest.raises(FamilyNotSupported, match=f"model_type {mt!r} in config.json is not a family blockray "
+                                                 "supports"):
+        ModelConfig.from_hf(published.config(folder))
+    config = DLLMProcessorConfig(model=published.path(folder), engine=ENGINE, sampling=SAMPLING)
+    with pytest.raises(JobError, match=r"\(--model\)") as e:
+        preflight(_messages_input(str(tmp_path / "in.parquet")), str(tmp_path / "out"), config)
+    assert f"model_type {mt!r}" in str(e.value)
+
+
+# --- a family blockray serves -------------------------------------------------------------
+
+@pytest.mark.parametrize("folder", SERVED_FOLDERS, ids=[f"{f}-served" for f in SERVED_FOLDERS])
+def test_published_checkpoint_loads_generates_and_runs_the_job(folder, ray_local, tmp_path):
+    """The tiny build of the published set: its tokenizer, stop ids, mask id and chat
+    template as published; Engine.generate on a prompt rendered with its own template;
+    the preflight; a 10-row job of chat messages (every id once, each prompt rendered with
+    the template, the summary naming where each stop id came from)."""
+    root = published.build(folder, str(tmp_path / folder))
+    model, tok = load_model(root, dtype=torch.float32)
+    tc = published.tokenizer_config(folder)
+    assert type(tok).__name__ == TOKENIZER_CLASS[tc["tokenizer_class"]]
+    stops = expected_stops(folder)
+    assert model.config.stop_token_ids == list(stops)
+    eos = published.token_text(tc["eos_token"])  # tokenizer_config.json eos_token, at its published id
+    assert (tok.eos_token, tok.eos_token_id) == (eos, published.published_ids(folder)[eos])
+    mask, mask_id = published.mask_token(folder)  # config.json mask_token_id, else tokenizer_config.json's
+    assert tok.convert_tokens_to_ids(mask) == mask_id == model.config.mask_token_id
+    chat = render(folder, [{"role": "user", "content": USER}])
+    assert tok.apply_chat_template([{"role": "user", "content": USER}], tokenize=False,
+                                   add_generation_prompt=True) == chat
+    engine, sampling = settings(folder)
+    outs = Engine(model, engine, tokenizer=tok).generate([chat, "copy: the"], sampling)
+    assert [o.error for o in outs] == [None, None]
+    assert all(o.finish_reason in ("stop", "length") and len(o.token_ids) <= 8 for o in outs)
+
+    inp, out = _messages_input(str(tmp_path / "in.parquet")), str(tmp_path / "out")
+    config = DLLMProcessorConfig(model=root, batch_size=5, engine=engine, sampling=sampling, enable_metrics=False)
+    assert preflight(inp, str(tmp_path / "checked"), config).source.num_rows == 10
+    summary = run_offline(inp, out, config)
+    assert (summary["rows"], summary["errors"], summary["status"]) == (10, 0, "ok")
+    assert summary["stop_token_ids"] == {str(t): src for t, src in stops.items()}
+    rows = read_parts(out).to_pylist()
+    assert sorted(r["id"] for r in rows) == [f"m{i}" for i in range(10)]
+    assert {r["id"]: r["prompt"] for r in rows} == {f"m{i}": render(folder, m) for i, m in enumerate(MESSAGES)}
+    assert all(r["finish_reason"] in ("stop", "length") for r in rows)
