@@ -122,7 +122,7 @@ def test_dream_d2f_adapter_with_block_causal_matches_the_hand_merged_model(built
     preflight accepts it, and the adapter merged at load onto the published Dream names
     gives, row for row, the tokens of the model merged by hand, block-causal."""
     base, adapter = built[DREAM_BASE], built["D2F_Dream_Base_7B_Lora"]
-    assert check_model(base, needs_tokenizer=True, adapter=adapter, attention="block_causal") == base
+    assert check_model(base, needs_tokenizer=True, adapter=adapter, attention="block_causal").model == base
     prompts = [f"copy: {'abcdefgh'[: i % 8 + 1]}" for i in range(4)]
     merged, tok = load_model(base, dtype=torch.float64, adapter=adapter, attention="block_causal")
     hand, _ = _hand_merged(base, adapter)
@@ -347,7 +347,7 @@ def test_s3_model_shard_headers_and_s3_adapter_are_checked_without_downloading_w
         tiny_model_dir, s3fs_client, s3_storage, tmp_path, monkeypatch):
     """An object-storage model's shard headers are read remotely (byte ranges: a truncated
     shard is refused in the preflight, its weights never downloaded); an s3:// adapter is
-    fetched into the node's cache by --model's rules and checked against the base."""
+    checked against the base from its own files there."""
     import uuid
 
     monkeypatch.setenv("BLOCKRAY_MODEL_CACHE", str(tmp_path / "cache"))
@@ -356,9 +356,10 @@ def test_s3_model_shard_headers_and_s3_adapter_are_checked_without_downloading_w
     s3fs_client.put(tiny_model_dir.rstrip("/") + "/", f"{bucket}/tiny/", recursive=True)
     adapter = write_lora(str(tmp_path / "lora"), read_config(tiny_model_dir), targets=["q_proj", "v_proj"])
     s3fs_client.put(adapter + "/", f"{bucket}/lora/", recursive=True)
-    local = check_model(f"s3://{bucket}/tiny", needs_tokenizer=False, storage=s3_storage,
-                        adapter=f"s3://{bucket}/lora")
-    assert not [f for f in os.listdir(local) if f.endswith(".safetensors")]  # a metadata-only copy
+    ckpt = check_model(f"s3://{bucket}/tiny", needs_tokenizer=True, storage=s3_storage, adapter=f"s3://{bucket}/lora")
+    assert ckpt.adapter is not None and ckpt.tensors  # the adapter planned, the shard headers read
+    local = ckpt.metadata_dir()  # the tokenizer's copy: no weights downloaded
+    assert not [f for f in os.listdir(local) if f.endswith(".safetensors")]
     data = s3fs_client.cat_file(f"{bucket}/tiny/model.safetensors")
     s3fs_client.pipe(f"{bucket}/tiny/model.safetensors", data[: len(data) // 2])
     with pytest.raises(JobError, match=r"model\.safetensors is truncated: .* \(--model\)"):

@@ -391,14 +391,15 @@ LLADA2_FOLDERS = [f for f in published.folders() if published.config(f)["model_t
                                                                               "num_nextn_predict_layers"),
                                             ({"moe_capacity": 2}, "moe_capacity")])
 def test_llada2_settings_the_engine_would_ignore_are_refused(change, message):
-    from engine.models.families import ConfigRefused
+    from engine.models.families import BlockLayout, ConfigRefused
 
     assert LLADA2_FOLDERS
     for folder in LLADA2_FOLDERS:
         hf = published.config(folder)
         cfg = ModelConfig.from_hf(hf)  # the published keys are all accounted for
         # config.json names no mask nor eos id: generate()'s defaults 156895 / 156892
-        assert (cfg.mask_token_id, cfg.eos_token_id, cfg.llada2, cfg.block_causal) == (156895, 156892, True, True)
+        assert (cfg.mask_token_id, cfg.eos_token_id, cfg.family.blocks, cfg.block_causal) == (
+            156895, 156892, BlockLayout.ABSOLUTE, True)
         with pytest.raises(ConfigRefused, match=message):
             ModelConfig.from_hf({**hf, **change})
 
