@@ -153,8 +153,7 @@ class PlantedStops(nn.Module):
             toks = torch.arange(m.marker_base, m.marker_base + m.n_markers, device=v.device)
             with torch.inference_mode():
                 x = layer.attn_norm(self.model.embed(toks))
-                # LLaDA2's block has one fused projection (engine.models.llada2): its v heads
-                v_of = layer.heads(x[None])[2][0].flatten(1) if hasattr(layer, "heads") else layer.v(x)
+                v_of = layer.heads(x[None])[2][0].flatten(1)  # the v heads (a fused projection's too)
                 self._v_table[key] = v_of.float()
         table = self._v_table[key]
         vf = v.float()

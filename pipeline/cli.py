@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import collections.abc
 import dataclasses
+import enum
 import json
 import os
 import sys
@@ -46,8 +47,8 @@ _CLI_DEFAULTS: Dict[str, Tuple[Any, str]] = {
 
 def _flag_kwargs(tp: Any) -> Optional[Dict[str, Any]]:
     """argparse kwargs for a field's type: bools (also Optional[bool]) as --x/--no-x,
-    Literal as choices, sequences as nargs="+", scalars by type; None when a field has no
-    command-line form (dicts, nested dataclasses)."""
+    Literal and StrEnum as choices, sequences as nargs="+", scalars by type; None when a
+    field has no command-line form (dicts, nested dataclasses)."""
     args = typing.get_args(tp)
     if typing.get_origin(tp) is typing.Union and type(None) in args:
         rest = [a for a in args if a is not type(None)]
@@ -59,6 +60,8 @@ def _flag_kwargs(tp: Any) -> Optional[Dict[str, Any]]:
         return {"action": argparse.BooleanOptionalAction}
     if origin is typing.Literal:
         return {"choices": list(args), "type": type(args[0])}
+    if isinstance(tp, type) and issubclass(tp, enum.StrEnum):
+        return {"choices": [k.value for k in tp], "type": str}
     if origin in (list, tuple, collections.abc.Sequence) and args and args[0] in (int, float, str):
         return {"nargs": "+", "type": args[0]}
     if tp in (int, float, str):

@@ -12,10 +12,9 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Dict, Optional
 
-from engine.config import EngineConfig, SamplingParams
+from engine.config import Attention, EngineConfig, SamplingParams, enum_value
 
 SORT_MODES = ("none", "blendserve")
-ATTENTIONS = ("auto", "bidirectional", "block_causal")  # = engine.loader.ATTENTIONS (no torch here)
 
 
 @dataclass
@@ -36,7 +35,7 @@ class DLLMProcessorConfig:
         "PEFT LoRA adapter merged into the model's weights at load time (a local folder with adapter_config.json "
         "+ adapter_model.safetensors, an s3://… URL or a hub id, fetched and cached as --model is), e.g. "
         "SJTU-Deng-Lab/D2F_LLaDA_Instruct_8B_Lora")})
-    attention: str = field(default="auto", metadata={"choices": ATTENTIONS, "help": (
+    attention: Attention = field(default=Attention.AUTO, metadata={"help": (
         "the model's attention: auto = what the checkpoint declares (dllm_attention in config.json), else "
         "bidirectional; block_causal for D2F adapters (prompt bidirectional, block j sees the prompt and blocks <= j)")})
     num_engines: int = field(default=1, metadata={"help": "engine actors; one GPU each when the cluster has GPUs"})
@@ -123,8 +122,7 @@ class DLLMProcessorConfig:
             raise ValueError(f"sort_window_rows must be >= 1, got {self.sort_window_rows!r}")
         if self.sort_min_prefix < 0:
             raise ValueError(f"sort_min_prefix must be >= 0, got {self.sort_min_prefix!r}")
-        if self.attention not in ATTENTIONS:
-            raise ValueError(f"attention must be one of {ATTENTIONS}, got {self.attention!r}")
+        self.attention = enum_value("attention", self.attention, Attention)
         if self.sort not in SORT_MODES:
             raise ValueError(f"sort must be one of {SORT_MODES}, got {self.sort!r}")
         err = self.sampling.validate()

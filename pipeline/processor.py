@@ -111,7 +111,7 @@ class DLLMProcessor:
             label_selector={"ray.io/node-id": ray.get_runtime_context().get_node_id()},
             fallback_strategy=[{"label_selector": {}}])
         if cfg.sort == "blendserve":  # lazy, streaming: windows ordered by a per-row key (pipeline/sorting)
-            ds = order_dataset(ds, cfg, self.checkpoint, dict(num_cpus=cfg.cpu_stage_num_cpus), device=res["device"])
+            ds = order_dataset(ds, cfg, dict(num_cpus=cfg.cpu_stage_num_cpus), res["device"], self.checkpoint)
         ds = ds.map_batches(EngineDispatcher, **engines)
         ds = ds.map_batches(DetokenizeUDF(**where, detokenize=cfg.detokenize,
                                           skip_special_tokens=cfg.skip_special_tokens), **cpu_stage)

@@ -130,18 +130,20 @@ def test_run_record_names_model_template_and_engine_changes(tmp_path, tiny_model
 
     from pipeline import DLLMProcessorConfig
     from engine import EngineConfig
+    from engine.checkpoint import Checkpoint
     from pipeline.run_record import build_record, differences
 
     other = str(tmp_path / "other")
     shutil.copytree(tiny_model_dir, other)
     cfg = DLLMProcessorConfig(model=tiny_model_dir)
-    base = build_record(cfg, tiny_model_dir, None)
+    base = build_record(cfg, Checkpoint.open(tiny_model_dir), None)
     assert differences(base, build_record(DLLMProcessorConfig(model=other, num_engines=3, batch_size=2,
-                                                              engine=EngineConfig(token_budget=999)), other, None)) == []
+                                                              engine=EngineConfig(token_budget=999)),
+                                          Checkpoint.open(other), None)) == []
     with open(os.path.join(other, "config.json"), "a") as f:
         f.write(" ")
     changed = differences(base, build_record(DLLMProcessorConfig(model=other, engine=EngineConfig(cache="none")),
-                                             other, "{{ messages }}"))
+                                             Checkpoint.open(other), "{{ messages }}"))
     assert [d.split(":")[0] for d in changed] == ["chat_template_sha256", "engine.cache", "model_sha256"], changed
 
 

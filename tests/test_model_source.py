@@ -121,19 +121,25 @@ def test_hub_id_offline_says_how_to_give_a_local_path(tmp_path):
     assert not os.path.exists(tmp_path / "out")
 
 
-def test_job_with_an_s3_model_downloads_once_per_node(tmp_path, s3_endpoint, s3_model, model_cache):
+def test_job_with_an_s3_model_downloads_once_per_node(tmp_path, s3_endpoint, s3_model, s3_storage, model_cache,
+                                                     monkeypatch):
     """`--model s3://…` end to end (the job on a private local Ray, 2 engines on one node):
-    the driver fetches the metadata for its checks, the node the weights, once."""
+    the driver fetches the metadata for its checks, the node the weights, once; a resume
+    on that node, where the weights now are, is accepted (the run record holds the
+    fingerprint of the files at their source, not of whichever copy is local)."""
+    from pipeline.cli import build_config, parse_args
+    from pipeline.preflight import preflight
+
     inp, out = str(tmp_path / "in.parquet"), str(tmp_path / "out")
     write_prompts(inp, "r{:02d}", 8)
     secret = "zQ9-MODEL-SOURCE-SECRET-5e1d"  # moto accepts any secret; this one is easy to grep for
     env = dict(os.environ, AWS_ACCESS_KEY_ID=S3_KEY, AWS_SECRET_ACCESS_KEY=secret, AWS_REGION=S3_REGION,
                BLOCKRAY_MODEL_CACHE=model_cache)
+    argv = ["--model", s3_model, "--endpoint-url", s3_endpoint, "--input", inp, "--output", out, "--num-engines", "2",
+            "--batch-size", "2", "--block-length", "4", "--steps-per-block", "4", "--max-new-tokens", "8",
+            "--max-error-fraction", "1", "--sort", "none"]
     with job_ray() as ray:  # a Ray of its own: its node gets this environment
-        res = subprocess.run([sys.executable, "jobs/offline_eval.py", "--model", s3_model, "--endpoint-url",
-                              s3_endpoint, "--input", inp, "--output", out, "--num-engines", "2", "--batch-size",
-                              "2", "--block-length", "4", "--steps-per-block", "4", "--max-new-tokens", "8",
-                              "--max-error-fraction", "1", "--sort", "none", *ray],
+        res = subprocess.run([sys.executable, "jobs/offline_eval.py", *argv, *ray],
                              cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     summary = json.load(open(os.path.join(out, "summary.json")))
@@ -144,6 +150,11 @@ def test_job_with_an_s3_model_downloads_once_per_node(tmp_path, s3_endpoint, s3_
     assert [d["dir"] for d in made].count(full) == 1, made  # two engines, one download
     assert [d["dir"] for d in made].count(full + "-meta") == 1, made  # the driver's checks
     assert secret not in res.stdout + res.stderr + json.dumps(summary)
+    # the rerun's preflight on this node, as the CLI builds it: every row already written, none refused
+    checked = preflight(inp, out, build_config(parse_args(argv), 0, s3_storage), storage=s3_storage,
+                        max_error_fraction=1.0)
+    checked.release()
+    assert len(checked.done) == 8 and checked.settings_changed == [] and checked.source.num_rows == 0
 
 
 def test_listing_reports_sizes_and_the_stores_versions(tmp_path, tiny_model_dir, s3fs_client, s3_storage):

@@ -67,7 +67,7 @@ def test_read_model_config_from_dir_dict_and_config(tmp_path):
     a, b = read_model_config(str(tmp_path)), read_model_config(LLADA_CFG)
     assert a == b and read_model_config(a) is a
     assert (a.hidden_size, a.n_layers, a.n_kv_heads, a.head_dim) == (4096, 32, 32, 128)
-    with pytest.raises(ValueError, match="does not exist"):  # engine.checkpoint's ModelSourceError
+    with pytest.raises(ValueError, match="not a directory"):  # engine.checkpoint's ModelSourceError
         read_model_config(str(tmp_path / "missing"))
 
 

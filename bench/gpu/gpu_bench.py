@@ -39,6 +39,7 @@ import torch  # noqa: E402
 from engine import Engine, EngineConfig, ModelConfig, SamplingParams, build_model  # noqa: E402
 from engine.budget import plan_token_budget, weight_bytes  # noqa: E402
 from engine.models import DLLM  # noqa: E402
+from engine.models.families import BlockLayout  # noqa: E402
 from engine.models.families.moe import MoESpec  # noqa: E402
 from engine.models.transformer import init_weights_  # noqa: E402
 from bench.engine_bench import git_state, variant_spec  # noqa: E402
@@ -309,7 +310,7 @@ def main(argv=None) -> Dict[str, Any]:
     queue += [("variant", v) for v in variants if v not in rep.data["modes_unsupported"]]
     # D2F (issue 25): the same weights read as block-causal, semi-AR against D2F at the budget of
     # static-B, and D2F one request at a time (the characterisation's batching gain)
-    if not cfg.llada2:  # LLaDA2 is block-causal already, and D2F is not implemented on its absolute blocks
+    if cfg.family.blocks == BlockLayout.AFTER_PROMPT:  # D2F is not implemented on LLaDA2's absolute blocks
         queue += [("d2f", None), ("d2f", D2F_TAU_ADD), ("d2f-sequential", D2F_TAU_ADD)]
     for b in sizes[1:]:
         queue += [("static", b), ("blockserve", b)]

@@ -146,15 +146,19 @@ class Layer(nn.Module):
         x = self.mlp_norm(h)
         return h + self.ffn(x)
 
-    def qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
-        """q [B, H, T, D], k and v [B, H_kv, T, D] of the normed input: projected (one fused
-        projection split per head, or three), QK-normed per head, RoPE applied."""
+    def heads(self, x: torch.Tensor):
+        """q [B, T, H, D], k and v [B, T, H_kv, D] of the normed input: one fused projection
+        split per head, or three."""
         B, T, _ = x.shape
         H, Hkv, D = self.cfg.n_heads, self.cfg.n_kv_heads, self.cfg.head_dim
         if hasattr(self, "qkv_proj"):
-            q, k, v = self.qkv_proj(x).view(B, T, H + 2 * Hkv, D).split([H, Hkv, Hkv], dim=2)
-        else:
-            q, k, v = self.q(x).view(B, T, H, D), self.k(x).view(B, T, Hkv, D), self.v(x).view(B, T, Hkv, D)
+            return self.qkv_proj(x).view(B, T, H + 2 * Hkv, D).split([H, Hkv, Hkv], dim=2)
+        return self.q(x).view(B, T, H, D), self.k(x).view(B, T, Hkv, D), self.v(x).view(B, T, Hkv, D)
+
+    def qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        """q [B, H, T, D], k and v [B, H_kv, T, D] of the normed input: projected,
+        QK-normed per head, RoPE applied."""
+        q, k, v = self.heads(x)
         if self.cfg.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)

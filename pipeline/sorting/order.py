@@ -144,18 +144,25 @@ def cost_model(cfg: DLLMProcessorConfig, device: str = "cpu", checkpoint: Any = 
     ModelConfig; opened from cfg.model when not given), the dtype they load on `device`,
     its cache mode and canvas."""
     if checkpoint is None:
-        from engine.checkpoint import Checkpoint
-
-        checkpoint = Checkpoint.open(cfg.model, attention=cfg.attention, weights=False)
+        checkpoint = _open(cfg)
     model = ModelProfile(checkpoint.config, dtype_bytes(cfg.dtype, device))
     return Roofline(model=model, device=device_profile(device), **cost_shape(cfg, checkpoint))
 
 
-def order_dataset(ds: ray.data.Dataset, cfg: DLLMProcessorConfig, checkpoint: Any,
-                  ray_remote_args: Optional[Dict[str, Any]] = None, device: str = "cpu") -> ray.data.Dataset:
+def _open(cfg: DLLMProcessorConfig) -> Any:
+    """The Checkpoint of cfg.model, for callers that have none (a run passes its preflight's)."""
+    from engine.checkpoint import Checkpoint
+
+    return Checkpoint.open(cfg.model, attention=cfg.attention, weights=False)
+
+
+def order_dataset(ds: ray.data.Dataset, cfg: DLLMProcessorConfig, ray_remote_args: Optional[Dict[str, Any]] = None,
+                  device: str = "cpu", checkpoint: Any = None) -> ray.data.Dataset:
     """`ds` (tokenized) in blendserve order, window by window; lazy like every stage.
-    `checkpoint`: the run's model (engine.checkpoint); `device`: where the engines run
-    ("cuda" or "cpu"), for the roofline."""
+    `device`: where the engines run ("cuda" or "cpu"), for the roofline; `checkpoint`: the
+    run's model (engine.checkpoint; opened from cfg.model when not given)."""
+    if checkpoint is None:
+        checkpoint = _open(cfg)
     cost = cost_model(cfg, device, checkpoint)
     min_chunks = -(-cfg.sort_min_prefix // PREFIX_CHUNK) if cfg.sort_min_prefix > 0 else 0
     remote = ray_remote_args or {}
