@@ -267,6 +267,26 @@ def test_engine_failure_fails_only_the_rows_it_was_serving(model):
     assert not eng.has_unfinished()
 
 
+def test_a_failing_step_is_logged_with_its_traceback_once(model, caplog):
+    """A step that raises is a bug or a broken device, never a row's fault: the engine logs
+    it (engine.core), with its traceback the first time and one line after that, counts
+    it, fails the rows it served with the message and goes on with the queued ones."""
+    import logging
+
+    cfg = EngineConfig(block_length=L, steps_per_block=L, cache="refresh", token_budget=10_000,
+                       scheduler="sequential")
+    eng = Engine(PoisonModel(model), cfg)
+    poisoned, ok = [4, 0, 0, 0, 0, 0, 4], [5, 6, 7]
+    with caplog.at_level(logging.ERROR, logger="engine.core"):
+        outs = eng.generate([poisoned, poisoned, ok], SamplingParams(max_new_tokens=8))
+    assert [o.finish_reason for o in outs][:2] == ["error", "error"] and outs[2].finish_reason != "error"
+    assert all("poisoned batch" in o.error for o in outs[:2])
+    records = [r for r in caplog.records if r.name == "engine.core"]
+    assert len(records) == 2 and eng.stats.step_failures == 2
+    assert records[0].exc_info is not None and "poisoned batch" in caplog.text  # the traceback, once
+    assert records[1].exc_info is None and "again (2 so far)" in records[1].getMessage()
+
+
 def test_catch_up_groups_pick_the_fewest_cells():
     """Rows with a long uncached stretch are forwarded first in groups of similar
     stretch only when that computes fewer cells than padding the whole batch."""
