@@ -78,11 +78,12 @@ class SamplingParams:
     is cut before it), `seed`, `n` (samples per row; the pipeline expands a row into n
     requests with seeds derived from the row's). `from_dict` also takes `max_tokens`.
 
-    LLaDA2 checkpoints (engine.llada2): `threshold` is LLaDA2's rule (confidence strictly
-    greater, at least the `fixed` schedule's k of the step, so LLaDA2.1's k = 1 is
-    steps_per_block = block_length), and `edit_threshold` (None: off) turns on LLaDA2.1's
-    token editing with at most `max_post_steps` editing-only steps per block; other
-    families refuse edit_threshold.
+    LLaDA2 checkpoints (their family's ThresholdRule.SCHEDULE_FLOOR): `threshold` is
+    LLaDA2's rule (confidence strictly greater, at least the `fixed` schedule's k of the
+    step, so LLaDA2.1's k = 1 is steps_per_block = block_length), and `edit_threshold`
+    (None: off) turns on LLaDA2.1's token editing (engine.editing) with at most
+    `max_post_steps` editing-only steps per block; other families refuse edit_threshold,
+    and max_post_steps is refused without it.
 
     D2F (Discrete Diffusion Forcing, engine.d2f): `block_add_threshold` set (None: one
     block at a time) keeps several blocks of the request in flight: a block is added
@@ -128,7 +129,7 @@ class SamplingParams:
     decoded_token_threshold: float = field(default=0.95, metadata={"help": (
         "D2F: a block forces its most confident token only once its predecessor's decoded fraction reaches "
         "this")})
-    # LLaDA2.1's token editing (engine.llada2); None: no editing. Other families refuse it.
+    # LLaDA2.1's token editing (engine.editing); None: no editing. Other families refuse it.
     edit_threshold: Optional[float] = field(default=None, metadata={"help": (
         "LLaDA2.1 token editing: a decoded token of the current block is rewritten when the new argmax differs "
         "and its probability is strictly greater than this (none: no editing)")})

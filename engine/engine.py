@@ -68,7 +68,7 @@ class Engine(EngineCore):
         self.stats.kv_budget_bytes = 0 if self.slots is None else config.token_budget * self.slots.cell_bytes
         self.batch_log: Optional[List[BatchRecord]] = [] if record_batches else None
         self.batch: Optional[Batch] = None
-        self._grown: set = set()  # rows that committed a block and start their next one (D2F: added one)
+        self._grown: set = set()  # rows that committed a block and start their next one (or added one)
         self._relayout = False  # rows changed their blocks in flight: lay the batch out again
 
     # --- requests -----------------------------------------------------------------
@@ -101,7 +101,7 @@ class Engine(EngineCore):
             self.stats.cycles += 1
             while True:
                 done, blocks = self._denoise()
-                # rows that commit at any step (D2F) make their batch advance by steps
+                # rows whose rule commits at any step make their batch advance by steps
                 if self.cfg.advance == "step" or self.batch.stepwise or bool(done.all()):  # host values
                     break
             self._commit(done, blocks)
@@ -176,7 +176,7 @@ class Engine(EngineCore):
         step = b.step.repeat_interleave(NB) if NB > 1 else b.step
         sel = select(conf, units(is_mask), step.to(self.device), rp, L, S)
         live = self._live(b)
-        for rule, rows in live:  # each rule's rows: its own selection (edits, D2F's rule)
+        for rule, rows in live:  # each rule's rows: its own selection
             sel = rule.select(b, rows, sel, conf=conf, is_mask=units(is_mask), x0=x0, window=window, logits=logits)
         window = torch.where(sel.reshape(B, NB * L), x0.reshape(B, NB * L), window)
         b.ids.scatter_(1, cols, window)
