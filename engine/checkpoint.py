@@ -52,13 +52,13 @@ class Checkpoint:
     generation: Dict[str, Any]  # generation_config.json ({} when it has none)
     family: Family
     config: ModelConfig  # resolved: ids, stops and attention applied
-    ids: Dict[str, str]  # where mask_token_id and eos_token_id came from
+    ids: Dict[str, str]  # where mask_token_id, eos_token_id and pad_token_id came from
     stops: Dict[int, str]  # stop id -> where it came from
     tokenizer: TokenizerFacts
     tensors: Dict[str, TensorInfo] = field(default_factory=dict)  # TensorInfo.file: the shard's name
     adapter: Optional[AdapterPlan] = None
     attention: Attention = Attention.AUTO  # the override asked for (--attention)
-    local_dir: Optional[str] = None  # this node's copy of its metadata, where it was opened
+    local_dir: Optional[str] = None  # a local model's folder, absolute
 
     @classmethod
     def open(cls, model: str, *, adapter: Optional[str] = None, attention: Any = Attention.AUTO,
@@ -89,6 +89,7 @@ class Checkpoint:
             cfg = replace(cfg, dllm_attention=_override(family, attention))
         tok = TokenizerFacts.read(files)
         ids = {k: CONFIG if k in hf else f"{family.name}'s published default" for k in ("mask_token_id", "eos_token_id")}
+        ids["pad_token_id"] = CONFIG if hf.get("pad_token_id") is not None else "eos_token_id (config.json names none)"
         for key, value in family.tokenizer_ids(hf, tok.tokens, tok.eos).items():
             setattr(cfg, key, value)
             ids[key] = "the tokenizer files"
@@ -112,20 +113,19 @@ class Checkpoint:
         return cls(model=model, source=files.source, storage=storage, fingerprint=files.fingerprint(),
                    config_sha256=hashlib.sha256(raw).hexdigest(), hf=hf, generation=generation, family=family,
                    config=cfg, ids=ids, stops=stops, tokenizer=tok, tensors=tensors, adapter=plan,
-                   attention=attention, local_dir=files.root if files.source.is_local else None)
+                   attention=attention, local_dir=os.path.abspath(files.root) if files.source.is_local else None)
 
     # --- where its files are on this node ------------------------------------------------
     def metadata_dir(self) -> str:
         """A local folder holding its config and tokenizer files on this node: the model's
-        own folder, or the node cache's copy without weights (fetched once per node)."""
-        if self.source.is_local:
-            return os.path.expanduser(self.source.spec)
-        return resolve_model(self.model, self.storage, weights=False)
+        own folder (as an absolute path: workers' working directories differ), or the node
+        cache's copy without weights (fetched once per node)."""
+        return self.local_dir or resolve_model(self.model, self.storage, weights=False)
 
     def weights_dir(self) -> str:
         """A local folder holding its weights on this node (a remote one downloaded once per
         node, under the node's lock, and verified)."""
-        return resolve_model(self.model, self.storage)
+        return self.local_dir or resolve_model(self.model, self.storage)
 
     def adapter_dir(self) -> Optional[str]:
         return None if self.adapter is None else resolve_model(self.adapter.source, self.storage, kind="adapter")
@@ -133,6 +133,10 @@ class Checkpoint:
     @property
     def serving(self) -> Serving:
         return self.family.serving
+
+    def token_ids(self) -> Dict[str, Dict[str, Any]]:
+        """{mask/eos/pad: {"id", "from"}}: the special ids the engine uses and where each came from."""
+        return {k: {"id": getattr(self.config, k), "from": src} for k, src in self.ids.items()}
 
     def __repr__(self) -> str:
         return f"Checkpoint({self.model!r}, {self.family.name}, fingerprint {self.fingerprint[:12]})"

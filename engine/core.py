@@ -20,7 +20,7 @@ import itertools
 import logging
 import threading
 import time
-from typing import Any, Dict, List, Optional, Sequence, Union
+from typing import Any, Dict, FrozenSet, List, Optional, Sequence, Tuple, Union
 
 from .config import EngineConfig, SamplingParams
 from .reads import Reads, refusal, unread
@@ -65,8 +65,10 @@ class EngineCore:
         return list(params.stop_token_ids or [])
 
     def prepare(self, req: Request) -> Optional[str]:
-        """What makes `req` impossible to serve here, or None (then it is ready to admit)."""
-        err = req.params.validate() or refusal(unread(req.params, self.reads.sampling), self.reads.name)
+        """What makes `req` impossible to serve here, or None (then it is ready to admit):
+        the checks every engine makes, then the engine's own (`check`)."""
+        reads, who = self.sampling_reads(req)
+        err = req.params.validate() or refusal(unread(req.params, reads), who)
         if err:
             return err
         if not req.prompt:
@@ -77,8 +79,14 @@ class EngineCore:
                 return f"token id {bad[0]} outside the vocabulary [0, {self.vocab_size})"
         return self.check(req)
 
+    def sampling_reads(self, req: Request) -> Tuple[FrozenSet[str], str]:
+        """The SamplingParams fields this engine reads for `req`, and who reads them (for the
+        refusal of the others)."""
+        return self.reads.sampling, self.reads.name
+
     def check(self, req: Request) -> Optional[str]:
-        """The engine's own checks of a request (after the common ones), or None."""
+        """The engine's own checks and preparation of a request (after the common ones): why
+        it cannot be served, or None."""
         return None
 
     def has_unfinished(self) -> bool:

@@ -24,7 +24,7 @@ from __future__ import annotations
 import random
 import time
 from dataclasses import dataclass
-from typing import Any, List, Optional, Tuple
+from typing import Any, FrozenSet, List, Optional, Tuple
 
 import torch
 
@@ -38,7 +38,7 @@ from .reads import MASKED
 from .rules import Traits, split_prompt
 from .runner import ModelRunner
 from .scheduler import make_scheduler
-from .sequence import FinishReason, Request, RequestOutput, RowShape, validate
+from .sequence import FinishReason, Request, RequestOutput, RowShape
 from .slots import KVSlots, place
 
 
@@ -75,18 +75,31 @@ class Engine(EngineCore):
     def stop_ids(self, params) -> List[int]:
         return list(params.stop_token_ids) if params.stop_token_ids is not None else self.mcfg.stop_token_ids
 
-    def prepare(self, req: Request) -> Optional[str]:
-        """The row's decoding rule, its prompt placed as the family lays out blocks, then
-        every check (engine.sequence.validate) and the rule's state."""
+    def sampling_reads(self, req: Request) -> Tuple[FrozenSet[str], str]:
+        """A row's decoding rule (engine.decoders) is chosen here: the fields it reads."""
         req.rule = rule_for(req.params)
+        return req.rule.reads, f"this row's decoding ({req.rule.name})"
+
+    def check(self, req: Request) -> Optional[str]:
+        """The prompt placed as the family lays out blocks, the rule's checks, the row's
+        width against the context and the budget; then the rule's state of the row."""
+        if req.params.stop and self.tokenizer is None:
+            return "stop strings need a tokenizer (the engine has none); use stop_token_ids"
         split_prompt(req, self.traits)
-        err = validate(req, self.traits, self.tokenizer is not None)
+        err = req.rule.unsupported(req, self.traits)
         if err:
             return err
+        width, blocks, p, L = self.shape.final_width(req), self.shape.blocks_needed(req), len(req.prompt + req.lead), \
+            self.cfg.block_length
+        if width > self.mcfg.max_seq_len:
+            return f"prompt of {p} tokens + {blocks} blocks of {L} exceeds the model context of {self.mcfg.max_seq_len} tokens"
+        if width > self.cfg.token_budget:
+            return (f"request needs {width} tokens of batch budget alone (prompt {p} + {blocks} blocks of {L}), "
+                    f"more than token_budget={self.cfg.token_budget}")
         req.state = req.rule.start(req, self.traits)
-        p = req.params
-        if (p.temperature and p.temperature > 0) or p.remasking == "random":
-            req.noise_seed = p.seed if p.seed is not None else random.getrandbits(62)
+        params = req.params
+        if (params.temperature and params.temperature > 0) or params.remasking == "random":
+            req.noise_seed = params.seed if params.seed is not None else random.getrandbits(62)
         return None
 
     def admit(self, req: Request) -> None:

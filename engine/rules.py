@@ -98,11 +98,11 @@ class BlockRule:
     def commit(self, engine: Any, b: "Batch", rows: List[int], blocks: torch.Tensor, done: torch.Tensor) -> None:
         """Commit this rule's completed blocks (engine.commit), growing the rows that go on
         to their next block (engine.grow)."""
-        L = b.block_length
+        L, finished, busy = b.block_length, done.tolist(), b.busy_steps.tolist()
         for i in rows:
-            if bool(done[i]):
+            if finished[i]:
                 r = b.rows[i]
-                r.num_steps += int(b.busy_steps[i])
+                r.num_steps += busy[i]
                 if not engine.commit(b, i, blocks[i, -L:].tolist()):
                     engine.grow(r)
 

@@ -1,5 +1,5 @@
-"""A request's lifetime state (Request), how a prompt becomes one (tokenize, validate),
-and what the engine hands back (RequestOutput)."""
+"""A request's lifetime state (Request), how a prompt becomes one (tokenize), and what
+the engine hands back (RequestOutput, FinishReason)."""
 from __future__ import annotations
 
 import enum
@@ -8,7 +8,6 @@ from dataclasses import dataclass, field
 from typing import Any, List, Optional, Sequence, Tuple, Union
 
 from .config import SamplingParams
-from .reads import refusal, unread
 
 Prompt = Union[str, Sequence[int]]
 
@@ -124,33 +123,3 @@ def tokenize(prompt: Prompt, tokenizer) -> Tuple[Optional[List[int]], Optional[s
         return ids, None
     except Exception as e:  # noqa: BLE001 - any tokenizer failure is a per-row error
         return None, f"prompt could not be tokenized: {type(e).__name__}: {e}"
-
-
-def validate(req: Request, traits: Any, has_tokenizer: bool) -> Optional[str]:
-    """What makes `req` impossible to serve on this engine (engine.rules.Traits), or None."""
-    err = req.params.validate()
-    if err:
-        return err
-    err = refusal(unread(req.params, req.rule.reads), f"this row's decoding ({req.rule.name})")
-    if err:
-        return err
-    if req.params.stop and not has_tokenizer:
-        return "stop strings need a tokenizer (the engine has none); use stop_token_ids"
-    if not req.prompt and not req.lead:
-        return "empty prompt"
-    mcfg, cfg, shape = traits.model, traits.config, traits.shape
-    bad = [t for t in req.prompt + req.lead if not 0 <= t < mcfg.vocab_size]
-    if bad:
-        return f"token id {bad[0]} outside the vocabulary [0, {mcfg.vocab_size})"
-    err = req.rule.unsupported(req, traits)
-    if err:
-        return err
-    width, blocks, p = shape.final_width(req), shape.blocks_needed(req), req.prompt_len + len(req.lead)
-    if width > mcfg.max_seq_len:
-        return (f"prompt of {p} tokens + {blocks} blocks of "
-                f"{cfg.block_length} exceeds the model context of {mcfg.max_seq_len} tokens")
-    if width > cfg.token_budget:
-        return (f"request needs {width} tokens of batch budget alone "
-                f"(prompt {p} + {blocks} blocks of {cfg.block_length}), "
-                f"more than token_budget={cfg.token_budget}")
-    return None

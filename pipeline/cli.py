@@ -340,7 +340,8 @@ def _run_on_ray(args: argparse.Namespace, run_id: str, output: str, storage: Any
     try:
         config = build_config(args, ray.cluster_resources().get("GPU", 0), storage)
         print(f"blockray offline eval: run={run_id} model={args.model} engines={config.num_engines} "
-              f"engine={dataclasses.asdict(config.engine)} sampling={dataclasses.asdict(config.sampling)}", flush=True)
+              f"engine={json.dumps(dataclasses.asdict(config.engine))} "
+              f"sampling={json.dumps(dataclasses.asdict(config.sampling))}", flush=True)
         summary = run_offline(job_input, output, config, reference_column=args.reference_column,
                               rows_per_file=args.rows_per_file or None, preflighted=checked, run_id=run_id,
                               report=args.report, **options)

@@ -138,6 +138,7 @@ def _run(checked: Preflight, input: Union[str, List[str]], config: DLLMProcessor
     )
     summary.update(run_record(config, checked.checkpoint))
     summary["stop_token_ids"] = stop_sources(checked.checkpoint, config.sampling.stop_token_ids)
+    summary["model_token_ids"] = checked.checkpoint.token_ids()
     summary["status"] = "failed" if summary["error_fraction"] > max_error_fraction else "ok"
     summary["finished_at"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
     summary["run_record"] = checked.record
