@@ -113,7 +113,7 @@ class Checkpoint:
         return cls(model=model, source=files.source, storage=storage, fingerprint=files.fingerprint(),
                    config_sha256=hashlib.sha256(raw).hexdigest(), hf=hf, generation=generation, family=family,
                    config=cfg, ids=ids, stops=stops, tokenizer=tok, tensors=tensors, adapter=plan,
-                   attention=attention, local_dir=os.path.abspath(files.root) if files.source.is_local else None)
+                   attention=attention, local_dir=files.root if files.source.is_local else None)
 
     # --- where its files are on this node ------------------------------------------------
     def metadata_dir(self) -> str:

@@ -120,7 +120,7 @@ class AdapterPlan:
     a fingerprint of its files (common.model_source), its LoraConfig and, per internal
     parameter name, the keys of its lora_A and lora_B."""
 
-    source: str
+    source: str  # a local folder (absolute: workers' working directories differ), an fsspec URL or a hub id
     fingerprint: str
     config: LoraConfig
     pairs: Dict[str, Dict[str, str]]
@@ -174,7 +174,7 @@ def plan_adapter(files, cfg, shapes: Mapping[str, Tuple[int, ...]]) -> AdapterPl
                                f"{(out, inp)}: the adapter was trained for a different base model")
     if not found:
         raise AdapterError(f"adapter {root} holds no LoRA weights")
-    return AdapterPlan(root, files.fingerprint(), lcfg, found)
+    return AdapterPlan(files.root if files.source.is_local else root, files.fingerprint(), lcfg, found)
 
 
 def read_adapter(path: str, plan: AdapterPlan) -> Adapter:
