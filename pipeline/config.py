@@ -85,9 +85,11 @@ class DLLMProcessorConfig:
     dtype: str = field(default="auto", metadata={"help": "weights' dtype (auto: bfloat16 on GPU, float32 on CPU)"})
     cpu_stage_num_cpus: float = field(default=0.25, metadata={"help": (
         "CPUs per chat-template / tokenize / detokenize task")})
-    # Start sending rows only once every engine has loaded its model (0: as soon as the
-    # first is up). Otherwise the first engine ready takes the early batches and a small
-    # run may never reach the others.
+    # Each engine gets rows only once it has loaded its model, and each dispatcher holds its
+    # first batches for its own engine, failing the job (naming this option) if that engine
+    # has not loaded within this many seconds (actors/engine_router.py). 0: they go to any
+    # engine up meanwhile, so the first engine ready takes the early batches and a small run
+    # may never reach the others.
     wait_for_engines_s: int = field(default=600, metadata={"help": (
         "seconds to wait for every engine to load before rows flow (0: start with the first)")})
     # Request ordering. "blendserve": rows ordered by a per-row key (estimated cost,

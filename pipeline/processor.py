@@ -90,8 +90,10 @@ class DLLMProcessor:
             record_batches=cfg.record_batches, token_ids_column=TOKEN_IDS, error_column=PRE_ERROR,
             sampling_column=cfg.sampling_column, seed_column=cfg.seed_column, id_column=cfg.id_column)
         if cfg.wait_for_engines_s > 0 and ds.context.wait_for_min_actors_s <= 0:
-            # The dispatchers are ready once their engines are (actors/engine_router.py).
-            # Shared by this dataset's lineage only (not the global DataContext).
+            # The dispatchers themselves (a twentieth of a CPU each) must be placed within it
+            # too; each holds its first batches until its engine has loaded, for as long
+            # (actors/engine_router.py). Shared by this dataset's lineage only (not the
+            # global DataContext).
             ds.context.wait_for_min_actors_s = cfg.wait_for_engines_s
         # One pool of num_engines dispatchers pulling blocks as they free up, each with an
         # engine actor of its own, started and owned by the run's group actor; a lost engine's
@@ -101,7 +103,8 @@ class DLLMProcessor:
         engine_options = dict(num_cpus=res["num_cpus"], num_gpus=res["num_gpus"], scheduling_strategy="SPREAD",
                               **({"resources": dict(cfg.resources_per_engine)} if cfg.resources_per_engine else {}))
         engines = dict(
-            fn_constructor_args=(spec, engine_options, self._group),  # the dataset holds the group
+            # the dataset holds the group
+            fn_constructor_args=(spec, engine_options, self._group, cfg.wait_for_engines_s),
             # k calls in flight per dispatcher, all feeding its one engine (see actors/engine_actor.py).
             compute=ray.data.ActorPoolStrategy(size=cfg.num_engines, max_tasks_in_flight_per_actor=k,
                                                max_concurrent_calls_per_actor=k),
