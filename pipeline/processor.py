@@ -12,6 +12,7 @@ came in (unless postprocess chooses otherwise).
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, Optional
 
@@ -26,6 +27,7 @@ from common.schema import ENGINE_RETRIES, OUTPUT_SCHEMA, PRE_ERROR, TOKEN_IDS
 from common.storage import StorageOptions
 
 from .config import DLLMProcessorConfig
+from .errors import UserFunctionError
 from .sorting import order_dataset
 from .stages import DetokenizeUDF, TokenizeUDF, chat_stage_kwargs
 
@@ -33,6 +35,20 @@ RowFn = Callable[[Dict[str, Any]], Dict[str, Any]]
 
 # Columns the processor adds to every row.
 OUTPUT_COLUMNS = ("generated_text", *OUTPUT_SCHEMA.names, ENGINE_RETRIES.name)
+
+
+def _users(name: str, fn: RowFn) -> RowFn:
+    """The caller's `fn` (its preprocess or postprocess), whose exceptions say whose they
+    are: a UserFunctionError naming it, raised from the original, so that a failing run
+    reads as the caller's to fix (pipeline/failures.py), not as a bug in blockray."""
+    @functools.wraps(fn)  # Ray Data names the stage after it
+    def call(row: Dict[str, Any]) -> Dict[str, Any]:
+        try:
+            return fn(row)
+        except Exception as e:
+            raise UserFunctionError(f"your {name} function raised {type(e).__name__}: {e}") from e
+
+    return call
 
 
 def _merge_preprocess(fn: RowFn) -> RowFn:
@@ -72,7 +88,7 @@ class DLLMProcessor:
     def __call__(self, ds: ray.data.Dataset) -> ray.data.Dataset:
         cfg = self.config
         if self.preprocess is not None:
-            ds = ds.map(_merge_preprocess(self.preprocess), num_cpus=cfg.cpu_stage_num_cpus)
+            ds = ds.map(_merge_preprocess(_users("preprocess", self.preprocess)), num_cpus=cfg.cpu_stage_num_cpus)
         # tasks (pipeline/stages.py): the tokenize stage fuses with the read
         cpu_stage = dict(batch_format="pyarrow", batch_size=cfg.batch_size, num_cpus=cfg.cpu_stage_num_cpus,
                          udf_modifying_row_count=False)
@@ -119,7 +135,7 @@ class DLLMProcessor:
         ds = ds.map_batches(DetokenizeUDF(**where, detokenize=cfg.detokenize,
                                           skip_special_tokens=cfg.skip_special_tokens), **cpu_stage)
         if self.postprocess is not None:
-            ds = ds.map(self.postprocess, num_cpus=cfg.cpu_stage_num_cpus)
+            ds = ds.map(_users("postprocess", self.postprocess), num_cpus=cfg.cpu_stage_num_cpus)
         return ds
 
 
