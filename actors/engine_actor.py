@@ -3,6 +3,9 @@
 The run's group actor (actors/rank.py) starts one per dispatcher (actors/engine_router.py),
 which calls `ready` (its rank, once loaded), `load` (batches in flight) and `run_batch`;
 each call also starts the watchdog that has the group stop it once its dispatcher is gone.
+Its rank is the group's next one (a restarted engine gets a new one), asked in the
+constructor and awaited at the first call, which then starts its metrics (tagged by it):
+the actor is async, and a blocking `ray.get` would stall its event loop.
 It is a Ray Data callable class too: `ds.map_batches(DLLMEngineActor, fn_constructor_args=
 (EngineSpec(model),), compute=ActorPoolStrategy(size=n, max_concurrent_calls_per_actor=k,
 max_tasks_in_flight_per_actor=k), batch_format="pyarrow")`.
@@ -111,8 +114,11 @@ class DLLMEngineActor:
         self._group, self._key, self._dispatcher = group, key, dispatcher
         self._watchdog: Optional[asyncio.Future] = None
         self._tokenizer = None  # loaded for the first row with stop strings
-        self.rank = spec.rank if spec.rank is not None else (
-            int(ray.get(group.next.remote())) if group is not None else 0)
+        # spec.rank, else the group's next (asked now, in start order, and awaited at the first
+        # call: see _numbered), else 0 (a plain Ray Data callable class)
+        self.rank: Optional[int] = spec.rank if spec.rank is not None else (None if group is not None else 0)
+        self._rank_ref = group.next.remote() if self.rank is None else None
+        self.metrics: Optional[EngineMetrics] = None
         self.checkpoint = ckpt = spec.checkpoint()  # read once by the job's preflight
         self.model_name = model_name(ckpt.model)
         # s3://… or a hub id: downloaded once per node (under a lock), then loaded from disk
@@ -131,12 +137,11 @@ class DLLMEngineActor:
                                      record_batches=spec.record_batches)
             if spec.warmup:
                 self._warmup()
-        self.metrics = EngineMetrics(self.rank, model=self.model_name, run=spec.run_id) if (
-            spec.enable_metrics and ray.is_initialized()) else None
         self._batch_seq = itertools.count()
         self._in_flight = 0
         self.loop = EngineLoop(factory, on_step=self._on_step)
-        logger.info("engine rank %d ready on %s (%s)", self.rank, self.device, ckpt.model)
+        if self.rank is not None:
+            self._numbered_as(self.rank)
 
     # --- setup ----------------------------------------------------------------------
     def _warmup(self) -> None:
@@ -153,6 +158,22 @@ class DLLMEngineActor:
         except Exception:  # noqa: BLE001 - warm-up is best effort
             logger.warning("engine warm-up failed", exc_info=True)
 
+    def _numbered_as(self, rank: int) -> None:
+        """Take `rank` and start the metrics, which are tagged by it."""
+        self.rank = rank
+        if self.spec.enable_metrics and ray.is_initialized():
+            self.metrics = EngineMetrics(rank, model=self.model_name, run=self.spec.run_id)
+        logger.info("engine rank %d ready on %s (%s)", rank, self.device, self.checkpoint.model)
+
+    async def _numbered(self) -> int:
+        """Its rank: the group's answer to the constructor's request, awaited by the first
+        call (the calls that arrive meanwhile await the same answer)."""
+        if self.rank is None:
+            rank = int(await self._rank_ref)
+            if self.rank is None:  # not taken by a call that awaited alongside
+                self._numbered_as(rank)
+        return self.rank
+
     def _on_step(self, engine: Any, outs: List[Any]) -> None:
         if self.metrics is not None:
             self.metrics.record_step(engine.stats, [o.latency_s for o in outs])
@@ -162,8 +183,9 @@ class DLLMEngineActor:
         yield await self.run_batch(batch)
 
     async def ready(self) -> int:
+        """Its rank; answered once the model has loaded (a constructor runs before any call)."""
         self._watch()
-        return self.rank
+        return await self._numbered()
 
     async def load(self) -> int:
         """Calls of run_batch running now (a dispatcher whose engine is lost picks the least busy)."""
@@ -174,6 +196,7 @@ class DLLMEngineActor:
         """The batch with the engine's output columns appended: one output row per
         (input row, sample), in input order (a row with `n` > 1 gives n rows)."""
         self._watch()
+        await self._numbered()  # the rank of its output rows and metrics
         table = as_table(batch)
         seq = next(self._batch_seq)
         self._set_in_flight(+1)

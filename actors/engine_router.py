@@ -29,6 +29,19 @@ own:
 - A batch is yielded once, by the dispatcher, from the one engine call that returned, so
   every row is written once; its `engine_retries` column counts the times it was sent again.
 
+Starting without blocking: both actors are async, and a blocking `ray.get` in an async
+actor stalls its event loop (Ray warns of it in every run). So the dispatcher's
+constructor only asks the group to start its engine, and is ready for Ray Data at once;
+its first batches await the engine's handle and then its `ready` (it answers once it has
+loaded its model), all of them behind one wait bounded by `wait_for_engines_s` from the
+dispatcher's start: no batch goes to an engine before it has loaded, every dispatcher's
+first batches go to its own engine (so a small run still reaches every engine), and an
+engine that is not up in time fails the job with `EnginesNotReady` naming the option (one
+whose constructor raised: `EngineStartError`, with its cause). With
+`wait_for_engines_s=0`, and in a dispatcher Ray restarted, nothing waits: batches go to the
+live engines until its own answers. The engine likewise asks the group for its rank in its
+constructor and awaits it at its first call.
+
 The engine gets only the columns it reads (token ids, the tokenizer's error, sampling
 params, seed, id) and each row's index; the dispatcher puts the engine's columns back on the
 whole batch, so pass-through columns never travel to an engine.
@@ -37,6 +50,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 import uuid
 from typing import Any, Dict, List, Optional, Tuple, Union
 
@@ -59,31 +73,48 @@ _ROW = "__row"
 _ADDED = [*OUTPUT_SCHEMA.names, STOP_TEXT]
 
 
+class EnginesNotReady(TimeoutError):
+    """A dispatcher's engine did not load its model within `wait_for_engines_s`: the
+    cluster lacks what an engine asks for, or the model loads slowly (a TimeoutError: the
+    job's environment, for the user to fix; pipeline/failures.py)."""
+
+
+class EngineStartError(RuntimeError):
+    """A dispatcher's engine failed to start (its constructor raised: Ray does not restart
+    it), at the run's start or when no other engine can take its batches; its cause says
+    why (what it raised decides whether that is the user's to fix or a bug,
+    pipeline/failures.py)."""
+
+
 class EngineDispatcher:
     """Ray Data callable class of the engine stage; see the module docstring.
 
     `spec`: the engine's EngineSpec (actors/spec.py); `engine_options`: its Ray options
     (num_cpus, num_gpus, resources, scheduling_strategy); `group`: the run's group actor
     (actors/rank.py; a handle, which the dataset holds while it exists, so the group and
-    its engines live as long)."""
+    its engines live as long); `wait_for_engines_s`: how long its first batches wait for
+    its engine to load (0: they go to any engine that is up meanwhile)."""
 
-    def __init__(self, spec: EngineSpec, engine_options: Dict[str, Any], group: "ray.actor.ActorHandle"):
+    def __init__(self, spec: EngineSpec, engine_options: Dict[str, Any], group: "ray.actor.ActorHandle",
+                 wait_for_engines_s: float = 0.0):
         ctx = ray.get_runtime_context()
         self._columns = spec.columns()
         self._group = group
         self._key = ctx.get_actor_id() or uuid.uuid4().hex  # the same across this dispatcher's restarts
-        # `current_actor` is a weak handle: it does not keep this dispatcher alive
-        self._engine = ray.get(self._group.start_engine.remote(self._key, spec, engine_options, ctx.current_actor))
+        self._options = engine_options
+        # Asked now, awaited at the first batch (an async actor's constructor must not block):
+        # `current_actor` is a weak handle, it does not keep this dispatcher alive.
+        self._engine_ref = self._group.start_engine.remote(self._key, spec, engine_options, ctx.current_actor)
+        self._engine: Optional["ray.actor.ActorHandle"] = None
         self._up = False  # its engine answers now
         self._gone: Optional[BaseException] = None  # its engine cannot come back (a restart failed)
         self._watcher: Optional[asyncio.Future] = None
-        if not ctx.was_current_actor_reconstructed:
-            # Ready when its engine is, as a pool of engines would be: every engine has loaded
-            # before rows flow, and Ray Data's wait_for_min_actors_s (wait_for_engines_s) and an
-            # engine that cannot start fail the job as before. A restarted dispatcher does not
-            # wait: the other engines take its batches meanwhile.
-            ray.get(self._engine.ready.remote())
-            self._up = True
+        # A first start holds its batches until its engine has loaded, within this bound, as
+        # a pool of engines would; a restarted dispatcher (or wait_for_engines_s=0) sends
+        # them to the live engines meanwhile.
+        self._wait_s = wait_for_engines_s if not ctx.was_current_actor_reconstructed else 0.0
+        self._deadline = time.monotonic() + self._wait_s
+        self._first_start: Optional[asyncio.Future] = None
 
     async def __call__(self, batch: Union[pa.Table, Dict[str, Any]]):
         yield await self.run_batch(batch)
@@ -113,20 +144,65 @@ class EngineDispatcher:
         return self._merge(table, out, retries)
 
     # --- routing ----------------------------------------------------------------------
+    async def _own(self) -> "ray.actor.ActorHandle":
+        """Its engine's handle, once the group has started it (asked in the constructor)."""
+        if self._engine is None:
+            self._engine = await self._engine_ref
+        return self._engine
+
     async def _pick(self) -> "ray.actor.ActorHandle":
-        """Its own engine while it is up; else the live engine with the fewest batches in
-        flight; with none alive, wait (raise if its own engine cannot come back)."""
+        """Its own engine while it is up (at a first start: once it has loaded); else the
+        live engine with the fewest batches in flight; with none alive, wait (raise if its
+        own engine cannot come back)."""
+        engine = await self._own()
+        if self._wait_s > 0 and not self._up:
+            if self._first_start is None:  # one wait, shared by the batches that arrive meanwhile
+                self._first_start = asyncio.ensure_future(self._wait_for_first_start(engine))
+            await asyncio.shield(self._first_start)
         while True:
             if self._up:
-                return self._engine
+                return engine
             self._watch()
             peers = await self._live_peers()
             if peers:
                 return min(peers, key=lambda p: p[0])[1]
             if self._gone is not None:
-                raise RuntimeError("no engine to run on: this dispatcher's engine failed to restart and no other "
-                                   f"engine answers ({self._gone})") from self._gone
+                raise EngineStartError("no engine to run on: this dispatcher's engine failed to start and no "
+                                       "other engine answers") from self._gone
             await asyncio.sleep(PROBE_S)
+
+    async def _wait_for_first_start(self, engine: "ray.actor.ActorHandle") -> None:
+        """Until its engine answers `ready` (it has loaded its model), within wait_for_engines_s
+        of this dispatcher's start (a loaded engine answers at once, however late the first
+        batch comes); then it is up and nothing waits here again."""
+        while True:
+            left = self._deadline - time.monotonic()
+            try:
+                rank = await asyncio.wait_for(engine.ready.remote(), max(left, LOAD_TIMEOUT_S))
+            except asyncio.TimeoutError:
+                raise self._not_ready() from None
+            except ray.exceptions.ActorDiedError as e:
+                if e.actor_init_failed:  # its constructor raised: Ray does not restart it
+                    raise EngineStartError("this dispatcher's engine failed to start") from e
+            except ENGINE_LOST:
+                pass  # lost while it loaded: Ray restarts it
+            else:
+                logger.info("engine up (rank %d)", rank)
+                self._up, self._wait_s = True, 0.0  # a later loss: failover (_watch), not this wait
+                return
+            if time.monotonic() >= self._deadline:
+                raise self._not_ready()
+            await asyncio.sleep(PROBE_S)
+
+    def _not_ready(self) -> EnginesNotReady:
+        """The error of an engine not up in time, naming the option and what it asks Ray for
+        (an engine that asks for what no node has stays pending: Ray raises nothing)."""
+        keys = ("num_cpus", "num_gpus", "resources")
+        asks = ", ".join(f"{k}={self._options[k]}" for k in keys if self._options.get(k)) or "no resources"
+        return EnginesNotReady(
+            f"an engine did not load its model within {self._wait_s:g} s (wait_for_engines_s, --wait-for-engines-s): "
+            f"the cluster may lack what it asks for ({asks}), or the model loads slowly; free or add resources, or "
+            "raise --wait-for-engines-s")
 
     async def _live_peers(self) -> List[Tuple[int, "ray.actor.ActorHandle"]]:
         engines = await self._group.engines.remote()
@@ -147,9 +223,10 @@ class EngineDispatcher:
             self._watcher = asyncio.ensure_future(self._wait_for_engine())
 
     async def _wait_for_engine(self) -> None:
+        engine = await self._own()
         while not self._up:
             try:
-                rank = await self._engine.ready.remote()
+                rank = await engine.ready.remote()
             except ray.exceptions.ActorDiedError as e:
                 if e.actor_init_failed:  # its restart failed: it stays dead
                     self._gone = e

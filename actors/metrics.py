@@ -57,7 +57,8 @@ class _Seen:
 
 class EngineMetrics:
     """Counters, gauges and histograms of one engine actor, tagged with its rank, model
-    and run. Create it in the actor's __init__ (Ray registers metrics per worker process)."""
+    and run. One per engine actor, created once its rank is known (Ray registers metrics
+    per worker process)."""
 
     def __init__(self, engine_rank: int, model: str = "", run: str = ""):
         tags = {RANK: str(engine_rank), MODEL: model, RUN: run}

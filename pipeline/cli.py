@@ -338,7 +338,10 @@ def _run_on_ray(args: argparse.Namespace, run_id: str, output: str, storage: Any
 
     stop.install()  # again: ray.init replaces SIGTERM's handler with one that aborts
     try:
-        config = build_config(args, ray.cluster_resources().get("GPU", 0), storage)
+        try:
+            config = build_config(args, ray.cluster_resources().get("GPU", 0), storage)
+        except ValueError as e:  # an option's value (the config dataclasses check them)
+            return fail(str(e))
         print(f"blockray offline eval: run={run_id} model={args.model} engines={config.num_engines} "
               f"engine={json.dumps(dataclasses.asdict(config.engine))} "
               f"sampling={json.dumps(dataclasses.asdict(config.sampling))}", flush=True)
@@ -348,7 +351,7 @@ def _run_on_ray(args: argparse.Namespace, run_id: str, output: str, storage: Any
     except ErrorFractionExceeded as e:
         print_summary(e.summary)
         return fail(str(e))
-    except (JobError, ValueError) as e:
+    except JobError as e:  # the user's to fix (pipeline/failures.py); anything else is a bug: main's exit 1
         return fail(str(e))
     finally:
         ray.shutdown()

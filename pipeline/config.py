@@ -14,6 +14,8 @@ from typing import Any, Dict, Optional
 
 from engine.config import Attention, EngineConfig, SamplingParams, enum_value
 
+from .sorting.model import DTYPE_BYTES  # torch-free: the dtypes an engine loads, by name
+
 SORT_MODES = ("none", "blendserve")
 
 
@@ -82,12 +84,15 @@ class DLLMProcessorConfig:
     # (a restarted engine waits for a node with a free slot).
     resources_per_engine: Optional[Dict[str, float]] = None
     torch_threads: int = field(default=1, metadata={"help": "torch threads per CPU engine actor"})
-    dtype: str = field(default="auto", metadata={"help": "weights' dtype (auto: bfloat16 on GPU, float32 on CPU)"})
+    dtype: str = field(default="auto", metadata={"help": (
+        f"weights' dtype: auto (bfloat16 on GPU, float32 on CPU) or {', '.join(DTYPE_BYTES)}")})
     cpu_stage_num_cpus: float = field(default=0.25, metadata={"help": (
         "CPUs per chat-template / tokenize / detokenize task")})
-    # Start sending rows only once every engine has loaded its model (0: as soon as the
-    # first is up). Otherwise the first engine ready takes the early batches and a small
-    # run may never reach the others.
+    # Each engine gets rows only once it has loaded its model, and each dispatcher holds its
+    # first batches for its own engine, failing the job (naming this option) if that engine
+    # has not loaded within this many seconds (actors/engine_router.py). 0: they go to any
+    # engine up meanwhile, so the first engine ready takes the early batches and a small run
+    # may never reach the others.
     wait_for_engines_s: int = field(default=600, metadata={"help": (
         "seconds to wait for every engine to load before rows flow (0: start with the first)")})
     # Request ordering. "blendserve": rows ordered by a per-row key (estimated cost,
@@ -125,6 +130,8 @@ class DLLMProcessorConfig:
         self.attention = enum_value("attention", self.attention, Attention)
         if self.sort not in SORT_MODES:
             raise ValueError(f"sort must be one of {SORT_MODES}, got {self.sort!r}")
+        if str(self.dtype).removeprefix("torch.") not in ("auto", *DTYPE_BYTES):  # else the engines fail to start
+            raise ValueError(f"dtype must be auto or one of {', '.join(DTYPE_BYTES)}, got {self.dtype!r}")
         err = self.sampling.validate()
         if err:
             raise ValueError(f"sampling: {err}")

@@ -1,7 +1,9 @@
 """Refusals that name the options they concern. `options` are option names (a
 DLLMProcessorConfig field or a keyword of run_offline: "model", "output", "id_column");
 str() adds them as the command line's flags, which is what the CLI prints; a library
-caller reads `message` and `options` and never sees a flag."""
+caller reads `message` and `options` and never sees a flag. Also `UserFunctionError`:
+the caller's own preprocess or postprocess raised (pipeline/failures.py counts both as
+the user's to fix, not as bugs in blockray)."""
 from __future__ import annotations
 
 
@@ -26,3 +28,9 @@ class JobError(OptionError, RuntimeError):
 
 class CheckpointRefused(OptionError, ValueError):
     """A one-line reason the model (or adapter) cannot be served as given."""
+
+
+class UserFunctionError(RuntimeError):
+    """The caller's own `preprocess` or `postprocess` function raised; the message names
+    which one and what it raised (the original is its __cause__ and, past Ray, in the
+    remote traceback), so that it reads as the caller's to fix, not as blockray's."""

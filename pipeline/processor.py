@@ -12,6 +12,7 @@ came in (unless postprocess chooses otherwise).
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, Optional
 
@@ -26,6 +27,7 @@ from common.schema import ENGINE_RETRIES, OUTPUT_SCHEMA, PRE_ERROR, TOKEN_IDS
 from common.storage import StorageOptions
 
 from .config import DLLMProcessorConfig
+from .errors import UserFunctionError
 from .sorting import order_dataset
 from .stages import DetokenizeUDF, TokenizeUDF, chat_stage_kwargs
 
@@ -33,6 +35,20 @@ RowFn = Callable[[Dict[str, Any]], Dict[str, Any]]
 
 # Columns the processor adds to every row.
 OUTPUT_COLUMNS = ("generated_text", *OUTPUT_SCHEMA.names, ENGINE_RETRIES.name)
+
+
+def _users(name: str, fn: RowFn) -> RowFn:
+    """The caller's `fn` (its preprocess or postprocess), whose exceptions say whose they
+    are: a UserFunctionError naming it, raised from the original, so that a failing run
+    reads as the caller's to fix (pipeline/failures.py), not as a bug in blockray."""
+    @functools.wraps(fn)  # Ray Data names the stage after it
+    def call(row: Dict[str, Any]) -> Dict[str, Any]:
+        try:
+            return fn(row)
+        except Exception as e:
+            raise UserFunctionError(f"your {name} function raised {type(e).__name__}: {e}") from e
+
+    return call
 
 
 def _merge_preprocess(fn: RowFn) -> RowFn:
@@ -72,7 +88,7 @@ class DLLMProcessor:
     def __call__(self, ds: ray.data.Dataset) -> ray.data.Dataset:
         cfg = self.config
         if self.preprocess is not None:
-            ds = ds.map(_merge_preprocess(self.preprocess), num_cpus=cfg.cpu_stage_num_cpus)
+            ds = ds.map(_merge_preprocess(_users("preprocess", self.preprocess)), num_cpus=cfg.cpu_stage_num_cpus)
         # tasks (pipeline/stages.py): the tokenize stage fuses with the read
         cpu_stage = dict(batch_format="pyarrow", batch_size=cfg.batch_size, num_cpus=cfg.cpu_stage_num_cpus,
                          udf_modifying_row_count=False)
@@ -90,8 +106,10 @@ class DLLMProcessor:
             record_batches=cfg.record_batches, token_ids_column=TOKEN_IDS, error_column=PRE_ERROR,
             sampling_column=cfg.sampling_column, seed_column=cfg.seed_column, id_column=cfg.id_column)
         if cfg.wait_for_engines_s > 0 and ds.context.wait_for_min_actors_s <= 0:
-            # The dispatchers are ready once their engines are (actors/engine_router.py).
-            # Shared by this dataset's lineage only (not the global DataContext).
+            # The dispatchers themselves (a twentieth of a CPU each) must be placed within it
+            # too; each holds its first batches until its engine has loaded, for as long
+            # (actors/engine_router.py). Shared by this dataset's lineage only (not the
+            # global DataContext).
             ds.context.wait_for_min_actors_s = cfg.wait_for_engines_s
         # One pool of num_engines dispatchers pulling blocks as they free up, each with an
         # engine actor of its own, started and owned by the run's group actor; a lost engine's
@@ -101,7 +119,8 @@ class DLLMProcessor:
         engine_options = dict(num_cpus=res["num_cpus"], num_gpus=res["num_gpus"], scheduling_strategy="SPREAD",
                               **({"resources": dict(cfg.resources_per_engine)} if cfg.resources_per_engine else {}))
         engines = dict(
-            fn_constructor_args=(spec, engine_options, self._group),  # the dataset holds the group
+            # the dataset holds the group
+            fn_constructor_args=(spec, engine_options, self._group, cfg.wait_for_engines_s),
             # k calls in flight per dispatcher, all feeding its one engine (see actors/engine_actor.py).
             compute=ray.data.ActorPoolStrategy(size=cfg.num_engines, max_tasks_in_flight_per_actor=k,
                                                max_concurrent_calls_per_actor=k),
@@ -116,7 +135,7 @@ class DLLMProcessor:
         ds = ds.map_batches(DetokenizeUDF(**where, detokenize=cfg.detokenize,
                                           skip_special_tokens=cfg.skip_special_tokens), **cpu_stage)
         if self.postprocess is not None:
-            ds = ds.map(self.postprocess, num_cpus=cfg.cpu_stage_num_cpus)
+            ds = ds.map(_users("postprocess", self.postprocess), num_cpus=cfg.cpu_stage_num_cpus)
         return ds
 
 

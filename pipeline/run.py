@@ -10,7 +10,11 @@ generation or with an error saying why.
   a model that needs remote code) fail fast, before any engine starts, with a
   `JobError` naming the column, path or option (`preflight`); nothing in the output is
   removed before every check has passed.
-- Anything that stops the run later (storage, ordering, a stage) is a `JobError` too.
+- What stops the run later is a `JobError` too when the user must fix it (storage, the
+  model's source, the input, an engine that cannot be placed or started for such a
+  reason: pipeline/failures.py decides, by the root cause under Ray's wrappers); anything
+  else is a bug in blockray and propagates as raised (the CLI then exits 1 and writes its
+  traceback to a log file).
 - More failed rows than `max_error_fraction` (default 0): `ErrorFractionExceeded`, after
   every row and summary.json are written.
 - Problems of one row become that row's `error` (pipeline/stages.py, the engine).
@@ -35,6 +39,7 @@ from common.storage import StorageOptions, describe_error
 
 from .checkpoint_check import stop_sources
 from .config import DLLMProcessorConfig
+from .failures import users_to_fix
 from .preflight import (MAX_ERROR_FRACTION, SUMMARY_FILE, JobError, Preflight, check_columns,  # noqa: F401
                         check_model, check_separate, preflight)
 from .reader import read_prompts
@@ -74,9 +79,10 @@ def run_offline(input: Union[str, List[str]], output: str, config: DLLMProcessor
     `report`: also write report.html (pipeline/report.py), with the engines' own stats
     (the job, pipeline/cli.py, does unless --no-report).
 
-    Raises JobError for anything that stops the run (nothing else: an unexpected error
-    on the way becomes one too), and ErrorFractionExceeded (a JobError, after
-    summary.json is written) when more than `max_error_fraction` of the rows failed."""
+    Raises JobError for what stops the run and the user must fix (pipeline/failures.py),
+    ErrorFractionExceeded (a JobError, after summary.json is written) when more than
+    `max_error_fraction` of the rows failed; any other exception is a bug in blockray and
+    propagates as raised (Ray's wrapper included, its text holding the remote traceback)."""
     t0 = time.perf_counter()
     if run_id is None:  # the engines' `run` metrics tag, also in summary.json
         from actors.metrics import new_run_id
@@ -113,7 +119,9 @@ def _run(checked: Preflight, input: Union[str, List[str]], config: DLLMProcessor
             ds = processor(read_prompts(input, rows_per_block=config.batch_size, source=source))
             sink = write_results(ds, (out_fs, out_path), rows_per_file=rows_per_file, stats_fn=stats_fn)
             engines = engine_figures(processor) if report else {}
-        except Exception as e:  # noqa: BLE001
+        except Exception as e:  # noqa: BLE001 - the user's to fix: one line; a bug: as raised
+            if not users_to_fix(e):
+                raise
             raise JobError(f"run failed, no summary written: {describe_error(e)}. Part files already in "
                            f"{out_fs.unstrip_protocol(out_path)} are complete (temporaries stay under _tmp/): "
                            f"once the cause is fixed, rerun with the same --output to resume") from e

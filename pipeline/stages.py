@@ -8,7 +8,7 @@ tasks use anyway and which outlive a dataset, and they fuse with the read; a tok
 and a detokenize actor are two more processes per run, measured at about a tenth of a
 small run's CPU on a 2-core machine. Each worker loads the tokenizer once
 (`load_tokenizer` caches it, without torch), well before the engines have loaded their
-models, which is when rows start to flow (`wait_for_engines_s`). A row that cannot be
+models, which is when rows reach them (`wait_for_engines_s`). A row that cannot be
 prepared gets a message in the internal error column and is skipped by the engine,
 which turns it into an output row with `finish_reason="error"`.
 """

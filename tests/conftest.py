@@ -58,6 +58,21 @@ def read_parts(out, fs=None, columns=None) -> pa.Table:
     return pa.concat_tables([pq.read_table(p, columns=columns, filesystem=fs) for p in part_files(out, fs)])
 
 
+BLOCKING_GET = "blocking ray.get inside async actor"  # Ray's warning (ray/_private/worker.py, `get`)
+
+
+def blocking_gets(session_dir: str) -> list:
+    """`file: line` for every line of a Ray session's logs (its workers' stdout and stderr
+    among them) where Ray warns that an async actor called the blocking `ray.get`, which
+    stalls every call in flight on that actor's event loop."""
+    hits = []
+    for path in sorted(glob.glob(os.path.join(session_dir, "logs", "*"))):
+        if os.path.isfile(path):
+            with open(path, errors="replace") as f:
+                hits += [f"{os.path.basename(path)}: {line.strip()}" for line in f if BLOCKING_GET in line]
+    return hits
+
+
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory) -> str:
     return write_tiny_model(str(tmp_path_factory.mktemp("tiny-dllm")))

@@ -2,9 +2,10 @@
 line on stderr and exit 2 before Ray starts (cases 2-6: `jobs/offline_eval.py` in a
 subprocess, a few seconds each); rows that cannot be generated become error rows and
 the good rows are generated exactly once, with the tokens they get alone (case 1); too
-many failed rows, a dying S3 endpoint and a failure inside the run end the run with a
-JobError (cases 7-9: `run_offline` on the session's Ray, one CLI run, joining it, for the
-exit code).
+many failed rows, a dying S3 endpoint and a failure inside the run that the user must fix
+end the run with a JobError (cases 7-9: `run_offline` on the session's Ray, CLI runs
+joining it, for the exit code), while a bug of blockray's inside the run exits 1 with its
+traceback in a log file (one CLI run on a Ray of its own, whose workers get the bug).
 """
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from conftest import ROOT, S3_KEY, S3_REGION, S3_SECRET, part_files, read_parts, start_moto, write_prompts
-from procs import job_ray
+from procs import job_ray, private_ray, ray_temp_dir
 
 TINY = ["--block-length", "4", "--steps-per-block", "4", "--max-new-tokens", "8", "--token-budget", "1024"]
 
@@ -282,21 +283,120 @@ def test_s3_endpoint_dying_mid_run_fails_within_a_minute(tmp_path, tiny_model_di
     assert "\n" not in msg and "Traceback" not in msg and S3_SECRET not in msg
 
 
-# --- 9: a failure while the run runs is a JobError (run_offline) and one line (CLI) ----------
+# --- 9: a failure while the run runs: the user's a JobError (exit 2), a bug exit 1 --------
 
 def test_failure_inside_the_run_is_a_job_error(tmp_path, tiny_model_dir, ray_local):
     """The processor is lazy, so whatever breaks (ordering, a stage, an engine that cannot
-    start: here a dtype torch does not have) breaks while the run executes."""
-    from pipeline.run import JobError, run_offline
+    start: here its weights, gone after the preflight read the model, as when a shared disk
+    loses them) breaks while the run executes; the user must fix it: a JobError naming the
+    cause. (This test used to start the engine with a dtype torch does not have: an
+    AttributeError in blockray's own code, which the config now refuses up front.)"""
+    import shutil
 
-    inp = str(tmp_path / "in.parquet")
+    from pipeline.run import JobError, preflight, run_offline
+
+    with pytest.raises(ValueError, match="dtype must be auto or one of .*got 'float17'"):
+        tiny_config(tiny_model_dir, dtype="float17")
+    model, inp, out = tmp_path / "model", str(tmp_path / "in.parquet"), str(tmp_path / "out")
+    shutil.copytree(tiny_model_dir, model)
     write_prompts(inp, "r{}", 2)
+    config = tiny_config(str(model))
+    checked = preflight(inp, out, config)
+    os.remove(model / "model.safetensors")
     with pytest.raises(JobError) as info:
-        run_offline(inp, str(tmp_path / "out"), tiny_config(tiny_model_dir, dtype="float17"))
+        run_offline(inp, out, config, preflighted=checked)
     msg = str(info.value)
-    assert msg.startswith("run failed") and "float17" in msg, msg
+    print(msg)
+    assert msg.startswith("run failed") and "EngineStartError" in msg, msg
+    assert f"FileNotFoundError: No such file or directory: {model / 'model.safetensors'}" in msg, msg
+    assert msg.count("FileNotFoundError") == 1, msg  # named once
     assert "\n" not in msg
     assert not os.path.exists(tmp_path / "out" / "summary.json")
+
+
+# A bug planted in the Ray workers of one CLI run: Python imports `sitecustomize` from
+# PYTHONPATH at start, and this one gives the detokenize stage a typo once
+# pipeline.stages is imported (only where BLOCKRAY_TEST_PLANT_BUG is set).
+PLANTED_BUG = """
+import importlib.abc, importlib.machinery, os, sys
+
+
+def _detokenize_with_a_typo(batch, **kwargs):
+    return batch.colum("generated_token_ids")
+
+
+class _PlantBug(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path, target=None):
+        if name != "pipeline.stages":
+            return None
+        spec = importlib.machinery.PathFinder.find_spec(name, path)
+        run = spec.loader.exec_module
+
+        def exec_module(module):
+            run(module)
+            module.DetokenizeUDF.stage = staticmethod(_detokenize_with_a_typo)
+
+        spec.loader.exec_module = exec_module
+        return spec
+
+
+if os.environ.get("BLOCKRAY_TEST_PLANT_BUG"):
+    sys.meta_path.insert(0, _PlantBug())
+"""
+
+
+def test_bug_inside_the_run_exits_1_with_the_traceback(tmp_path, tiny_model_dir):
+    """A bug in blockray's own code inside a stage task (planted: an AttributeError in the
+    detokenize stage) is not the user's mistake: exit 1, the last line on stderr names it
+    and the log file whose traceback holds the original exception and its frame, no
+    `error: …` line (the user's kind), no summary. A Ray of its own: its workers inherit this run's
+    environment (a joined Ray's workers would not get the bug)."""
+    plant = tmp_path / "plant"
+    plant.mkdir()
+    (plant / "sitecustomize.py").write_text(PLANTED_BUG)
+    inp, out = str(tmp_path / "in.parquet"), str(tmp_path / "out")
+    write_prompts(inp, "b{}", 4)
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    env.update(BLOCKRAY_TEST_PLANT_BUG="1",
+               PYTHONPATH=os.pathsep.join([str(plant), *filter(None, [os.environ.get("PYTHONPATH")])]))
+    with ray_temp_dir() as ray_tmp:
+        res = subprocess.run([sys.executable, "jobs/offline_eval.py", "--model", tiny_model_dir, "--input", inp,
+                              "--output", out, "--num-engines", "1", "--batch-size", "2", *TINY,
+                              *private_ray(ray_tmp)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300,
+                             start_new_session=True, stdin=subprocess.DEVNULL)
+    last = res.stderr.strip().splitlines()[-1] if res.stderr.strip() else ""
+    print(last)
+    assert res.returncode == 1, res.stdout[-3000:] + res.stderr[-5000:]
+    assert last.startswith("internal error (a bug in blockray, please report it): "), last
+    assert "AttributeError: 'pyarrow.lib.Table' object has no attribute 'colum'" in last, last
+    assert not [line for line in res.stderr.splitlines() if line.startswith("error: ")], res.stderr[-3000:]
+    log = last.rsplit("; traceback in ", 1)[1]
+    try:
+        text = open(log).read()
+    finally:
+        os.remove(log)
+    assert text.startswith("Traceback (most recent call last):"), text[:500]
+    assert "in _detokenize_with_a_typo" in text and 'return batch.colum("generated_token_ids")' in text, text
+    assert "AttributeError: 'pyarrow.lib.Table' object has no attribute 'colum'" in text, text
+    assert not os.path.exists(os.path.join(out, "summary.json"))
+
+
+def test_engines_that_cannot_start_in_time_exit_2(tmp_path, tiny_model_dir, ray_address):
+    """The user's problem mid-run (an engine asks for a resource no node has, so it never
+    loads): once --wait-for-engines-s has passed, exit 2, the last line naming the option
+    and what the engine asked for."""
+    inp, out = str(tmp_path / "in.parquet"), str(tmp_path / "out")
+    write_prompts(inp, "w{}", 4)
+    res = cli("--model", tiny_model_dir, "--input", inp, "--output", out, "--num-engines", "1", *TINY,
+              "--engine-resource", "no_such_slot=1", "--wait-for-engines-s", "3", timeout=300, address=ray_address)
+    last = res.stderr.strip().splitlines()[-1]
+    print(last)
+    assert res.returncode == 2, res.stdout[-3000:] + res.stderr[-3000:]
+    assert last.startswith("error: run failed, no summary written: "), last
+    assert "EnginesNotReady: an engine did not load its model within 3 s" in last, last
+    assert "--wait-for-engines-s" in last and "'no_such_slot': 1.0" in last, last
+    assert "rerun with the same --output" in last and "internal error" not in res.stderr, last
+    assert not os.path.exists(os.path.join(out, "summary.json"))
 
 
 def test_internal_error_exits_1_with_the_traceback_in_a_log(tmp_path):
@@ -321,10 +421,13 @@ def test_stage_failures_name_their_cause(ray_local):
     """A stage with a bug, in its batches or in its constructor: Ray Data reports
     `UserCodeException: UDF failed to process a data block.` (its cause does not survive
     the trip to the driver) or `ActorDiedError` (the cause at the end of its text); the
-    job's one line still names the real error."""
+    job's one line still names the real error, and pipeline/failures.py tells the bug (a
+    KeyError in a stage) from the user's to fix (weights gone, the user's own preprocess)."""
     import ray.data
 
     from common.storage import describe_error
+    from pipeline.failures import users_to_fix
+    from pipeline.processor import _users
 
     class BrokenBatches:  # defined here: pickled by value to the workers
         def __call__(self, batch):
@@ -337,13 +440,25 @@ def test_stage_failures_name_their_cause(ray_local):
         def __call__(self, batch):
             return batch
 
-    messages = []
+    def preprocess(row):  # the user's, which build_processor wraps
+        return {"prompt": row["word"]}
+
+    messages, errors = [], []
     for stage in (BrokenBatches, BrokenStart):
         with pytest.raises(Exception) as info:
             ray.data.range(4).map_batches(stage, compute=ray.data.ActorPoolStrategy(size=1),
                                           num_cpus=0.25).materialize()
         messages.append(describe_error(info.value))
+        errors.append(info.value)
+    with pytest.raises(Exception) as info:
+        ray.data.range(4).map(_users("preprocess", preprocess), num_cpus=0.25).materialize()
+    messages.append(describe_error(info.value))
+    errors.append(info.value)
     assert messages[0] == "UserCodeException: UDF failed to process a data block. <- KeyError: 'shard 3'", messages
     assert messages[1].startswith("ActorDiedError: ") and messages[1].endswith(
         " <- FileNotFoundError: weights gone"), messages
+    assert "UserFunctionError: your preprocess function raised KeyError: 'word'" in messages[2], messages
     assert all("\x1b" not in m and "\n" not in m for m in messages)
+    # whose to fix, by the original under Ray's wrappers (whose __cause__ did not survive):
+    # a KeyError in a stage is a bug; weights gone and the user's own function are the user's
+    assert [users_to_fix(e) for e in errors] == [False, True, True], messages

@@ -9,7 +9,7 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-from conftest import part_files, read_parts
+from conftest import blocking_gets, part_files, read_parts
 from engine import Engine, EngineConfig, SamplingParams, load_model
 from pipeline import OUTPUT_COLUMNS, DLLMProcessorConfig, build_processor, read_prompts, write_results
 
@@ -75,3 +75,5 @@ def test_s3_to_s3_with_two_engines(tiny_model_dir, ray_local, s3_input, s3_stora
         assert r["num_prompt_tokens"] == len(ref.prompt_token_ids)
         assert r["num_generated_tokens"] == len(ref.token_ids) and r["latency_s"] > 0
     assert by_id["q014"]["error"] == "empty prompt"
+    # no actor of the run (dispatchers, engines) blocked its event loop on ray.get
+    assert not blocking_gets(ray_local.address_info["session_dir"])

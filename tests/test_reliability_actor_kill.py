@@ -20,7 +20,7 @@ import signal
 import threading
 import time
 
-from conftest import part_files, read_parts, write_prompts
+from conftest import blocking_gets, part_files, read_parts, write_prompts
 from engine import EngineConfig, SamplingParams
 from pipeline import DLLMProcessorConfig
 from pipeline.run import run_offline
@@ -95,3 +95,5 @@ def test_engine_actor_killed_mid_run(tmp_path, tiny_model_dir, ray_local):
     # ...which took them before the restarted engine took any row: they did not wait for it.
     took = max(r["started_at"] for r in resent)
     assert all(took < r["started_at"] for r in rows if r["engine_rank"] in restarted), (took, restarted)
+    # no actor of the run, the restarted engine included, blocked its event loop on ray.get
+    assert not blocking_gets(ray_local.address_info["session_dir"])
