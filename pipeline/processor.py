@@ -31,6 +31,9 @@ from .errors import UserFunctionError
 from .sorting import order_dataset
 from .stages import DetokenizeUDF, TokenizeUDF, chat_stage_kwargs
 
+# the least time the dispatchers get to start when engines are waited for (seconds)
+DISPATCHER_START_S = 120
+
 RowFn = Callable[[Dict[str, Any]], Dict[str, Any]]
 
 # Columns the processor adds to every row.
@@ -107,10 +110,11 @@ class DLLMProcessor:
             sampling_column=cfg.sampling_column, seed_column=cfg.seed_column, id_column=cfg.id_column)
         if cfg.wait_for_engines_s > 0 and ds.context.wait_for_min_actors_s <= 0:
             # The dispatchers themselves (a twentieth of a CPU each) must be placed within it
-            # too; each holds its first batches until its engine has loaded, for as long
-            # (actors/engine_router.py). Shared by this dataset's lineage only (not the
-            # global DataContext).
-            ds.context.wait_for_min_actors_s = cfg.wait_for_engines_s
+            # too, given at least DISPATCHER_START_S (a worker process starting on a loaded
+            # node is no engine failing to load); each then holds its first batches until its
+            # engine has loaded, for wait_for_engines_s (actors/engine_router.py). Shared by
+            # this dataset's lineage only (not the global DataContext).
+            ds.context.wait_for_min_actors_s = max(cfg.wait_for_engines_s, DISPATCHER_START_S)
         # One pool of num_engines dispatchers pulling blocks as they free up, each with an
         # engine actor of its own, started and owned by the run's group actor; a lost engine's
         # batches go to a live engine (actors/engine_router.py). Engines number themselves
