@@ -1,6 +1,6 @@
 """The boundary where untrusted per-row values become typed values.
 
-A row's `sampling_params`, seed column, prompt token ids and chat messages come from a
+A row's `sampling_params`, seed column, prompt token ids, chat messages and `model` come from a
 user's Parquet file or Dataset with whatever Arrow type it had: strings where numbers
 belong, NaN and inf, integers past int64, lists where scalars belong, nulls, nested
 structs. Every stage that reads one of them before the engine (tokenize, chat template,
@@ -19,7 +19,7 @@ import functools
 import math
 import numbers
 import typing
-from typing import Any, Dict, List, Mapping, Optional
+from typing import Any, Collection, Dict, List, Mapping, Optional
 
 from engine.config import SamplingParams  # dataclasses only: no torch
 
@@ -170,7 +170,8 @@ def parse_token_ids(value: Any, column: str, vocab_size: Optional[int] = None) -
 
 def parse_messages(value: Any, column: str) -> List[Dict[str, Any]]:
     """A row's chat turns as a non-empty list of dicts whose `role` is a non-empty string
-    and whose `content` is a string (or null); other keys pass through."""
+    and whose `content` is a string; other keys pass through. A null or missing content
+    is refused: a template renders it as an empty turn, a prompt the user never wrote."""
     if not _is_list(value):
         raise RowValueError(f"{column!r} must be a list of {{role, content}} turns, got {value!r:.80} "
                             f"({type(value).__name__})")
@@ -184,10 +185,28 @@ def parse_messages(value: Any, column: str) -> List[Dict[str, Any]]:
         role, content = m.get("role"), m.get("content")
         if not isinstance(role, str) or not role:
             raise RowValueError(f"{column}[{i}].role must be a non-empty string, got {role!r:.80}")
-        if content is not None and not isinstance(content, str):
+        if content is None:
+            raise RowValueError(f"{column}[{i}].content is null (a {role} turn without text)")
+        if not isinstance(content, str):
             raise RowValueError(f"{column}[{i}].content must be a string, got {content!r:.80}")
         out.append({k: v for k, v in dict(m).items() if v is not None})
     return out
+
+
+def check_model(value: Any, column: str, served: Collection[str], serving: str) -> None:
+    """A row's `column` value naming the model or LoRA adapter it is for (ray.data.llm's
+    per-row `model`, vLLM's request `model`): null, or a name of what this run serves
+    (`served`; `serving` says it in words), passes; any other name is refused, since a run
+    serves one model and loads no adapter per row: generating it would silently answer with
+    another model than the one asked for."""
+    if value is None:
+        return
+    if not isinstance(value, str):
+        raise RowValueError(f"{column!r} must be a model name, got {value!r:.80} ({type(value).__name__})")
+    if value not in served and value.rstrip("/") not in served:
+        raise RowValueError(f"the row asks for model {value!r} (its {column!r} column), but this run serves "
+                            f"{serving}: one model per run, no per-row model or LoRA adapter; run those rows "
+                            f"with that model (or rename the column if it means something else)")
 
 
 def row_error(e: BaseException, what: str) -> str:
@@ -197,4 +216,4 @@ def row_error(e: BaseException, what: str) -> str:
 
 
 __all__ = ["RowValueError", "as_int", "as_float", "coerce", "parse_sampling", "parse_seed", "parse_token_ids",
-           "parse_messages", "row_error"]
+           "parse_messages", "check_model", "row_error"]

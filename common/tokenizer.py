@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Any, Dict, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
 
@@ -101,6 +101,56 @@ def _model_config(model_dir: str, config: Optional[Dict[str, Any]]) -> Dict[str,
     return found if isinstance(found, dict) else {}
 
 
+# Text longer than this is counted in pieces of this many characters before it is
+# tokenized whole (encode_bounded): one piece costs ~25 MB in a fast tokenizer (offsets and
+# alignments per character), a whole 5 MiB prompt ~2 GB.
+PIECE_CHARS = 1 << 16
+
+
+class PromptTooLong(ValueError):
+    """A text already over the token limit within its first `chars` characters."""
+
+    def __init__(self, tokens: int, chars: int, total: int, limit: int):
+        super().__init__(f"its first {chars:,} of {total:,} characters are already {tokens:,} tokens, over the "
+                         f"{limit:,} a request can hold")
+
+
+def _cut(text: str, start: int) -> int:
+    """The end of the piece starting at `start`: just before the last whitespace in its second
+    half (where word-level pre-tokenizers split anyway), else PIECE_CHARS on."""
+    end = start + PIECE_CHARS
+    if end >= len(text):
+        return len(text)
+    at = max(text.rfind(" ", start + PIECE_CHARS // 2, end), text.rfind("\n", start + PIECE_CHARS // 2, end))
+    return at if at > start else end
+
+
+_LONGEST: Dict[int, int] = {}  # id(tokenizer) -> its longest token in characters
+
+
+def encode_bounded(tok: Any, text: str, max_tokens: Optional[int], add_special_tokens: bool = False) -> List[int]:
+    """The token ids of `text`, unless it is certainly more than `max_tokens` (None: no
+    bound): a text over PIECE_CHARS characters is first counted piece by piece, stopping
+    with PromptTooLong once over, so a prompt far longer than the context is never tokenized
+    whole and memory stays flat. Why no character bound alone: a tokenizer guarantees no
+    minimum of characters per token in the worst case (a normalizer may drop characters).
+    The pieces' sum can exceed the whole's count only at the cuts (a token of the whole cut
+    in two, at most its length in tokens; none where the pre-tokenizer splits before
+    whitespace anyway), so each cut is allowed the longest token in the vocabulary."""
+    if max_tokens is not None and len(text) > PIECE_CHARS:
+        if id(tok) not in _LONGEST:
+            _LONGEST[id(tok)] = max(map(len, tok.get_vocab()), default=1)
+        count, start, cuts = 0, 0, 0
+        while start < len(text):
+            end = _cut(text, start)
+            count += len(tok(text[start:end], add_special_tokens=False)["input_ids"])
+            cuts += end < len(text)
+            if count > max_tokens + cuts * _LONGEST[id(tok)]:
+                raise PromptTooLong(count, end, len(text), max_tokens)
+            start = end
+    return list(tok(text, add_special_tokens=add_special_tokens)["input_ids"])
+
+
 _LOADED: Dict[str, Any] = {}  # model_dir -> its tokenizer (or None): each process reads the files once
 
 
@@ -143,4 +193,5 @@ def _config_names() -> Any:
     return CONFIG_MAPPING_NAMES
 
 
-__all__ = ["load_tokenizer", "has_tokenizer", "tokenizer_class", "plain_tokenizer", "NeedsRemoteCode", "COPIES", "TOKENIZER_FILES"]
+__all__ = ["load_tokenizer", "has_tokenizer", "tokenizer_class", "plain_tokenizer", "NeedsRemoteCode", "COPIES",
+           "TOKENIZER_FILES", "encode_bounded", "PromptTooLong", "PIECE_CHARS"]

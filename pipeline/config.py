@@ -72,6 +72,10 @@ class DLLMProcessorConfig:
         "let the tokenizer add special tokens to text prompts (off: the chat template carries BOS)")})
     detokenize: bool = field(default=True, metadata={"help": "decode generated_text from the generated token ids"})
     skip_special_tokens: bool = field(default=True, metadata={"help": "leave special tokens out of generated_text"})
+    # As ray.data.llm: an error row (`error` set, `generated_text` null) skips the user's
+    # postprocess and comes out whole; True passes it to postprocess too.
+    postprocess_error_rows: bool = field(default=False, metadata={"cli": False, "help": (
+        "build_processor: call postprocess on error rows too (default: they skip it and come out whole)")})
     # Resources. None: 1 GPU per engine when the cluster has GPUs, else CPU.
     num_gpus_per_engine: Optional[float] = field(default=None, metadata={"help": (
         "GPUs per engine actor (none: 1 when the cluster has GPUs, else 0)")})

@@ -8,11 +8,15 @@ composes with whatever the user reads from or writes to. Stages:
     dispatchers, one engine actor each) → detokenize → postprocess (user, per row)
 
 Every stage adds columns and keeps the rest, so user columns reach the output as they
-came in (unless postprocess chooses otherwise).
+came in (unless postprocess chooses otherwise). As in ray.data.llm, an error row skips
+postprocess (it has no generated text to build on) and comes out whole, `error` set and
+`generated_text` null, unless `postprocess_error_rows`; and a row's `model` column names
+the model it is for (MODEL_COLUMN), which must be the one served.
 """
 from __future__ import annotations
 
 import functools
+import os
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, Optional
 
@@ -29,6 +33,7 @@ from common.storage import StorageOptions
 from .config import DLLMProcessorConfig
 from .errors import UserFunctionError
 from .sorting import order_dataset
+from .sorting.order import max_width
 from .stages import DetokenizeUDF, TokenizeUDF, chat_stage_kwargs
 
 # the least time the dispatchers get to start when engines are waited for (seconds)
@@ -38,20 +43,51 @@ RowFn = Callable[[Dict[str, Any]], Dict[str, Any]]
 
 # Columns the processor adds to every row.
 OUTPUT_COLUMNS = ("generated_text", *OUTPUT_SCHEMA.names, ENGINE_RETRIES.name)
+# The input column naming the model (or LoRA adapter) a row is for: ray.data.llm's and
+# vLLM's name; a row naming another than the one served is an error row.
+MODEL_COLUMN = "model"
 
 
-def _users(name: str, fn: RowFn) -> RowFn:
+def _users(name: str, fn: RowFn, id_column: Optional[str] = None) -> RowFn:
     """The caller's `fn` (its preprocess or postprocess), whose exceptions say whose they
-    are: a UserFunctionError naming it, raised from the original, so that a failing run
-    reads as the caller's to fix (pipeline/failures.py), not as a bug in blockray."""
+    are: a UserFunctionError naming it and the row's id, raised from the original, so that
+    a failing run reads as the caller's to fix (pipeline/failures.py), not as a bug in
+    blockray."""
     @functools.wraps(fn)  # Ray Data names the stage after it
     def call(row: Dict[str, Any]) -> Dict[str, Any]:
         try:
             return fn(row)
         except Exception as e:
-            raise UserFunctionError(f"your {name} function raised {type(e).__name__}: {e}") from e
+            where = f" on the row with {id_column} {row[id_column]!r}" if id_column and id_column in row else ""
+            if row.get("error"):
+                where += f", an error row ({row['error']}; its generated_text is null)"
+            raise UserFunctionError(f"your {name} function raised {type(e).__name__}: {e}{where}") from e
 
     return call
+
+
+def _postprocess(fn: RowFn, error_rows: bool, id_column: Optional[str]) -> RowFn:
+    """The caller's postprocess over the rows that were generated; an error row passes
+    whole (as ray.data.llm's error rows bypass postprocess), unless `error_rows`."""
+    users = _users("postprocess", fn, id_column)
+
+    @functools.wraps(fn)
+    def apply(row: Dict[str, Any]) -> Dict[str, Any]:
+        return row if row.get("error") and not error_rows else users(row)
+
+    return apply
+
+
+def served_names(config: DLLMProcessorConfig) -> Dict[str, Any]:
+    """The names a row's MODEL_COLUMN may give for the model this run serves (its adapter's
+    when there is one: with the adapter merged, the base model alone is not served), and
+    what it serves in words; the tokenize stage's `models` argument."""
+    name = config.adapter or config.model
+    names = {name, name.rstrip("/")}
+    if os.path.isdir(name):  # a local folder by any spelling of its path
+        names |= {os.path.abspath(name), os.path.realpath(name)}
+    serving = f"{config.model!r}" + (f" with adapter {config.adapter!r}" if config.adapter else "")
+    return dict(column=MODEL_COLUMN, served=sorted(names), serving=serving)
 
 
 def _merge_preprocess(fn: RowFn) -> RowFn:
@@ -91,15 +127,13 @@ class DLLMProcessor:
     def __call__(self, ds: ray.data.Dataset) -> ray.data.Dataset:
         cfg = self.config
         if self.preprocess is not None:
-            ds = ds.map(_merge_preprocess(_users("preprocess", self.preprocess)), num_cpus=cfg.cpu_stage_num_cpus)
+            ds = ds.map(_merge_preprocess(_users("preprocess", self.preprocess, cfg.id_column)),
+                        num_cpus=cfg.cpu_stage_num_cpus)
         # tasks (pipeline/stages.py): the tokenize stage fuses with the read
         cpu_stage = dict(batch_format="pyarrow", batch_size=cfg.batch_size, num_cpus=cfg.cpu_stage_num_cpus,
                          udf_modifying_row_count=False)
         where = dict(run_id=self.run_id, checkpoint=self.checkpoint)
-        # chat template (auto: when a batch has messages and there is a template), then tokenize
-        ds = ds.map_batches(TokenizeUDF(
-            **where, prompt_column=cfg.prompt_column, prompt_token_ids_column=cfg.prompt_token_ids_column,
-            add_special_tokens=cfg.add_special_tokens, chat=chat_stage_kwargs(cfg)), **cpu_stage)
+        ds = ds.map_batches(self.tokenize_udf(), **cpu_stage)
 
         res = self.engine_resources()
         k = cfg.max_concurrent_batches
@@ -139,8 +173,20 @@ class DLLMProcessor:
         ds = ds.map_batches(DetokenizeUDF(**where, detokenize=cfg.detokenize,
                                           skip_special_tokens=cfg.skip_special_tokens), **cpu_stage)
         if self.postprocess is not None:
-            ds = ds.map(_users("postprocess", self.postprocess), num_cpus=cfg.cpu_stage_num_cpus)
+            ds = ds.map(_postprocess(self.postprocess, cfg.postprocess_error_rows, cfg.id_column),
+                        num_cpus=cfg.cpu_stage_num_cpus)
         return ds
+
+    def tokenize_udf(self) -> TokenizeUDF:
+        """The tokenize stage: the row's model checked, the chat template (auto: when a batch
+        has messages and there is a template), then tokenize, a prompt certainly longer than
+        an engine takes refused before it is tokenized whole."""
+        cfg = self.config
+        return TokenizeUDF(
+            run_id=self.run_id, checkpoint=self.checkpoint, prompt_column=cfg.prompt_column,
+            prompt_token_ids_column=cfg.prompt_token_ids_column, messages_column=cfg.messages_column,
+            add_special_tokens=cfg.add_special_tokens, chat=chat_stage_kwargs(cfg),
+            max_prompt_tokens=max_width(cfg, self.checkpoint), models=served_names(cfg))
 
 
 def build_processor(config: DLLMProcessorConfig, preprocess: Optional[RowFn] = None,
@@ -150,7 +196,9 @@ def build_processor(config: DLLMProcessorConfig, preprocess: Optional[RowFn] = N
 
     `preprocess(row) -> dict` runs first and its fields are merged into the row (e.g.
     build `prompt` from other columns, or set a per-row `sampling_params` dict).
-    `postprocess(row) -> dict` runs last and its result *is* the output row.
+    `postprocess(row) -> dict` runs last and its result *is* the output row; an error row
+    (`error` set, `generated_text` null) skips it and comes out whole, unless
+    `config.postprocess_error_rows`.
     `storage`: object-storage options for a remote `config.model` (default: AWS_* variables).
     `run_id`: the engines' `run` metrics tag (default: a fresh one).
     `checkpoint`: the model's Checkpoint when the caller's preflight opened it (the job

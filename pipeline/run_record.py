@@ -32,7 +32,7 @@ NOT_RESULT_FIELDS = frozenset({
     "num_cpus_per_engine", "resources_per_engine", "torch_threads", "cpu_stage_num_cpus",
     "wait_for_engines_s", "sort", "sort_window_rows", "sort_min_prefix", "collect_engine_stats", "enable_metrics",
     "record_batches", "engine.token_budget", "engine.max_batch_size", "engine.scheduler", "engine.advance",
-    "engine.profile",
+    "engine.profile", "postprocess_error_rows",
 })
 
 

@@ -21,9 +21,9 @@ from typing import Any, Callable, Dict, List, Optional, Set, Tuple
 import pyarrow as pa
 
 from common.schema import INTERNAL_COLUMNS, PRE_ERROR, STOP_TEXT, TEXT_PROMPT, TOKEN_IDS  # noqa: F401 - re-exported
-from common.tokenizer import load_tokenizer
+from common.tokenizer import PromptTooLong, encode_bounded, load_tokenizer
 
-from actors.row_values import parse_messages, parse_token_ids, row_error
+from actors.row_values import RowValueError, check_model, parse_messages, parse_token_ids, row_error
 
 logger = logging.getLogger(__name__)
 
@@ -141,6 +141,9 @@ def chat_template_stage(batch: pa.Table, *, model: str, messages_column: str, ch
             if template is None:
                 raise ValueError(f"the tokenizer of {model} has no chat template; give chat_template "
                                  "(--chat-template PATH)")
+            if messages is None:
+                raise RowValueError(f"{messages_column!r} is null" + (
+                    "" if isinstance(given[i], str) else f", and so is {prompt_column!r}"))
             if not messages:
                 raise ValueError(f"{messages_column!r} is empty")
             texts[i] = render_chat(tok, parse_messages(messages, messages_column), chat_template)
@@ -166,18 +169,51 @@ def note_raw_prompts(model: str, tok: Any, column: str) -> None:
                    column, model)
 
 
+def refuse_other_models(batch: pa.Table, column: str, served: List[str], serving: str) -> pa.Table:
+    """Make every row whose `column` names a model other than the one served an error row
+    (actors/row_values.check_model), before anything is rendered or tokenized for it."""
+    if column not in batch.column_names:
+        return batch
+    errors = _errors(batch)
+    for i, value in enumerate(batch.column(column).to_pylist()):
+        try:
+            check_model(value, column, served, serving)
+        except Exception as e:  # noqa: BLE001 - per-row error
+            errors[i] = errors[i] or row_error(e, f"bad {column!r}")
+    return _set(batch, PRE_ERROR, errors, pa.string())
+
+
+def _unused_messages(batch: pa.Table, column: str, chat: Optional[Dict[str, Any]]) -> List[Optional[str]]:
+    """Per row, why its `column` chat turns were not used (None where it has none, or when
+    they were rendered): the chat stage is off, or there is no template to render them."""
+    if column not in batch.column_names or TEXT_PROMPT in batch.column_names:
+        return [None] * batch.num_rows
+    why = ("apply_chat_template is off" if chat is None else
+           "the model has no chat template (give one: chat_template, --chat-template PATH)")
+    return [None if v is None else f"{column!r} not used: {why}"
+            for v in batch.column(column).to_pylist()]
+
+
 def tokenize_stage(batch: pa.Table, *, model: str, prompt_column: str, prompt_token_ids_column: str,
                    add_special_tokens: bool = False, chat: Optional[Dict[str, Any]] = None,
-                   config: Optional[Dict[str, Any]] = None, vocab: Optional[int] = None) -> pa.Table:
+                   config: Optional[Dict[str, Any]] = None, vocab: Optional[int] = None,
+                   messages_column: str = "messages", max_prompt_tokens: Optional[int] = None,
+                   models: Optional[Dict[str, Any]] = None) -> pa.Table:
     """Add the internal token-id column from, in order of preference: the chat-template
     text, pre-tokenized `prompt_token_ids_column`, or text `prompt_column`. `chat`
     (`chat_stage_kwargs`): render the messages first (see chat_template_stage).
     `config`, `vocab`: the model's config.json and vocabulary size as read (a run's
-    Checkpoint); pre-tokenized ids past the vocabulary are refused per row here."""
+    Checkpoint); pre-tokenized ids past the vocabulary are refused per row here.
+    `max_prompt_tokens`: a text prompt certainly longer is refused before it is tokenized
+    whole (common/tokenizer.encode_bounded). `models`: refuse_other_models' arguments,
+    checked first. A row with chat turns that were not rendered says so."""
+    if models is not None:
+        batch = refuse_other_models(batch, **models)
     if chat is not None:
         batch = chat_template_stage(batch, model=model, prompt_column=prompt_column, config=config, **chat)
     names = batch.column_names
     errors = _errors(batch)
+    unused = _unused_messages(batch, messages_column, chat)
     ids: List[Optional[List[int]]] = [None] * batch.num_rows
     if TEXT_PROMPT in names:
         source, texts = "chat template", batch.column(TEXT_PROMPT).to_pylist()
@@ -197,6 +233,8 @@ def tokenize_stage(batch: pa.Table, *, model: str, prompt_column: str, prompt_to
                 batch = batch.set_column(names.index(prompt_column), prompt_column, fixed)
         else:
             texts = col.to_pylist()
+    elif messages_column in names:  # turns that were not rendered: each row says so below
+        source, texts = prompt_column, [None] * batch.num_rows
     else:
         raise ValueError(f"input rows need a {prompt_column!r}, {prompt_token_ids_column!r} or chat "
                          f"messages column; got columns {names}")
@@ -208,19 +246,23 @@ def tokenize_stage(batch: pa.Table, *, model: str, prompt_column: str, prompt_to
             if errors[i]:
                 continue
             if text is None:
-                errors[i] = f"{source!r} is null"
+                errors[i] = f"{unused[i]}, and the row has no {source!r}" if unused[i] else f"{source!r} is null"
             elif not isinstance(text, str):
                 errors[i] = f"{source!r} is not a string (got {type(text).__name__})"
             elif not text:
                 errors[i] = "empty prompt" if source == prompt_column else (
                     f"empty prompt (the chat template renders {chat['messages_column']!r} as no text)")
-            elif not text.strip():
+            elif text.isspace():  # (not strip(): no copy of a long prompt)
                 errors[i] = f"empty prompt ({source!r} is only whitespace)"
             elif tok is None:
                 errors[i] = f"model {model} has no tokenizer; give {prompt_token_ids_column!r} instead of text"
             else:
                 try:
-                    ids[i] = list(tok(text, add_special_tokens=add_special_tokens)["input_ids"])
+                    ids[i] = encode_bounded(tok, text, max_prompt_tokens, add_special_tokens)
+                except PromptTooLong as e:
+                    errors[i] = (f"prompt too long for the model's context (or token_budget): {e}; "
+                                 "the rest not tokenized")
+                    continue
                 except Exception as e:  # noqa: BLE001 - per-row error
                     errors[i] = f"{source!r} does not tokenize: {type(e).__name__}: {e}"
                     continue
@@ -233,7 +275,8 @@ def tokenize_stage(batch: pa.Table, *, model: str, prompt_column: str, prompt_to
                                          f"unknown token {tok.unk_token!r} (characters the tokenizer lacks)"), None
     for i, v in enumerate(ids):
         if v is None and not errors[i]:
-            errors[i] = f"{prompt_token_ids_column!r} is null"
+            errors[i] = (f"{unused[i]}, and the row has no {prompt_token_ids_column!r}" if unused[i] else
+                         f"{prompt_token_ids_column!r} is null")
     if TEXT_PROMPT in names:
         batch = batch.drop_columns([TEXT_PROMPT])
     batch = _set(batch, TOKEN_IDS, ids, pa.list_(pa.int64()))
