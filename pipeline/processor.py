@@ -59,7 +59,7 @@ def _users(name: str, fn: RowFn, id_column: Optional[str] = None) -> RowFn:
             return fn(row)
         except Exception as e:
             where = f" on the row with {id_column} {row[id_column]!r}" if id_column and id_column in row else ""
-            if row.get("error"):
+            if name == "postprocess" and row.get("error"):
                 where += f", an error row ({row['error']}; its generated_text is null)"
             raise UserFunctionError(f"your {name} function raised {type(e).__name__}: {e}{where}") from e
 
