@@ -181,7 +181,7 @@ def relayout(old: Optional[Batch], rows: List[Request], grown: set, *, traits: T
     prompt_len = old.prompt_len if same_rows else torch.tensor([r.prompt_len for r in rows])
     row_params = old.row_params if same_rows else RowParams.build(
         [r.params for r in rows], [r.noise_seed for r in rows], dev, first_position_default=family.first_position,
-        threshold=family.threshold, floor_one=[r.rule.floor_one for r in rows],
+        threshold=family.threshold, confidence=family.confidence, floor_one=[r.rule.floor_one for r in rows],
         caps=[r.rule.step_cap(r, L, traits.config.steps_per_block) for r in rows])
     return Batch(rows=list(rows), ids=ids, lens=lens, tail=tail, prompt_len=prompt_len, cached=cached, step=step,
                  busy_steps=busy, prompt_fwd=fwd, frozen=frozen, masked=masked,

@@ -8,7 +8,7 @@ from typing import Any, Dict, Literal, Optional, Sequence, get_args
 
 from .modes import CacheMode as CacheModeRule, cache_mode
 
-Policy = Literal["fixed", "threshold", "factor", "timestep"]
+Policy = Literal["fixed", "threshold", "factor", "timestep", "origin"]
 Remasking = Literal["low_confidence", "random", "entropy", "margin"]
 CacheMode = Literal["none", "refresh", "persistent", "dual"]
 Canvas = Literal["auto", "block", "full"]
@@ -62,7 +62,13 @@ class SamplingParams:
       position with confidence >= `threshold`, at least the most confident one; runs
       until the block is filled, so at most L steps), `factor` (Fast-dLLM's
       `get_transfer_index_dynamic`), `timestep` (Dream's schedule: at step s the
-      fraction 1 - t_{s+1}/t_s of the remaining masks, t = linspace(1, 1e-3, S+1)).
+      fraction 1 - t_{s+1}/t_s of the remaining masks, t = linspace(1, 1e-3, S+1)),
+      `origin` (Dream's alg="origin": each mask independently with probability
+      1 - t_{s+1}/t_s, drawn from the request's seeded noise; remasking unused).
+      Dream's own `diffusion_generate` is one block of max_new_tokens decoded in
+      `steps` steps with first_position off; its alg maskgit_plus / entropy /
+      topk_margin is `timestep` with remasking low_confidence / entropy / margin
+      (docs/models/dream.md).
     - `remasking`, the confidence that ranks positions: `low_confidence` (probability
       of the proposed token), `random` (LLaDA's random remasking, seeded per request),
       `entropy` (Dream: negative entropy of the distribution), `margin` (Dream's
@@ -98,7 +104,7 @@ class SamplingParams:
         "tokens to generate at most per row (vLLM: max_tokens); rounded up to whole blocks")})
     policy: Policy = field(default="threshold", metadata={"help": (
         "which masked positions a step unmasks: fixed (LLaDA's schedule), threshold/factor (Fast-dLLM), "
-        "timestep (Dream's schedule)")})
+        "timestep (Dream's schedule), origin (Dream's alg=origin: each mask at random)")})
     threshold: float = field(default=0.9, metadata={"help": (
         "policy threshold: unmask every position whose confidence is at least this (at least one per step)")})
     factor: float = field(default=1.0, metadata={"help": "policy factor: Fast-dLLM's factor rule constant"})
@@ -184,6 +190,9 @@ class SamplingParams:
             err = not_one_of(name, getattr(self, name), kind)
             if err:
                 return err
+        if self.policy == "origin" and self.remasking != "low_confidence":
+            return (f"policy 'origin' (Dream's alg='origin') unmasks positions at random and reads no confidence; "
+                    f"leave remasking at 'low_confidence', got {self.remasking!r}")
         if self.first_position not in (None, True, False):
             return f"first_position must be true, false or null, got {self.first_position!r}"
         if not 0.0 < float(self.threshold) <= 1.0:

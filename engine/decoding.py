@@ -3,7 +3,8 @@ current block get a token this denoising step. Each row carries its own policy a
 parameters, so one forward serves requests with different settings. The rules follow
 the reference code of each model family (LLaDA's `generate`, Fast-dLLM's
 `get_transfer_index` / `get_transfer_index_dynamic`, Fast-dLLM's Dream block
-decoding); see SamplingParams for what each one does."""
+decoding, Dream's `diffusion_generate` with its `alg`s); see SamplingParams for what each
+one does."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -11,10 +12,10 @@ from typing import List, Optional, Sequence
 
 import torch
 
-from .models.families.base import ThresholdRule
+from .models.families.base import Confidence, ThresholdRule
 
-FIXED, THRESHOLD, FACTOR, TIMESTEP = 0, 1, 2, 3
-POLICY_IDS = {"fixed": FIXED, "threshold": THRESHOLD, "factor": FACTOR, "timestep": TIMESTEP}
+FIXED, THRESHOLD, FACTOR, TIMESTEP, ORIGIN = 0, 1, 2, 3, 4
+POLICY_IDS = {"fixed": FIXED, "threshold": THRESHOLD, "factor": FACTOR, "timestep": TIMESTEP, "origin": ORIGIN}
 LOW_CONFIDENCE, RANDOM, ENTROPY, MARGIN = 0, 1, 2, 3
 REMASKING_IDS = {"low_confidence": LOW_CONFIDENCE, "random": RANDOM, "entropy": ENTROPY, "margin": MARGIN}
 DREAM_EPS = 1e-3  # Dream's generation_config.eps: the last timestep of its schedule
@@ -54,6 +55,9 @@ class RowParams:
     dev: DeviceParams
     any_entropy: bool
     any_margin: bool
+    # Confidence.SAMPLED (Dream's sample_tokens): proposals drawn, and ranked, from the
+    # tempered, top-p then top-k restricted distribution
+    sampled: bool = False
     # ThresholdRule.SCHEDULE_FLOOR (LLaDA2's generate()): strictly greater, a floor of k per step,
     # with max_new_tokens per row (2.0's steps = min(steps, gen_length)) and the rows whose
     # floor is 1 (a decoding rule's: LLaDA2.1's token editing loop)
@@ -80,8 +84,8 @@ class RowParams:
     @classmethod
     def build(cls, params: Sequence, seeds: Sequence[Optional[int]], device, first_position_default: bool = False,
               threshold: ThresholdRule = ThresholdRule.AT_LEAST_TOP1,
-              floor_one: Optional[Sequence[bool]] = None, caps: Optional[Sequence[Optional[int]]] = None
-              ) -> "RowParams":
+              floor_one: Optional[Sequence[bool]] = None, caps: Optional[Sequence[Optional[int]]] = None,
+              confidence: Confidence = Confidence.MODEL) -> "RowParams":
         first = [first_position_default if p.first_position is None else bool(p.first_position) for p in params]
         floor = threshold == ThresholdRule.SCHEDULE_FLOOR
         real = torch.tensor([[float(p.threshold) for p in params], [float(p.factor) for p in params],
@@ -95,6 +99,7 @@ class RowParams:
                    dev=DeviceParams.upload(real, ints, device),
                    any_entropy=any(p.remasking == "entropy" for p in params),
                    any_margin=any(p.remasking == "margin" for p in params), floor=floor,
+                   sampled=confidence == Confidence.SAMPLED,
                    max_new=torch.tensor([p.max_new_tokens for p in params], device=device) if floor else None,
                    floor_one=torch.tensor(list(floor_one or [False] * len(params)), device=device) if floor else None)
 
@@ -107,7 +112,8 @@ class RowParams:
         pick = lambda t: None if t is None else t[dev_index]  # noqa: E731 - the floor's device tensors
         return RowParams(params=[self.params[i] for i in ix], seeds=[self.seeds[i] for i in ix], real=real, ints=ints,
                          dev=DeviceParams.upload(real, ints, self.dev.policy.device),
-                         any_entropy=self.any_entropy, any_margin=self.any_margin, floor=self.floor,
+                         any_entropy=self.any_entropy, any_margin=self.any_margin, sampled=self.sampled,
+                         floor=self.floor,
                          max_new=pick(self.max_new), floor_one=pick(self.floor_one))
 
 
@@ -118,21 +124,26 @@ def fixed_schedule(step: torch.Tensor, block_length: int, steps: int) -> torch.T
     return base + (step < rem).long()
 
 
-def timestep_schedule(step: torch.Tensor, n_mask: torch.Tensor, steps: int) -> torch.Tensor:
-    """Dream's schedule: at step s, int(n * (1 - t_{s+1} / t_s)) of the n masks left,
-    t = linspace(1, eps, S+1) in float32 as Dream computes it; all of them at the last
-    step."""
+def transfer_fraction(step: torch.Tensor, steps: int) -> torch.Tensor:
+    """Dream's 1 - t_{s+1} / t_s at step s, t = linspace(1, eps, S+1) in float32 as Dream
+    computes it."""
     t = torch.linspace(1, DREAM_EPS, steps + 1, device=step.device)
     s = step.clamp(max=steps - 1)
-    k = (n_mask.float() * (1 - t[s + 1] / t[s])).long()
+    return 1 - t[s + 1] / t[s]
+
+
+def timestep_schedule(step: torch.Tensor, n_mask: torch.Tensor, steps: int) -> torch.Tensor:
+    """Dream's schedule: at step s, int(n * (1 - t_{s+1} / t_s)) of the n masks left; all
+    of them at the last step."""
+    k = (n_mask.float() * transfer_fraction(step, steps)).long()
     return torch.where(step >= steps - 1, n_mask, k)
 
 
 def step_cap(policy: torch.Tensor, block_length: int, steps: int) -> torch.Tensor:
     """[B] steps after which a row's block is committed whatever it holds: S for the
-    scheduled policies, max(S, L) for threshold and factor. `policy`: RowParams.policy
-    (host) or RowParams.dev.policy."""
-    scheduled = (policy == FIXED) | (policy == TIMESTEP)
+    scheduled policies (fixed, timestep, origin), max(S, L) for threshold and factor.
+    `policy`: RowParams.policy (host) or RowParams.dev.policy."""
+    scheduled = (policy == FIXED) | (policy == TIMESTEP) | (policy == ORIGIN)
     return torch.where(scheduled, steps, max(steps, block_length))
 
 
@@ -158,16 +169,44 @@ def restrict(logits: torch.Tensor, temperature: float, top_k: int, top_p: float)
     return logits
 
 
+def dream_logits(logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor,
+                 top_k: torch.Tensor) -> torch.Tensor:
+    """Dream's sample_tokens on `logits` [N, V] with per-row settings [N]: divided by the
+    temperature where > 0, then top-p where < 1 (a token goes once the sorted mass before
+    it exceeds top_p), then top-k where > 0; removed tokens at the dtype's minimum, as Dream
+    fills them."""
+    logits = logits / torch.where(temperature > 0, temperature, torch.ones_like(temperature))[:, None]
+    low = torch.finfo(logits.dtype).min
+    rows = (top_p < 1).nonzero().flatten()
+    if len(rows):  # sorting a [N, V] vocabulary is a step's dearest host work: only the rows that ask for it
+        srt, order = logits[rows].sort(dim=-1, descending=True)
+        drop = torch.softmax(srt, dim=-1).cumsum(-1) > top_p[rows, None]
+        drop = torch.cat([torch.zeros_like(drop[:, :1]), drop[:, :-1]], dim=1)  # the first token always stays
+        logits[rows] = logits[rows].masked_fill(torch.zeros_like(drop).scatter_(-1, order, drop), low)
+    rows = (top_k > 0).nonzero().flatten()
+    if len(rows):
+        k = top_k[rows].clamp(max=logits.shape[-1])
+        kth = logits[rows].topk(int(k.max()), dim=-1).values.gather(-1, (k - 1)[:, None])
+        logits[rows] = logits[rows].masked_fill(logits[rows] < kth, low)
+    return logits
+
+
 def propose(logits: torch.Tensor, rp: RowParams, noise_keys: Optional[Sequence[Optional[int]]],
             need: torch.Tensor, need_idx: Optional[Sequence[torch.Tensor]] = None):
     """Candidate tokens x0 [B, L] and their float64 confidence [B, L] (0 where `need`
     is False: only masked positions are ever selected, and the float64 softmax over
     the vocabulary is the biggest host cost of a step). Rows at temperature > 0 take
     x0 from Gumbel-perturbed logits in float64 (as LLaDA's reference does); rows with
-    random remasking draw their confidence; both from a generator seeded per row and
-    step (`noise_keys`, None when no row draws noise), so a request's tokens do not
-    depend on its batch."""
+    random remasking or the origin policy draw their confidence (a uniform per
+    position); both from a generator seeded per row and step (`noise_keys`, None when no
+    row draws noise), so a request's tokens do not depend on its batch. Under
+    Confidence.SAMPLED (`rp.sampled`) the proposals at `need` are drawn from, and the
+    confidence read off, Dream's sample_tokens distribution (dream_logits)."""
     x0 = logits.argmax(-1)  # float -> float64 is exact, so this is the float64 argmax
+    idx = tuple(need_idx) if need_idx is not None else need.nonzero(as_tuple=True)
+    lg = logits[idx].to(torch.float64)
+    if rp.sampled and bool(((rp.real[2] > 0) | (rp.real[3] < 1) | (rp.ints[3] > 0)).any()):  # host values
+        lg = dream_logits(lg, rp.dev.temperature[idx[0]], rp.dev.top_p[idx[0]], rp.dev.top_k[idx[0]])
     drawn = {}
     for i, key in enumerate(noise_keys or ()):
         if key is None:
@@ -175,13 +214,16 @@ def propose(logits: torch.Tensor, rp: RowParams, noise_keys: Optional[Sequence[O
         gen = torch.Generator(device=logits.device).manual_seed(key)
         p = rp.params[i]
         if p.temperature > 0:
-            lg = restrict(logits[i].to(torch.float64), float(p.temperature), max(0, int(p.top_k)), float(p.top_p))
-            noise = torch.rand(lg.shape, generator=gen, dtype=torch.float64, device=lg.device)
-            x0[i] = (lg - float(p.temperature) * torch.log(-torch.log(noise))).argmax(-1)
-        if p.remasking == "random":
+            noise = torch.rand(logits.shape[1:], generator=gen, dtype=torch.float64, device=logits.device)
+            if rp.sampled:  # the processed logits are already tempered and restricted
+                at = idx[0] == i
+                x0[i, idx[1][at]] = (lg[at] - torch.log(-torch.log(noise[idx[1][at]]))).argmax(-1)
+            else:
+                r = restrict(logits[i].to(torch.float64), float(p.temperature), max(0, int(p.top_k)), float(p.top_p))
+                x0[i] = (r - float(p.temperature) * torch.log(-torch.log(noise))).argmax(-1)
+        if p.remasking == "random" or p.policy == "origin":
             drawn[i] = torch.rand(x0.shape[1], generator=gen, dtype=torch.float64, device=x0.device)
-    idx = tuple(need_idx) if need_idx is not None else need.nonzero(as_tuple=True)
-    probs = torch.softmax(logits[idx].to(torch.float64), dim=-1)
+    probs = torch.softmax(lg, dim=-1)
     rem = rp.dev.remasking[idx[0]]
     c = probs.gather(-1, x0[idx][:, None]).squeeze(-1)
     if rp.any_entropy:  # Dream's neg_entropy
@@ -224,9 +266,12 @@ def select(conf: torch.Tensor, is_mask: torch.Tensor, step: torch.Tensor, rp: Ro
     n_take = torch.where(k == 0, 1, torch.where(k >= n_mask - 1, n_mask, k))
     by_factor = rank < n_take[:, None]
     by_timestep = rank < timestep_schedule(step, n_mask, steps)[:, None]
+    # origin (Dream's alg="origin"): each mask independently, when its uniform draw (its
+    # confidence) is below 1 - t_{s+1} / t_s
+    by_origin = conf < transfer_fraction(step, steps).double()[:, None]
     pol = rp.dev.policy[:, None]
-    sel = torch.where(pol == FIXED, by_fixed, torch.where(pol == THRESHOLD, by_threshold,
-                                                          torch.where(pol == FACTOR, by_factor, by_timestep)))
+    sel = torch.where(pol == FIXED, by_fixed, torch.where(pol == THRESHOLD, by_threshold, torch.where(
+        pol == FACTOR, by_factor, torch.where(pol == ORIGIN, by_origin, by_timestep))))
     # scheduled policies fill the block by step S; threshold and factor run until it is
     # full (at most L steps, one token at least per step), forced at step max(S, L) only
     # if a model keeps proposing the mask token itself

@@ -98,7 +98,8 @@ class Engine(EngineCore):
                     f"more than token_budget={self.cfg.token_budget}")
         req.state = req.rule.start(req, self.traits)
         params = req.params
-        if (params.temperature and params.temperature > 0) or params.remasking == "random":
+        if (params.temperature and params.temperature > 0) or params.remasking == "random" \
+                or params.policy == "origin":
             req.noise_seed = params.seed if params.seed is not None else random.getrandbits(62)
         return None
 

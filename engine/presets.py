@@ -9,7 +9,16 @@ skip_threshold=0.9`, humaneval `block_size=32 block_add_threshold=0.1
 decoded_token_threshold=0.95 skip_threshold=0.9`, both `max_new_tokens=512
 temperature=0`; D2F caches completed blocks (blockray: cache "persistent"). They need a
 block-causal model (D2F-LLaDA: LLaDA-8B-Instruct with the D2F LoRA adapter, attention
-block_causal)."""
+block_causal).
+
+The Dream-Coder presets are Dream-org/Dream-Coder-v0-Instruct-7B's evaluation settings
+from DreamLM/Dream-Coder (commit 87409da): cruxeval runs `scripts/generate.py
+--config_name cruxeval_entropy` (instruct/src/inference/generation_config.yaml: 768 tokens,
+768 steps, temperature 0.1, top_p 0.95, alg entropy, alg_temp 0, no cache), bigcodebench
+`--diffusion_steps 1024 --max_new_tokens 1024 --top_p 0.9 --alg entropy --alg_temp 0.0
+--temperature 0.1` (instruct/code_eval/README.md). Both are Dream's own diffusion_generate
+(`dream_generate`: one block of max_new_tokens, no first-position rule, no cache): exact
+for any model of the Dream family (DiffuCoder too)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
@@ -25,7 +34,27 @@ class Preset:
     source: str = ""
 
 
+# Dream's diffusion_generate `alg` (generation_utils.py `_sample`, shipped unchanged by DiffuCoder
+# and Dream-Coder) as blockray's policy and remasking; alg_temp is 0 (the top-k of the confidence)
+DREAM_ALGS: Dict[str, Dict[str, str]] = {
+    "maskgit_plus": dict(policy="timestep", remasking="low_confidence"),
+    "topk_margin": dict(policy="timestep", remasking="margin"),
+    "entropy": dict(policy="timestep", remasking="entropy"),
+    "origin": dict(policy="origin", remasking="low_confidence"),
+}
+
+
+def dream_generate(alg: str, max_new_tokens: int, steps: int, source: str = "", **sampling: Any) -> Preset:
+    """Dream's `diffusion_generate(max_new_tokens=, steps=, alg=, alg_temp=0, **sampling)`:
+    the answer is one block of max_new_tokens masks decoded in `steps` steps over the whole
+    canvas (no first-position rule; every step recomputes every column, as Dream's loop)."""
+    return Preset(engine=dict(block_length=max_new_tokens, steps_per_block=steps, cache="none"),
+                  sampling=dict(max_new_tokens=max_new_tokens, first_position=False, **DREAM_ALGS[alg], **sampling),
+                  source=source)
+
+
 _D2F_LLADA = "zhijie-group/Discrete-Diffusion-Forcing D2F-eval/eval_llada.sh (commit 771f745)"
+_DREAM_CODER = "DreamLM/Dream-Coder (commit 87409da)"
 PRESETS: Dict[str, Preset] = {
     "d2f-gsm8k": Preset(
         engine=dict(block_length=64, cache="persistent"),
@@ -37,6 +66,12 @@ PRESETS: Dict[str, Preset] = {
         sampling=dict(block_add_threshold=0.1, decoded_token_threshold=0.95, threshold=0.9, max_new_tokens=512,
                       temperature=0.0, policy="threshold", remasking="low_confidence"),
         source=f"{_D2F_LLADA}, humaneval"),
+    "dream-coder-cruxeval": dream_generate(
+        "entropy", 768, 768, temperature=0.1, top_p=0.95,
+        source=f"{_DREAM_CODER} instruct/src/inference/generation_config.yaml, cruxeval_entropy"),
+    "dream-coder-bigcodebench": dream_generate(
+        "entropy", 1024, 1024, temperature=0.1, top_p=0.9,
+        source=f"{_DREAM_CODER} instruct/code_eval/README.md, bigcodebench"),
 }
 
 

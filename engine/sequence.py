@@ -50,7 +50,7 @@ class Request:
     num_steps: int = 0
     seq: int = 0  # admission order, for LIFO preemption
     error: Optional[str] = None
-    noise_seed: Optional[int] = None  # Gumbel seed when temperature > 0
+    noise_seed: Optional[int] = None  # seed of its noise: temperature > 0, random remasking, origin
     prompt_forwarded: int = 0  # prompt tokens forwarded over the request's life (cache accounting)
     rule: Any = None  # its decoding rule (engine.rules): how its blocks are decoded and committed
     state: Any = None  # the rule's state of the row (D2F's blocks in flight, the editing state)

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Any, Dict, Mapping
 
-from .base import BlockLayout, ConfigRefused, Family, FamilyNotSupported, Serving, ThresholdRule
+from .base import BlockLayout, ConfigRefused, Confidence, Family, FamilyNotSupported, Serving, ThresholdRule
 from .diffusion_gemma import DIFFUSION_GEMMA
 from .dream import DREAM
 from .llada import LLADA
@@ -60,5 +60,5 @@ def family_named(model_type: str) -> Family:
     return FAMILIES[model_type]
 
 
-__all__ = ["FAMILIES", "Family", "ConfigRefused", "FamilyNotSupported", "BlockLayout", "ThresholdRule", "Serving",
-           "register", "family_for", "family_named", "supported"]
+__all__ = ["FAMILIES", "Family", "ConfigRefused", "FamilyNotSupported", "BlockLayout", "ThresholdRule", "Confidence",
+           "Serving", "register", "family_for", "family_named", "supported"]

@@ -3,8 +3,8 @@ it honours, those that cannot change the math, those accepted at one value only)
 layer (fused or separate q/k/v, QK norm, head_dim, dense or MoE MLP, biases, tied
 embeddings: read by engine.models.transformer), its checkpoint weight names, and its
 decoding traits (logit shift, where blocks start, the threshold rule, the first-position
-rule, token editing: read by the engine's decoding rules). Torch-free: the preflight and
-the sorter read it in processes that never import torch.
+rule, the sampled distribution, token editing: read by the engine's decoding rules).
+Torch-free: the preflight and the sorter read it in processes that never import torch.
 
 A new family is one module that builds a `Family` and `register`s it (engine.models.
 families); docs/adding-a-family.md walks through it."""
@@ -54,6 +54,19 @@ class ThresholdRule(enum.StrEnum):
 
     AT_LEAST_TOP1 = "at_least_top1"
     SCHEDULE_FLOOR = "schedule_floor"
+
+
+class Confidence(enum.StrEnum):
+    """Which distribution a step's proposals come from and are ranked by. MODEL (LLaDA's
+    generate(), vLLM's order): the model's own probability ranks positions; a sampled
+    proposal is drawn after top-k, then top-p. SAMPLED (Dream's sample_tokens, which
+    DiffuCoder and Dream-Coder ship unchanged): the logits divided by the temperature
+    (when > 0), then top-p, then top-k, and that distribution both draws the proposal and
+    gives the confidence (its probability of the token, negative entropy or top-2 margin),
+    at temperature 0 too when top-p or top-k is set."""
+
+    MODEL = "model"
+    SAMPLED = "sampled"
 
 
 class Serving(enum.StrEnum):
@@ -144,6 +157,7 @@ class Family:
     first_position: bool = False  # decoding default: a block's first step commits its first position only
     blocks: BlockLayout = BlockLayout.AFTER_PROMPT
     threshold: ThresholdRule = ThresholdRule.AT_LEAST_TOP1
+    confidence: Confidence = Confidence.MODEL
     editing: bool = False  # LLaDA2.1's token editing (SamplingParams.edit_threshold)
     attention: Optional[str] = None  # the attention its layout requires (None: config.json's dllm_attention)
     serving: Serving = Serving.MASKED

@@ -1,12 +1,17 @@
-"""Dream (Dream-org/Dream-v0-Instruct-7B, -Base-7B; DiffuCoder and Dream-Coder share the
-architecture): a Qwen2.5 network (transformers' Qwen2Config keys and Qwen2 weight names,
-q/k/v biases) adapted to diffusion, so it predicts token i from position i-1 (logit
-shift), and its block decoding commits a block's first position first."""
+"""Dream (Dream-org/Dream-v0-Instruct-7B, -Base-7B; apple/DiffuCoder-7B-Instruct, -cpGRPO
+and Dream-org/Dream-Coder-v0-Instruct-7B are the same architecture under the same
+model_type, with the same modeling_dream.py): a Qwen2.5 network (transformers'
+Qwen2Config keys and Qwen2 weight names, q/k/v biases) adapted to diffusion, so it
+predicts token i from position i-1 (logit shift). Fast-dLLM's block decoding commits a
+block's first position first (the `first_position` default); its own
+`diffusion_generate` is one block of max_new_tokens with `first_position` off (its `alg`s:
+docs/models/dream.md). Both draw and rank proposals from Dream's `sample_tokens`
+distribution (Confidence.SAMPLED: temperature, then top-p, then top-k)."""
 from __future__ import annotations
 
 from typing import Any, Dict, Mapping
 
-from .base import ConfigRefused, Family
+from .base import ConfigRefused, Confidence, Family
 
 
 class DreamFamily(Family):
@@ -44,7 +49,8 @@ def rope_theta(hf: Mapping[str, Any], default: float) -> float:
 
 DREAM = DreamFamily(
     name="Dream", model_type="Dream", aliases=("dream",), layout="qwen2",
-    examples="Dream-org/Dream-v0-Instruct-7B, Dream-v0-Base-7B",
+    examples="Dream-org/Dream-v0-Instruct-7B, Dream-v0-Base-7B, Dream-Coder-v0-Instruct-7B; "
+             "apple/DiffuCoder-7B-Instruct, DiffuCoder-7B-cpGRPO",
     honoured=frozenset({"vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
                         "num_key_value_heads", "intermediate_size", "rope_theta", "rope_parameters", "rms_norm_eps",
                         "tie_word_embeddings", "max_position_embeddings", "layer_types"}),
@@ -58,6 +64,6 @@ DREAM = DreamFamily(
     layer_weights={"attn_norm": "input_layernorm", "q": "self_attn.q_proj", "k": "self_attn.k_proj",
                    "v": "self_attn.v_proj", "o": "self_attn.o_proj", "mlp_norm": "post_attention_layernorm",
                    "gate": "mlp.gate_proj", "up": "mlp.up_proj", "down": "mlp.down_proj"},
-    shift_logits=True, first_position=True,
+    shift_logits=True, first_position=True, confidence=Confidence.SAMPLED,
     defaults={"mask_token_id": 151666, "eos_token_id": 151643},
 )
