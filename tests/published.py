@@ -41,12 +41,6 @@ HIDDEN, HEADS, FFN, LAYERS, EXPERTS, TOP_K, GROUPS = 16, 2, 32, 2, 4, 2, 2
 # mask_id default of the published modeling_llada2_moe.py generate() (the folder's SOURCE.md).
 IDS_PUBLISHED_ELSEWHERE = {"llada2_moe": {"<|mask|>": 156895}}
 
-# Sets no stored source holds byte for byte: their folders hold the files rebuilt from Hugging
-# Face's own rendering of them (SOURCE.md: how, and how checked), and every file they lack is
-# read from the set named here, the byte-verified files of the same architecture and tokenizer.
-STAND_INS = {"apple__DiffuCoder-7B-Instruct": "Dream-org__Dream-v0-Instruct-7B",
-             "Dream-org__Dream-Coder-v0-Instruct-7B": "Dream-org__Dream-v0-Instruct-7B"}
-
 # Byte-level BPE merges of the synthesized tokenizers (a few, so "the" and "copy" merge).
 MERGES = ["Ġ t", "h e", "Ġt he", "Ġ a", "i n", "e r", "o n", "Ġ c", "o p", "Ġc op", "Ġcop y"]
 
@@ -59,11 +53,7 @@ def folders() -> List[str]:
 
 
 def path(folder: str, name: str = "") -> str:
-    """A vendored file (or folder), or its stand-in's (STAND_INS) where the folder lacks it."""
-    p = os.path.join(VENDORED, folder, name)
-    if name and folder in STAND_INS and not os.path.exists(p):
-        return os.path.join(VENDORED, STAND_INS[folder], name)
-    return p
+    return os.path.join(VENDORED, folder, name)
 
 
 def read_json(folder: str, name: str) -> Optional[Any]:
@@ -358,10 +348,7 @@ def build(folder_name: str, root: str, seed: int = 0) -> str:
     hf = shrink(config(folder_name))
     cfg = _write_weights(root, hf, read_json(folder_name, INDEX), seed)
     _dump(os.path.join(root, "config.json"), hf)  # over save_model's own config.json
-    names = set(os.listdir(path(folder_name)))
-    if folder_name in STAND_INS:
-        names |= set(os.listdir(path(STAND_INS[folder_name])))
-    for name in sorted(names):
+    for name in os.listdir(path(folder_name)):
         if name not in REWRITTEN and name != "SOURCE.md":
             shutil.copyfile(path(folder_name, name), os.path.join(root, name))
     _write_tokenizer(root, folder_name, cfg)
@@ -371,4 +358,4 @@ def build(folder_name: str, root: str, seed: int = 0) -> str:
 
 __all__ = ["build", "folders", "shrink", "config", "tokenizer_config", "added_tokens", "published_ids", "mask_token",
            "chat_template", "remote_code_files", "kept_names", "bpe_vocab", "token_text", "VENDORED", "SHARED",
-           "IDS_PUBLISHED_ELSEWHERE", "MERGES", "SHRINK", "STAND_INS"]
+           "IDS_PUBLISHED_ELSEWHERE", "MERGES", "SHRINK"]
