@@ -3,6 +3,8 @@ each request is decoded (SamplingParams)."""
 from __future__ import annotations
 
 import enum
+import math
+import numbers
 from dataclasses import dataclass, field, fields, replace
 from typing import Any, Dict, Literal, Optional, Sequence, get_args
 
@@ -48,6 +50,74 @@ def not_one_of(name: str, value: Any, kind: Any) -> Optional[str]:
     """The message for a value outside a Literal's choices, else None (one rule for every choice field)."""
     choices = get_args(kind)
     return None if value in choices else f"{name} must be one of {', '.join(map(repr, choices))}, got {value!r}"
+
+
+@dataclass(frozen=True)
+class Bounds:
+    """A numeric option's range, declared once in its dataclass field's metadata
+    (`metadata={"bounds": at_least(1, integer=True)}`) and checked by `out_of_bounds`:
+    the one rule for every numeric setting, whether it comes from a flag (the CLI checks
+    it as it parses), a model's blockray.json, a library caller or a row's
+    sampling_params. None (unset, off) is never out of bounds."""
+
+    low: Optional[float] = None
+    high: Optional[float] = None
+    low_open: bool = False  # low itself excluded
+    high_open: bool = False
+    integer: bool = False
+    note: str = ""  # what special values mean, e.g. " (0 or -1: off)"
+
+    def text(self) -> str:
+        """'>= 1', '> 0', 'in (0, 1]'."""
+        if self.low is not None and self.high is not None:
+            return f"in {'(' if self.low_open else '['}{self.low:g}, {self.high:g}{')' if self.high_open else ']'}"
+        if self.low is not None:
+            return f"{'>' if self.low_open else '>='} {self.low:g}"
+        return f"{'<' if self.high_open else '<='} {self.high:g}" if self.high is not None else ""
+
+    def error(self, name: str, value: Any) -> Optional[str]:
+        """The message for a value of the wrong type or out of range, else None."""
+        if value is None:
+            return None
+        number = isinstance(value, numbers.Real) and not isinstance(value, bool)
+        if self.integer:
+            kind, ok = "an integer", number and isinstance(value, numbers.Integral)
+        else:
+            finite = number and math.isfinite(float(value))
+            kind, ok = ("" if finite else "a finite number" if number else "a number"), finite
+        if ok:
+            v = int(value) if self.integer else float(value)
+            ok = (self.low is None or (v > self.low if self.low_open else v >= self.low)) and (
+                self.high is None or (v < self.high if self.high_open else v <= self.high))
+        return None if ok else f"{name} must be {' '.join(filter(None, (kind, self.text())))}{self.note}, got {value!r}"
+
+
+def at_least(low: float, *, integer: bool = False, note: str = "") -> Bounds:
+    return Bounds(low=low, integer=integer, note=note)
+
+
+def above(low: float) -> Bounds:
+    return Bounds(low=low, low_open=True)
+
+
+def within(low: float, high: float, *, low_open: bool = False, integer: bool = False) -> Bounds:
+    return Bounds(low=low, high=high, low_open=low_open, integer=integer)
+
+
+def bounds_of(cls: type, name: str) -> Optional[Bounds]:
+    """The Bounds declared on field `name` of dataclass `cls`, if any."""
+    return next((f.metadata.get("bounds") for f in fields(cls) if f.name == name), None)
+
+
+def out_of_bounds(obj: Any) -> Optional[str]:
+    """The first field of dataclass `obj` outside its declared Bounds, as a message naming
+    it; None when every field is within."""
+    for f in fields(obj):
+        b = f.metadata.get("bounds")
+        err = b.error(f.name, getattr(obj, f.name)) if b is not None else None
+        if err:
+            return err
+    return None
 
 
 @dataclass
@@ -100,21 +170,21 @@ class SamplingParams:
     max_new_tokens // block_length whole blocks, with policy "threshold" and
     low_confidence remasking, on block-causal models only."""
 
-    max_new_tokens: int = field(default=64, metadata={"help": (
+    max_new_tokens: int = field(default=64, metadata={"bounds": at_least(1, integer=True), "help": (
         "tokens to generate at most per row (vLLM: max_tokens); rounded up to whole blocks")})
     policy: Policy = field(default="threshold", metadata={"help": (
         "which masked positions a step unmasks: fixed (LLaDA's schedule), threshold/factor (Fast-dLLM), "
         "timestep (Dream's schedule), origin (Dream's alg=origin: each mask at random)")})
-    threshold: float = field(default=0.9, metadata={"help": (
+    threshold: float = field(default=0.9, metadata={"bounds": within(0, 1, low_open=True), "help": (
         "policy threshold: unmask every position whose confidence is at least this (at least one per step)")})
-    factor: float = field(default=1.0, metadata={"help": "policy factor: Fast-dLLM's factor rule constant"})
-    temperature: float = field(default=0.0, metadata={"help": (
+    factor: float = field(default=1.0, metadata={"bounds": above(0), "help": "policy factor: Fast-dLLM's factor rule constant"})
+    temperature: float = field(default=0.0, metadata={"bounds": at_least(0), "help": (
         "0: greedy; > 0: sample the proposals with float64 Gumbel noise")})
     stop_token_ids: Optional[Sequence[int]] = field(default=None, metadata={"help": (
         "token ids that end a row (none: the checkpoint's: config.json's and generation_config.json's "
         "eos_token_id and the chat template's end-of-turn token, <|eot_id|> / <|im_end|>, where the tokenizer "
         "defines it; the job summary lists them with their source)")})
-    seed: Optional[int] = field(default=None, metadata={"help": (
+    seed: Optional[int] = field(default=None, metadata={"bounds": Bounds(integer=True), "help": (
         "seed of the sampling noise and random remasking; per row, a row's tokens never depend on its batch")})
     remasking: Remasking = field(default="low_confidence", metadata={"help": (
         "the confidence that ranks masked positions: low_confidence, random (LLaDA), entropy or margin "
@@ -122,41 +192,41 @@ class SamplingParams:
     first_position: Optional[bool] = field(default=None, metadata={"help": (
         "Dream's block decoding: a block's first step commits only its first position (auto: on for Dream, "
         "off for LLaDA)")})
-    top_p: float = field(default=1.0, metadata={"help": "nucleus sampling of the proposals (1: off)"})
-    top_k: int = field(default=0, metadata={"help": (
+    top_p: float = field(default=1.0, metadata={"bounds": within(0, 1, low_open=True), "help": "nucleus sampling of the proposals (1: off)"})
+    top_k: int = field(default=0, metadata={"bounds": at_least(-1, integer=True, note=" (0 or -1: off)"), "help": (
         "sample the proposals from the k most likely tokens (0 or -1: off)")})
     stop: Optional[Sequence[str]] = field(default=None, metadata={"help": (
         "stop strings: a row ends at the block holding the first one, its text is cut before it")})
-    n: int = field(default=1, metadata={"help": (
+    n: int = field(default=1, metadata={"bounds": at_least(1, integer=True), "help": (
         "samples per row, with seeds derived from the row's (output rows carry sample_index)")})
-    block_add_threshold: Optional[float] = field(default=None, metadata={"help": (
+    block_add_threshold: Optional[float] = field(default=None, metadata={"bounds": within(0, 1), "help": (
         "D2F pipelined decoding (block-causal models): add the next block once the last one's decoded "
         "fraction reaches this; threshold is then D2F's skip_threshold (none: one block at a time)")})
-    decoded_token_threshold: float = field(default=0.95, metadata={"help": (
+    decoded_token_threshold: float = field(default=0.95, metadata={"bounds": within(0, 1), "help": (
         "D2F: a block forces its most confident token only once its predecessor's decoded fraction reaches "
         "this")})
     # LLaDA2.1's token editing (engine.editing); None: no editing. Other families refuse it.
-    edit_threshold: Optional[float] = field(default=None, metadata={"help": (
+    edit_threshold: Optional[float] = field(default=None, metadata={"bounds": within(0, 1), "help": (
         "LLaDA2.1 token editing: a decoded token of the current block is rewritten when the new argmax differs "
         "and its probability is strictly greater than this (none: no editing)")})
-    max_post_steps: int = field(default=16, metadata={"help": (
+    max_post_steps: int = field(default=16, metadata={"bounds": at_least(0, integer=True), "help": (
         "LLaDA2.1 token editing: editing-only steps at most once the block has no mask (ending at the first "
         "step without an edit)")})
     # DiffusionGemma's knobs, under transformers' names (engine.canvas); None: the checkpoint's
     # generation_config.json, then transformers' defaults. Other families do not read them.
-    max_denoising_steps: Optional[int] = field(default=None, metadata={"help": (
+    max_denoising_steps: Optional[int] = field(default=None, metadata={"bounds": at_least(1, integer=True), "help": (
         "DiffusionGemma: denoising steps per canvas at most (none: generation_config.json)")})
-    entropy_bound: Optional[float] = field(default=None, metadata={"help": (
+    entropy_bound: Optional[float] = field(default=None, metadata={"bounds": above(0), "help": (
         "DiffusionGemma: a step accepts the lowest-entropy tokens whose summed entropy minus the largest stays "
         "within this (none: generation_config.json's sampler_config)")})
-    t_min: Optional[float] = field(default=None, metadata={"help": (
+    t_min: Optional[float] = field(default=None, metadata={"bounds": at_least(0), "help": (
         "DiffusionGemma: temperature at the last denoising step (none: generation_config.json)")})
-    t_max: Optional[float] = field(default=None, metadata={"help": (
+    t_max: Optional[float] = field(default=None, metadata={"bounds": at_least(0), "help": (
         "DiffusionGemma: temperature at the first denoising step (none: generation_config.json)")})
-    stability_threshold: Optional[int] = field(default=None, metadata={"help": (
+    stability_threshold: Optional[int] = field(default=None, metadata={"bounds": at_least(0, integer=True), "help": (
         "DiffusionGemma: steps the argmax canvas must stay unchanged to stop a canvas early "
         "(none: generation_config.json)")})
-    confidence_threshold: Optional[float] = field(default=None, metadata={"help": (
+    confidence_threshold: Optional[float] = field(default=None, metadata={"bounds": above(0), "help": (
         "DiffusionGemma: a canvas stops early once its mean token entropy is below this "
         "(none: generation_config.json)")})
 
@@ -184,8 +254,9 @@ class SamplingParams:
     def validate(self) -> Optional[str]:
         """A message naming the bad field, or None; per request, so one bad row never
         fails its neighbours."""
-        if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
-            return f"max_new_tokens must be an integer >= 1, got {self.max_new_tokens!r}"
+        err = out_of_bounds(self)
+        if err:
+            return err
         for name, kind in (("policy", Policy), ("remasking", Remasking)):
             err = not_one_of(name, getattr(self, name), kind)
             if err:
@@ -195,40 +266,12 @@ class SamplingParams:
                     f"leave remasking at 'low_confidence', got {self.remasking!r}")
         if self.first_position not in (None, True, False):
             return f"first_position must be true, false or null, got {self.first_position!r}"
-        if not 0.0 < float(self.threshold) <= 1.0:
-            return f"threshold must be in (0, 1], got {self.threshold!r}"
-        if not float(self.factor) > 0.0:
-            return f"factor must be > 0, got {self.factor!r}"
-        if not 0.0 < float(self.top_p) <= 1.0:
-            return f"top_p must be in (0, 1], got {self.top_p!r}"
-        if not isinstance(self.top_k, int) or self.top_k < -1:
-            return f"top_k must be an integer >= 0 (0 or -1: off), got {self.top_k!r}"
         if self.stop is not None and (isinstance(self.stop, str) or not all(isinstance(x, str) and x
                                                                              for x in self.stop)):
             return f"stop must be a list of non-empty strings, got {self.stop!r}"
-        if not isinstance(self.n, int) or self.n < 1:
-            return f"n must be an integer >= 1, got {self.n!r}"
-        if not float(self.temperature) >= 0.0:
-            return f"temperature must be >= 0, got {self.temperature!r}"
-        if self.block_add_threshold is not None and not 0.0 <= float(self.block_add_threshold) <= 1.0:
-            return f"block_add_threshold must be in [0, 1] or null, got {self.block_add_threshold!r}"
-        if not 0.0 <= float(self.decoded_token_threshold) <= 1.0:
-            return f"decoded_token_threshold must be in [0, 1], got {self.decoded_token_threshold!r}"
         if self.d2f and ((self.policy, self.remasking) != ("threshold", "low_confidence") or self.first_position):
             return ("block_add_threshold (D2F) decodes with policy 'threshold', remasking 'low_confidence' "
                     f"and no first_position, got {self.policy!r}, {self.remasking!r}, {self.first_position!r}")
-        if self.edit_threshold is not None and not 0.0 <= float(self.edit_threshold) <= 1.0:
-            return f"edit_threshold must be in [0, 1] or null, got {self.edit_threshold!r}"
-        if not isinstance(self.max_post_steps, int) or self.max_post_steps < 0:
-            return f"max_post_steps must be an integer >= 0, got {self.max_post_steps!r}"
-        for name in ("max_denoising_steps", "stability_threshold"):
-            v = getattr(self, name)
-            if v is not None and (not isinstance(v, int) or v < (1 if name == "max_denoising_steps" else 0)):
-                return f"{name} must be an integer >= {1 if name == 'max_denoising_steps' else 0}, got {v!r}"
-        for name in ("entropy_bound", "t_min", "t_max", "confidence_threshold"):
-            v = getattr(self, name)
-            if v is not None and not float(v) >= 0.0:
-                return f"{name} must be >= 0, got {v!r}"
         return None
 
     @property
@@ -258,25 +301,25 @@ class EngineConfig:
     only the block's L columns; `persistent` keeps the committed prefix's K/V across
     blocks (exact for block-causal models only)."""
 
-    block_length: int = field(default=32, metadata={"help": (
+    block_length: int = field(default=32, metadata={"bounds": at_least(1, integer=True), "help": (
         "tokens per block (L): a block is denoised, then committed")})
-    steps_per_block: int = field(default=32, metadata={"help": (
+    steps_per_block: int = field(default=32, metadata={"bounds": at_least(1, integer=True), "help": (
         "denoising steps per block (S) of the scheduled policies")})
     cache: CacheMode = field(default="refresh", metadata={"help": (
         "K/V cache: none, refresh (Fast-dLLM prefix cache), dual (prefix and masked suffix), persistent "
         "(block-causal models)")})
-    token_budget: int = field(default=65536, metadata={"help": (
+    token_budget: int = field(default=65536, metadata={"bounds": at_least(2, integer=True), "help": (
         "cells (rows x width) of the padded batch box an engine may forward at once")})
     scheduler: SchedulerKind = field(default=SchedulerKind.BLOCKSERVE, metadata={"help": (
         "blockserve (continuous, block-grained batching), static or sequential (the baselines)")})
-    max_batch_size: int = field(default=256, metadata={"help": (
+    max_batch_size: int = field(default=256, metadata={"bounds": at_least(1, integer=True), "help": (
         "cap on the requests an engine runs at once (the group size B of static)")})
     advance: AdvanceMode = field(default="block", metadata={"help": (
         "block: requests join and leave at block-cycle boundaries; step: at any denoising step")})
     canvas: Canvas = field(default="auto", metadata={"help": (
         "full: prompt + every masked block (LLaDA's generate, Fast-dLLM); block: BlockServe's box; auto: full"
         " for bidirectional models, block for block-causal ones")})
-    forward_overhead_cells: Optional[float] = field(default=None, metadata={"help": (
+    forward_overhead_cells: Optional[float] = field(default=None, metadata={"bounds": at_least(0), "help": (
         "what one more forward costs the catch-up planner, in query cells (none: fitted online from the "
         "engine's own forwards; set it, e.g. to a run's recorded EngineStats.forward_overhead_cells, for the "
         "same forwards, padding and tokens on every run)")})
@@ -289,19 +332,17 @@ class EngineConfig:
         "off, the host runs ahead of the device)")})
 
     def __post_init__(self) -> None:
-        if self.block_length < 1 or self.steps_per_block < 1:
-            raise ValueError("block_length and steps_per_block must be >= 1")
+        err = out_of_bounds(self)
+        if err:
+            raise ValueError(err)
         self.scheduler = enum_value("scheduler", self.scheduler, SchedulerKind)
         for name, kind in (("cache", CacheMode), ("canvas", Canvas), ("advance", AdvanceMode)):
             err = not_one_of(name, getattr(self, name), kind)
             if err:
                 raise ValueError(err)
         if self.token_budget < self.block_length + 1:
-            raise ValueError("token_budget must exceed block_length")
-        if self.max_batch_size < 1:
-            raise ValueError("max_batch_size must be >= 1")
-        if self.forward_overhead_cells is not None and not float(self.forward_overhead_cells) >= 0:
-            raise ValueError(f"forward_overhead_cells must be >= 0 or none, got {self.forward_overhead_cells!r}")
+            raise ValueError(f"token_budget must exceed block_length, got token_budget={self.token_budget} "
+                             f"block_length={self.block_length}")
 
     @property
     def mode(self) -> CacheModeRule:

@@ -29,14 +29,14 @@ stands, where D2F loops until its 10,000-step safety stop."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, List, Optional, Sequence
+from typing import TYPE_CHECKING, Any, List, Optional, Sequence
 
-import torch
-
-from .decoding import select_d2f
 from .models.families.base import BlockLayout
 from .reads import D2F_SAMPLING, MASKED_SAMPLING
 from .rules import NOISE_MASK, BlockRule, Traits
+
+if TYPE_CHECKING:
+    import torch
 
 
 @dataclass
@@ -164,6 +164,10 @@ class D2FRule(BlockRule):
     def select(self, b: Any, rows: List[int], sel: torch.Tensor, **step: torch.Tensor) -> torch.Tensor:
         """Its rows' blocks take D2F's rule: over threshold, or a complete block's most
         confident position."""
+        import torch  # here: the module is torch-free at import (the preflight reads `unsupported`)
+
+        from .decoding import select_d2f
+
         NB = b.n_window
         units = torch.zeros(len(b.rows) * NB, dtype=torch.bool)
         complete = torch.zeros(len(b.rows) * NB, dtype=torch.bool)

@@ -2,14 +2,29 @@
 first: a request is decoded by the first that applies to its SamplingParams."""
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Optional
 
 from .d2f import D2F
 from .editing import EDITING
-from .rules import BLOCK, BlockRule
+from .reads import refusal, unread
+from .rules import BLOCK, BlockRule, Traits, row_refusal
+from .sequence import Request
 
 RULES = (D2F, EDITING, BLOCK)
 
 
 def rule_for(params: Any) -> BlockRule:
     return next(r for r in RULES if r.applies(params))
+
+
+def settings_refusal(params: Any, traits: Traits) -> Optional[str]:
+    """Why a masked-diffusion engine with `traits` refuses every row decoded with `params`
+    (SamplingParams), or None: its own checks (Engine.sampling_reads, then Engine.check)
+    of the shortest row there is, one token. Torch-free: the job's preflight runs it."""
+    rule = rule_for(params)
+    err = params.validate() or refusal(unread(params, rule.reads), f"this row's decoding ({rule.name})")
+    if err:
+        return err
+    req = Request("settings", [0], params, [])
+    req.rule = rule
+    return row_refusal(req, traits)

@@ -14,12 +14,13 @@ model that keeps re-masking, is L x max(S, L) + max_post_steps steps (`step_cap`
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, List, Optional
-
-import torch
+from typing import TYPE_CHECKING, Any, List, Optional
 
 from .reads import EDITING_SAMPLING, MASKED_SAMPLING
 from .rules import BlockRule, Traits
+
+if TYPE_CHECKING:
+    import torch
 
 
 @dataclass
@@ -65,6 +66,8 @@ class EditingRule(BlockRule):
                 live.append(i)
         if not live:
             return sel
+        import torch  # here: the module is torch-free at import (the preflight reads `unsupported`)
+
         idx = torch.tensor(live, device=logits.device)
         p = torch.softmax(logits[idx].to(torch.float64), dim=-1).gather(-1, x0[idx][..., None]).squeeze(-1)
         lead = torch.tensor([0 if b.rows[i].generated else len(b.rows[i].lead) for i in live], device=logits.device)

@@ -35,7 +35,7 @@ from .decoders import rule_for
 from .decoding import propose, select
 from .models import DLLM
 from .reads import MASKED
-from .rules import Traits, split_prompt
+from .rules import Traits, row_refusal
 from .runner import ModelRunner
 from .scheduler import make_scheduler
 from .sequence import FinishReason, Request, RequestOutput, RowShape
@@ -85,17 +85,9 @@ class Engine(EngineCore):
         width against the context and the budget; then the rule's state of the row."""
         if req.params.stop and self.tokenizer is None:
             return "stop strings need a tokenizer (the engine has none); use stop_token_ids"
-        split_prompt(req, self.traits)
-        err = req.rule.unsupported(req, self.traits)
+        err = row_refusal(req, self.traits)
         if err:
             return err
-        width, blocks, p, L = self.shape.final_width(req), self.shape.blocks_needed(req), len(req.prompt + req.lead), \
-            self.cfg.block_length
-        if width > self.mcfg.max_seq_len:
-            return f"prompt of {p} tokens + {blocks} blocks of {L} exceeds the model context of {self.mcfg.max_seq_len} tokens"
-        if width > self.cfg.token_budget:
-            return (f"request needs {width} tokens of batch budget alone (prompt {p} + {blocks} blocks of {L}), "
-                    f"more than token_budget={self.cfg.token_budget}")
         req.state = req.rule.start(req, self.traits)
         params = req.params
         if (params.temperature and params.temperature > 0) or params.remasking == "random" \

@@ -16,14 +16,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, FrozenSet, List, Optional
 
-import torch
-
 from .config import EngineConfig
 from .models.config import ModelConfig
 from .models.families.base import BlockLayout, Family
 from .reads import MASKED_SAMPLING
 
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # torch-free at import: the preflight checks a job's settings with these rules
+    import torch
+
     from .batch import Batch
     from .sequence import Request, RowShape
 
@@ -117,3 +117,25 @@ def split_prompt(req: "Request", traits: Traits) -> None:
     r = len(req.prompt) % L
     if traits.family.blocks == BlockLayout.ABSOLUTE and r:
         req.prompt, req.lead = req.prompt[:-r], req.prompt[-r:]
+
+
+def row_refusal(req: "Request", traits: Traits) -> Optional[str]:
+    """Why a masked-diffusion engine with `traits` cannot serve `req` (its rule chosen),
+    or None: the prompt placed as the family lays out blocks, the rule's checks, the row's
+    width against the model's context and the token budget. The engine's own check
+    (Engine.check), and the preflight's on the shortest row there is
+    (engine.decoders.settings_refusal): settings every row would be refused for fail the
+    job before it starts."""
+    split_prompt(req, traits)
+    err = req.rule.unsupported(req, traits)
+    if err:
+        return err
+    shape, p = traits.shape, len(req.prompt + req.lead)
+    width, blocks, L, context = shape.final_width(req), shape.blocks_needed(req), shape.block_length, \
+        traits.model.max_seq_len
+    if width > context:
+        return f"prompt of {p} tokens + {blocks} blocks of {L} exceeds the model context of {context} tokens"
+    if width > traits.config.token_budget:
+        return (f"request needs {width} tokens of batch budget alone (prompt {p} + {blocks} blocks of {L}), "
+                f"more than token_budget={traits.config.token_budget}")
+    return None

@@ -1,9 +1,10 @@
-"""The preflight's model checks, torch-free and in seconds: the job's Checkpoint opened
-(engine.checkpoint: config.json parsed by the model's family, every shard header checked
-against what it implies, the adapter planned against the base model, the stop ids and
-where they come from), and the run's settings checked against what the engine serving
-the model reads (engine.reads). Each problem is a one-line CheckpointRefused naming the
-options it concerns, for JobError."""
+"""The preflight's model checks, in seconds and torch-free (but for a DiffusionGemma
+model's knobs, resolved by transformers): the job's Checkpoint opened (engine.checkpoint:
+config.json parsed by the model's family, every shard header checked against what it
+implies, the adapter planned against the base model, the stop ids and where they come
+from), and the run's settings checked against what the engine serving the model reads
+(engine.reads) and refuses of every row (its own checks of a one-token row). Each
+problem is a one-line CheckpointRefused naming the options it concerns, for JobError."""
 from __future__ import annotations
 
 from typing import Any, Dict, Optional
@@ -33,12 +34,37 @@ def open_checkpoint(model: str, *, adapter: Optional[str] = None, attention: str
 
 def check_settings(checkpoint: Checkpoint, sampling: Any, engine: Any) -> None:
     """A run whose settings the model's engine would ignore (a DiffusionGemma run with
-    block_length, a masked-diffusion one with max_denoising_steps, ...) is refused,
-    naming them."""
+    block_length, a masked-diffusion one with max_denoising_steps, ...) is refused, naming
+    them; so is one whose every row the engine would refuse (`every_row_refusal`)."""
+    where = f"{checkpoint.family.name}: {checkpoint.model}"
     reads = CANVAS if checkpoint.serving == Serving.CANVAS else MASKED
     err = reads.refusal(sampling, engine)
     if err:
-        raise CheckpointRefused(f"{err} ({checkpoint.family.name}: {checkpoint.model})")
+        raise CheckpointRefused(f"{err} ({where})")
+    err = every_row_refusal(checkpoint, sampling, engine) if sampling is not None and engine is not None else None
+    if err:
+        raise CheckpointRefused(f"every row would be refused with these settings ({where}): {err}")
+
+
+def every_row_refusal(checkpoint: Checkpoint, sampling: Any, engine: Any) -> Optional[str]:
+    """What the engine serving this model refuses of the shortest row there is (one token)
+    decoded with these settings, by the engine's own checks: DiffusionGemma's knobs
+    resolved over its generation_config.json (entropy_bound=0, t_min >= t_max), a decoding
+    rule the model's family does not allow (D2F on a bidirectional model, edit_threshold
+    outside LLaDA2), max_new_tokens past the model's context or the token budget."""
+    if checkpoint.serving == Serving.CANVAS:  # imports torch and transformers: DiffusionGemma jobs only
+        from engine.canvas.params import CanvasParams, budget_refusal
+
+        knobs = CanvasParams.from_generation(checkpoint.generation).override(sampling)
+        return knobs.validate() or budget_refusal(1, sampling.max_new_tokens,
+                                                  checkpoint.family.canvas_length(checkpoint.hf), engine.token_budget)
+    from engine.decoders import settings_refusal
+    from engine.rules import Traits
+    from engine.sequence import RowShape
+
+    cfg = checkpoint.config
+    shape = RowShape(engine.block_length, engine.full_canvas(cfg.block_causal))
+    return settings_refusal(sampling, Traits(cfg.family, cfg, shape, engine))
 
 
 def stop_sources(checkpoint: Checkpoint, override: Optional[list] = None) -> Dict[str, str]:
@@ -49,4 +75,4 @@ def stop_sources(checkpoint: Checkpoint, override: Optional[list] = None) -> Dic
     return {str(t): src for t, src in checkpoint.stops.items()}
 
 
-__all__ = ["open_checkpoint", "check_settings", "stop_sources", "CheckpointRefused", "classify"]
+__all__ = ["open_checkpoint", "check_settings", "every_row_refusal", "stop_sources", "CheckpointRefused", "classify"]

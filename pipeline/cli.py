@@ -108,11 +108,42 @@ def add_config_options(parser: argparse.ArgumentParser, group: argparse._Argumen
 
 # --- the job's own options ------------------------------------------------------------
 
+class _Parser(argparse.ArgumentParser):
+    """argparse's parser whose refusals read as every refusal of the job: one `error: …`
+    line on stderr, exit 2 (its usage text is --help's)."""
+
+    def error(self, message: str) -> "typing.NoReturn":
+        self.exit(2, f"error: {message} (see --help)\n")
+
+
+def option_bounds() -> Dict[str, Any]:
+    """Every numeric option's Bounds by its name: the config dataclasses' field metadata
+    ("bounds") and the job's own options' (config.JOB_BOUNDS), declared there once."""
+    from engine.config import EngineConfig, SamplingParams
+
+    from .config import JOB_BOUNDS, DLLMProcessorConfig
+
+    out = dict(JOB_BOUNDS)
+    for cls in (DLLMProcessorConfig, EngineConfig, SamplingParams):
+        out.update({f.name: f.metadata["bounds"] for f in dataclasses.fields(cls) if "bounds" in f.metadata})
+    return out
+
+
 def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
+    """The options, each numeric one within its bounds (`option_bounds`): a value outside
+    them is refused here, naming the flag, before anything runs."""
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["eval"]:  # `blockray eval …` reads like the other tools' subcommands
         argv = argv[1:]
-    return build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    bounds = option_bounds()
+    for action in parser._actions:
+        if action.dest in bounds and action.option_strings:
+            err = bounds[action.dest].error(action.option_strings[0], getattr(args, action.dest))
+            if err:
+                parser.error(err)
+    return args
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -121,7 +152,7 @@ def build_parser() -> argparse.ArgumentParser:
     from .config import DLLMProcessorConfig
     from .dashboard import COST, DASHBOARD_PORT, DEFAULT_ON
 
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog=__doc__.split("\n\n")[1],
+    p = _Parser(description=__doc__.split("\n\n")[0], epilog=__doc__.split("\n\n")[1],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     io = p.add_argument_group("data")
     has_default_input = os.path.isfile(DEFAULT_INPUT)
@@ -134,10 +165,14 @@ def build_parser() -> argparse.ArgumentParser:
     io.add_argument("--overwrite", action="store_true", help="replace results already at --output (default: off)")
     io.add_argument("--resume", action=argparse.BooleanOptionalAction, default=True,
                     help="keep results already at --output and process only the missing ids (default: on)")
-    io.add_argument("--limit", type=int, default=None, help="first N rows of the input, in file order (default: all)")
-    io.add_argument("--id-column", default="id",
-                    help="the input's row ids, compared as strings by resume and the duplicate check; without it "
-                         "each row gets <file>:<row> (default: id)")
+    io.add_argument("--limit", type=int, default=None,
+                    help="first N rows of the input, in file order; 0: none, a dry run (every check is made on the "
+                         "first input file, the model and the output, and an empty summary.json written) "
+                         "(default: all)")
+    io.add_argument("--id-column", default=None,
+                    help="the input's row ids, compared as strings by resume and the duplicate check; a column named "
+                         "here must be in every input file (default: id when every input file has it; when none "
+                         "has, each row's id is <file>:<row>, as the summary says)")
     io.add_argument("--reference-column", default="reference",
                     help="scored by exact match against generated_text when present (default: reference)")
     io.add_argument("--rows-per-file", type=int, default=256,
@@ -201,10 +236,15 @@ def build_config(args: argparse.Namespace, num_gpus_in_cluster: float, storage: 
     blockray.json, overridden by the flags given; processor fields from their flags."""
     from engine.config import EngineConfig, SamplingParams
 
-    from .config import DLLMProcessorConfig, model_settings, split_settings
+    from .config import MODEL_SETTINGS_FILE, DLLMProcessorConfig, model_settings, split_settings, unknown_settings
     from common.model_source import resolve_model
 
-    eng_kw, smp_kw = split_settings(model_settings(resolve_model(args.model, storage, weights=False)))
+    settings = model_settings(resolve_model(args.model, storage, weights=False))
+    unknown = unknown_settings(settings)
+    if unknown:  # else dropped silently: a typo would leave the model's defaults in place
+        raise ValueError(f"{MODEL_SETTINGS_FILE} of model {args.model}: unknown key(s) {', '.join(unknown)}; it "
+                         "takes the engine and sampling options' names (see --help)")
+    eng_kw, smp_kw = split_settings(settings)
     if getattr(args, "preset", None):
         from engine.presets import get
 
@@ -216,7 +256,8 @@ def build_config(args: argparse.Namespace, num_gpus_in_cluster: float, storage: 
                 kw[f.name] = getattr(args, f.name)
     proc = {f.name: getattr(args, f.name) for f in dataclasses.fields(DLLMProcessorConfig)
             if f.name not in _NOT_FLAGS and hasattr(args, f.name)}
-    proc["num_engines"] = args.num_engines or (int(num_gpus_in_cluster) if num_gpus_in_cluster >= 1 else 2)
+    if args.num_engines is None:  # unset (never 0: refused as it is parsed)
+        proc["num_engines"] = int(num_gpus_in_cluster) if num_gpus_in_cluster >= 1 else 2
     return DLLMProcessorConfig(**proc, engine=EngineConfig(**eng_kw), sampling=SamplingParams(**smp_kw),
                                resources_per_engine=parse_resources(args.engine_resource))
 
@@ -274,6 +315,7 @@ def run_job(args: argparse.Namespace) -> int:
     from actors.metrics import new_run_id
 
     from .preflight import MAX_ERROR_FRACTION, JobError, preflight
+    from .resources import local_cluster
     from .signals import Interrupted, StopOnSignal, stop_cleanly
     from common.storage import StorageOptions, describe_error
 
@@ -294,15 +336,19 @@ def run_job(args: argparse.Namespace) -> int:
     job: Dict[str, Any] = {}  # what the clean stop on a signal releases
     stop = StopOnSignal(cleanup=lambda signum: stop_cleanly(job.get("checked")))
     stop.install()  # Ctrl-C / SIGTERM: a clean stop, exit 130 / 143 (pipeline/signals.py)
+    address = args.address or os.environ.get("RAY_ADDRESS")
+    # a local Ray given --num-cpus: the engine pool is checked against it before it starts
+    cluster = local_cluster(args.num_cpus) if not address and args.num_cpus is not None else None
     try:
         try:  # fail fast, before Ray or any engine starts: bad options, input, output or model
             checked = job["checked"] = preflight(job_input, output, build_config(args, 0, storage), run_id=run_id,
-                                                 **options)
+                                                 cluster=cluster, **options)
         except (JobError, ValueError) as e:
             return fail(str(e))
+        if checked.ids_note:
+            print(f"ids: {checked.ids_note}", flush=True)
         from .dashboard import announce, local_ray_options
 
-        address = args.address or os.environ.get("RAY_ADDRESS")
         try:
             if address:
                 context = ray.init(address=address)

@@ -10,14 +10,16 @@ from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Tuple, Union
 
 import fsspec
+import pyarrow as pa
 
 from common.storage import StorageOptions, describe_error, get_filesystem, protocol_of
 from common.tokenizer import load_tokenizer
 
-from .config import DLLMProcessorConfig
+from .config import JOB_BOUNDS, DLLMProcessorConfig
 from .errors import CheckpointRefused, JobError
 from .output_lock import OutputLock, OutputLocked
-from .reader import DuplicateIds, InputError, PromptParquetDatasource
+from .reader import DEFAULT_ID_COLUMN, DuplicateIds, InputError, PromptParquetDatasource
+from .resources import Cluster, check_resources
 from .run_record import RECORD_FILE, build_record, check_resume, read_json, run_history
 from .stages import resolve_chat_template, template_of
 from .writer import check_output, completed_keys, prepare_output, write_json
@@ -48,6 +50,8 @@ class Preflight:
     record: Optional[Dict[str, Any]] = None  # what writes the output (pipeline/run_record.py)
     history: List[Dict[str, Any]] = dataclasses.field(default_factory=list)  # earlier runs on it
     settings_changed: List[str] = dataclasses.field(default_factory=list)  # vs the record kept (allowed)
+    id_column: str = DEFAULT_ID_COLUMN  # the column holding the ids (derived ones included)
+    ids_note: Optional[str] = None  # when the ids are derived, <file>:<row>: what that means (the summary says it)
 
     def release(self) -> None:
         if self.lock is not None:
@@ -114,7 +118,45 @@ def check_columns(source: PromptParquetDatasource, config: DLLMProcessorConfig) 
     if missing:
         raise JobError(f"input file {missing[0]} has no {column!r} column, which the other input files have "
                        f"({len(missing)} file(s) lack it)", "input")
+    option = next(k for k in ("messages_column", "prompt_token_ids_column", "prompt_column")
+                  if getattr(config, k) == column)
+    check_prompt_type(source, column, option)
     return text
+
+
+def _is_list(t: pa.DataType) -> bool:
+    return pa.types.is_list(t) or pa.types.is_large_list(t) or pa.types.is_fixed_size_list(t) or (
+        pa.types.is_list_view(t) or pa.types.is_large_list_view(t))
+
+
+def _is_text(t: pa.DataType) -> bool:
+    if pa.types.is_dictionary(t):
+        t = t.value_type
+    return pa.types.is_string(t) or pa.types.is_large_string(t) or pa.types.is_string_view(t)
+
+
+# The Arrow types a prompt column may have, by the option naming it: text; chat turns (a
+# list of {role, content}, or their JSON text); token ids (a list of integers)
+PROMPT_TYPES = {"prompt_column": ("text (string)", _is_text),
+                "messages_column": ("a list of {role, content} turns or their JSON text",
+                                    lambda t: _is_list(t) or _is_text(t)),
+                "prompt_token_ids_column": ("a list of token ids", _is_list)}
+
+
+def check_prompt_type(source: PromptParquetDatasource, column: str, option: str) -> None:
+    """The prompt column is of a type its rows can be read as, in every file: a binary or
+    integer `prompt` would make every row an error row after the engines start. A file
+    whose column holds only nulls (Arrow type null) passes while another file has prompts."""
+    want, ok = PROMPT_TYPES[option]
+    types = source.column_types(column)
+    for url, t in types:
+        if not pa.types.is_null(t) and not ok(t):
+            raise JobError(f"input file {url}: column {column!r} is {t}, not {want}; convert it, or name another "
+                           "column", option, "input")
+    if types and all(pa.types.is_null(t) for _, t in types):
+        raise JobError(f"input column {column!r} holds only nulls (in {types[0][0]}"
+                       + (f" and {len(types) - 1} more file(s)" if len(types) > 1 else "") + "): no row has a "
+                       "prompt", option, "input")
 
 
 def check_chat_template(config: DLLMProcessorConfig, names: List[str], checkpoint: Any) -> Optional[str]:
@@ -170,25 +212,54 @@ def check_separate(input: Union[str, List[str]], output: str, out_fs: fsspec.Abs
                            "output")
 
 
-def _check_fraction(max_error_fraction: float) -> None:
-    if not 0.0 <= max_error_fraction <= 1.0:
-        raise JobError(f"max_error_fraction must be within [0, 1], got {max_error_fraction!r}",
-                       "max_error_fraction")
+def check_ids(source: PromptParquetDatasource, id_column: Optional[str]) -> Optional[str]:
+    """The id column is in every input file, or in none; in none only when it was not
+    named (`id_column` None: the default's): then each row's id is derived, <file>:<row>,
+    and the returned note says so (the summary, summary.json and the run log state it)."""
+    name = id_column or DEFAULT_ID_COLUMN
+    having = source.files_with_ids()
+    lacking = [f.url for f in source.files_read if f.url not in having]
+    if not lacking:
+        return None
+    if having:
+        raise JobError(f"input file {lacking[0]} has no id column {name!r}, which {having[0]} has ({len(lacking)} "
+                       f"of {len(having) + len(lacking)} file(s) lack it): its rows would get derived ids "
+                       "(<file>:<row>) among real ones; give every file the column", "id_column", "input")
+    if id_column is not None:
+        names = [n for n in (source.schema.names if source.schema is not None else []) if n != name]
+        raise JobError(f"no input file has the id column {name!r} (in {lacking[0]}"
+                       + (f" and {len(lacking) - 1} more file(s)" if len(lacking) > 1 else "")
+                       + f"); columns: {names}. Name the column that holds the ids, or leave --id-column out "
+                       "to number the rows <file>:<row>", "id_column")
+    return (f"the input has no {name!r} column: each row's id is <file>:<row> (the file's path under its input, "
+            "the row's number in it); a resume matches rows by these, so keep the files' names and row order, "
+            "or give the input an id column")
+
+
+def check_options(**values: Any) -> None:
+    """The job's own numeric options within their bounds (config.JOB_BOUNDS), else a
+    JobError naming the first that is not."""
+    for name, value in values.items():
+        err = JOB_BOUNDS[name].error(name, value)
+        if err:
+            raise JobError(err, name)
 
 
 def preflight(input: Union[str, List[str]], output: str, config: DLLMProcessorConfig, *,
-              storage: Optional[StorageOptions] = None, limit: Optional[int] = None, id_column: str = "id",
+              storage: Optional[StorageOptions] = None, limit: Optional[int] = None, id_column: Optional[str] = None,
               overwrite: bool = False, resume: bool = True, allow_duplicate_ids: bool = False,
               max_error_fraction: float = MAX_ERROR_FRACTION, resume_mismatch: str = "refuse",
-              run_id: str = "") -> Preflight:
+              run_id: str = "", cluster: Optional[Cluster] = None) -> Preflight:
     """The job-level checks, before any engine (or Ray) work: output apart from the input,
-    input readable with a prompt column in every file, agreeing column types and unique
-    ids, model and tokenizer loadable, output writable. Raises JobError naming the
-    option to fix. Nothing in the output is removed (overwrite) or created until every
+    input readable with a prompt column of a usable type in every file, agreeing column
+    types and unique ids (`id_column`, else "id" when the input has it, else <file>:<row>),
+    model and tokenizer loadable, settings the model's engine serves, the engine pool
+    within `cluster`, output writable. Raises JobError naming the option to fix. Nothing in the output is removed (overwrite) or created until every
     other check has passed: the output is prepared last, under this run's lease on it
     (`Preflight.lock`, released by run_offline), with the run record a resume is checked
-    against (`resume_mismatch="allow"` mixes settings on purpose)."""
-    _check_fraction(max_error_fraction)
+    against (`resume_mismatch="allow"` mixes settings on purpose). `cluster`: what the run's
+    Ray will have, when known before it starts (pipeline/resources.py)."""
+    check_options(limit=limit, max_error_fraction=max_error_fraction)
     resume = resume and not overwrite
     try:
         out_fs, out_path = get_filesystem(output, storage)
@@ -206,15 +277,19 @@ def preflight(input: Union[str, List[str]], output: str, config: DLLMProcessorCo
         raise JobError(f"{e}", "output") from e
     except Exception:  # noqa: BLE001 - an output that cannot be read: the write probe below names why
         pass
+    named, id_column = id_column, id_column or DEFAULT_ID_COLUMN
     try:
         source = PromptParquetDatasource(input, storage, id_column=id_column, limit=limit)
     except InputError as e:
         raise JobError(f"{e}", "input") from e
     needs_tokenizer = check_columns(source, config)
+    ids_note = check_ids(source, named)
     names = source.schema.names if source.schema is not None else []
     checkpoint = check_model(config.model, needs_tokenizer, storage, config.adapter, config.attention,
                              config.sampling, config.engine)
     record = build_record(config, checkpoint, check_chat_template(config, names, checkpoint))
+    if cluster is not None:
+        check_resources(config, cluster)
     try:
         keys = completed_keys(out_fs, out_path, id_column) if resume else []
     except Exception as e:  # noqa: BLE001
@@ -251,6 +326,7 @@ def preflight(input: Union[str, List[str]], output: str, config: DLLMProcessorCo
     except Exception as e:  # noqa: BLE001
         lock.release()
         raise JobError(f"output {output} cannot be used: {type(e).__name__}: {e}", "output") from e
-    return Preflight(source, done, out_fs, out_path, duplicates, checkpoint, lock, record, history, changed)
+    return Preflight(source, done, out_fs, out_path, duplicates, checkpoint, lock, record, history, changed,
+                     id_column, ids_note)
 
 

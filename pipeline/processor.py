@@ -98,10 +98,6 @@ def _merge_preprocess(fn: RowFn) -> RowFn:
     return apply
 
 
-def _cluster_has_gpus() -> bool:
-    return ray.is_initialized() and ray.cluster_resources().get("GPU", 0) > 0
-
-
 @dataclass
 class DLLMProcessor:
     config: DLLMProcessorConfig
@@ -113,11 +109,7 @@ class DLLMProcessor:
 
     def engine_resources(self) -> Dict[str, Any]:
         """num_gpus / num_cpus / device of each engine actor, resolved against the cluster."""
-        cfg = self.config
-        gpus = cfg.num_gpus_per_engine if cfg.num_gpus_per_engine is not None else (
-            1.0 if _cluster_has_gpus() else 0.0)
-        cpus = cfg.num_cpus_per_engine if cfg.num_cpus_per_engine is not None else (1.0 if gpus else 0.5)
-        return {"num_gpus": gpus, "num_cpus": cpus, "device": "cuda" if gpus else "cpu"}
+        return self.config.engine_resources(ray.cluster_resources().get("GPU", 0) if ray.is_initialized() else 0)
 
     def engine_stats(self) -> Dict[int, Dict[str, Any]]:
         """{rank: engine stats} as last posted (config.collect_engine_stats), else {}."""

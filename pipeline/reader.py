@@ -23,6 +23,7 @@ from ray.data.datasource import Datasource, ReadTask
 from common.storage import StorageOptions, get_filesystem
 
 PathLike = Union[str, Sequence[str]]
+DEFAULT_ID_COLUMN = "id"  # the id column when none is named: used when the input has it
 
 
 class InputError(ValueError):
@@ -77,6 +78,14 @@ class _FileRef:
     url: str = ""  # full URL, for messages
     columns: Tuple[str, ...] = ()  # the file's columns (with the id column, derived or not)
     has_ids: bool = True  # the file has the id column itself (else ids are derived)
+    schema: Optional[pa.Schema] = None  # the file's own, as read from its footer
+
+
+def repeated_columns(schema: pa.Schema) -> List[str]:
+    """Column names a schema holds more than once (Parquet allows it; no reader by name can
+    tell them apart)."""
+    names = schema.names
+    return sorted({n for n in names if names.count(n) > 1})
 
 
 def _is_int_or_str(t: pa.DataType) -> bool:
@@ -179,7 +188,9 @@ class PromptParquetDatasource(Datasource):
     """One read task per group of files; see the module docstring. Footers are read up
     front, so row counts are exact (progress bars know the total, a limit is exact, and
     the reader can cut blocks of a chosen number of rows), and the files' schemas are
-    unified (or refused) before any read task runs."""
+    unified (or refused) before any read task runs. A `limit` stops reading footers once
+    it is reached, but the first file's is always read (limit 0: no rows, its columns
+    still checked)."""
 
     def __init__(self, paths: PathLike, storage: Optional[StorageOptions] = None, id_column: str = "id",
                  columns: Optional[List[str]] = None, limit: Optional[int] = None,
@@ -187,6 +198,7 @@ class PromptParquetDatasource(Datasource):
         super().__init__()
         self._fs = None
         self._files: List[_FileRef] = []
+        self.files_read: List[_FileRef] = []  # every file whose footer was read, rows or not
         self._exclude: Optional[pa.Array] = None
         self.num_excluded = 0
         self._id_column = id_column
@@ -201,7 +213,7 @@ class PromptParquetDatasource(Datasource):
                 raise InputError(f"input {url} is not readable: {type(e).__name__}: {e}") from e
             self._fs = self._fs or fs  # one filesystem for all paths (same scheme expected)
             for p, rel, size in found:
-                if left is not None and left <= 0:
+                if left is not None and left <= 0 and self.files_read:
                     break
                 full = fs.unstrip_protocol(p)
                 try:
@@ -210,22 +222,35 @@ class PromptParquetDatasource(Datasource):
                         n, schema = pf.metadata.num_rows, pf.schema_arrow
                 except Exception as e:  # noqa: BLE001
                     raise InputError(f"input file {full} is not readable Parquet: {type(e).__name__}: {e}") from e
+                repeated = repeated_columns(schema)
+                if repeated:
+                    raise InputError(f"input file {full} has more than one column named {repeated[0]!r}; rename or "
+                                     "drop the repeated column(s): " + ", ".join(map(repr, repeated)))
                 n = n if left is None else min(n, left)
                 left = None if left is None else left - n
                 has_ids = id_column in schema.names
                 if not has_ids:  # derived ids are strings
                     schema = schema.append(pa.field(id_column, pa.string()))
                 schemas.append((full, schema))
-                self._files.append(_FileRef(p, rel, size, n, n, full, tuple(schema.names), has_ids))
+                self.files_read.append(_FileRef(p, rel, size, n, n, full, tuple(schema.names), has_ids, schema))
         # the unified schema of every file (job-level column checks, and what read tasks yield)
         self.schema: Optional[pa.Schema] = unify_schemas(schemas, id_column) if schemas else None
-        self._files = [f for f in self._files if f.num_rows]
+        self._files = [f for f in self.files_read if f.num_rows]
         if exclude_ids:
             self.scan_ids(exclude_ids)
 
     def files_without(self, column: str) -> List[str]:
-        """URLs of the input files that lack `column`."""
-        return [f.url for f in self._files if column not in f.columns]
+        """URLs of the input files read that lack `column`."""
+        return [f.url for f in self.files_read if column not in f.columns]
+
+    def column_types(self, column: str) -> List[Tuple[str, pa.DataType]]:
+        """[(URL, type)] of `column` in each input file read that has it."""
+        return [(f.url, f.schema.field(column).type) for f in self.files_read
+                if f.schema is not None and column in f.schema.names]
+
+    def files_with_ids(self) -> List[str]:
+        """URLs of the input files read that hold the id column themselves."""
+        return [f.url for f in self.files_read if f.has_ids]
 
     def _file_ids(self, ref: _FileRef) -> pa.Array:
         """The ids (as strings) of the first `ref.num_rows` rows of one file."""

@@ -41,8 +41,9 @@ from .checkpoint_check import stop_sources
 from .config import DLLMProcessorConfig
 from .failures import users_to_fix
 from .preflight import (MAX_ERROR_FRACTION, SUMMARY_FILE, JobError, Preflight, check_columns,  # noqa: F401
-                        check_model, check_separate, preflight)
+                        check_model, check_options, check_separate, preflight)
 from .reader import read_prompts
+from .resources import check_resources, connected_cluster
 from .run_record import history_entry
 from .summary import block_stats, run_record, summarize
 from .writer import write_json, write_results
@@ -66,7 +67,7 @@ def error_fraction_message(summary: Dict[str, Any], max_error_fraction: float) -
 
 
 def run_offline(input: Union[str, List[str]], output: str, config: DLLMProcessorConfig, *,
-                storage: Optional[StorageOptions] = None, limit: Optional[int] = None, id_column: str = "id",
+                storage: Optional[StorageOptions] = None, limit: Optional[int] = None, id_column: Optional[str] = None,
                 reference_column: Optional[str] = "reference", overwrite: bool = False, resume: bool = True,
                 rows_per_file: Optional[int] = 256, allow_duplicate_ids: bool = False,
                 max_error_fraction: float = MAX_ERROR_FRACTION, resume_mismatch: str = "refuse",
@@ -77,13 +78,16 @@ def run_offline(input: Union[str, List[str]], output: str, config: DLLMProcessor
     files are skipped; `overwrite` starts from scratch instead. `preflighted`: what
     `preflight` returned for these same arguments, when the caller already ran it.
     `report`: also write report.html (pipeline/report.py), with the engines' own stats
-    (the job, pipeline/cli.py, does unless --no-report).
+    (the job, pipeline/cli.py, does unless --no-report). `id_column`: the input's ids
+    (default: "id" when the input has it, else each row's <file>:<row>, which the summary
+    states); a column named must be in every input file.
 
     Raises JobError for what stops the run and the user must fix (pipeline/failures.py),
     ErrorFractionExceeded (a JobError, after summary.json is written) when more than
     `max_error_fraction` of the rows failed; any other exception is a bug in blockray and
     propagates as raised (Ray's wrapper included, its text holding the remote traceback)."""
     t0 = time.perf_counter()
+    check_options(rows_per_file=rows_per_file)
     if run_id is None:  # the engines' `run` metrics tag, also in summary.json
         from actors.metrics import new_run_id
 
@@ -93,8 +97,8 @@ def run_offline(input: Union[str, List[str]], output: str, config: DLLMProcessor
         resume=resume, allow_duplicate_ids=allow_duplicate_ids, max_error_fraction=max_error_fraction,
         resume_mismatch=resume_mismatch, run_id=run_id)
     try:
-        return _run(checked, input, config, storage, id_column, reference_column, rows_per_file, max_error_fraction,
-                    run_id, t0, report)
+        return _run(checked, input, config, storage, checked.id_column, reference_column, rows_per_file,
+                    max_error_fraction, run_id, t0, report)
     finally:
         checked.release()
 
@@ -114,6 +118,7 @@ def _run(checked: Preflight, input: Union[str, List[str]], config: DLLMProcessor
     write_returns: List[Dict[str, Any]] = []
     engines: Dict[Any, Any] = {}
     if source.num_rows:
+        check_resources(config, connected_cluster())  # before any engine starts
         try:  # building the processor checks the model: inside, too
             processor = build_processor_for(config, storage, run_id, checked.checkpoint)
             ds = processor(read_prompts(input, rows_per_block=config.batch_size, source=source))
@@ -150,6 +155,7 @@ def _run(checked: Preflight, input: Union[str, List[str]], config: DLLMProcessor
     summary["status"] = "failed" if summary["error_fraction"] > max_error_fraction else "ok"
     summary["finished_at"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
     summary["run_record"] = checked.record
+    summary["ids_note"] = checked.ids_note
     summary["runs"] = [*checked.history, history_entry(summary, checked.settings_changed)]
     if report:
         from .report import write_report

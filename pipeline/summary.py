@@ -275,6 +275,8 @@ def format_summary(summary: Dict[str, Any]) -> str:
     if summary.get("duplicate_ids"):
         d = summary["duplicate_ids"]
         lines.append(f"duplicate ids      {d['count']} ids ({d['extra_rows']} extra rows), e.g. {d['first']}")
+    if summary.get("ids_note"):
+        lines.append(f"ids                {summary['ids_note']}")
     if summary.get("rows_skipped"):
         lines.append(f"resumed            {summary['rows_skipped']} rows already in the output skipped")
     if summary.get("output"):

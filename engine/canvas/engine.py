@@ -30,7 +30,7 @@ import torch
 
 from ..config import SchedulerKind, enum_value
 from ..sequence import FinishReason, RequestOutput
-from .params import CanvasParams
+from .params import CanvasParams, budget_refusal
 
 # What a request gets back: the engine's RequestOutput (num_blocks counts canvases).
 CanvasOutput = RequestOutput
@@ -123,8 +123,8 @@ class CanvasEngine:
             err = f"prompt token ids must be in [0, {self.V})"
         if err is None and self.image_token_id is not None and self.image_token_id in prompt:
             err = "the prompt holds image tokens; blockray serves DiffusionGemma text only"
-        if err is None and len(prompt) + math.ceil(max_tokens / self.L) * self.L > self.token_budget:
-            err = f"prompt + max_tokens exceed the token budget {self.token_budget}"
+        if err is None:
+            err = budget_refusal(len(prompt), max_tokens, self.L, self.token_budget)
         if err is not None:
             self.outputs.append(RequestOutput(request_id, prompt, [], FinishReason.ERROR, error=err))
             return

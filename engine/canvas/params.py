@@ -4,11 +4,14 @@ loader of the network itself."""
 from __future__ import annotations
 
 import json
+import math
 import os
 from dataclasses import dataclass, replace
 from typing import Any, Mapping, Optional
 
 import torch
+
+from ..config import SamplingParams, bounds_of
 
 # The SamplingParams fields that are DiffusionGemma's knobs (transformers' names).
 KNOBS = ("max_denoising_steps", "entropy_bound", "t_min", "t_max", "stability_threshold", "confidence_threshold")
@@ -54,17 +57,24 @@ class CanvasParams:
         return replace(self, **{k: get(k) for k in KNOBS if get(k) is not None})
 
     def validate(self) -> Optional[str]:
-        if not isinstance(self.max_denoising_steps, int) or self.max_denoising_steps < 1:
-            return f"max_denoising_steps must be an integer >= 1, got {self.max_denoising_steps!r}"
-        if not float(self.entropy_bound) > 0:
-            return f"entropy_bound must be > 0, got {self.entropy_bound!r}"
-        if not 0 <= float(self.t_min) < float(self.t_max):
-            return f"need 0 <= t_min < t_max, got t_min={self.t_min!r} t_max={self.t_max!r}"
-        if not isinstance(self.stability_threshold, int) or self.stability_threshold < 0:
-            return f"stability_threshold must be an integer >= 0, got {self.stability_threshold!r}"
-        if not float(self.confidence_threshold) > 0:
-            return f"confidence_threshold must be > 0, got {self.confidence_threshold!r}"
+        """Why a row cannot be decoded with these knobs, or None: each within its
+        SamplingParams field's bounds (declared there once), and t_min < t_max."""
+        for k in KNOBS:
+            err = bounds_of(SamplingParams, k).error(k, getattr(self, k))
+            if err:
+                return err
+        if not float(self.t_min) < float(self.t_max):
+            return f"t_min must be below t_max, got t_min={self.t_min!r} t_max={self.t_max!r}"
         return None
+
+
+def budget_refusal(prompt_len: int, max_tokens: int, canvas_length: int, token_budget: int) -> Optional[str]:
+    """Why a row of this prompt length and max_tokens never fits the token budget (its
+    canvases rounded up to whole ones), or None; the engine's check, and the preflight's
+    for a one-token prompt."""
+    if prompt_len + math.ceil(max_tokens / canvas_length) * canvas_length > token_budget:
+        return f"prompt + max_tokens exceed the token budget {token_budget}"
+    return None
 
 
 def load_diffusion_gemma(source: Any, dtype: torch.dtype = torch.bfloat16, device: str = "cpu",
@@ -90,4 +100,4 @@ def load_diffusion_gemma(source: Any, dtype: torch.dtype = torch.bfloat16, devic
     return model.to(device).eval()
 
 
-__all__ = ["CanvasParams", "KNOBS", "load_diffusion_gemma"]
+__all__ = ["CanvasParams", "KNOBS", "budget_refusal", "load_diffusion_gemma"]

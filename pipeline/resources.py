@@ -1,0 +1,110 @@
+"""What a job's engine pool needs against what the cluster has: an impossible job is
+refused naming the options, instead of waiting --wait-for-engines-s for actors Ray can
+never place (or failing with Ray's infeasibility error, which names no option).
+
+The pool: `num_engines` engine actors (each `DLLMProcessorConfig.engine_resources`, plus
+its custom resources), one dispatcher per engine (DISPATCHER_CPUS), and room beside them
+for one CPU task of the stages (read, tokenize, sort, detokenize, write), without which
+rows never reach the engines. Checked twice: before a local Ray starts, against the CPUs
+it will be given (--num-cpus); and once connected (a local or a joined cluster), before
+any engine starts, against the cluster's resources in total and per node, or what its
+autoscaler may grow it to."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Dict, Iterable, List, Optional
+
+from actors.engine_router import DISPATCHER_CPUS
+
+from .config import DLLMProcessorConfig
+from .errors import JobError
+
+# The CPUs of a read or write task (pipeline/reader.py read_prompts, pipeline/writer.py write_results)
+IO_TASK_CPUS = 0.25
+
+
+@dataclass
+class Cluster:
+    """The resources a cluster has (or can grow to), in total and per node; `kinds`: the
+    resources known (a local Ray not started yet: its CPUs only)."""
+
+    total: Dict[str, float]
+    nodes: List[Dict[str, float]] = field(default_factory=list)
+    kinds: Optional[Iterable[str]] = None  # None: every resource (absent means none)
+    what: str = "the cluster"
+
+    def knows(self, kind: str) -> bool:
+        return self.kinds is None or kind in self.kinds
+
+
+def local_cluster(num_cpus: int) -> Cluster:
+    """The local Ray the job will start with `--num-cpus`: CPUs known, GPUs not yet."""
+    return Cluster({"CPU": float(num_cpus)}, [{"CPU": float(num_cpus)}], kinds=("CPU",),
+                   what=f"the local Ray (--num-cpus {num_cpus})")
+
+
+def connected_cluster() -> Cluster:
+    """The cluster this process is connected to (started as Ray Data would on its first
+    use, when not yet): its alive nodes' resources, and where an autoscaler runs it, the
+    node types it may add and the totals it may reach (read as Ray Train reads them before
+    placing its workers)."""
+    import ray
+
+    if not ray.is_initialized():
+        ray.init()
+
+    total = {k: float(v) for k, v in ray.cluster_resources().items()}
+    nodes = [{k: float(v) for k, v in n["Resources"].items()} for n in ray.nodes() if n.get("Alive")]
+    try:
+        from ray._private.state import state
+
+        config = state.get_cluster_config()
+        most = state.get_max_resources_from_cluster_config() if config is not None else None
+    except Exception:  # noqa: BLE001 - no autoscaler to ask: the cluster as it is
+        config, most = None, None
+    if config is not None:
+        nodes += [{k: float(v) for k, v in g.resources.items()} for g in config.node_group_configs if g.max_count]
+        total = {k: max(total.get(k, 0.0), float((most or {}).get(k, 0))) for k in {*total, *(most or {})}}
+    return Cluster(total, nodes, what="the cluster" + (" (with the nodes its autoscaler may add)" if config else ""))
+
+
+def pool_needs(config: DLLMProcessorConfig, cluster_gpus: float) -> Dict[str, Any]:
+    """{"engine": one engine's resources, "total": the whole pool's, "task": the CPU task
+    kept room for}, on a cluster with `cluster_gpus` GPUs."""
+    res = config.engine_resources(cluster_gpus)
+    engine = {"CPU": res["num_cpus"], "GPU": res["num_gpus"], **(config.resources_per_engine or {})}
+    task = max(config.cpu_stage_num_cpus, IO_TASK_CPUS)
+    n = config.num_engines
+    total = {k: n * v for k, v in engine.items()}
+    total["CPU"] += n * DISPATCHER_CPUS + task
+    return {"engine": engine, "total": total, "task": task}
+
+
+# The options that set what one engine asks for, by resource
+_PER_ENGINE = {"CPU": "num_cpus_per_engine", "GPU": "num_gpus_per_engine"}
+
+
+def check_resources(config: DLLMProcessorConfig, cluster: Cluster) -> None:
+    """Raise JobError naming the options when the pool can never be placed on `cluster`:
+    more of a resource in total than it has, or one engine larger than any of its nodes."""
+    gpus = cluster.total.get("GPU", 0.0) if cluster.knows("GPU") else 0.0
+    needs = pool_needs(config, gpus)
+    n, engine = config.num_engines, needs["engine"]
+    for kind, need in needs["total"].items():
+        have = cluster.total.get(kind, 0.0)
+        if not need or not cluster.knows(kind) or need <= have + 1e-9:
+            continue
+        per = _PER_ENGINE.get(kind, "engine_resource")
+        how = f"{n} engine(s) x {engine[kind]:g}"
+        if kind == "CPU":
+            how += f" + {n} dispatcher(s) x {DISPATCHER_CPUS:g} + {needs['task']:g} for a read/tokenize/write task"
+        more = "more CPUs (--num-cpus for a local Ray)" if kind == "CPU" else f"more {kind}"
+        raise JobError(f"the engine pool needs {need:g} {kind} ({how}) but {cluster.what} has {have:g}: the engines "
+                       f"could never all start. Give it {more}, fewer engines (--num-engines) or less {kind} per "
+                       f"engine ({'--' + per.replace('_', '-')})", "num_engines", per)
+    sized = {k: v for k, v in engine.items() if v and cluster.knows(k)}
+    if cluster.nodes and not any(all(node.get(k, 0.0) + 1e-9 >= v for k, v in sized.items())
+                                 for node in cluster.nodes):
+        want = ", ".join(f"{v:g} {k}" for k, v in sized.items())
+        raise JobError(f"one engine needs {want} on a single node, and no node of {cluster.what} has that much: "
+                       "ask less per engine", *[_PER_ENGINE.get(k, "engine_resource") for k in sized])
