@@ -177,7 +177,8 @@ class SamplingParams:
         "timestep (Dream's schedule), origin (Dream's alg=origin: each mask at random)")})
     threshold: float = field(default=0.9, metadata={"bounds": within(0, 1, low_open=True), "help": (
         "policy threshold: unmask every position whose confidence is at least this (at least one per step)")})
-    factor: float = field(default=1.0, metadata={"bounds": above(0), "help": "policy factor: Fast-dLLM's factor rule constant"})
+    factor: float = field(default=1.0, metadata={"bounds": above(0),
+        "help": "policy factor: Fast-dLLM's factor rule constant"})
     temperature: float = field(default=0.0, metadata={"bounds": at_least(0), "help": (
         "0: greedy; > 0: sample the proposals with float64 Gumbel noise")})
     stop_token_ids: Optional[Sequence[int]] = field(default=None, metadata={"help": (
@@ -192,7 +193,8 @@ class SamplingParams:
     first_position: Optional[bool] = field(default=None, metadata={"help": (
         "Dream's block decoding: a block's first step commits only its first position (auto: on for Dream, "
         "off for LLaDA)")})
-    top_p: float = field(default=1.0, metadata={"bounds": within(0, 1, low_open=True), "help": "nucleus sampling of the proposals (1: off)"})
+    top_p: float = field(default=1.0, metadata={"bounds": within(0, 1, low_open=True),
+        "help": "nucleus sampling of the proposals (1: off)"})
     top_k: int = field(default=0, metadata={"bounds": at_least(-1, integer=True, note=" (0 or -1: off)"), "help": (
         "sample the proposals from the k most likely tokens (0 or -1: off)")})
     stop: Optional[Sequence[str]] = field(default=None, metadata={"help": (

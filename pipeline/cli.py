@@ -315,7 +315,7 @@ def run_job(args: argparse.Namespace) -> int:
     from actors.metrics import new_run_id
 
     from .preflight import MAX_ERROR_FRACTION, JobError, preflight
-    from .resources import local_cluster
+    from .resources import connected_cluster, local_cluster
     from .signals import Interrupted, StopOnSignal, stop_cleanly
     from common.storage import StorageOptions, describe_error
 
@@ -337,33 +337,35 @@ def run_job(args: argparse.Namespace) -> int:
     stop = StopOnSignal(cleanup=lambda signum: stop_cleanly(job.get("checked")))
     stop.install()  # Ctrl-C / SIGTERM: a clean stop, exit 130 / 143 (pipeline/signals.py)
     address = args.address or os.environ.get("RAY_ADDRESS")
-    # a local Ray given --num-cpus: the engine pool is checked against it before it starts
-    cluster = local_cluster(args.num_cpus) if not address and args.num_cpus is not None else None
+    ray_failed = ("Ray did not start: {}. Try again (a loaded node can time out while it starts), give it fewer CPUs "
+                  "(--num-cpus), a short --temp-dir on a disk with free space, or join a running cluster (--address, "
+                  "RAY_ADDRESS)")
     try:
-        try:  # fail fast, before Ray or any engine starts: bad options, input, output or model
-            checked = job["checked"] = preflight(job_input, output, build_config(args, 0, storage), run_id=run_id,
-                                                 cluster=cluster, **options)
+        try:  # a joined cluster first: the engine pool is checked against it before the output is touched
+            context = ray.init(address=address) if address else None
+        except Exception as e:  # noqa: BLE001 - not a bug of blockray: say what to try
+            return fail(ray_failed.format(describe_error(e)))
+        try:  # fail fast, before a local Ray or any engine starts: bad options, input, output, model or pool
+            cluster = connected_cluster() if address else local_cluster(args.num_cpus)
+            checked = job["checked"] = preflight(job_input, output, build_config(args, cluster.gpus, storage),
+                                                 run_id=run_id, cluster=cluster, **options)
         except (JobError, ValueError) as e:
             return fail(str(e))
         if checked.ids_note:
             print(f"ids: {checked.ids_note}", flush=True)
         from .dashboard import announce, local_ray_options
 
-        try:
-            if address:
-                context = ray.init(address=address)
-            else:  # address="local": never join a stale cluster left in /tmp/ray
-                from .local_ray import start_local_ray
+        if not address:  # address="local": never join a stale cluster left in /tmp/ray
+            from .local_ray import start_local_ray
 
+            try:
                 context = start_local_ray(ray, num_cpus=args.num_cpus, _temp_dir=args.temp_dir,
                                           **local_ray_options(args.dashboard, args.dashboard_port),
                                           runtime_env={"env_vars": {"PYTHONPATH": os.pathsep.join(
                                               [ROOT] + [x for x in os.environ.get("PYTHONPATH", "").split(os.pathsep)
                                                         if x])}})
-        except Exception as e:  # noqa: BLE001 - not a bug of blockray: say what to try
-            return fail(f"Ray did not start: {describe_error(e)}. Try again (a loaded node can time out while it "
-                        "starts), give it fewer CPUs (--num-cpus), a short --temp-dir on a disk with free space, or "
-                        "join a running cluster (--address, RAY_ADDRESS)")
+            except Exception as e:  # noqa: BLE001 - not a bug of blockray: say what to try
+                return fail(ray_failed.format(describe_error(e)))
         announce(context, local=not address)
         return _run_on_ray(args, run_id, output, storage, job_input, options, checked, stop)
     except Interrupted as e:

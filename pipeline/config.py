@@ -13,7 +13,8 @@ import os
 from dataclasses import dataclass, field, fields
 from typing import Any, Dict, List, Optional
 
-from engine.config import Attention, Bounds, EngineConfig, SamplingParams, above, at_least, enum_value, out_of_bounds, within
+from engine.config import (Attention, Bounds, EngineConfig, SamplingParams, above, at_least, enum_value,
+                           out_of_bounds, within)
 
 from .sorting.model import DTYPE_BYTES  # torch-free: the dtypes an engine loads, by name
 
@@ -52,13 +53,16 @@ class DLLMProcessorConfig:
     attention: Attention = field(default=Attention.AUTO, metadata={"help": (
         "the model's attention: auto = what the checkpoint declares (dllm_attention in config.json), else "
         "bidirectional; block_causal for D2F adapters (prompt bidirectional, block j sees the prompt and blocks <= j)")})
-    num_engines: int = field(default=1, metadata={"bounds": at_least(1, integer=True), "help": "engine actors; one GPU each when the cluster has GPUs"})
-    batch_size: int = field(default=16, metadata={"bounds": at_least(1, integer=True), "help": "rows per map_batches call into an engine actor"})
+    num_engines: int = field(default=1, metadata={"bounds": at_least(1, integer=True),
+        "help": "engine actors; one GPU each when the cluster has GPUs"})
+    batch_size: int = field(default=16, metadata={"bounds": at_least(1, integer=True),
+        "help": "rows per map_batches call into an engine actor"})
     engine: EngineConfig = field(default_factory=EngineConfig)
     sampling: SamplingParams = field(default_factory=SamplingParams)
     # Batches one engine actor works on at once; > 1 keeps its queue fed across batch
     # boundaries (the engine admits rows of the next batch while the last one finishes).
-    max_concurrent_batches: int = field(default=4, metadata={"bounds": at_least(1, integer=True), "help": "batches in flight per engine"})
+    max_concurrent_batches: int = field(default=4, metadata={"bounds": at_least(1, integer=True),
+        "help": "batches in flight per engine"})
     # Columns.
     prompt_column: str = field(default="prompt", metadata={"help": "the input's text prompts"})
     messages_column: str = field(default="messages", metadata={"help": "the input's chat turns ({role, content})"})
@@ -99,7 +103,8 @@ class DLLMProcessorConfig:
     # engine nodes declare `--resources '{"engine_slot": N}'`: places engines on those nodes
     # (a restarted engine waits for a node with a free slot).
     resources_per_engine: Optional[Dict[str, float]] = None
-    torch_threads: int = field(default=1, metadata={"bounds": at_least(1, integer=True), "help": "torch threads per CPU engine actor"})
+    torch_threads: int = field(default=1, metadata={"bounds": at_least(1, integer=True),
+        "help": "torch threads per CPU engine actor"})
     dtype: str = field(default="auto", metadata={"help": (
         f"weights' dtype: auto (bfloat16 on GPU, float32 on CPU) or {', '.join(DTYPE_BYTES)}")})
     cpu_stage_num_cpus: float = field(default=0.25, metadata={"bounds": above(0), "help": (

@@ -254,11 +254,12 @@ def preflight(input: Union[str, List[str]], output: str, config: DLLMProcessorCo
     input readable with a prompt column of a usable type in every file, agreeing column
     types and unique ids (`id_column`, else "id" when the input has it, else <file>:<row>),
     model and tokenizer loadable, settings the model's engine serves, the engine pool
-    within `cluster`, output writable. Raises JobError naming the option to fix. Nothing in the output is removed (overwrite) or created until every
-    other check has passed: the output is prepared last, under this run's lease on it
-    (`Preflight.lock`, released by run_offline), with the run record a resume is checked
-    against (`resume_mismatch="allow"` mixes settings on purpose). `cluster`: what the run's
-    Ray will have, when known before it starts (pipeline/resources.py)."""
+    within `cluster` (what the run's Ray has or will have: pipeline/resources.py), output
+    writable. Raises JobError naming the option to fix. Nothing in the output is removed
+    (overwrite) or created until every other check has passed: the output is prepared
+    last, under this run's lease on it (`Preflight.lock`, released by run_offline), with
+    the run record a resume is checked against (`resume_mismatch="allow"` mixes settings
+    on purpose)."""
     check_options(limit=limit, max_error_fraction=max_error_fraction)
     resume = resume and not overwrite
     try:

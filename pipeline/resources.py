@@ -2,15 +2,19 @@
 refused naming the options, instead of waiting --wait-for-engines-s for actors Ray can
 never place (or failing with Ray's infeasibility error, which names no option).
 
-The pool: `num_engines` engine actors (each `DLLMProcessorConfig.engine_resources`, plus
-its custom resources), one dispatcher per engine (DISPATCHER_CPUS), and room beside them
-for one CPU task of the stages (read, tokenize, sort, detokenize, write), without which
-rows never reach the engines. Checked twice: before a local Ray starts, against the CPUs
-it will be given (--num-cpus); and once connected (a local or a joined cluster), before
-any engine starts, against the cluster's resources in total and per node, or what its
-autoscaler may grow it to."""
+The pool: `num_engines` engine actors (each `DLLMProcessorConfig.engine_resources`), one
+dispatcher per engine (DISPATCHER_CPUS), and room beside them for one CPU task of the
+stages (read, tokenize, sort, detokenize, write), without which rows never reach the
+engines. CPUs and GPUs only: a custom resource (--engine-resource) may come with nodes
+that join later, and an engine waiting for one fails after --wait-for-engines-s, naming it.
+
+Checked by the preflight, before the output is touched: against the node a local Ray will
+start with (the CPUs of --num-cpus, else the machine's, and its GPUs, as Ray itself
+resolves them), or against a joined cluster once connected (before any engine starts), in
+total and per node, or what its autoscaler may grow it to."""
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from typing import Any, Dict, Iterable, List, Optional
 
@@ -36,22 +40,33 @@ class Cluster:
     def knows(self, kind: str) -> bool:
         return self.kinds is None or kind in self.kinds
 
+    @property
+    def gpus(self) -> float:
+        return self.total.get("GPU", 0.0)
 
-def local_cluster(num_cpus: int) -> Cluster:
-    """The local Ray the job will start with `--num-cpus`: CPUs known, GPUs not yet."""
-    return Cluster({"CPU": float(num_cpus)}, [{"CPU": float(num_cpus)}], kinds=("CPU",),
-                   what=f"the local Ray (--num-cpus {num_cpus})")
+
+def local_cluster(num_cpus: Optional[int]) -> Cluster:
+    """The node a local Ray started with `num_cpus` (None: the machine's) will have,
+    resolved as Ray resolves it when it starts (CPUs, GPUs, custom resources); its CPUs
+    alone should Ray's resolver be unavailable."""
+    where = f"--num-cpus {num_cpus}" if num_cpus is not None else "this machine's CPUs; --num-cpus"
+    try:
+        from ray._private.resource_and_label_spec import ResourceAndLabelSpec
+
+        spec = ResourceAndLabelSpec(num_cpus=num_cpus).resolve(is_head=True)
+        node = {**{k: float(v) for k, v in (spec.resources or {}).items()}, "CPU": float(spec.num_cpus),
+                "GPU": float(spec.num_gpus or 0)}
+        return Cluster(node, [node], what=f"the local Ray ({where})")
+    except Exception:  # noqa: BLE001 - Ray's resolver moved: what the job knows
+        cpus = float(num_cpus if num_cpus is not None else len(os.sched_getaffinity(0)))
+        return Cluster({"CPU": cpus}, [{"CPU": cpus}], kinds=("CPU",), what=f"the local Ray ({where})")
 
 
 def connected_cluster() -> Cluster:
-    """The cluster this process is connected to (started as Ray Data would on its first
-    use, when not yet): its alive nodes' resources, and where an autoscaler runs it, the
-    node types it may add and the totals it may reach (read as Ray Train reads them before
-    placing its workers)."""
+    """The cluster this process is connected to: its alive nodes' resources, and where an
+    autoscaler runs it, the node types it may add and the totals it may reach (read as Ray
+    Train reads them before placing its workers)."""
     import ray
-
-    if not ray.is_initialized():
-        ray.init()
 
     total = {k: float(v) for k, v in ray.cluster_resources().items()}
     nodes = [{k: float(v) for k, v in n["Resources"].items()} for n in ray.nodes() if n.get("Alive")]
@@ -72,7 +87,7 @@ def pool_needs(config: DLLMProcessorConfig, cluster_gpus: float) -> Dict[str, An
     """{"engine": one engine's resources, "total": the whole pool's, "task": the CPU task
     kept room for}, on a cluster with `cluster_gpus` GPUs."""
     res = config.engine_resources(cluster_gpus)
-    engine = {"CPU": res["num_cpus"], "GPU": res["num_gpus"], **(config.resources_per_engine or {})}
+    engine = {"CPU": res["num_cpus"], "GPU": res["num_gpus"]}
     task = max(config.cpu_stage_num_cpus, IO_TASK_CPUS)
     n = config.num_engines
     total = {k: n * v for k, v in engine.items()}
@@ -80,7 +95,7 @@ def pool_needs(config: DLLMProcessorConfig, cluster_gpus: float) -> Dict[str, An
     return {"engine": engine, "total": total, "task": task}
 
 
-# The options that set what one engine asks for, by resource
+# The option that sets what one engine asks for, by resource
 _PER_ENGINE = {"CPU": "num_cpus_per_engine", "GPU": "num_gpus_per_engine"}
 
 
@@ -94,11 +109,11 @@ def check_resources(config: DLLMProcessorConfig, cluster: Cluster) -> None:
         have = cluster.total.get(kind, 0.0)
         if not need or not cluster.knows(kind) or need <= have + 1e-9:
             continue
-        per = _PER_ENGINE.get(kind, "engine_resource")
+        per = _PER_ENGINE[kind]
         how = f"{n} engine(s) x {engine[kind]:g}"
         if kind == "CPU":
             how += f" + {n} dispatcher(s) x {DISPATCHER_CPUS:g} + {needs['task']:g} for a read/tokenize/write task"
-        more = "more CPUs (--num-cpus for a local Ray)" if kind == "CPU" else f"more {kind}"
+        more = "more CPUs (--num-cpus for a local Ray)" if kind == "CPU" else "GPUs"
         raise JobError(f"the engine pool needs {need:g} {kind} ({how}) but {cluster.what} has {have:g}: the engines "
                        f"could never all start. Give it {more}, fewer engines (--num-engines) or less {kind} per "
                        f"engine ({'--' + per.replace('_', '-')})", "num_engines", per)
@@ -107,4 +122,4 @@ def check_resources(config: DLLMProcessorConfig, cluster: Cluster) -> None:
                                  for node in cluster.nodes):
         want = ", ".join(f"{v:g} {k}" for k, v in sized.items())
         raise JobError(f"one engine needs {want} on a single node, and no node of {cluster.what} has that much: "
-                       "ask less per engine", *[_PER_ENGINE.get(k, "engine_resource") for k in sized])
+                       "ask less per engine", *[_PER_ENGINE[k] for k in sized])

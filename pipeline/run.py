@@ -35,6 +35,8 @@ import logging
 import time
 from typing import Any, Dict, List, Optional, Union
 
+import ray
+
 from common.storage import StorageOptions, describe_error
 
 from .checkpoint_check import stop_sources
@@ -43,7 +45,7 @@ from .failures import users_to_fix
 from .preflight import (MAX_ERROR_FRACTION, SUMMARY_FILE, JobError, Preflight, check_columns,  # noqa: F401
                         check_model, check_options, check_separate, preflight)
 from .reader import read_prompts
-from .resources import check_resources, connected_cluster
+from .resources import connected_cluster
 from .run_record import history_entry
 from .summary import block_stats, run_record, summarize
 from .writer import write_json, write_results
@@ -92,10 +94,10 @@ def run_offline(input: Union[str, List[str]], output: str, config: DLLMProcessor
         from actors.metrics import new_run_id
 
         run_id = new_run_id()
-    checked = preflighted or preflight(
+    checked = preflighted or preflight(  # the engine pool against the Ray connected to, if any yet
         input, output, config, storage=storage, limit=limit, id_column=id_column, overwrite=overwrite,
         resume=resume, allow_duplicate_ids=allow_duplicate_ids, max_error_fraction=max_error_fraction,
-        resume_mismatch=resume_mismatch, run_id=run_id)
+        resume_mismatch=resume_mismatch, run_id=run_id, cluster=connected_cluster() if ray.is_initialized() else None)
     try:
         return _run(checked, input, config, storage, checked.id_column, reference_column, rows_per_file,
                     max_error_fraction, run_id, t0, report)
@@ -118,7 +120,6 @@ def _run(checked: Preflight, input: Union[str, List[str]], config: DLLMProcessor
     write_returns: List[Dict[str, Any]] = []
     engines: Dict[Any, Any] = {}
     if source.num_rows:
-        check_resources(config, connected_cluster())  # before any engine starts
         try:  # building the processor checks the model: inside, too
             processor = build_processor_for(config, storage, run_id, checked.checkpoint)
             ds = processor(read_prompts(input, rows_per_block=config.batch_size, source=source))

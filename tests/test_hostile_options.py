@@ -35,18 +35,23 @@ def job(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
                           timeout=timeout, start_new_session=True, stdin=subprocess.DEVNULL)
 
 
-def refused(model: str, inp: str, out: str, *args: str) -> str:
-    """The job with a private local Ray (2 CPUs) and `args` last: exit 2, one `error:` line,
-    no traceback, and Ray never started: its temp dir stays empty, no run line printed.
-    Returns the line."""
+def refused(model: str, inp: str, out: str, *args: str, ray: tuple = ("--num-cpus", "2")) -> str:
+    """The job with a private local Ray (2 CPUs; `ray`: other flags) and `args` last: exit 2,
+    one `error:` line, no traceback, and Ray never started: its temp dir stays empty, no
+    run line printed, the output untouched. Returns the line."""
     with ray_temp_dir() as ray_tmp:
-        res = job("--model", model, "--input", inp, "--output", out, "--num-cpus", "2", "--temp-dir", ray_tmp, *args)
+        temp_dir = () if "--address" in ray else ("--temp-dir", ray_tmp)
+        res = job("--model", model, "--input", inp, "--output", out, *ray, *temp_dir, *args)
         assert os.listdir(ray_tmp) == [], "Ray started before the refusal"
+    return assert_refused(res, out)
+
+
+def assert_refused(res: subprocess.CompletedProcess, out: str) -> str:
     err = res.stderr.strip()
     assert res.returncode == 2, res.stdout[-2000:] + res.stderr[-4000:]
     assert len(err.splitlines()) == 1 and err.startswith("error: "), err
     assert "Traceback" not in res.stdout + res.stderr and "blockray offline eval:" not in res.stdout
-    assert not os.path.exists(os.path.join(out, "_run_record.json")), "the output was prepared"
+    assert not os.path.exists(out), "the output was touched"
     return err
 
 
@@ -151,9 +156,11 @@ CASES = [
     ("the id column in some files only", [], "mixed",
      ["b.parquet has no id column 'id'", "a.parquet has (1 of 2 file(s)", "--id-column"]),
     ("a repeated column", [], "repeated", ["repeated.parquet has more than one column named 'prompt'", "--input"]),
-    ("a binary prompt column", [], "binary", ["binary.parquet: column 'prompt' is binary, not text", "--prompt-column"]),
+    ("a binary prompt column", [], "binary",
+     ["binary.parquet: column 'prompt' is binary, not text", "--prompt-column"]),
     ("an int prompt column", [], "int", ["int.parquet: column 'prompt' is int64, not text", "--prompt-column"]),
-    ("an all-null prompt column", [], "null", ["column 'prompt' holds only nulls (in", "null.parquet", "--prompt-column"]),
+    ("an all-null prompt column", [], "null",
+     ["column 'prompt' holds only nulls (in", "null.parquet", "--prompt-column"]),
     ("max_new_tokens past the context", ["--max-new-tokens", "100000"], "good",
      ["every row would be refused with these settings", "exceeds the model context of 1024 tokens"]),
     ("a row wider than the budget", ["--max-new-tokens", "600", "--token-budget", "300"], "good",
@@ -211,30 +218,33 @@ def test_diffusion_gemma_knobs_every_row_refuses(tmp_path, gemma):
     assert res.returncode == 2 and res.stderr.strip() == "error: --entropy-bound must be > 0, got 0.0 (see --help)"
 
 
-# --- a joined cluster: checked once connected, before any engine starts ------------------------
+def test_a_pool_the_machine_cannot_hold_is_refused(tmp_path, tiny_model_dir, inputs):
+    """Without --num-cpus the local Ray would get the machine's CPUs, resolved as Ray does."""
+    n = 2 * os.cpu_count() + 2
+    err = refused(tiny_model_dir, inputs["good"], str(tmp_path / "out"), "--num-engines", str(n), ray=())
+    assert f"needs {n * 0.55 + 0.25:g} CPU ({n} engine(s) x 0.5 + {n} dispatcher(s) x 0.05 + 0.25" in err, err
+    assert "but the local Ray (this machine's CPUs; --num-cpus) has" in err
+
+
+# --- a joined cluster: checked once connected, before the output or any engine ---------------------
 
 def test_a_pool_the_joined_cluster_cannot_hold_is_refused(tmp_path, tiny_model_dir, inputs, ray_address):
-    out = str(tmp_path / "out")
-    res = job("--model", tiny_model_dir, "--input", inputs["good"], "--output", out, "--num-engines", "4",
-              "--address", ray_address, *TINY)
-    err = res.stderr.strip().splitlines()[-1]
-    assert res.returncode == 2, res.stdout[-2000:] + res.stderr[-3000:]
+    err = refused(tiny_model_dir, inputs["good"], str(tmp_path / "out"), "--num-engines", "4", *TINY,
+                  ray=("--address", ray_address))
     assert err.startswith("error: the engine pool needs 2.45 CPU (4 engine(s) x 0.5 + 4 dispatcher(s)"), err
     assert "but the cluster has 2" in err and "--num-engines" in err
-    assert "Starting execution" not in res.stdout + res.stderr and part_files(out) == []
 
 
-@pytest.mark.parametrize("kw, words", [(dict(num_gpus_per_engine=1), "needs 1 GPU (1 engine(s) x 1) but the cluster "
-                                                                     "has 0"),
-                                       (dict(resources_per_engine={"engine_slot": 1}), "needs 1 engine_slot")])
-def test_run_offline_refuses_a_pool_the_cluster_cannot_hold(tmp_path, tiny_model_dir, inputs, ray_local, kw, words):
+def test_run_offline_refuses_a_pool_the_cluster_cannot_hold(tmp_path, tiny_model_dir, inputs, ray_local):
+    """A library caller's run_offline checks the pool against the Ray it is connected to."""
     from pipeline import DLLMProcessorConfig
     from pipeline.run import JobError, run_offline
 
-    cfg = DLLMProcessorConfig(model=tiny_model_dir, num_engines=1, **kw)
-    with pytest.raises(JobError, match=words.replace("(", r"\(").replace(")", r"\)")):
+    cfg = DLLMProcessorConfig(model=tiny_model_dir, num_engines=1, num_gpus_per_engine=1)
+    with pytest.raises(JobError, match=r"needs 1 GPU \(1 engine\(s\) x 1\) but the cluster has 0.*"
+                                       r"\(--num-gpus-per-engine\)"):
         run_offline(inputs["good"], str(tmp_path / "out"), cfg)
-    assert part_files(str(tmp_path / "out")) == []
+    assert not os.path.exists(tmp_path / "out")  # refused before the output was touched
 
 
 def test_one_engine_must_fit_one_node():
