@@ -1,7 +1,7 @@
 """Watching a run, with the real watchers (issue 29): one local `blockray` run with
 --dashboard, shared by every test here (a run costs a minute on 2 cores):
 - a headless Chromium finds the run's job and its engine actors in the Ray dashboard
-  while it runs;
+  while it runs (the driver paused meanwhile);
 - our own Prometheus scrapes what Ray's file-based service discovery names, and every
   PromQL query of actors/grafana_dashboard.json, variables substituted as Grafana does,
   returns a series with the run's `model` and `run` tags (a renamed metric does not);
@@ -12,11 +12,14 @@ from __future__ import annotations
 import copy
 import json
 import os
+import re
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
 import time
+import urllib.request
 from dataclasses import dataclass
 from typing import Optional
 
@@ -32,8 +35,7 @@ OUT = os.path.join(ROOT, "out", "test_watch")  # the run's output: report.html, 
 SHOTS = os.path.join(OUT, "screenshots")
 MODEL_TAG = "tiny-dllm"  # the embedded model's metrics tag (last path component)
 # Enough rows, two at a time per engine, for about ten seconds of generation on 2 cores: a
-# few Prometheus scrapes while the counters move, the engines alive while Chromium looks
-# for them, and a tokens/s curve in the report.
+# few Prometheus scrapes while the counters move, and a tokens/s curve in the report.
 ROWS = 720
 RUN_ARGS = ["--limit", str(ROWS), "--max-batch-size", "2", "--num-engines", "2", "--num-cpus", "2"]
 
@@ -113,36 +115,55 @@ def watched():
 
 # --- (a) the Ray dashboard during the run --------------------------------------------------
 
+def _live_engines(url: str) -> int:
+    """How many DLLMEngineActor actors are ALIVE, from the dashboard's own state API."""
+    query = "&".join(f"filter_keys={k}&filter_predicates=%3D&filter_values={v}"
+                     for k, v in (("class_name", "DLLMEngineActor"), ("state", "ALIVE")))
+    token = ray_auth_token()
+    request = urllib.request.Request(f"{url}/api/v0/actors?{query}",
+                                     headers={"Authorization": f"Bearer {token}"} if token else {})
+    try:
+        with urllib.request.urlopen(request, timeout=10) as r:
+            return len(json.load(r)["data"]["result"]["result"])
+    except OSError:
+        return 0
+
+
 def test_dashboard_shows_the_job_and_its_engines(watched):
+    """Once the state API says both engines are up, the driver is paused (SIGSTOP: the job
+    stays RUNNING, its engines ALIVE) while Chromium finds them: on a loaded machine the
+    browser takes longer to start than the tiny run takes to finish."""
     from playwright.sync_api import sync_playwright
 
     require(CHROMIUM, "chromium")
-    with sync_playwright() as p:
-        browser = launch_chromium(p)
-        context = browser.new_context(viewport={"width": 1400, "height": 900})
-        token = ray_auth_token()
-        if token:  # what the dashboard's login page stores
-            context.add_cookies([{"name": "ray-authentication-token", "value": token, "url": watched.dashboard_url}])
-        page = context.new_page()
-        page.set_default_timeout(120_000)
-        page.goto(watched.dashboard_url + "/#/jobs")
-        # a driver job's entrypoint is its command line
-        job = page.locator("tr", has_text="offline_eval.py").filter(has_text="RUNNING").first
-        job.wait_for()
-        job_id = job.locator("td").first.inner_text().strip()
-        page.screenshot(path=os.path.join(SHOTS, "dashboard-jobs.png"), full_page=True)
-        alive = set()  # the engines' actor ids seen ALIVE in the job, over the polls
-        deadline = time.time() + 180
-        while len(alive) < 2 and time.time() < deadline and watched.proc.poll() is None:
+    _wait_for("two live engines", lambda: _live_engines(watched.dashboard_url) >= 2, 300, watched.proc, watched.log)
+    os.kill(watched.proc.pid, signal.SIGSTOP)
+    try:
+        with sync_playwright() as p:
+            browser = launch_chromium(p)
+            context = browser.new_context(viewport={"width": 1400, "height": 900})
+            token = ray_auth_token()
+            if token:  # what the dashboard's login page stores
+                context.add_cookies([{"name": "ray-authentication-token", "value": token,
+                                      "url": watched.dashboard_url}])
+            page = context.new_page()
+            page.set_default_timeout(120_000)
+            page.goto(watched.dashboard_url + "/#/jobs")
+            # a driver job's entrypoint is its command line
+            job = page.locator("tr", has_text="offline_eval.py").filter(has_text="RUNNING").first
+            job.wait_for()
+            job_id = job.locator("td").first.inner_text().strip()
+            page.screenshot(path=os.path.join(SHOTS, "dashboard-jobs.png"), full_page=True)
             page.goto(watched.dashboard_url + "/#/actors")
             page.get_by_label("Class").fill("DLLMEngineActor")  # the actor holding each engine
-            page.locator("tr", has_text="DLLMEngineActor").first.wait_for()
-            time.sleep(1)
             rows = page.locator("tr", has_text="DLLMEngineActor").filter(has_text="ALIVE").filter(has_text=job_id)
-            alive |= {row.locator("td").first.inner_text().strip() for row in rows.all()}
-        page.screenshot(path=os.path.join(SHOTS, "dashboard-actors.png"), full_page=True)
-        browser.close()
-    assert len(alive) == 2, f"live DLLMEngineActor actors of job {job_id} in the dashboard: {alive}; run log:\n{watched.text()[-3000:]}"
+            rows.nth(1).wait_for()
+            alive = {re.search(r"\b[0-9a-f]{32}\b", row.inner_text()).group() for row in rows.all()}  # actor ids
+            page.screenshot(path=os.path.join(SHOTS, "dashboard-actors.png"), full_page=True)
+            browser.close()
+    finally:
+        os.kill(watched.proc.pid, signal.SIGCONT)
+    assert len(alive) == 2, f"live DLLMEngineActor actors of job {job_id} in the dashboard: {alive}"
 
 
 # --- the Grafana dashboard against a real Prometheus ---------------------------------------
