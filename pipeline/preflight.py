@@ -20,7 +20,7 @@ from .output_lock import OutputLock, OutputLocked
 from .reader import DuplicateIds, InputError, PromptParquetDatasource
 from .run_record import RECORD_FILE, build_record, check_resume, read_json, run_history
 from .stages import resolve_chat_template, template_of
-from .writer import check_output, completed_keys, prepare_output, write_json
+from .writer import accepted_parts, check_output, completed_keys, prepare_output, write_json
 
 SUMMARY_FILE = "summary.json"
 
@@ -216,7 +216,8 @@ def preflight(input: Union[str, List[str]], output: str, config: DLLMProcessorCo
                              config.sampling, config.engine)
     record = build_record(config, checkpoint, check_chat_template(config, names, checkpoint))
     try:
-        keys = completed_keys(out_fs, out_path, id_column) if resume else []
+        parts = accepted_parts(out_fs, out_path) if resume else []  # late parts left out (pipeline/writer.py)
+        keys = completed_keys(out_fs, out_path, id_column, parts)
     except Exception as e:  # noqa: BLE001
         raise JobError(f"output {output}: its part files cannot be read to resume: {describe_error(e)}; "
                        "--overwrite starts afresh", "output") from e
@@ -246,7 +247,7 @@ def preflight(input: Union[str, List[str]], output: str, config: DLLMProcessorCo
     except Exception as e:  # noqa: BLE001
         raise JobError(f"output {output} is not writable: {describe_error(e)}", "output") from e
     try:
-        prepare_output(out_fs, out_path, overwrite=overwrite, resume=resume)
+        prepare_output(out_fs, out_path, overwrite=overwrite, resume=resume, writer=lock.writer_id, parts=parts)
         write_json((out_fs, out_path), RECORD_FILE, record)
     except Exception as e:  # noqa: BLE001
         lock.release()
