@@ -24,7 +24,7 @@ import subprocess
 import sys
 import threading
 import time
-from typing import List, Optional, Tuple
+from typing import Any, Callable, List, Optional, Tuple
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -40,13 +40,12 @@ TINY = ["--num-engines", "1", "--batch-size", "4", "--block-length", "4", "--ste
 N = 8
 
 
-def cli(*args: str, address: str, env: Optional[dict] = None, timeout: float = 300,
-        **popen) -> subprocess.CompletedProcess:
+def cli(*args: str, address: str, env: Optional[dict] = None, timeout: float = 300) -> subprocess.CompletedProcess:
     """`python jobs/offline_eval.py …` joining the Ray at `address`."""
     with job_ray(address) as ray:
         return subprocess.run([sys.executable, "jobs/offline_eval.py", *args, *ray], cwd=ROOT, capture_output=True,
                               text=True, timeout=timeout, start_new_session=True, stdin=subprocess.DEVNULL,
-                              env={**os.environ, **(env or {})}, **popen)
+                              env={**os.environ, **(env or {})})
 
 
 def one_error(res: subprocess.CompletedProcess, *words: str) -> str:
@@ -106,8 +105,8 @@ def foreign_lease(now: float) -> dict:
             "heartbeat_at": now, "ttl_s": 600}
 
 
-def when_held(out: str, act, stop: threading.Event) -> threading.Thread:
-    """A thread that calls act(writer) once the run on `out` holds its lease and has listed
+def when_held(out: str, act: Callable[[], Any], stop: threading.Event) -> threading.Thread:
+    """A thread that calls act() once the run on `out` holds its lease and has listed
     the output: its part manifest names its lease (`writer`), which it writes once every
     preflight check passed, before Ray and the engines start."""
     def watch() -> None:
@@ -120,7 +119,7 @@ def when_held(out: str, act, stop: threading.Event) -> threading.Thread:
             except (OSError, ValueError, KeyError):
                 continue
             if token[:12] == writer:
-                act(writer)
+                act()
                 return
     thread = threading.Thread(target=watch, daemon=True)
     thread.start()
@@ -168,7 +167,7 @@ def test_run_whose_lease_is_taken_over_stops_and_exits_2(tmp_path, tiny_model_di
     inp, out = str(tmp_path / "in.parquet"), str(tmp_path / "out")
     write_prompts(inp, "r{}", N)
 
-    def take_over(writer: str) -> None:
+    def take_over() -> None:
         tmp = os.path.join(out, "_lock.json.other")
         with open(tmp, "w") as f:
             json.dump(foreign_lease(time.time()), f)
@@ -239,7 +238,7 @@ def test_late_part_is_kept_out_by_the_run_that_took_over(tmp_path, tiny_model_di
     write_prompts(inp, "r{}", N)
     late: List[str] = []
     stop = threading.Event()
-    when_held(out, lambda writer: late.append(_commit_part(out, "0123456789ab", 99, ["r4", "r5"])), stop)
+    when_held(out, lambda: late.append(_commit_part(out, "0123456789ab", 99, ["r4", "r5"])), stop)
     try:
         res = cli("--model", tiny_model_dir, "--input", inp, "--output", out, "--no-report", *TINY,
                   address=ray_address)
