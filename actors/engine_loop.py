@@ -32,7 +32,12 @@ def error_output(request_id: Any, prompt: Sequence[int], message: str) -> Reques
 
 class EngineLoop:
     """Owns the engine thread. `submit` is thread-safe and returns a Future that always
-    resolves to a RequestOutput (never raises), so one bad row never fails a batch."""
+    resolves to a RequestOutput (never raises), so one bad row never fails a batch.
+
+    A step that raises fails the requests in flight (error outputs) and a fresh engine
+    takes over. Should building that engine raise too, the loop is `broken`: its thread
+    ends, and the requests in flight and every later one resolve at once to an error
+    output saying both, so that no caller waits for an engine that will never step."""
 
     def __init__(self, engine_factory: Callable[[], "Engine"], on_step: Optional[StepHook] = None,
                  idle_wait_s: float = 0.5):
@@ -44,6 +49,7 @@ class EngineLoop:
         self._lock = threading.Lock()
         self._wake = threading.Event()
         self._stop = threading.Event()
+        self.broken: Optional[str] = None  # why no engine can run (see the class docstring)
         self._thread = threading.Thread(target=self._run, name="dllm-engine-loop", daemon=True)
         self._thread.start()
 
@@ -52,6 +58,9 @@ class EngineLoop:
         with self._lock:
             if request_id in self._futures:
                 raise ValueError(f"duplicate request id {request_id!r}")
+            if self.broken is not None:
+                fut.set_result(error_output(request_id, prompt, self.broken))
+                return fut
             self._futures[request_id] = fut
             engine = self.engine
         try:
@@ -68,7 +77,7 @@ class EngineLoop:
             fut.set_result(out)
 
     def _run(self) -> None:
-        while not self._stop.is_set():
+        while not self._stop.is_set() and self.broken is None:
             self._wake.clear()
             engine = self.engine
             if not engine.has_unfinished():
@@ -89,12 +98,17 @@ class EngineLoop:
 
     def _recover(self, error: Exception) -> None:
         """A step raised: its batch state is unknown, so every request in flight gets the
-        error and a fresh engine (same model) takes over."""
+        error and a fresh engine (same model) takes over; if that cannot be built, the loop
+        is broken (see the class docstring)."""
         logger.error("engine step failed; failing in-flight requests:\n%s", traceback.format_exc())
         message = f"engine step failed: {type(error).__name__}: {error}"
-        with self._lock:
+        with self._lock:  # submits wait for the new engine (or the verdict)
             failed, self._futures = self._futures, {}
-            self.engine = self._factory()
+            try:
+                self.engine = self._factory()
+            except Exception as e:  # noqa: BLE001 - no engine to serve any request: fail them all
+                logger.exception("rebuilding the engine failed; every request fails from now on")
+                message = self.broken = f"{message}; rebuilding the engine failed: {type(e).__name__}: {e}"
         for rid, fut in failed.items():
             if not fut.done():
                 fut.set_result(error_output(rid, [], message))

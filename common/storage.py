@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import re
+import uuid
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Mapping, Optional, Tuple
 
@@ -88,6 +89,30 @@ class StorageOptions:
         kw["config_kwargs"] = {"retries": dict(S3_RETRIES)}
         kw.update(opts.extra)
         return kw
+
+
+class StorageWriteError(OSError):
+    """A write to the output failed for good (after the storage client's retries, or at
+    once for a permission or missing-bucket error): the message names the step, the file
+    and the store's answer. An OSError, so pipeline/failures.py counts it as the user's to fix."""
+
+
+def put_whole(fs: fsspec.AbstractFileSystem, path: str, data: bytes) -> None:
+    """Write a small file that readers see whole or not at all, in as few requests as
+    possible: one PUT on an object store (atomic there), a write then a rename on a local
+    disk. For the output's bookkeeping files (the lease, the part manifest)."""
+    if protocol_of(fs.unstrip_protocol(path)) != "file":
+        fs.pipe_file(path, data)
+        return
+    os.makedirs(path.rsplit("/", 1)[0], exist_ok=True)
+    tmp = f"{path}.{uuid.uuid4().hex}"
+    try:
+        with open(tmp, "wb") as fh:
+            fh.write(data)
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
 
 
 def protocol_of(url: str) -> str:

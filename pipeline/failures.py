@@ -27,7 +27,8 @@ from typing import Iterator, Set, Union
 # chain that is one of these, or derives from one, makes the failure the user's to fix.
 USERS_TO_FIX = frozenset({
     # storage and files: FileNotFoundError, PermissionError, ConnectionError, TimeoutError, …
-    # (s3fs raises S3's errors as these), the writer's StorageWriteError, EnginesNotReady
+    # (s3fs raises S3's errors as these), common.storage.StorageWriteError (any write to the
+    # output: part files, report.html, summary.json, the lease), EnginesNotReady
     "builtins.OSError",
     "builtins.MemoryError",  # the machine ran out of memory
     "botocore.exceptions.BotoCoreError",  # S3: endpoints, credentials, retries spent
@@ -37,6 +38,7 @@ USERS_TO_FIX = frozenset({
     "pipeline.errors.OptionError",  # JobError, CheckpointRefused: an option to change
     "pipeline.errors.UserFunctionError",  # the user's preprocess / postprocess raised
     "pipeline.reader.InputError",  # the input cannot be read
+    "pipeline.output_lock.OutputLocked",  # another run holds the output, or took it over (LeaseLost)
 })
 
 Link = Union[type, str]  # a class of the chain, or a class name read from a remote traceback

@@ -22,7 +22,7 @@ from .reader import DEFAULT_ID_COLUMN, DuplicateIds, InputError, PromptParquetDa
 from .resources import Cluster, check_resources
 from .run_record import RECORD_FILE, build_record, check_resume, read_json, run_history
 from .stages import resolve_chat_template, template_of
-from .writer import check_output, completed_keys, prepare_output, write_json
+from .writer import accepted_parts, check_output, completed_keys, prepare_output, write_json
 
 SUMMARY_FILE = "summary.json"
 
@@ -292,7 +292,8 @@ def preflight(input: Union[str, List[str]], output: str, config: DLLMProcessorCo
     if cluster is not None:
         check_resources(config, cluster)
     try:
-        keys = completed_keys(out_fs, out_path, id_column) if resume else []
+        parts = accepted_parts(out_fs, out_path) if resume else []  # late parts left out (pipeline/writer.py)
+        keys = completed_keys(out_fs, out_path, id_column, parts)
     except Exception as e:  # noqa: BLE001
         raise JobError(f"output {output}: its part files cannot be read to resume: {describe_error(e)}; "
                        "--overwrite starts afresh", "output") from e
@@ -322,7 +323,7 @@ def preflight(input: Union[str, List[str]], output: str, config: DLLMProcessorCo
     except Exception as e:  # noqa: BLE001
         raise JobError(f"output {output} is not writable: {describe_error(e)}", "output") from e
     try:
-        prepare_output(out_fs, out_path, overwrite=overwrite, resume=resume)
+        prepare_output(out_fs, out_path, overwrite=overwrite, resume=resume, writer=lock.writer_id, parts=parts)
         write_json((out_fs, out_path), RECORD_FILE, record)
     except Exception as e:  # noqa: BLE001
         lock.release()

@@ -25,7 +25,12 @@ generation or with an error saying why.
   settings is refused, naming them (pipeline/run_record.py; `resume_mismatch="allow"`), and
   `summary.json` lists every run that wrote the output (`runs`).
 - One writer per output: the run holds a lease in it (pipeline/output_lock.py) from the
-  preflight to its end; a second run on the output is refused naming the holder.
+  preflight to its end; a second run on the output is refused naming the holder. A run
+  that loses it (taken over, or not refreshed in time) stops writing there and fails
+  (`LeaseLost`, a JobError naming the run that took it or the cause); parts a dying run
+  commits after a takeover are kept out of the output (the part manifest, pipeline/writer.py).
+- Storage failing after every part file (the lease, report.html, summary.json) is a
+  JobError too, saying what is written and what a rerun does.
 """
 from __future__ import annotations
 
@@ -37,18 +42,19 @@ from typing import Any, Dict, List, Optional, Union
 
 import ray
 
-from common.storage import StorageOptions, describe_error
+from common.storage import StorageOptions, StorageWriteError, describe_error
 
 from .checkpoint_check import stop_sources
 from .config import DLLMProcessorConfig
 from .failures import users_to_fix
+from .output_lock import LOCK_FILE, LeaseLost
 from .preflight import (MAX_ERROR_FRACTION, SUMMARY_FILE, JobError, Preflight, check_columns,  # noqa: F401
                         check_model, check_options, check_separate, preflight)
 from .reader import read_prompts
 from .resources import connected_cluster
 from .run_record import history_entry
 from .summary import block_stats, run_record, summarize
-from .writer import write_json, write_results
+from .writer import remove_late_parts, write_json, write_results
 
 
 class ErrorFractionExceeded(JobError):
@@ -123,11 +129,15 @@ def _run(checked: Preflight, input: Union[str, List[str]], config: DLLMProcessor
         try:  # building the processor checks the model: inside, too
             processor = build_processor_for(config, storage, run_id, checked.checkpoint)
             ds = processor(read_prompts(input, rows_per_block=config.batch_size, source=source))
-            sink = write_results(ds, (out_fs, out_path), rows_per_file=rows_per_file, stats_fn=stats_fn)
+            sink = write_results(ds, (out_fs, out_path), rows_per_file=rows_per_file, stats_fn=stats_fn,
+                                 writer=checked.lock.writer_id, guard=checked.lock.guard())
             engines = engine_figures(processor) if report else {}
         except Exception as e:  # noqa: BLE001 - the user's to fix: one line; a bug: as raised
             if not users_to_fix(e):
                 raise
+            lost = lease_lost(checked.lock)
+            if lost:  # a write task found it first: the driver's own words for it
+                raise JobError(lost) from e
             raise JobError(f"run failed, no summary written: {describe_error(e)}. Part files already in "
                            f"{out_fs.unstrip_protocol(out_path)} are complete (temporaries stay under _tmp/): "
                            f"once the cause is fixed, rerun with the same --output to resume") from e
@@ -159,14 +169,54 @@ def _run(checked: Preflight, input: Union[str, List[str]], config: DLLMProcessor
     summary["ids_note"] = checked.ids_note
     summary["runs"] = [*checked.history, history_entry(summary, checked.settings_changed)]
     if report:
-        from .report import write_report
-
         summary["engines"] = engines
-        summary["report_file"] = write_report((out_fs, out_path), summary)
-    summary["summary_file"] = write_json((out_fs, out_path), SUMMARY_FILE, summary)
+    finish(checked, summary, report)
     if summary["status"] == "failed":
         raise ErrorFractionExceeded(error_fraction_message(summary, max_error_fraction), summary)
     return summary
+
+
+def finish(checked: Preflight, summary: Dict[str, Any], report: bool) -> None:
+    """After every part file: check the lease is still this run's, remove late parts
+    (pipeline/writer.py), write report.html (with `report`) and summary.json, remove the
+    lease. A failure there the user must fix (storage, the lease lost) is a JobError that
+    says what is written and what to do; a bug propagates."""
+    out_fs, out_path = checked.out_fs, checked.out_path
+    try:
+        checked.lock.verify()  # a run that lost the output's lease writes nothing more there
+        remove_late_parts(out_fs, out_path)
+        if report:
+            from .report import write_report
+
+            summary["report_file"] = write_report((out_fs, out_path), summary)
+        summary["summary_file"] = write_json((out_fs, out_path), SUMMARY_FILE, summary)
+        checked.lock.release(check=True)
+    except LeaseLost as e:
+        raise JobError(str(e)) from e
+    except Exception as e:  # noqa: BLE001 - the user's to fix: one line; a bug: as raised
+        if not users_to_fix(e):
+            raise
+        where = out_fs.unstrip_protocol(out_path)
+        if "summary_file" in summary:
+            advice = (f"Every row and summary.json are written in {where}; remove {LOCK_FILE} there (a run on it "
+                      f"from another host would otherwise wait {checked.lock.ttl_s:g} s for the lease to expire)")
+        else:
+            advice = (f"Every row is written, in the part files in {where}, but not the run's summary: rerun with the "
+                      "same --output to write it (no row is generated again)")
+        cause = str(e) if isinstance(e, StorageWriteError) else describe_error(e)  # which holds its cause
+        raise JobError(f"{cause}. {advice}") from e
+
+
+def lease_lost(lock: Any) -> Optional[str]:
+    """Why this run no longer holds its output's lease; None when it does, or when the
+    lease cannot be read now (the run's own error then says more)."""
+    try:
+        lock.verify()
+    except LeaseLost as e:
+        return str(e)
+    except Exception:  # noqa: BLE001 - see above
+        pass
+    return None
 
 
 def engine_figures(processor: Any) -> Dict[str, Dict[str, Any]]:
