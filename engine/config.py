@@ -9,7 +9,7 @@ from typing import Any, Dict, Literal, Optional, Sequence, get_args
 from .modes import CacheMode as CacheModeRule, cache_mode
 
 Policy = Literal["fixed", "threshold", "factor", "timestep"]
-Remasking = Literal["low_confidence", "random", "entropy", "margin"]
+Remasking = Literal["low_confidence", "random", "entropy", "margin", "sequential"]
 CacheMode = Literal["none", "refresh", "persistent", "dual"]
 Canvas = Literal["auto", "block", "full"]
 AdvanceMode = Literal["block", "step"]
@@ -66,7 +66,8 @@ class SamplingParams:
     - `remasking`, the confidence that ranks positions: `low_confidence` (probability
       of the proposed token), `random` (LLaDA's random remasking, seeded per request),
       `entropy` (Dream: negative entropy of the distribution), `margin` (Dream's
-      top-1 minus top-2 probability).
+      top-1 minus top-2 probability), `sequential` (SDAR's: left to right, the leftmost
+      masks first; with the `fixed` policy only).
     - `first_position` (Dream's block decoding): the first step of every block commits
       exactly the block's first position, predicted from the token before it. None:
       on for Dream checkpoints, off for LLaDA, as their reference code does.
@@ -112,7 +113,7 @@ class SamplingParams:
         "seed of the sampling noise and random remasking; per row, a row's tokens never depend on its batch")})
     remasking: Remasking = field(default="low_confidence", metadata={"help": (
         "the confidence that ranks masked positions: low_confidence, random (LLaDA), entropy or margin "
-        "(Dream)")})
+        "(Dream), sequential (SDAR: left to right; policy fixed)")})
     first_position: Optional[bool] = field(default=None, metadata={"help": (
         "Dream's block decoding: a block's first step commits only its first position (auto: on for Dream, "
         "off for LLaDA)")})
@@ -184,6 +185,9 @@ class SamplingParams:
             err = not_one_of(name, getattr(self, name), kind)
             if err:
                 return err
+        if self.remasking == "sequential" and self.policy != "fixed":
+            return (f"remasking 'sequential' (left to right) takes the fixed schedule's k positions a step: it "
+                    f"needs policy 'fixed', got {self.policy!r}")
         if self.first_position not in (None, True, False):
             return f"first_position must be true, false or null, got {self.first_position!r}"
         if not 0.0 < float(self.threshold) <= 1.0:

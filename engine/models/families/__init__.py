@@ -13,6 +13,7 @@ from .dream import DREAM
 from .llada import LLADA
 from .llada2_moe import LLADA2_MOE
 from .llada_moe import LLADA_MOE
+from .sdar import SDAR, SDAR_MOE
 
 FAMILIES: Dict[str, Family] = {}
 
@@ -32,7 +33,7 @@ def register(family: Family) -> Family:
     return family
 
 
-for _family in (LLADA_MOE, LLADA, DREAM, LLADA2_MOE, DIFFUSION_GEMMA):
+for _family in (LLADA_MOE, LLADA, DREAM, LLADA2_MOE, DIFFUSION_GEMMA, SDAR, SDAR_MOE):
     register(_family)
 
 

@@ -50,10 +50,13 @@ class ThresholdRule(enum.StrEnum):
     """The `threshold` policy's rule. AT_LEAST_TOP1 (Fast-dLLM): every position whose
     confidence is >= threshold, at least the most confident. SCHEDULE_FLOOR (LLaDA2's
     generate()): confidence strictly greater, at least the fixed schedule's k of the step
-    over min(steps, max_new_tokens) steps (k = 1 while token editing, LLaDA2.1's loop)."""
+    over min(steps, max_new_tokens) steps (k = 1 while token editing, LLaDA2.1's loop).
+    BLOCK_FLOOR (SDAR's block_diffusion_generate): the same over steps_per_block steps,
+    whatever max_new_tokens."""
 
     AT_LEAST_TOP1 = "at_least_top1"
     SCHEDULE_FLOOR = "schedule_floor"
+    BLOCK_FLOOR = "block_floor"
 
 
 class Serving(enum.StrEnum):
