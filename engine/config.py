@@ -79,6 +79,11 @@ class SamplingParams:
     is cut before it), `seed`, `n` (samples per row; the pipeline expands a row into n
     requests with seeds derived from the row's). `from_dict` also takes `max_tokens`.
 
+    SDAR / TraDo checkpoints (ThresholdRule.BLOCK_FLOOR): `threshold` is
+    block_diffusion_generate's low_confidence_dynamic (strictly greater, at least the `fixed`
+    schedule's k of the step over steps_per_block steps); `fixed` is its
+    low_confidence_static, and `fixed` with remasking `sequential` its sequential.
+
     LLaDA2 checkpoints (their family's ThresholdRule.SCHEDULE_FLOOR): `threshold` is
     LLaDA2's rule (confidence strictly greater, at least the `fixed` schedule's k of the
     step, so LLaDA2.1's k = 1 is steps_per_block = block_length), and `edit_threshold`

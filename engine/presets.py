@@ -9,7 +9,16 @@ skip_threshold=0.9`, humaneval `block_size=32 block_add_threshold=0.1
 decoded_token_threshold=0.95 skip_threshold=0.9`, both `max_new_tokens=512
 temperature=0`; D2F caches completed blocks (blockray: cache "persistent"). They need a
 block-causal model (D2F-LLaDA: LLaDA-8B-Instruct with the D2F LoRA adapter, attention
-block_causal)."""
+block_causal).
+
+The TraDo presets are Gen-Verse/dLLM-RL's evaluation settings for TraDo and SDAR
+(configs/trado_eval.yaml, sdar_eval.yaml: the same rollout; trado_longcot_eval.yaml; commit
+10b4fd1): `block_size: 4 denoising_steps_per_block: 4 remasking_strategy:
+low_confidence_dynamic dynamic_threshold: 0.9 temperature: 1.0 top_k: 0 top_p: 1.0`,
+`max_token` 2000 (long-CoT: 10000). Their engine (JetEngine) stops at the tokenizer's
+eos_token <|endoftext|> 151643 and the config's `stop_token_list` (long-CoT: <|im_end|>
+151645), so the presets name those ids; blocks are cached once complete (blockray: cache
+"persistent"). For SDAR / TraDo checkpoints (model_type sdar, sdar_moe) only."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
@@ -26,6 +35,7 @@ class Preset:
 
 
 _D2F_LLADA = "zhijie-group/Discrete-Diffusion-Forcing D2F-eval/eval_llada.sh (commit 771f745)"
+_TRADO = "Gen-Verse/dLLM-RL (commit 10b4fd1) configs"
 PRESETS: Dict[str, Preset] = {
     "d2f-gsm8k": Preset(
         engine=dict(block_length=64, cache="persistent"),
@@ -37,6 +47,16 @@ PRESETS: Dict[str, Preset] = {
         sampling=dict(block_add_threshold=0.1, decoded_token_threshold=0.95, threshold=0.9, max_new_tokens=512,
                       temperature=0.0, policy="threshold", remasking="low_confidence"),
         source=f"{_D2F_LLADA}, humaneval"),
+    "trado-eval": Preset(
+        engine=dict(block_length=4, steps_per_block=4, cache="persistent"),
+        sampling=dict(policy="threshold", remasking="low_confidence", threshold=0.9, temperature=1.0, top_k=0,
+                      top_p=1.0, max_new_tokens=2000, stop_token_ids=[151643]),
+        source=f"{_TRADO}/trado_eval.yaml (sdar_eval.yaml: the same)"),
+    "trado-longcot-eval": Preset(
+        engine=dict(block_length=4, steps_per_block=4, cache="persistent"),
+        sampling=dict(policy="threshold", remasking="low_confidence", threshold=0.9, temperature=1.0, top_k=0,
+                      top_p=1.0, max_new_tokens=10000, stop_token_ids=[151643, 151645]),
+        source=f"{_TRADO}/trado_longcot_eval.yaml"),
 }
 
 

@@ -397,3 +397,41 @@ def test_sdar_settings_the_engine_would_ignore_are_refused(change, message):
     hf = published.config("JetLM__SDAR-4B-Chat")
     with pytest.raises(ConfigRefused, match=message):
         ModelConfig.from_hf({**hf, **change})
+
+
+def test_trado_presets_are_its_published_evaluation_settings(dense):
+    """--preset trado-eval / trado-longcot-eval: dLLM-RL's trado_eval.yaml and
+    trado_longcot_eval.yaml rollout settings; they run on an SDAR model (sampled, seeded)."""
+    from dataclasses import replace
+
+    from engine.presets import preset
+
+    eng, sp = preset("trado-eval")
+    assert (eng.block_length, eng.steps_per_block, eng.cache) == (4, 4, "persistent")
+    assert (sp.policy, sp.remasking, sp.threshold, sp.temperature, sp.top_k, sp.top_p, sp.max_new_tokens,
+            list(sp.stop_token_ids)) == ("threshold", "low_confidence", 0.9, 1.0, 0, 1.0, 2000, [151643])
+    _, long_cot = preset("trado-longcot-eval")
+    assert (long_cot.max_new_tokens, list(long_cot.stop_token_ids)) == (10000, [151643, 151645])
+    out = Engine(dense, replace(eng, token_budget=256)).generate(
+        [workload()[0][5]], replace(sp, max_new_tokens=12, stop_token_ids=STOPS, seed=7))[0]
+    assert out.error is None and out.finish_reason in ("stop", "length")
+
+
+def test_sequential_remasking_needs_the_fixed_policy():
+    assert "needs policy 'fixed'" in SamplingParams(policy="threshold", remasking="sequential").validate()
+    assert SamplingParams(policy="fixed", remasking="sequential").validate() is None
+
+
+def test_sdar_bench_smoke_writes_json(tmp_path):
+    """bench/engine_bench.py --workload sdar: the SDAR-shaped model under blockserve, static
+    and sequential (persistent cache); every run gives the same tokens."""
+    import json
+
+    from bench import engine_bench
+
+    out = tmp_path / "sdar.json"
+    engine_bench.main(["--workload", "sdar", "--smoke", "--cache", "persistent", "--out", str(out), "--threads", "1"])
+    d = json.loads(out.read_text())
+    assert d["workload"]["name"] == "sdar" and d["decoding"]["block_length"] == 4 and d["outputs_agree"] is True
+    assert {s["error"] for s in d["schedulers"].values()} == {None}
+    assert (tmp_path / "sdar.png").stat().st_size > 0
