@@ -135,6 +135,10 @@ class SamplingParams:
     decoded_token_threshold: float = field(default=0.95, metadata={"help": (
         "D2F: a block forces its most confident token only once its predecessor's decoded fraction reaches "
         "this")})
+    # Fast-dLLM v2's sub-blocks (engine.subblocks); None: the whole block at once.
+    sub_block_length: Optional[int] = field(default=None, metadata={"help": (
+        "Fast-dLLM v2's small blocks: a step unmasks only the leftmost sub-block of this many positions that "
+        "still holds masks (must divide block_length; none: the whole block)")})
     # LLaDA2.1's token editing (engine.editing); None: no editing. Other families refuse it.
     edit_threshold: Optional[float] = field(default=None, metadata={"help": (
         "LLaDA2.1 token editing: a decoded token of the current block is rewritten when the new argmax differs "
@@ -219,6 +223,10 @@ class SamplingParams:
                     f"and no first_position, got {self.policy!r}, {self.remasking!r}, {self.first_position!r}")
         if self.edit_threshold is not None and not 0.0 <= float(self.edit_threshold) <= 1.0:
             return f"edit_threshold must be in [0, 1] or null, got {self.edit_threshold!r}"
+        if self.sub_block_length is not None and (not isinstance(self.sub_block_length, int)
+                                                   or isinstance(self.sub_block_length, bool)
+                                                   or self.sub_block_length < 1):
+            return f"sub_block_length must be an integer >= 1 or null, got {self.sub_block_length!r}"
         if not isinstance(self.max_post_steps, int) or self.max_post_steps < 0:
             return f"max_post_steps must be an integer >= 0, got {self.max_post_steps!r}"
         for name in ("max_denoising_steps", "stability_threshold"):

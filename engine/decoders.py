@@ -7,8 +7,9 @@ from typing import Any
 from .d2f import D2F
 from .editing import EDITING
 from .rules import BLOCK, BlockRule
+from .subblocks import SUB_BLOCKS
 
-RULES = (D2F, EDITING, BLOCK)
+RULES = (D2F, EDITING, SUB_BLOCKS, BLOCK)
 
 
 def rule_for(params: Any) -> BlockRule:

@@ -64,6 +64,7 @@ class RowParams:
     floor: bool = False
     floor_steps: Optional[torch.Tensor] = None
     floor_one: Optional[torch.Tensor] = None
+    strict: bool = False  # ThresholdRule.GREATER_AT_LEAST_TOP1: > rather than >= (at least the most confident)
 
     @property
     def policy(self) -> torch.Tensor:
@@ -102,7 +103,7 @@ class RowParams:
                    any_margin=any(p.remasking == "margin" for p in params),
                    any_sequential=any(p.remasking == "sequential" for p in params), floor=floor,
                    floor_steps=torch.tensor([p.max_new_tokens if capped else NO_CAP for p in params], device=device)
-                   if floor else None,
+                   if floor else None, strict=threshold == ThresholdRule.GREATER_AT_LEAST_TOP1,
                    floor_one=torch.tensor(list(floor_one or [False] * len(params)), device=device) if floor else None)
 
     def take(self, index: torch.Tensor) -> "RowParams":
@@ -116,7 +117,7 @@ class RowParams:
                          dev=DeviceParams.upload(real, ints, self.dev.policy.device),
                          any_entropy=self.any_entropy, any_margin=self.any_margin,
                          any_sequential=self.any_sequential, floor=self.floor,
-                         floor_steps=pick(self.floor_steps), floor_one=pick(self.floor_one))
+                         floor_steps=pick(self.floor_steps), floor_one=pick(self.floor_one), strict=self.strict)
 
 
 def fixed_schedule(step: torch.Tensor, block_length: int, steps: int) -> torch.Tensor:
@@ -222,6 +223,8 @@ def select(conf: torch.Tensor, is_mask: torch.Tensor, step: torch.Tensor, rp: Ro
         s_row = rp.floor_steps.clamp(max=steps)
         k = torch.where(rp.floor_one, 1, block_length // s_row + (step < block_length % s_row).long())
         by_threshold = (conf > rp.dev.threshold[:, None]) | (rank < k[:, None])
+    elif rp.strict:  # Fast-dLLM v2
+        by_threshold = (conf > rp.dev.threshold[:, None]) | (rank == 0)
     else:
         by_threshold = (conf >= rp.dev.threshold[:, None]) | (rank == 0)
     # factor (get_transfer_index_dynamic): k = how many leading sorted confidences pass
@@ -243,7 +246,8 @@ def select(conf: torch.Tensor, is_mask: torch.Tensor, step: torch.Tensor, rp: Ro
     # if a model keeps proposing the mask token itself
     last = (step >= rp.caps(block_length, steps, dev=True) - 1)[:, None]
     sel = sel | last
-    first = (rp.dev.first_position & (step == 0))[:, None]
+    # (when that position is masked: under blocks at absolute positions the prompt's tail may hold it)
+    first = (rp.dev.first_position & (step == 0) & is_mask[:, 0])[:, None]
     col0 = torch.arange(conf.shape[1], device=conf.device)[None] == 0
     return torch.where(first, col0, sel) & is_mask
 

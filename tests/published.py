@@ -41,6 +41,9 @@ HIDDEN, HEADS, FFN, LAYERS, EXPERTS, TOP_K, GROUPS = 16, 2, 32, 2, 4, 2, 2
 # <|mask|> without an id and its config.json names no mask_token_id: 156895 is the
 # mask_id default of the published modeling_llada2_moe.py generate() (the folder's SOURCE.md).
 IDS_PUBLISHED_ELSEWHERE = {"llada2_moe": {"<|mask|>": 156895}}
+# Mask tokens no tokenizer file names as such: Fast-dLLM v2's batch_sample mask_id 151665 is
+# the added token |<MASK>| (tokenizer_config.json lists it as an additional special token only).
+MASK_TOKENS_ELSEWHERE = {"Fast_dLLM_Qwen": "|<MASK>|"}
 
 # Byte-level BPE merges of the synthesized tokenizers (a few, so "the" and "copy" merge).
 MERGES = ["Ġ t", "h e", "Ġt he", "Ġ a", "i n", "e r", "o n", "Ġ c", "o p", "Ġc op", "Ġcop y"]
@@ -98,12 +101,14 @@ def added_tokens(folder: str) -> Dict[int, Dict[str, Any]]:
 
 def published_ids(folder: str) -> Dict[str, int]:
     """{token: published id} for every token the published files number: the added tokens,
-    the pad token at config.json's pad_token_id, and the ids published elsewhere."""
+    the pad token at config.json's pad_token_id where no added token numbers it (Fast-dLLM
+    v2's config.json says 151645, <|im_end|>, for its tokenizer's pad <|endoftext|> 151643),
+    and the ids published elsewhere."""
     hf, tc = config(folder), tokenizer_config(folder)
     ids = {t["content"]: i for i, t in added_tokens(folder).items()}
     pad = token_text(tc.get("pad_token"))
     if pad is not None and isinstance(hf.get("pad_token_id"), int):
-        assert ids.setdefault(pad, hf["pad_token_id"]) == hf["pad_token_id"], f"{folder}: pad_token_id disagrees"
+        ids.setdefault(pad, hf["pad_token_id"])
     for token, i in IDS_PUBLISHED_ELSEWHERE.get(hf.get("model_type"), {}).items():
         assert ids.setdefault(token, i) == i, f"{folder}: {token} is not at {i}"
     return ids
@@ -112,11 +117,12 @@ def published_ids(folder: str) -> Dict[str, int]:
 def mask_token(folder: str) -> Tuple[str, int]:
     """(mask token, id): config.json mask_token_id (LLaDA 126336 <|mdm_mask|>, Dream 151666
     <|mask|>, named by the added tokens), else tokenizer_config.json mask_token at its
-    published id (LLaDA2: <|mask|> 156895, IDS_PUBLISHED_ELSEWHERE)."""
+    published id (LLaDA2: <|mask|> 156895, IDS_PUBLISHED_ELSEWHERE), else the added token the
+    published decoding code names (MASK_TOKENS_ELSEWHERE)."""
     hf = config(folder)
     if "mask_token_id" in hf:
         return added_tokens(folder)[hf["mask_token_id"]]["content"], hf["mask_token_id"]
-    mask = token_text(tokenizer_config(folder)["mask_token"])
+    mask = token_text(tokenizer_config(folder).get("mask_token")) or MASK_TOKENS_ELSEWHERE[hf["model_type"]]
     return mask, published_ids(folder)[mask]
 
 
@@ -170,9 +176,14 @@ def _sdar(hf: Dict[str, Any]) -> Dict[str, Any]:
     return out
 
 
+def _fast_dllm_v2(hf: Dict[str, Any]) -> Dict[str, Any]:
+    """Qwen2's size keys and one layer_types entry per kept layer."""
+    return dict(_dream(hf), layer_types=hf["layer_types"][:LAYERS])
+
+
 SHRINK: Dict[str, Callable[[Dict[str, Any]], Dict[str, Any]]] = {"llada": _llada, "Dream": _dream,
                                                                  "llada2_moe": _llada2, "sdar": _sdar,
-                                                                 "sdar_moe": _sdar}
+                                                                 "sdar_moe": _sdar, "Fast_dLLM_Qwen": _fast_dllm_v2}
 
 
 def _rule(hf: Dict[str, Any]) -> Callable[[Dict[str, Any]], Dict[str, Any]]:
@@ -382,4 +393,4 @@ def build(folder_name: str, root: str, seed: int = 0) -> str:
 
 __all__ = ["build", "folders", "shrink", "config", "tokenizer_config", "added_tokens", "published_ids", "mask_token",
            "chat_template", "remote_code_files", "kept_names", "bpe_vocab", "token_text", "VENDORED", "SHARED",
-           "IDS_PUBLISHED_ELSEWHERE", "ADDED_TOKENS_JSON_DIFFERS", "MERGES", "SHRINK"]
+           "IDS_PUBLISHED_ELSEWHERE", "MASK_TOKENS_ELSEWHERE", "ADDED_TOKENS_JSON_DIFFERS", "MERGES", "SHRINK"]

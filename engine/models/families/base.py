@@ -52,9 +52,11 @@ class ThresholdRule(enum.StrEnum):
     generate()): confidence strictly greater, at least the fixed schedule's k of the step
     over min(steps, max_new_tokens) steps (k = 1 while token editing, LLaDA2.1's loop).
     BLOCK_FLOOR (SDAR's block_diffusion_generate): the same over steps_per_block steps,
-    whatever max_new_tokens."""
+    whatever max_new_tokens. GREATER_AT_LEAST_TOP1 (Fast-dLLM v2's batch_sample): every
+    position whose confidence is strictly greater, at least the most confident."""
 
     AT_LEAST_TOP1 = "at_least_top1"
+    GREATER_AT_LEAST_TOP1 = "greater_at_least_top1"
     SCHEDULE_FLOOR = "schedule_floor"
     BLOCK_FLOOR = "block_floor"
 
