@@ -153,6 +153,7 @@ class Family:
     attention: Optional[str] = None  # the attention its layout requires (None: config.json's dllm_attention)
     serving: Serving = Serving.MASKED
     defaults: Mapping[str, Any] = field(default_factory=dict)  # ids published loops default to
+    mask_token: Optional[str] = None  # the added token that is the mask where config.json names no mask id
 
     # --- config.json --------------------------------------------------------------------
     def matches(self, hf: Mapping[str, Any]) -> bool:
@@ -190,7 +191,10 @@ class Family:
 
     def tokenizer_ids(self, hf: Mapping[str, Any], tokens: Mapping[str, int], eos: Optional[int]) -> Dict[str, Any]:
         """ModelConfig ids config.json does not name but the tokenizer does (`tokens`: the
-        added tokens' ids, `eos`: tokenizer_config.json's eos_token's); none by default."""
+        added tokens' ids, `eos`: tokenizer_config.json's eos_token's): by default the mask,
+        `mask_token`'s id (SDAR's <|MASK|>, Fast-dLLM v2's |<MASK>|)."""
+        if self.mask_token is not None and "mask_token_id" not in hf and self.mask_token in tokens:
+            return {"mask_token_id": tokens[self.mask_token]}
         return {}
 
     def _common(self, hf: Mapping[str, Any]) -> Dict[str, Any]:

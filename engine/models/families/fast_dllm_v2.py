@@ -12,21 +12,12 @@ block is decoded in sub-blocks left to right (SamplingParams.sub_block_length, e
 subblocks) with batch_sample's threshold rule (ThresholdRule.GREATER_AT_LEAST_TOP1)."""
 from __future__ import annotations
 
-from typing import Any, Dict, Mapping, Optional
+from typing import Any, Dict, Mapping
 
 from .base import BlockLayout, ThresholdRule
 from .dream import DreamFamily
 
-MASK_TOKEN = "|<MASK>|"
-
-
 class FastDLLMv2Family(DreamFamily):
-    def tokenizer_ids(self, hf: Mapping[str, Any], tokens: Mapping[str, int], eos: Optional[int]) -> Dict[str, Any]:
-        """|<MASK>| from the tokenizer (config.json names no mask id)."""
-        if "mask_token_id" not in hf and MASK_TOKEN in tokens:
-            return {"mask_token_id": tokens[MASK_TOKEN]}
-        return {}
-
     def parse(self, hf: Mapping[str, Any]) -> Dict[str, Any]:
         return dict(super().parse(hf), model_type=self.model_type, dllm_attention="block_causal")
 
@@ -53,6 +44,6 @@ FAST_DLLM_V2 = FastDLLMv2Family(
                    "gate": "mlp.gate_proj", "up": "mlp.up_proj", "down": "mlp.down_proj"},
     shift_logits=True, first_position=True, blocks=BlockLayout.ABSOLUTE,
     threshold=ThresholdRule.GREATER_AT_LEAST_TOP1, attention="block_causal",
-    # batch_sample's mask_id / stop_token defaults (|<MASK>|, <|im_end|>)
-    defaults={"mask_token_id": 151665, "eos_token_id": 151645},
+    # batch_sample's mask_id / stop_token defaults (|<MASK>|, <|im_end|>); the mask is that added token
+    defaults={"mask_token_id": 151665, "eos_token_id": 151645}, mask_token="|<MASK>|",
 )

@@ -19,14 +19,12 @@ tokenizer_config.json; the dense added_tokens.json's `<MASK>` names no token the
 has), the block length is the request's (published default 4)."""
 from __future__ import annotations
 
-from typing import Any, Dict, Mapping, Optional
+from typing import Any, Dict, Mapping
 
 from .base import BlockLayout, ConfigRefused, Family, ThresholdRule
 from .dream import rope_theta
 from .llada_moe import PROJECTIONS
 from .moe import MoESpec
-
-MASK_TOKEN = "<|MASK|>"
 
 # internal module (after "layers.{i}.") -> checkpoint module (after "model.layers.{i}.")
 MODULES = {"attn_norm": "input_layernorm", "q": "self_attn.q_proj", "k": "self_attn.k_proj", "v": "self_attn.v_proj",
@@ -44,12 +42,6 @@ LAUNCHER_KEYS = frozenset({"debug", "ep_size", "micro_forward", "skip_checkpoint
 
 
 class SDARFamily(Family):
-    def tokenizer_ids(self, hf: Mapping[str, Any], tokens: Mapping[str, int], eos: Optional[int]) -> Dict[str, Any]:
-        """<|MASK|> from the tokenizer (config.json names no mask id)."""
-        if "mask_token_id" not in hf and MASK_TOKEN in tokens:
-            return {"mask_token_id": tokens[MASK_TOKEN]}
-        return {}
-
     def parse(self, hf: Mapping[str, Any]) -> Dict[str, Any]:
         types = hf.get("layer_types")
         if types is not None and any(t != "full_attention" for t in types):
@@ -105,7 +97,7 @@ _COMMON = dict(
            "attention_bias": (False,)},
     top_weights={"embed.weight": "model.embed_tokens.weight", "norm.weight": "model.norm.weight",
                  "lm_head.weight": "lm_head.weight"},
-    layer_prefix="model.layers.{i}.", layer_weights=MODULES, mlp_weights=PROJECTIONS,
+    layer_prefix="model.layers.{i}.", layer_weights=MODULES, mlp_weights=PROJECTIONS, mask_token="<|MASK|>",
     blocks=BlockLayout.ABSOLUTE, threshold=ThresholdRule.BLOCK_FLOOR, attention="block_causal")
 _HONOURED = frozenset({"vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
                        "head_dim", "intermediate_size", "rope_theta", "rope_parameters", "rms_norm_eps",
