@@ -55,6 +55,12 @@ ENGINE_BENCHES = [
     ("cpu_tiny_eval.json", "tiny-eval (the embedded trained tiny model)",
      "The embedded model on its evaluation prompts; exact match is the accuracy column."),
     ("cpu_skewed_b16_abba.json", "skewed workload at B16, two ABBA rounds", "Block canvas, refresh cache."),
+    ("cpu_sdar.json", "block diffusion: an SDAR-shaped model (`--workload sdar`)",
+     "A random SDAR-shaped model (Qwen3 layer with QK norm and head_dim 64, 8 query and 2 K/V heads, block-causal, "
+     "blocks at absolute positions) decoded as TraDo's evaluation does (blocks of 4, 4 steps, "
+     "low_confidence_dynamic at 0.9), persistent cache for every run; requests planted to stop after 1-24 blocks, "
+     "lognormal prompt lengths. `sequential` one request at a time, `static-B` lock-step groups, `blockserve@B` "
+     "the engine at the padded area static-B used (equal memory)."),
 ]
 
 

@@ -19,6 +19,7 @@ from typing import Any, Dict, List, Optional
 import torch
 
 from engine import Engine, EngineConfig
+from engine.models.families import BlockLayout
 
 from .planted import PlantedStops
 from .workloads import Workload
@@ -213,9 +214,15 @@ def fit_overhead(w: Workload, spec: RunSpec, n: int = 8) -> float:
 
 def _widest(w: Workload) -> int:
     """Largest final row width of the workload's requests (prompt + all blocks): the
-    widest row under either canvas."""
-    tok = w.tokenizer
+    widest row under either canvas. Blocks at absolute positions (SDAR, LLaDA2) start
+    with the prompt's tail, so a row's blocks cover it and max_new_tokens."""
+    tok, L = w.tokenizer, w.block_length
+    absolute = w.model.config.family.blocks == BlockLayout.ABSOLUTE
     lens = [len(p) if not isinstance(p, str) else len(tok(p, add_special_tokens=False)["input_ids"])
             for p in w.prompts]
-    k = max(-(-sp.max_new_tokens // w.block_length) for sp in w.params)
-    return max(lens) + k * w.block_length
+
+    def width(p: int, n: int) -> int:
+        tail = p % L if absolute else 0
+        return p - tail + -(-(tail + n) // L) * L
+
+    return max(width(p, sp.max_new_tokens) for p, sp in zip(lens, w.params))

@@ -11,6 +11,9 @@ the same one. Two kinds:
   GSM8K with 32-token blocks; the exact weights are ours, see DIFFICULTY_11).
 * `tiny-eval`: the embedded tiny dLLM on its shipped eval prompts, with exact-match
   accuracy, so a speedup is shown on a model that really decodes.
+* `sdar`: the skewed workload on an SDAR-shaped block-diffusion model (Qwen3 layer,
+  block-causal, blocks at absolute positions) decoded as TraDo's evaluation does: blocks
+  of 4, 4 steps, low_confidence_dynamic at 0.9; answers of 1-24 blocks.
 """
 from __future__ import annotations
 
@@ -19,7 +22,7 @@ from collections import Counter
 import os
 import random
 from dataclasses import asdict, dataclass, field
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, ClassVar, Dict, List, Optional, Sequence
 
 import torch
 
@@ -62,6 +65,7 @@ class Workload:
 class SkewedSpec:
     """The skewed workload; defaults give a CPU run of minutes (model ~4.5M params)."""
 
+    name: ClassVar[str] = "skewed"
     n_requests: int = 128
     block_length: int = 32
     steps_per_block: int = 32
@@ -91,6 +95,42 @@ class SkewedSpec:
                            eos_token_id=1, pad_token_id=0, max_seq_len=self.prompt_max + self.max_blocks
                            * self.block_length + 64, dllm_attention=self.dllm_attention)
 
+
+# P(answer ends after k blocks of 4), k = 1..24: geometric, most answers short, a long tail
+SDAR_DIFFICULTY = tuple(round(0.88 ** k, 4) for k in range(24))
+
+
+@dataclass
+class SDARSpec(SkewedSpec):
+    """The skewed workload on an SDAR-shaped model (random weights, model_type "sdar":
+    QK norm, head_dim 64 with 8 query and 2 K/V heads on a 256-wide model, theta 1e6,
+    block-causal, blocks at absolute positions), TraDo's evaluation decoding (blocks of 4,
+    4 steps, threshold 0.9: low_confidence_dynamic)."""
+
+    name: ClassVar[str] = "sdar"
+    n_requests: int = 64
+    block_length: int = 4
+    steps_per_block: int = 4
+    difficulty: Sequence[float] = SDAR_DIFFICULTY
+    prompt_median: float = 64.0
+    prompt_max: int = 512
+    n_heads: int = 8
+    n_kv_heads: int = 2
+    head_dim: int = 64
+    dllm_attention: str = "block_causal"
+
+    def model_config(self) -> ModelConfig:
+        return ModelConfig(model_type="sdar", vocab_size=self.vocab_size, hidden_size=self.hidden_size,
+                           n_layers=self.n_layers, n_heads=self.n_heads, n_kv_heads=self.n_kv_heads,
+                           head_dim=self.head_dim, qk_norm=True, rope_theta=1e6, rms_norm_eps=1e-6,
+                           intermediate_size=self.intermediate_size, mask_token_id=self.vocab_size - 1,
+                           eos_token_id=1, pad_token_id=0, dllm_attention=self.dllm_attention,
+                           max_seq_len=self.prompt_max + self.max_blocks * self.block_length + 64)
+
+
+SMOKE_SDAR = SDARSpec(n_requests=12, difficulty=(0.4, 0.3, 0.2, 0.1), prompt_median=12, prompt_sigma=0.6,
+                      prompt_min=3, prompt_max=40, hidden_size=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=12,
+                      intermediate_size=64, vocab_size=512)
 
 SMOKE_SKEWED = SkewedSpec(n_requests=12, block_length=8, steps_per_block=8, difficulty=(0.4, 0.3, 0.2, 0.1),
                           prompt_median=12, prompt_sigma=0.6, prompt_min=3, prompt_max=40, hidden_size=32,
@@ -148,7 +188,7 @@ def skewed(spec: SkewedSpec = SkewedSpec(), dtype=torch.float32, device="cpu", m
             "model_params": cfg.num_params(), "dtype": str(dtype).replace("torch.", ""),
             "prompt_len": _quantiles(lens), "planted_blocks_hist": _hist(blocks, spec.max_blocks),
             "mean_planted_blocks": sum(blocks) / len(blocks)}
-    return Workload("skewed", wrapped, prompts, [sp] * len(prompts), spec.block_length, spec.steps_per_block,
+    return Workload(spec.name, wrapped, prompts, [sp] * len(prompts), spec.block_length, spec.steps_per_block,
                     planted_blocks=blocks, info=info)
 
 

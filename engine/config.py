@@ -11,7 +11,7 @@ from typing import Any, Dict, Literal, Optional, Sequence, get_args
 from .modes import CacheMode as CacheModeRule, cache_mode
 
 Policy = Literal["fixed", "threshold", "factor", "timestep", "origin"]
-Remasking = Literal["low_confidence", "random", "entropy", "margin"]
+Remasking = Literal["low_confidence", "random", "entropy", "margin", "sequential"]
 CacheMode = Literal["none", "refresh", "persistent", "dual"]
 Canvas = Literal["auto", "block", "full"]
 AdvanceMode = Literal["block", "step"]
@@ -142,7 +142,8 @@ class SamplingParams:
     - `remasking`, the confidence that ranks positions: `low_confidence` (probability
       of the proposed token), `random` (LLaDA's random remasking, seeded per request),
       `entropy` (Dream: negative entropy of the distribution), `margin` (Dream's
-      top-1 minus top-2 probability).
+      top-1 minus top-2 probability), `sequential` (SDAR's: left to right, the leftmost
+      masks first; with the `fixed` policy only).
     - `first_position` (Dream's block decoding): the first step of every block commits
       exactly the block's first position, predicted from the token before it. None:
       on for Dream checkpoints, off for LLaDA, as their reference code does.
@@ -153,6 +154,11 @@ class SamplingParams:
     (strings: the request ends at the block boundary after the first one, and its text
     is cut before it), `seed`, `n` (samples per row; the pipeline expands a row into n
     requests with seeds derived from the row's). `from_dict` also takes `max_tokens`.
+
+    SDAR / TraDo checkpoints (ThresholdRule.BLOCK_FLOOR): `threshold` is
+    block_diffusion_generate's low_confidence_dynamic (strictly greater, at least the `fixed`
+    schedule's k of the step over steps_per_block steps); `fixed` is its
+    low_confidence_static, and `fixed` with remasking `sequential` its sequential.
 
     LLaDA2 checkpoints (their family's ThresholdRule.SCHEDULE_FLOOR): `threshold` is
     LLaDA2's rule (confidence strictly greater, at least the `fixed` schedule's k of the
@@ -189,7 +195,7 @@ class SamplingParams:
         "seed of the sampling noise and random remasking; per row, a row's tokens never depend on its batch")})
     remasking: Remasking = field(default="low_confidence", metadata={"help": (
         "the confidence that ranks masked positions: low_confidence, random (LLaDA), entropy or margin "
-        "(Dream)")})
+        "(Dream), sequential (SDAR: left to right; policy fixed)")})
     first_position: Optional[bool] = field(default=None, metadata={"help": (
         "Dream's block decoding: a block's first step commits only its first position (auto: on for Dream, "
         "off for LLaDA)")})
@@ -207,6 +213,10 @@ class SamplingParams:
     decoded_token_threshold: float = field(default=0.95, metadata={"bounds": within(0, 1), "help": (
         "D2F: a block forces its most confident token only once its predecessor's decoded fraction reaches "
         "this")})
+    # Fast-dLLM v2's sub-blocks (engine.subblocks); None: the whole block at once.
+    sub_block_length: Optional[int] = field(default=None, metadata={"bounds": at_least(1, integer=True), "help": (
+        "Fast-dLLM v2's small blocks: a step unmasks only the leftmost sub-block of this many positions that "
+        "still holds masks (must divide block_length; none: the whole block)")})
     # LLaDA2.1's token editing (engine.editing); None: no editing. Other families refuse it.
     edit_threshold: Optional[float] = field(default=None, metadata={"bounds": within(0, 1), "help": (
         "LLaDA2.1 token editing: a decoded token of the current block is rewritten when the new argmax differs "
@@ -266,6 +276,9 @@ class SamplingParams:
         if self.policy == "origin" and self.remasking != "low_confidence":
             return (f"policy 'origin' (Dream's alg='origin') unmasks positions at random and reads no confidence; "
                     f"leave remasking at 'low_confidence', got {self.remasking!r}")
+        if self.remasking == "sequential" and self.policy != "fixed":
+            return (f"remasking 'sequential' (left to right) takes the fixed schedule's k positions a step: it "
+                    f"needs policy 'fixed', got {self.policy!r}")
         if self.first_position not in (None, True, False):
             return f"first_position must be true, false or null, got {self.first_position!r}"
         if self.stop is not None and (isinstance(self.stop, str) or not all(isinstance(x, str) and x

@@ -9,8 +9,9 @@ from .editing import EDITING
 from .reads import refusal, unread
 from .rules import BLOCK, BlockRule, Traits, row_refusal
 from .sequence import Request
+from .subblocks import SUB_BLOCKS
 
-RULES = (D2F, EDITING, BLOCK)
+RULES = (D2F, EDITING, SUB_BLOCKS, BLOCK)
 
 
 def rule_for(params: Any) -> BlockRule:

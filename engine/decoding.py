@@ -16,9 +16,11 @@ from .models.families.base import Confidence, ThresholdRule
 
 FIXED, THRESHOLD, FACTOR, TIMESTEP, ORIGIN = 0, 1, 2, 3, 4
 POLICY_IDS = {"fixed": FIXED, "threshold": THRESHOLD, "factor": FACTOR, "timestep": TIMESTEP, "origin": ORIGIN}
-LOW_CONFIDENCE, RANDOM, ENTROPY, MARGIN = 0, 1, 2, 3
-REMASKING_IDS = {"low_confidence": LOW_CONFIDENCE, "random": RANDOM, "entropy": ENTROPY, "margin": MARGIN}
+LOW_CONFIDENCE, RANDOM, ENTROPY, MARGIN, SEQUENTIAL = 0, 1, 2, 3, 4
+REMASKING_IDS = {"low_confidence": LOW_CONFIDENCE, "random": RANDOM, "entropy": ENTROPY, "margin": MARGIN,
+                 "sequential": SEQUENTIAL}
 DREAM_EPS = 1e-3  # Dream's generation_config.eps: the last timestep of its schedule
+NO_CAP = 2**31  # RowParams.floor_steps of a row whose floor's steps max_new_tokens does not cap
 
 
 @dataclass
@@ -55,15 +57,18 @@ class RowParams:
     dev: DeviceParams
     any_entropy: bool
     any_margin: bool
+    any_sequential: bool
     # Confidence.SAMPLED (Dream's sample_tokens): proposals drawn, and ranked, from the
     # tempered, top-p then top-k restricted distribution
     sampled: bool = False
-    # ThresholdRule.SCHEDULE_FLOOR (LLaDA2's generate()): strictly greater, a floor of k per step,
-    # with max_new_tokens per row (2.0's steps = min(steps, gen_length)) and the rows whose
-    # floor is 1 (a decoding rule's: LLaDA2.1's token editing loop)
+    # ThresholdRule.SCHEDULE_FLOOR (LLaDA2's generate()) and BLOCK_FLOOR (SDAR's): strictly
+    # greater, a floor of k per step over at most `floor_steps` steps per row (LLaDA2.0's
+    # steps = min(steps, gen_length): max_new_tokens; SDAR: no cap) and the rows whose floor
+    # is 1 (a decoding rule's: LLaDA2.1's token editing loop)
     floor: bool = False
-    max_new: Optional[torch.Tensor] = None
+    floor_steps: Optional[torch.Tensor] = None
     floor_one: Optional[torch.Tensor] = None
+    strict: bool = False  # ThresholdRule.GREATER_AT_LEAST_TOP1: > rather than >= (at least the most confident)
 
     @property
     def policy(self) -> torch.Tensor:
@@ -87,7 +92,8 @@ class RowParams:
               floor_one: Optional[Sequence[bool]] = None, caps: Optional[Sequence[Optional[int]]] = None,
               confidence: Confidence = Confidence.MODEL) -> "RowParams":
         first = [first_position_default if p.first_position is None else bool(p.first_position) for p in params]
-        floor = threshold == ThresholdRule.SCHEDULE_FLOOR
+        floor = threshold in (ThresholdRule.SCHEDULE_FLOOR, ThresholdRule.BLOCK_FLOOR)
+        capped = threshold == ThresholdRule.SCHEDULE_FLOOR
         real = torch.tensor([[float(p.threshold) for p in params], [float(p.factor) for p in params],
                              [float(p.temperature) for p in params], [float(p.top_p) for p in params]],
                             dtype=torch.float64).reshape(4, len(params))
@@ -98,9 +104,11 @@ class RowParams:
         return cls(params=list(params), seeds=list(seeds), real=real, ints=ints,
                    dev=DeviceParams.upload(real, ints, device),
                    any_entropy=any(p.remasking == "entropy" for p in params),
-                   any_margin=any(p.remasking == "margin" for p in params), floor=floor,
+                   any_margin=any(p.remasking == "margin" for p in params),
+                   any_sequential=any(p.remasking == "sequential" for p in params), floor=floor,
                    sampled=confidence == Confidence.SAMPLED,
-                   max_new=torch.tensor([p.max_new_tokens for p in params], device=device) if floor else None,
+                   floor_steps=torch.tensor([p.max_new_tokens if capped else NO_CAP for p in params], device=device)
+                   if floor else None, strict=threshold == ThresholdRule.GREATER_AT_LEAST_TOP1,
                    floor_one=torch.tensor(list(floor_one or [False] * len(params)), device=device) if floor else None)
 
     def take(self, index: torch.Tensor) -> "RowParams":
@@ -112,9 +120,9 @@ class RowParams:
         pick = lambda t: None if t is None else t[dev_index]  # noqa: E731 - the floor's device tensors
         return RowParams(params=[self.params[i] for i in ix], seeds=[self.seeds[i] for i in ix], real=real, ints=ints,
                          dev=DeviceParams.upload(real, ints, self.dev.policy.device),
-                         any_entropy=self.any_entropy, any_margin=self.any_margin, sampled=self.sampled,
-                         floor=self.floor,
-                         max_new=pick(self.max_new), floor_one=pick(self.floor_one))
+                         any_entropy=self.any_entropy, any_margin=self.any_margin,
+                         any_sequential=self.any_sequential, sampled=self.sampled, floor=self.floor,
+                         floor_steps=pick(self.floor_steps), floor_one=pick(self.floor_one), strict=self.strict)
 
 
 def fixed_schedule(step: torch.Tensor, block_length: int, steps: int) -> torch.Tensor:
@@ -231,6 +239,8 @@ def propose(logits: torch.Tensor, rp: RowParams, noise_keys: Optional[Sequence[O
     if rp.any_margin:  # Dream's topk_margin
         top2 = probs.topk(2, dim=-1).values
         c = torch.where(rem == MARGIN, top2[:, 0] - top2[:, 1], c)
+    if rp.any_sequential:  # SDAR's sequential: the leftmost masks rank first
+        c = torch.where(rem == SEQUENTIAL, -idx[1].to(c.dtype), c)
     conf = torch.zeros(x0.shape, dtype=torch.float64, device=x0.device)
     conf[idx] = c
     for i, r in drawn.items():
@@ -247,12 +257,15 @@ def select(conf: torch.Tensor, is_mask: torch.Tensor, step: torch.Tensor, rp: Ro
     # fixed: the k_s most confident masked positions
     by_fixed = rank < fixed_schedule(step, block_length, steps)[:, None]
     # threshold: every confident position, at least the most confident one (the schedule
-    # floor, LLaDA2's generate(): confidence strictly greater, at least k: 2.0's schedule
-    # over min(steps, max_new_tokens) steps, 1 in 2.1's loop, the editing rows')
+    # floor, LLaDA2's generate() and SDAR's block_diffusion_generate: confidence strictly
+    # greater, at least k: the schedule over min(steps, max_new_tokens) steps in LLaDA2.0's,
+    # over steps in SDAR's, 1 in 2.1's loop, the editing rows')
     if rp.floor:
-        s_row = rp.max_new.clamp(max=steps)
+        s_row = rp.floor_steps.clamp(max=steps)
         k = torch.where(rp.floor_one, 1, block_length // s_row + (step < block_length % s_row).long())
         by_threshold = (conf > rp.dev.threshold[:, None]) | (rank < k[:, None])
+    elif rp.strict:  # Fast-dLLM v2
+        by_threshold = (conf > rp.dev.threshold[:, None]) | (rank == 0)
     else:
         by_threshold = (conf >= rp.dev.threshold[:, None]) | (rank == 0)
     # factor (get_transfer_index_dynamic): k = how many leading sorted confidences pass
@@ -277,7 +290,8 @@ def select(conf: torch.Tensor, is_mask: torch.Tensor, step: torch.Tensor, rp: Ro
     # if a model keeps proposing the mask token itself
     last = (step >= rp.caps(block_length, steps, dev=True) - 1)[:, None]
     sel = sel | last
-    first = (rp.dev.first_position & (step == 0))[:, None]
+    # (when that position is masked: under blocks at absolute positions the prompt's tail may hold it)
+    first = (rp.dev.first_position & (step == 0) & is_mask[:, 0])[:, None]
     col0 = torch.arange(conf.shape[1], device=conf.device)[None] == 0
     return torch.where(first, col0, sel) & is_mask
 

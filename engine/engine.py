@@ -180,8 +180,11 @@ class Engine(EngineCore):
         need_idx = [t.to(self.device) for t in units(b.masked).nonzero(as_tuple=True)]
         x0, conf = propose(units(logits), rp, self._noise_keys(b), units(is_mask), need_idx)
         step = b.step.repeat_interleave(NB) if NB > 1 else b.step
-        sel = select(conf, units(is_mask), step.to(self.device), rp, L, S)
         live = self._live(b)
+        chosen = units(is_mask)
+        for rule, rows in live:  # each rule's rows: the positions their step may unmask
+            chosen = rule.candidates(b, rows, chosen)
+        sel = select(conf, chosen, step.to(self.device), rp, L, S)
         for rule, rows in live:  # each rule's rows: its own selection
             sel = rule.select(b, rows, sel, conf=conf, is_mask=units(is_mask), x0=x0, window=window, logits=logits)
         window = torch.where(sel.reshape(B, NB * L), x0.reshape(B, NB * L), window)

@@ -18,7 +18,16 @@ from DreamLM/Dream-Coder (commit 87409da): cruxeval runs `scripts/generate.py
 `--diffusion_steps 1024 --max_new_tokens 1024 --top_p 0.9 --alg entropy --alg_temp 0.0
 --temperature 0.1` (instruct/code_eval/README.md). Both are Dream's own diffusion_generate
 (`dream_generate`: one block of max_new_tokens, no first-position rule, no cache): exact
-for any model of the Dream family (DiffuCoder too)."""
+for any model of the Dream family (DiffuCoder too).
+
+The TraDo presets are Gen-Verse/dLLM-RL's evaluation settings for TraDo and SDAR
+(configs/trado_eval.yaml, sdar_eval.yaml: the same rollout; trado_longcot_eval.yaml; commit
+10b4fd1): `block_size: 4 denoising_steps_per_block: 4 remasking_strategy:
+low_confidence_dynamic dynamic_threshold: 0.9 temperature: 1.0 top_k: 0 top_p: 1.0`,
+`max_token` 2000 (long-CoT: 10000). Their engine (JetEngine) stops at the tokenizer's
+eos_token <|endoftext|> 151643 and the config's `stop_token_list` (long-CoT: <|im_end|>
+151645), so the presets name those ids; blocks are cached once complete (blockray: cache
+"persistent"). For SDAR / TraDo checkpoints (model_type sdar, sdar_moe) only."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
@@ -55,6 +64,7 @@ def dream_generate(alg: str, max_new_tokens: int, steps: int, source: str = "", 
 
 _D2F_LLADA = "zhijie-group/Discrete-Diffusion-Forcing D2F-eval/eval_llada.sh (commit 771f745)"
 _DREAM_CODER = "DreamLM/Dream-Coder (commit 87409da)"
+_TRADO = "Gen-Verse/dLLM-RL (commit 10b4fd1) configs"
 PRESETS: Dict[str, Preset] = {
     "d2f-gsm8k": Preset(
         engine=dict(block_length=64, cache="persistent"),
@@ -72,6 +82,16 @@ PRESETS: Dict[str, Preset] = {
     "dream-coder-bigcodebench": dream_generate(
         "entropy", 1024, 1024, temperature=0.1, top_p=0.9,
         source=f"{_DREAM_CODER} instruct/code_eval/README.md, bigcodebench"),
+    "trado-eval": Preset(
+        engine=dict(block_length=4, steps_per_block=4, cache="persistent"),
+        sampling=dict(policy="threshold", remasking="low_confidence", threshold=0.9, temperature=1.0, top_k=0,
+                      top_p=1.0, max_new_tokens=2000, stop_token_ids=[151643]),
+        source=f"{_TRADO}/trado_eval.yaml (sdar_eval.yaml: the same)"),
+    "trado-longcot-eval": Preset(
+        engine=dict(block_length=4, steps_per_block=4, cache="persistent"),
+        sampling=dict(policy="threshold", remasking="low_confidence", threshold=0.9, temperature=1.0, top_k=0,
+                      top_p=1.0, max_new_tokens=10000, stop_token_ids=[151643, 151645]),
+        source=f"{_TRADO}/trado_longcot_eval.yaml"),
 }
 
 

@@ -16,6 +16,7 @@ MASKED_SAMPLING = frozenset({"max_new_tokens", "policy", "threshold", "factor", 
                              "seed", "remasking", "first_position", "top_p", "top_k", "stop"})
 EDITING_SAMPLING = frozenset({"edit_threshold", "max_post_steps"})  # engine.editing
 D2F_SAMPLING = frozenset({"block_add_threshold", "decoded_token_threshold"})  # engine.d2f
+SUB_BLOCK_SAMPLING = frozenset({"sub_block_length"})  # engine.subblocks
 # DiffusionGemma's canvas engine (engine.canvas): transformers' knobs
 CANVAS_SAMPLING = frozenset({"max_new_tokens", "seed", "max_denoising_steps", "entropy_bound", "t_min", "t_max",
                              "stability_threshold", "confidence_threshold"})
@@ -25,7 +26,8 @@ CANVAS_ENGINE = frozenset({"token_budget", "scheduler", "max_batch_size"})
 
 # who reads a field, for the refusal's message
 READERS = ((MASKED_SAMPLING, "masked-diffusion models"), (EDITING_SAMPLING, "LLaDA2.1 token editing (edit_threshold)"),
-           (D2F_SAMPLING, "D2F decoding (block_add_threshold)"), (CANVAS_SAMPLING, "DiffusionGemma"))
+           (D2F_SAMPLING, "D2F decoding (block_add_threshold)"),
+           (SUB_BLOCK_SAMPLING, "sub-block decoding (Fast-dLLM v2)"), (CANVAS_SAMPLING, "DiffusionGemma"))
 
 
 def unread(obj: Any, reads: FrozenSet[str]) -> List[str]:
@@ -61,5 +63,6 @@ class Reads:
         return refusal(bad, self.name)
 
 
-MASKED = Reads("the masked-diffusion engine", MASKED_SAMPLING | EDITING_SAMPLING | D2F_SAMPLING, MASKED_ENGINE)
+MASKED = Reads("the masked-diffusion engine", MASKED_SAMPLING | EDITING_SAMPLING | D2F_SAMPLING | SUB_BLOCK_SAMPLING,
+               MASKED_ENGINE)
 CANVAS = Reads("DiffusionGemma's canvas engine", CANVAS_SAMPLING, CANVAS_ENGINE)

@@ -85,6 +85,11 @@ class BlockRule:
         it, step in the block)."""
         return [hash((seed, len(req.generated), step)) & NOISE_MASK]
 
+    def candidates(self, b: "Batch", rows: List[int], is_mask: torch.Tensor) -> torch.Tensor:
+        """The masked positions [B NB, L] the step's policy may choose among; this rule's
+        `rows` may narrow theirs (a sub-block of the block). All of them by default."""
+        return is_mask
+
     def select(self, b: "Batch", rows: List[int], sel: torch.Tensor, **step: torch.Tensor) -> torch.Tensor:
         """The step's selection [B NB, L] after the policies chose it; this rule's `rows`
         (not frozen) may change theirs. `step`: conf, is_mask, x0, window, logits."""

@@ -182,7 +182,9 @@ class ModelRunner:
         fresh = start + b.cached
         if mode.caches_suffix:
             q1 = torch.where(b.cached > 0, bs + L, q1)
-        return torch.minimum(fresh, bs - self.shift), q1, fresh
+        # the column before the block for shifted logits, where the row has one (under blocks
+        # at absolute positions a short prompt is all in the first block: nothing before it)
+        return torch.maximum(torch.minimum(fresh, bs - self.shift), start), q1, fresh
 
     def step_logits(self, b: Batch) -> torch.Tensor:
         """Window logits [B, NB L, V] of every row for this step. Rows a catch-up forward
@@ -249,9 +251,9 @@ class ModelRunner:
         qc = qcols.clamp(min=0)
         real = qcols >= q0[:, None]
         write = real & (qcols >= fresh[:, None])
-        at = rows(b.window_start)[:, None] - shift - first[:, None] + torch.arange(b.n_window * L)[None]
-        if b.n_window > 1:
-            at = at.clamp(min=0)
+        # clamped: a row's window position with no column before it (D2F's unused units, a block
+        # opening a row under blocks at absolute positions) reads one it does not use
+        at = (rows(b.window_start)[:, None] - shift - first[:, None] + torch.arange(b.n_window * L)[None]).clamp(min=0)
         if shift and self.cfg.mode.caches:  # Fast-dLLM's Dream: a cached step reads the
             # block's first position (committed at the block's first step) from itself
             at[:, 0] += rows(b.row_params.first_position & (b.step > 0)).long()

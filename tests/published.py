@@ -32,6 +32,7 @@ VENDORED = os.path.join(HERE, "published")
 # the shared copies the vendored ones are checked against (absent on a clean clone)
 SHARED = os.path.join(os.path.dirname(os.path.dirname(HERE)), "shared", "checkpoints")
 INDEX = "model.safetensors.index.json"
+SINGLE = "model.safetensors"  # a set published without an index
 REWRITTEN = ("config.json", INDEX)  # written for the tiny model; every other file is copied verbatim
 
 HIDDEN, HEADS, FFN, LAYERS, EXPERTS, TOP_K, GROUPS = 16, 2, 32, 2, 4, 2, 2
@@ -40,6 +41,9 @@ HIDDEN, HEADS, FFN, LAYERS, EXPERTS, TOP_K, GROUPS = 16, 2, 32, 2, 4, 2, 2
 # <|mask|> without an id and its config.json names no mask_token_id: 156895 is the
 # mask_id default of the published modeling_llada2_moe.py generate() (the folder's SOURCE.md).
 IDS_PUBLISHED_ELSEWHERE = {"llada2_moe": {"<|mask|>": 156895}}
+# Mask tokens no tokenizer file names as such: Fast-dLLM v2's batch_sample mask_id 151665 is
+# the added token |<MASK>| (tokenizer_config.json lists it as an additional special token only).
+MASK_TOKENS_ELSEWHERE = {"Fast_dLLM_Qwen": "|<MASK>|"}
 
 # Byte-level BPE merges of the synthesized tokenizers (a few, so "the" and "copy" merge).
 MERGES = ["Ġ t", "h e", "Ġt he", "Ġ a", "i n", "e r", "o n", "Ġ c", "o p", "Ġc op", "Ġcop y"]
@@ -78,24 +82,33 @@ def token_text(value: Any) -> Optional[str]:
     return value.get("content") if isinstance(value, dict) else value
 
 
+# added_tokens.json entries that name a token other than tokenizer_config.json's at the same id
+# (what the tokenizer has): the dense SDAR files' `<MASK>` for `<|MASK|>` 151669
+ADDED_TOKENS_JSON_DIFFERS = {"<MASK>": "<|MASK|>"}
+
+
 def added_tokens(folder: str) -> Dict[int, Dict[str, Any]]:
     """{id: AddedToken fields} of tokenizer_config.json's added_tokens_decoder, checked
-    against added_tokens.json where the folder has one (same tokens at the same ids)."""
+    against added_tokens.json where the folder has one (same tokens at the same ids, but
+    for ADDED_TOKENS_JSON_DIFFERS)."""
     decoder = {int(i): t for i, t in (tokenizer_config(folder).get("added_tokens_decoder") or {}).items()}
     listed = read_json(folder, "added_tokens.json")
     if listed is not None:
+        listed = {ADDED_TOKENS_JSON_DIFFERS.get(t, t): i for t, i in listed.items()}
         assert {t["content"]: i for i, t in decoder.items()} == listed, f"{folder}: added_tokens.json disagrees"
     return decoder
 
 
 def published_ids(folder: str) -> Dict[str, int]:
     """{token: published id} for every token the published files number: the added tokens,
-    the pad token at config.json's pad_token_id, and the ids published elsewhere."""
+    the pad token at config.json's pad_token_id where no added token numbers it (Fast-dLLM
+    v2's config.json says 151645, <|im_end|>, for its tokenizer's pad <|endoftext|> 151643),
+    and the ids published elsewhere."""
     hf, tc = config(folder), tokenizer_config(folder)
     ids = {t["content"]: i for i, t in added_tokens(folder).items()}
     pad = token_text(tc.get("pad_token"))
     if pad is not None and isinstance(hf.get("pad_token_id"), int):
-        assert ids.setdefault(pad, hf["pad_token_id"]) == hf["pad_token_id"], f"{folder}: pad_token_id disagrees"
+        ids.setdefault(pad, hf["pad_token_id"])
     for token, i in IDS_PUBLISHED_ELSEWHERE.get(hf.get("model_type"), {}).items():
         assert ids.setdefault(token, i) == i, f"{folder}: {token} is not at {i}"
     return ids
@@ -104,11 +117,12 @@ def published_ids(folder: str) -> Dict[str, int]:
 def mask_token(folder: str) -> Tuple[str, int]:
     """(mask token, id): config.json mask_token_id (LLaDA 126336 <|mdm_mask|>, Dream 151666
     <|mask|>, named by the added tokens), else tokenizer_config.json mask_token at its
-    published id (LLaDA2: <|mask|> 156895, IDS_PUBLISHED_ELSEWHERE)."""
+    published id (LLaDA2: <|mask|> 156895, IDS_PUBLISHED_ELSEWHERE), else the added token the
+    published decoding code names (MASK_TOKENS_ELSEWHERE)."""
     hf = config(folder)
     if "mask_token_id" in hf:
         return added_tokens(folder)[hf["mask_token_id"]]["content"], hf["mask_token_id"]
-    mask = token_text(tokenizer_config(folder)["mask_token"])
+    mask = token_text(tokenizer_config(folder).get("mask_token")) or MASK_TOKENS_ELSEWHERE[hf["model_type"]]
     return mask, published_ids(folder)[mask]
 
 
@@ -153,8 +167,23 @@ def _llada2(hf: Dict[str, Any]) -> Dict[str, Any]:
     return {k: v for k, v in out.items() if k in hf or k not in ("head_dim", "rotary_dim")}
 
 
+def _sdar(hf: Dict[str, Any]) -> Dict[str, Any]:
+    """SDAR: Qwen2's size keys and an explicit head_dim that is not hidden / heads (as
+    published: 128 with 2048 / 16); SDAR-MoE: its experts too."""
+    out = dict(_dream(hf), head_dim=HIDDEN // HEADS + 4)
+    if "num_experts" in hf:
+        out.update(num_experts=EXPERTS, num_experts_per_tok=TOP_K, moe_intermediate_size=FFN // 2)
+    return out
+
+
+def _fast_dllm_v2(hf: Dict[str, Any]) -> Dict[str, Any]:
+    """Qwen2's size keys and one layer_types entry per kept layer."""
+    return dict(_dream(hf), layer_types=hf["layer_types"][:LAYERS])
+
+
 SHRINK: Dict[str, Callable[[Dict[str, Any]], Dict[str, Any]]] = {"llada": _llada, "Dream": _dream,
-                                                                 "llada2_moe": _llada2}
+                                                                 "llada2_moe": _llada2, "sdar": _sdar,
+                                                                 "sdar_moe": _sdar, "Fast_dLLM_Qwen": _fast_dllm_v2}
 
 
 def _rule(hf: Dict[str, Any]) -> Callable[[Dict[str, Any]], Dict[str, Any]]:
@@ -204,11 +233,17 @@ def _family_tensors(root: str, cfg: ModelConfig, seed: int) -> Dict[str, torch.T
     return tensors
 
 
-def _write_weights(root: str, hf: Dict[str, Any], published_index: Dict[str, Any], seed: int) -> ModelConfig:
+def _write_weights(root: str, hf: Dict[str, Any], published_index: Optional[Dict[str, Any]], seed: int
+                   ) -> ModelConfig:
     """The family's tensors, asserted to carry exactly the published names of the kept
-    layers and experts, each written to the shard the published index puts it in."""
+    layers and experts, each written to the shard the published index puts it in; a set
+    published as one model.safetensors (no index: SDAR-1.7B-Chat) is written so."""
     cfg = ModelConfig.from_hf(hf)
     tensors = _family_tensors(root, cfg, seed)
+    if published_index is None:
+        os.remove(os.path.join(root, INDEX))
+        save_file(tensors, os.path.join(root, SINGLE), metadata={"format": "pt"})
+        return cfg
     want = kept_names(published_index, cfg)
     extra, missing = sorted(set(tensors) - set(want)), sorted(set(want) - set(tensors))
     assert not extra and not missing, f"not the published tensor names: extra {extra[:5]}, missing {missing[:5]}"
@@ -298,7 +333,7 @@ def _write_tokenizer(root: str, folder: str, cfg: ModelConfig) -> None:
 
     tc = tokenizer_config(folder)
     tokens = _tokens(folder, cfg.vocab_size)
-    if tc.get("tokenizer_class") == "DreamTokenizer":  # read as transformers' Qwen2Tokenizer
+    if tc.get("tokenizer_class") in ("DreamTokenizer", "Qwen2Tokenizer"):  # read as transformers' Qwen2Tokenizer
         _bpe_files(root, tokens)
     else:
         assert tc.get("tokenizer_class") == "PreTrainedTokenizerFast", tc.get("tokenizer_class")
@@ -358,4 +393,4 @@ def build(folder_name: str, root: str, seed: int = 0) -> str:
 
 __all__ = ["build", "folders", "shrink", "config", "tokenizer_config", "added_tokens", "published_ids", "mask_token",
            "chat_template", "remote_code_files", "kept_names", "bpe_vocab", "token_text", "VENDORED", "SHARED",
-           "IDS_PUBLISHED_ELSEWHERE", "MERGES", "SHRINK"]
+           "IDS_PUBLISHED_ELSEWHERE", "MASK_TOKENS_ELSEWHERE", "ADDED_TOKENS_JSON_DIFFERS", "MERGES", "SHRINK"]

@@ -26,8 +26,8 @@ from tiny.diffusion_gemma import build
 SAMPLING = {"max_new_tokens": 8, "policy": "fixed", "threshold": 0.5, "factor": 2.0, "temperature": 0.7,
             "stop_token_ids": [3], "seed": 123, "remasking": "random", "first_position": True, "top_p": 0.5,
             "top_k": 5, "stop": ["w1"], "n": 2, "block_add_threshold": 0.5, "decoded_token_threshold": 0.5,
-            "edit_threshold": 0.5, "max_post_steps": 3, "max_denoising_steps": 1, "entropy_bound": 5.0, "t_min": 0.0,
-            "t_max": 3.0, "stability_threshold": 4, "confidence_threshold": 100.0}
+            "edit_threshold": 0.5, "max_post_steps": 3, "sub_block_length": 4, "max_denoising_steps": 1,
+            "entropy_bound": 5.0, "t_min": 0.0, "t_max": 3.0, "stability_threshold": 4, "confidence_threshold": 100.0}
 ENGINE = {"block_length": 8, "steps_per_block": 8, "cache": "none", "token_budget": 40, "scheduler": "sequential",
           "max_batch_size": 1, "advance": "step", "canvas": "block", "forward_overhead_cells": 10.0,
           "compile_decode": True, "profile": True}

@@ -24,8 +24,8 @@ from pipeline.run import JobError, preflight, run_offline
 
 # model_type of each vendored config.json: served today, or not (yet). A folder of another
 # model_type fails test_every_vendored_folder_is_classified until it is put in one of them.
-SERVED = {"llada", "Dream", "llada2_moe"}
-NOT_SERVED = {"sdar", "sdar_moe"}  # JetLM's SDAR / SDAR-MoE: another issue adds them (and a shrink rule)
+SERVED = {"llada", "Dream", "llada2_moe", "sdar", "sdar_moe", "Fast_dLLM_Qwen"}
+NOT_SERVED: set = set()  # none today (SDAR / SDAR-MoE were, until issue 38)
 
 FOLDERS = published.folders()
 
@@ -39,19 +39,29 @@ NOT_SERVED_FOLDERS = [f for f in FOLDERS if model_type(f) in NOT_SERVED]
 
 ENGINE = EngineConfig(block_length=4, steps_per_block=4, cache="refresh", token_budget=2048, max_batch_size=8)
 SAMPLING = SamplingParams(max_new_tokens=8, policy="fixed")
-# LLaDA2.x as docs/usage.md's command runs it: the persistent cache, the threshold rule, 2.1's token editing
-LLADA2_ENGINE = EngineConfig(block_length=4, steps_per_block=4, cache="persistent", token_budget=2048,
-                             max_batch_size=8)
+# the block-causal families (LLaDA2, SDAR) as their docs run them: the persistent cache; LLaDA2.x with the threshold
+# rule and 2.1's token editing
+PERSISTENT_ENGINE = EngineConfig(block_length=4, steps_per_block=4, cache="persistent", token_budget=2048,
+                                 max_batch_size=8)
 LLADA2_SAMPLING = SamplingParams(max_new_tokens=8, threshold=0.95, edit_threshold=0.9)
+# SDAR / TraDo as docs/models/sdar.md's command runs them: blocks of 4, 4 steps, low_confidence_dynamic 0.9
+SDAR_SAMPLING = SamplingParams(max_new_tokens=8, threshold=0.9)
+# Fast-dLLM v2 as docs/models/fast_dllm_v2.md runs it: blocks of 32 (bd_size) in sub-blocks of 8, threshold 0.9
+FAST_DLLM_V2_ENGINE = EngineConfig(block_length=32, steps_per_block=32, cache="persistent", token_budget=2048,
+                                   max_batch_size=8)
+FAST_DLLM_V2_SAMPLING = SamplingParams(max_new_tokens=8, threshold=0.9, sub_block_length=8)
 USER = "copy: abc"
 MESSAGES = [[{"role": "user", "content": f"copy: {'abcdefgh'[: i % 8 + 1]}"}] for i in range(10)]
 # tokenizer_config.json tokenizer_class -> the class common.tokenizer reads it with
-TOKENIZER_CLASS = {"PreTrainedTokenizerFast": "TokenizersBackend", "DreamTokenizer": "Qwen2Tokenizer"}
+TOKENIZER_CLASS = {"PreTrainedTokenizerFast": "TokenizersBackend", "DreamTokenizer": "Qwen2Tokenizer",
+                   "Qwen2Tokenizer": "Qwen2Tokenizer"}
 
 
 def settings(folder: str) -> Tuple[EngineConfig, SamplingParams]:
     """The engine and sampling settings of the folder's family (small: each job ~10 s)."""
-    return (LLADA2_ENGINE, LLADA2_SAMPLING) if model_type(folder) == "llada2_moe" else (ENGINE, SAMPLING)
+    return {"llada2_moe": (PERSISTENT_ENGINE, LLADA2_SAMPLING), "sdar": (PERSISTENT_ENGINE, SDAR_SAMPLING),
+            "sdar_moe": (PERSISTENT_ENGINE, SDAR_SAMPLING), "Fast_dLLM_Qwen": (FAST_DLLM_V2_ENGINE, FAST_DLLM_V2_SAMPLING)
+            }.get(model_type(folder), (ENGINE, SAMPLING))
 
 
 # --- what the published files say --------------------------------------------------------

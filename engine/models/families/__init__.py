@@ -10,9 +10,11 @@ from typing import Any, Dict, Mapping
 from .base import BlockLayout, ConfigRefused, Confidence, Family, FamilyNotSupported, Serving, ThresholdRule
 from .diffusion_gemma import DIFFUSION_GEMMA
 from .dream import DREAM
+from .fast_dllm_v2 import FAST_DLLM_V2
 from .llada import LLADA
 from .llada2_moe import LLADA2_MOE
 from .llada_moe import LLADA_MOE
+from .sdar import SDAR, SDAR_MOE
 
 FAMILIES: Dict[str, Family] = {}
 
@@ -32,7 +34,7 @@ def register(family: Family) -> Family:
     return family
 
 
-for _family in (LLADA_MOE, LLADA, DREAM, LLADA2_MOE, DIFFUSION_GEMMA):
+for _family in (LLADA_MOE, LLADA, DREAM, LLADA2_MOE, DIFFUSION_GEMMA, SDAR, SDAR_MOE, FAST_DLLM_V2):
     register(_family)
 
 

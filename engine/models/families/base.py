@@ -50,10 +50,15 @@ class ThresholdRule(enum.StrEnum):
     """The `threshold` policy's rule. AT_LEAST_TOP1 (Fast-dLLM): every position whose
     confidence is >= threshold, at least the most confident. SCHEDULE_FLOOR (LLaDA2's
     generate()): confidence strictly greater, at least the fixed schedule's k of the step
-    over min(steps, max_new_tokens) steps (k = 1 while token editing, LLaDA2.1's loop)."""
+    over min(steps, max_new_tokens) steps (k = 1 while token editing, LLaDA2.1's loop).
+    BLOCK_FLOOR (SDAR's block_diffusion_generate): the same over steps_per_block steps,
+    whatever max_new_tokens. GREATER_AT_LEAST_TOP1 (Fast-dLLM v2's batch_sample): every
+    position whose confidence is strictly greater, at least the most confident."""
 
     AT_LEAST_TOP1 = "at_least_top1"
+    GREATER_AT_LEAST_TOP1 = "greater_at_least_top1"
     SCHEDULE_FLOOR = "schedule_floor"
+    BLOCK_FLOOR = "block_floor"
 
 
 class Confidence(enum.StrEnum):
@@ -162,6 +167,7 @@ class Family:
     attention: Optional[str] = None  # the attention its layout requires (None: config.json's dllm_attention)
     serving: Serving = Serving.MASKED
     defaults: Mapping[str, Any] = field(default_factory=dict)  # ids published loops default to
+    mask_token: Optional[str] = None  # the added token that is the mask where config.json names no mask id
 
     # --- config.json --------------------------------------------------------------------
     def matches(self, hf: Mapping[str, Any]) -> bool:
@@ -199,7 +205,10 @@ class Family:
 
     def tokenizer_ids(self, hf: Mapping[str, Any], tokens: Mapping[str, int], eos: Optional[int]) -> Dict[str, Any]:
         """ModelConfig ids config.json does not name but the tokenizer does (`tokens`: the
-        added tokens' ids, `eos`: tokenizer_config.json's eos_token's); none by default."""
+        added tokens' ids, `eos`: tokenizer_config.json's eos_token's): by default the mask,
+        `mask_token`'s id (SDAR's <|MASK|>, Fast-dLLM v2's |<MASK>|)."""
+        if self.mask_token is not None and "mask_token_id" not in hf and self.mask_token in tokens:
+            return {"mask_token_id": tokens[self.mask_token]}
         return {}
 
     def _common(self, hf: Mapping[str, Any]) -> Dict[str, Any]:
