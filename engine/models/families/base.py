@@ -211,6 +211,14 @@ class Family:
             return {"mask_token_id": tokens[self.mask_token]}
         return {}
 
+    def _full_attention(self, hf: Mapping[str, Any]) -> None:
+        """Refuse config.json `layer_types` with sliding-window layers (transformers' Qwen2 /
+        Qwen3 layouts): the generic Layer attends to every position in every layer."""
+        types = hf.get("layer_types")
+        if types is not None and any(t != "full_attention" for t in types):
+            raise ConfigRefused(f"config.json layer_types {sorted(set(types))} has sliding-window layers; blockray's "
+                                f"{self.name} model attends to every position in every layer")
+
     def _common(self, hf: Mapping[str, Any]) -> Dict[str, Any]:
         eos = hf.get("eos_token_id", self.defaults.get("eos_token_id"))
         eos_ids = [int(t) for t in (eos if isinstance(eos, list) else [eos]) if t is not None]

@@ -16,10 +16,7 @@ from .base import ConfigRefused, Confidence, Family
 
 class DreamFamily(Family):
     def parse(self, hf: Mapping[str, Any]) -> Dict[str, Any]:
-        types = hf.get("layer_types")
-        if types is not None and any(t != "full_attention" for t in types):
-            raise ConfigRefused(f"config.json layer_types {sorted(set(types))} has sliding-window layers; blockray's "
-                                f"{self.name} model attends to every position in every layer")
+        self._full_attention(hf)
         return dict(
             self._common(hf), vocab_size=hf["vocab_size"], hidden_size=hf["hidden_size"],
             n_layers=hf["num_hidden_layers"], n_heads=hf["num_attention_heads"],

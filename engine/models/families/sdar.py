@@ -43,10 +43,7 @@ LAUNCHER_KEYS = frozenset({"debug", "ep_size", "micro_forward", "skip_checkpoint
 
 class SDARFamily(Family):
     def parse(self, hf: Mapping[str, Any]) -> Dict[str, Any]:
-        types = hf.get("layer_types")
-        if types is not None and any(t != "full_attention" for t in types):
-            raise ConfigRefused(f"config.json layer_types {sorted(set(types))} has sliding-window layers; blockray's "
-                                f"{self.name} model attends to every position in every layer")
+        self._full_attention(hf)
         n, d, H = hf["num_hidden_layers"], hf["hidden_size"], hf["num_attention_heads"]
         out = dict(
             self._common(hf), vocab_size=hf["vocab_size"], hidden_size=d, n_layers=n, n_heads=H,
