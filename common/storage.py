@@ -115,6 +115,14 @@ def put_whole(fs: fsspec.AbstractFileSystem, path: str, data: bytes) -> None:
             os.remove(tmp)
 
 
+def read_whole(fs: fsspec.AbstractFileSystem, path: str) -> bytes:
+    """The current bytes of a small file that another writer may replace at any moment (the
+    lease, the part manifest). One GET: `fs.open` would look the file up first and then read
+    it on the condition that it is still that version (s3fs sends the looked-up ETag as
+    If-Match), so a rewrite in between fails the read with 412 PreconditionFailed."""
+    return fs.cat_file(path)
+
+
 def protocol_of(url: str) -> str:
     """'s3' for s3://bucket/key, 'file' for plain paths."""
     return url.split("://", 1)[0] if "://" in url else "file"
@@ -135,6 +143,19 @@ def get_filesystem(url: str, options: Optional[StorageOptions] = None) -> Tuple[
         return fs, fs._strip_protocol(url)
     fs, path = fsspec.core.url_to_fs(url, skip_instance_cache=True, **kwargs)
     return fs, path
+
+
+def one_attempt(fs: fsspec.AbstractFileSystem) -> fsspec.AbstractFileSystem:
+    """A client for the same store that tries each call once (S3: botocore's retries off;
+    other filesystems as they are). For the bookkeeping after a run failed, when the store
+    has just spent its retries: three more calls with 15 s of backoff each would turn a
+    dead endpoint into a minute-long exit."""
+    protocols = fs.protocol if isinstance(fs.protocol, (tuple, list)) else (fs.protocol,)
+    if not set(protocols) & set(_S3_PROTOCOLS):
+        return fs
+    options = dict(fs.storage_options)
+    options["config_kwargs"] = {**options.get("config_kwargs", {}), "retries": {**S3_RETRIES, "max_attempts": 1}}
+    return type(fs)(skip_instance_cache=True, **options)
 
 
 def join(base: str, *parts: str) -> str:

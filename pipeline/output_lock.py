@@ -33,7 +33,7 @@ from typing import Any, Dict, Optional
 
 import fsspec
 
-from common.storage import StorageWriteError, describe_error, put_whole
+from common.storage import StorageWriteError, describe_error, one_attempt, put_whole, read_whole
 
 logger = logging.getLogger(__name__)
 
@@ -54,8 +54,7 @@ def read_lease(fs: fsspec.AbstractFileSystem, path: str) -> Optional[Dict[str, A
     """The lease at `path`, or None when there is none (or only a half-written one)."""
     fs.invalidate_cache()
     try:
-        with fs.open(path, "rb") as fh:
-            value = json.loads(fh.read())
+        value = json.loads(read_whole(fs, path))
     except (FileNotFoundError, NotADirectoryError):
         return None
     except ValueError:  # half-written by a local writer that died: nobody's
@@ -202,6 +201,12 @@ class OutputLock:
                              f"{describe_error(e)}. This run stopped writing there")
                 logger.error("%s", self.lost)
                 return
+
+    def after_failure(self) -> None:
+        """The run failed: its last reads of the lease and the lease's removal try once each
+        (common.storage.one_attempt), so a store that is gone does not hold the exit back. A
+        lease left behind expires by itself, and a rerun on this host takes it at once."""
+        self.fs = one_attempt(self.fs)
 
     def verify(self) -> None:
         """Raise LeaseLost when this run no longer holds the lease: taken over (read now) or

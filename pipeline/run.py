@@ -133,6 +133,7 @@ def _run(checked: Preflight, input: Union[str, List[str]], config: DLLMProcessor
                                  writer=checked.lock.writer_id, guard=checked.lock.guard())
             engines = engine_figures(processor) if report else {}
         except Exception as e:  # noqa: BLE001 - the user's to fix: one line; a bug: as raised
+            checked.lock.after_failure()
             if not users_to_fix(e):
                 raise
             lost = lease_lost(checked.lock)

@@ -39,7 +39,7 @@ from ray.data.block import Block, BlockAccessor
 from ray.data.datasource import Datasink
 from ray.data.datasource.datasink import WriteResult
 
-from common.storage import StorageOptions, StorageWriteError, describe_error, get_filesystem, join, put_whole
+from common.storage import StorageOptions, StorageWriteError, describe_error, get_filesystem, join, put_whole, read_whole
 
 logger = logging.getLogger(__name__)
 
@@ -178,8 +178,7 @@ def _part_names(fs: fsspec.AbstractFileSystem, path: str) -> List[str]:
 def _fenced(fs: fsspec.AbstractFileSystem, path: str, names: Sequence[str]) -> "tuple[List[str], List[str]]":
     """(the parts that count, the late ones) among `names`, by the part manifest."""
     try:
-        with fs.open(join(path, PARTS_FILE), "rb") as fh:
-            manifest = json.loads(fh.read())
+        manifest = json.loads(read_whole(fs, join(path, PARTS_FILE)))
     except FileNotFoundError:
         return list(names), []
     listed, writer = set(manifest["parts"]), manifest["writer"]
