@@ -10,7 +10,7 @@ from typing import Any, Dict, Literal, Optional, Sequence, get_args
 
 from .modes import CacheMode as CacheModeRule, cache_mode
 
-Policy = Literal["fixed", "threshold", "factor", "timestep", "origin"]
+Policy = Literal["fixed", "threshold", "factor", "timestep", "origin", "entropy_bound"]
 Remasking = Literal["low_confidence", "random", "entropy", "margin", "sequential"]
 CacheMode = Literal["none", "refresh", "persistent", "dual"]
 Canvas = Literal["auto", "block", "full"]
@@ -134,7 +134,10 @@ class SamplingParams:
       `get_transfer_index_dynamic`), `timestep` (Dream's schedule: at step s the
       fraction 1 - t_{s+1}/t_s of the remaining masks, t = linspace(1, 1e-3, S+1)),
       `origin` (Dream's alg="origin": each mask independently with probability
-      1 - t_{s+1}/t_s, drawn from the request's seeded noise; remasking unused).
+      1 - t_{s+1}/t_s, drawn from the request's seeded noise; remasking unused),
+      `entropy_bound` (JetEngine's entropy_bounded, SDAR's fast engine: the masks in
+      order of entropy, lowest first, while their summed entropy stays below
+      `entropy_bound`, at least one; runs until the block is filled; remasking unused).
       Dream's own `diffusion_generate` is one block of max_new_tokens decoded in
       `steps` steps with first_position off; its alg maskgit_plus / entropy /
       topk_margin is `timestep` with remasking low_confidence / entropy / margin
@@ -180,7 +183,9 @@ class SamplingParams:
         "tokens to generate at most per row (vLLM: max_tokens); rounded up to whole blocks")})
     policy: Policy = field(default="threshold", metadata={"help": (
         "which masked positions a step unmasks: fixed (LLaDA's schedule), threshold/factor (Fast-dLLM), "
-        "timestep (Dream's schedule), origin (Dream's alg=origin: each mask at random)")})
+        "timestep (Dream's schedule), origin (Dream's alg=origin: each mask at random), entropy_bound "
+        "(JetEngine's entropy_bounded: the lowest-entropy masks while their summed entropy stays below "
+        "entropy_bound)")})
     threshold: float = field(default=0.9, metadata={"bounds": within(0, 1, low_open=True), "help": (
         "policy threshold: unmask every position whose confidence is at least this (at least one per step)")})
     factor: float = field(default=1.0, metadata={"bounds": above(0),
@@ -229,8 +234,10 @@ class SamplingParams:
     max_denoising_steps: Optional[int] = field(default=None, metadata={"bounds": at_least(1, integer=True), "help": (
         "DiffusionGemma: denoising steps per canvas at most (none: generation_config.json)")})
     entropy_bound: Optional[float] = field(default=None, metadata={"bounds": above(0), "help": (
-        "DiffusionGemma: a step accepts the lowest-entropy tokens whose summed entropy minus the largest stays "
-        "within this (none: generation_config.json's sampler_config)")})
+        "policy entropy_bound: a step commits the lowest-entropy masks while their summed entropy stays below "
+        "this, at least one (none: 0.35, JetEngine's eb_threshold); DiffusionGemma: a step accepts the "
+        "lowest-entropy tokens whose summed entropy minus the largest stays within this (none: "
+        "generation_config.json's sampler_config)")})
     t_min: Optional[float] = field(default=None, metadata={"bounds": at_least(0), "help": (
         "DiffusionGemma: temperature at the last denoising step (none: generation_config.json)")})
     t_max: Optional[float] = field(default=None, metadata={"bounds": at_least(0), "help": (
@@ -275,6 +282,9 @@ class SamplingParams:
                 return err
         if self.policy == "origin" and self.remasking != "low_confidence":
             return (f"policy 'origin' (Dream's alg='origin') unmasks positions at random and reads no confidence; "
+                    f"leave remasking at 'low_confidence', got {self.remasking!r}")
+        if self.policy == "entropy_bound" and self.remasking != "low_confidence":
+            return (f"policy 'entropy_bound' ranks the masks by their entropy, not by the remasking confidence; "
                     f"leave remasking at 'low_confidence', got {self.remasking!r}")
         if self.remasking == "sequential" and self.policy != "fixed":
             return (f"remasking 'sequential' (left to right) takes the fixed schedule's k positions a step: it "

@@ -14,13 +14,16 @@ import torch
 
 from .models.families.base import Confidence, ThresholdRule
 
-FIXED, THRESHOLD, FACTOR, TIMESTEP, ORIGIN = 0, 1, 2, 3, 4
-POLICY_IDS = {"fixed": FIXED, "threshold": THRESHOLD, "factor": FACTOR, "timestep": TIMESTEP, "origin": ORIGIN}
+FIXED, THRESHOLD, FACTOR, TIMESTEP, ORIGIN, ENTROPY_BOUND = 0, 1, 2, 3, 4, 5
+POLICY_IDS = {"fixed": FIXED, "threshold": THRESHOLD, "factor": FACTOR, "timestep": TIMESTEP, "origin": ORIGIN,
+              "entropy_bound": ENTROPY_BOUND}
 LOW_CONFIDENCE, RANDOM, ENTROPY, MARGIN, SEQUENTIAL = 0, 1, 2, 3, 4
 REMASKING_IDS = {"low_confidence": LOW_CONFIDENCE, "random": RANDOM, "entropy": ENTROPY, "margin": MARGIN,
                  "sequential": SEQUENTIAL}
 DREAM_EPS = 1e-3  # Dream's generation_config.eps: the last timestep of its schedule
 NO_CAP = 2**31  # RowParams.floor_steps of a row whose floor's steps max_new_tokens does not cap
+ENTROPY_BOUND_DEFAULT = 0.35  # JetEngine's eb_threshold
+ENTROPY_EPS = 1e-12  # JetEngine clamps probabilities at this before p log p
 
 
 @dataclass
@@ -36,13 +39,14 @@ class DeviceParams:
     top_p: torch.Tensor
     top_k: torch.Tensor
     cap: torch.Tensor  # a rule's own step cap (-1: the policy's, step_cap)
+    entropy_bound: torch.Tensor
 
     @classmethod
     def upload(cls, real: torch.Tensor, ints: torch.Tensor, device) -> "DeviceParams":
-        """From the host's [4, B] float64 and [5, B] long stacks: two copies, not nine."""
+        """From the host's [5, B] float64 and [5, B] long stacks: two copies, not ten."""
         r, i = real.to(device), ints.to(device)
         return cls(policy=i[0], threshold=r[0], factor=r[1], temperature=r[2], remasking=i[1],
-                   first_position=i[2].bool(), top_p=r[3], top_k=i[3], cap=i[4])
+                   first_position=i[2].bool(), top_p=r[3], top_k=i[3], cap=i[4], entropy_bound=r[4])
 
 
 @dataclass
@@ -52,7 +56,7 @@ class RowParams:
 
     params: List  # the rows' SamplingParams
     seeds: List[Optional[int]]  # noise seed per row, None when the row draws no noise
-    real: torch.Tensor  # host [4, B] float64: threshold, factor, temperature, top_p
+    real: torch.Tensor  # host [5, B] float64: threshold, factor, temperature, top_p, entropy_bound
     ints: torch.Tensor  # host [5, B] long: policy, remasking, first_position, top_k, cap
     dev: DeviceParams
     any_entropy: bool
@@ -95,8 +99,10 @@ class RowParams:
         floor = threshold in (ThresholdRule.SCHEDULE_FLOOR, ThresholdRule.BLOCK_FLOOR)
         capped = threshold == ThresholdRule.SCHEDULE_FLOOR
         real = torch.tensor([[float(p.threshold) for p in params], [float(p.factor) for p in params],
-                             [float(p.temperature) for p in params], [float(p.top_p) for p in params]],
-                            dtype=torch.float64).reshape(4, len(params))
+                             [float(p.temperature) for p in params], [float(p.top_p) for p in params],
+                             [ENTROPY_BOUND_DEFAULT if p.entropy_bound is None else float(p.entropy_bound)
+                              for p in params]],
+                            dtype=torch.float64).reshape(5, len(params))
         ints = torch.tensor([[POLICY_IDS[p.policy] for p in params], [REMASKING_IDS[p.remasking] for p in params],
                              [int(f) for f in first], [max(0, int(p.top_k)) for p in params],
                              [-1 if c is None else int(c) for c in (caps or [None] * len(params))]],
@@ -149,7 +155,8 @@ def timestep_schedule(step: torch.Tensor, n_mask: torch.Tensor, steps: int) -> t
 
 def step_cap(policy: torch.Tensor, block_length: int, steps: int) -> torch.Tensor:
     """[B] steps after which a row's block is committed whatever it holds: S for the
-    scheduled policies (fixed, timestep, origin), max(S, L) for threshold and factor.
+    scheduled policies (fixed, timestep, origin), max(S, L) for threshold, factor and
+    entropy_bound.
     `policy`: RowParams.policy (host) or RowParams.dev.policy."""
     scheduled = (policy == FIXED) | (policy == TIMESTEP) | (policy == ORIGIN)
     return torch.where(scheduled, steps, max(steps, block_length))
@@ -241,6 +248,13 @@ def propose(logits: torch.Tensor, rp: RowParams, noise_keys: Optional[Sequence[O
         c = torch.where(rem == MARGIN, top2[:, 0] - top2[:, 1], c)
     if rp.any_sequential:  # SDAR's sequential: the leftmost masks rank first
         c = torch.where(rem == SEQUENTIAL, -idx[1].to(c.dtype), c)
+    if bool((rp.policy == ENTROPY_BOUND).any()):  # host values
+        # JetEngine's entropy: of the softmax at the row's temperature (the model's own at 0),
+        # probabilities clamped at 1e-12; minus it is the confidence (the lowest entropy first)
+        t = rp.dev.temperature[idx[0]]
+        pe = torch.softmax(logits[idx].to(torch.float64) / torch.where(t > 0, t, torch.ones_like(t))[:, None],
+                           dim=-1).clamp_min(ENTROPY_EPS)
+        c = torch.where(rp.dev.policy[idx[0]] == ENTROPY_BOUND, (pe * pe.log()).sum(-1), c)
     conf = torch.zeros(x0.shape, dtype=torch.float64, device=x0.device)
     conf[idx] = c
     for i, r in drawn.items():
@@ -278,14 +292,19 @@ def select(conf: torch.Tensor, is_mask: torch.Tensor, step: torch.Tensor, rp: Ro
     k = (sorted_conf >= bar).long().cumprod(dim=1).sum(dim=1)
     n_take = torch.where(k == 0, 1, torch.where(k >= n_mask - 1, n_mask, k))
     by_factor = rank < n_take[:, None]
+    # entropy_bound (JetEngine's entropy_bounded): the lowest-entropy masks (conf is minus the
+    # entropy) while the running sum of their entropies stays below the bound; at least one
+    k_bound = ((-sorted_conf).cumsum(dim=1) < rp.dev.entropy_bound[:, None]).sum(dim=1).clamp(min=1)
+    by_entropy_bound = rank < k_bound[:, None]
     by_timestep = rank < timestep_schedule(step, n_mask, steps)[:, None]
     # origin (Dream's alg="origin"): each mask independently, when its uniform draw (its
     # confidence) is below 1 - t_{s+1} / t_s
     by_origin = conf < transfer_fraction(step, steps).double()[:, None]
     pol = rp.dev.policy[:, None]
     sel = torch.where(pol == FIXED, by_fixed, torch.where(pol == THRESHOLD, by_threshold, torch.where(
-        pol == FACTOR, by_factor, torch.where(pol == ORIGIN, by_origin, by_timestep))))
-    # scheduled policies fill the block by step S; threshold and factor run until it is
+        pol == FACTOR, by_factor, torch.where(pol == ORIGIN, by_origin, torch.where(
+            pol == ENTROPY_BOUND, by_entropy_bound, by_timestep)))))
+    # scheduled policies fill the block by step S; threshold, factor and entropy_bound run until it is
     # full (at most L steps, one token at least per step), forced at step max(S, L) only
     # if a model keeps proposing the mask token itself
     last = (step >= rp.caps(block_length, steps, dev=True) - 1)[:, None]

@@ -132,6 +132,9 @@ def row_refusal(req: "Request", traits: Traits) -> Optional[str]:
     (engine.decoders.settings_refusal): settings every row would be refused for fail the
     job before it starts."""
     split_prompt(req, traits)
+    if req.params.entropy_bound is not None and req.params.policy != "entropy_bound":
+        return (f"entropy_bound is read by policy 'entropy_bound' only, and this row's policy is "
+                f"{req.params.policy!r}: set policy 'entropy_bound' or leave entropy_bound unset")
     err = req.rule.unsupported(req, traits)
     if err:
         return err

@@ -226,5 +226,11 @@ def test_dream_loads_with_its_ids_and_sampled_confidence():
     assert (cfg.mask_token_id, cfg.eos_token_id, cfg.pad_token_id, cfg.rope_theta) == (151666, EOS, EOS, 1e6)
     with pytest.raises(ConfigRefused, match="'eos_penalty'"):
         ModelConfig.from_hf(dict(hf, eos_penalty=3.0))
+    # DiffuCoder-7B-Instruct's config.json, as its model page shows it (no copy of the file is
+    # stored anywhere: ../shared/checkpoints/apple__DiffuCoder-7B-Instruct/SOURCE.md), differs
+    # from Dream-v0's in keys that cannot change the math only
+    diffucoder = dict(hf, _name_or_path="apple/DiffuCoder-7B-Instruct", transformers_version="4.51.3",
+                      use_cache=False)
+    assert replace(ModelConfig.from_hf(diffucoder), extra={}) == replace(cfg, extra={})  # extra: keys passed through
     assert set(DREAM_ALGS) == {"maskgit_plus", "topk_margin", "entropy", "origin"}
     assert "remasking" in replace(SamplingParams(), policy="origin", remasking="entropy").validate()

@@ -153,6 +153,22 @@ def transfer_index(strategy, cur_x, x0_p, k, threshold, mask_id=MASK):
     return transfer
 
 
+def entropy_bounded(cur_x, probs, eb_threshold, mask_id=MASK):
+    """JetEngine's entropy_bounded (Labman42/JetEngine jetengine/engine/scheduler.py,
+    postprocess_loop): the masks' entropies of `probs` (clamped at 1e-12), sorted ascending;
+    k = searchsorted(cumsum, eb_threshold) (how many running sums stay below it), at least
+    1; the k lowest-entropy masks. The sort is stable here: ties go to the lower position
+    (JetEngine's torch.sort leaves their order to the kernel)."""
+    mask_index = cur_x == mask_id
+    P = probs[mask_index].clamp_min(1e-12)
+    entropies = -(P * P.log()).sum(-1)
+    ent_sorted, order = torch.sort(entropies, descending=False, stable=True)
+    k = max(1, int(torch.searchsorted(torch.cumsum(ent_sorted, 0), torch.tensor(eb_threshold, dtype=P.dtype))))
+    transfer = torch.zeros_like(mask_index)
+    transfer[mask_index.nonzero(as_tuple=True)[0][order[:k]]] = True
+    return transfer
+
+
 def block_diffusion_generate(model, prompt, gen_length, block_length, steps, strategy, threshold=0.85,
                              stop_ids=STOPS, mask_id=MASK, trace=None):
     """generate.py's block_diffusion_generate (greedy; see the module docstring); returns the
@@ -182,8 +198,11 @@ def block_diffusion_generate(model, prompt, gen_length, block_length, steps, str
             x0 = logits.argmax(-1)
             x0_p = probs.gather(-1, x0[:, None]).squeeze(-1)
             x0 = torch.where(mask_index, x0, cur_x)
-            k = int(k_sched[step])  # an IndexError at step == steps, as published, if masks remain
-            transfer = transfer_index(strategy, cur_x, x0_p, k, threshold)
+            if strategy == "entropy_bounded":  # JetEngine's, no schedule; `threshold` is its eb_threshold
+                k, transfer = 0, entropy_bounded(cur_x, probs, threshold)
+            else:
+                k = int(k_sched[step])  # an IndexError at step == steps, as published, if masks remain
+                transfer = transfer_index(strategy, cur_x, x0_p, k, threshold)
             if trace is not None:
                 high = int((torch.where(mask_index, x0_p, -torch.inf) > threshold).sum())
                 trace.append(dict(strategy=strategy, k=k, masks=int(mask_index.sum()), high=high,
@@ -415,6 +434,54 @@ def test_trado_presets_are_its_published_evaluation_settings(dense):
     out = Engine(dense, replace(eng, token_budget=256)).generate(
         [workload()[0][5]], replace(sp, max_new_tokens=12, stop_token_ids=STOPS, seed=7))[0]
     assert out.error is None and out.finish_reason in ("stop", "length")
+
+
+# --- JetEngine's entropy_bounded ------------------------------------------------------------
+
+BOUNDS = [0.35, 2.0, 0.05, 6.0, 1.0, 40.0]  # JetEngine's default first; 40: a whole block at once
+
+
+@pytest.mark.parametrize("L", sorted(SHAPES))
+def test_entropy_bounded_mixed_batch_equals_jetengine(dense, L):
+    """policy entropy_bound: the 12 prompts, bounds from 0.05 to 40, in one batch under
+    blockserve at a small budget, the transcription's tokens (JetEngine's selection inside
+    generate.py's loop, run with denoising_steps = L so that its step cap, which would leave
+    masks in a block, never binds; the engine's steps_per_block does not cap this policy)."""
+    prompts, _ = workload()
+    rows = [("entropy_bounded", BOUNDS[i % len(BOUNDS)], n) for i, n in enumerate(MAX_NEW)]
+    ref, trace = PublishedSDAR(dense), []
+    outs = [block_diffusion_generate(ref, p, n, L, L, s, t, trace=trace) for p, (s, t, n) in zip(prompts, rows)]
+    assert any(t["taken"] == 1 < t["masks"] for t in trace)  # the floor of one (the bound below the first entropy)
+    assert any(1 < t["taken"] < t["masks"] for t in trace)  # the bound stopped the running sum
+    assert any(t["taken"] == t["masks"] > 1 for t in trace)  # all of a block's masks at once
+    sps = [SamplingParams(max_new_tokens=n, policy="entropy_bound", entropy_bound=b, stop_token_ids=STOPS)
+           for _, b, n in rows]
+    eng = Engine(dense, EngineConfig(block_length=L, steps_per_block=SHAPES[L], cache="persistent",
+                                     scheduler="blockserve", token_budget=84, max_batch_size=6), record_batches=True)
+    got = eng.generate(prompts, sps)
+    assert [o.token_ids for o in got] == outs
+    assert max(len(b.request_ids) for b in eng.batch_log) > 1
+
+
+def test_entropy_bound_is_minus_jetengines_entropy_at_the_rows_temperature():
+    """The confidence the policy ranks by: minus the entropy of softmax(logits / T) with
+    probabilities clamped at 1e-12 (JetEngine's), the model's own softmax at T = 0; a row
+    of another policy keeps its confidence; entropy_bound set under another policy is refused."""
+    from engine.decoding import propose
+
+    logits = torch.randn(2, 5, VOCAB, generator=torch.Generator().manual_seed(3), dtype=torch.float64) * 4
+    sps = [SamplingParams(policy="entropy_bound", temperature=0.7, seed=1), SamplingParams(policy="entropy_bound")]
+    need = torch.ones(2, 5, dtype=torch.bool)
+    _, conf = propose(logits, RowParams.build(sps, [None, None], "cpu"), None, need)
+    for i, t in enumerate((0.7, 1.0)):
+        P = torch.softmax(logits[i] / t, -1).clamp_min(1e-12)
+        torch.testing.assert_close(conf[i], (P * P.log()).sum(-1), rtol=0, atol=1e-14)
+    _, other = propose(logits, RowParams.build([SamplingParams(), sps[1]], [None, None], "cpu"), None, need)
+    torch.testing.assert_close(other[0], torch.softmax(logits[0], -1).max(-1).values, rtol=0, atol=1e-14)
+    assert "remasking" in SamplingParams(policy="entropy_bound", remasking="entropy").validate()
+    eng = Engine(sdar_model(tiny_sdar(), seed=2), EngineConfig(block_length=4, steps_per_block=4))
+    out = eng.generate([[20, 21]], SamplingParams(entropy_bound=0.5, max_new_tokens=4))[0]
+    assert out.error and "policy 'entropy_bound'" in out.error
 
 
 def test_sequential_remasking_needs_the_fixed_policy():
