@@ -141,7 +141,9 @@ class SamplingParams:
       Dream's own `diffusion_generate` is one block of max_new_tokens decoded in
       `steps` steps with first_position off; its alg maskgit_plus / entropy /
       topk_margin is `timestep` with remasking low_confidence / entropy / margin
-      (docs/models/dream.md).
+      (docs/models/dream.md), and its `alg_temp` > 0 draws the step's k positions
+      without replacement from softmax(confidence / alg_temp) (Gumbel top-k: the
+      distribution of Dream's torch.multinomial, from the request's seeded noise).
     - `remasking`, the confidence that ranks positions: `low_confidence` (probability
       of the proposed token), `random` (LLaDA's random remasking, seeded per request),
       `entropy` (Dream: negative entropy of the distribution), `margin` (Dream's
@@ -204,6 +206,9 @@ class SamplingParams:
     first_position: Optional[bool] = field(default=None, metadata={"help": (
         "Dream's block decoding: a block's first step commits only its first position (auto: on for Dream, "
         "off for LLaDA)")})
+    alg_temp: float = field(default=0.0, metadata={"bounds": at_least(0), "help": (
+        "Dream's alg_temp, policy timestep: 0 takes the step's k most confident masks; > 0 draws them without "
+        "replacement from softmax(confidence / alg_temp), from the request's seeded noise")})
     top_p: float = field(default=1.0, metadata={"bounds": within(0, 1, low_open=True),
         "help": "nucleus sampling of the proposals (1: off)"})
     top_k: int = field(default=0, metadata={"bounds": at_least(-1, integer=True, note=" (0 or -1: off)"), "help": (
@@ -283,6 +288,9 @@ class SamplingParams:
         if self.policy == "origin" and self.remasking != "low_confidence":
             return (f"policy 'origin' (Dream's alg='origin') unmasks positions at random and reads no confidence; "
                     f"leave remasking at 'low_confidence', got {self.remasking!r}")
+        if self.alg_temp > 0 and self.policy != "timestep":
+            return (f"alg_temp (Dream's) draws the k positions of policy 'timestep' (Dream's maskgit_plus, "
+                    f"entropy, topk_margin); got policy {self.policy!r}")
         if self.policy == "entropy_bound" and self.remasking != "low_confidence":
             return (f"policy 'entropy_bound' ranks the masks by their entropy, not by the remasking confidence; "
                     f"leave remasking at 'low_confidence', got {self.remasking!r}")

@@ -213,8 +213,10 @@ def propose(logits: torch.Tensor, rp: RowParams, noise_keys: Optional[Sequence[O
     the vocabulary is the biggest host cost of a step). Rows at temperature > 0 take
     x0 from Gumbel-perturbed logits in float64 (as LLaDA's reference does); rows with
     random remasking or the origin policy draw their confidence (a uniform per
-    position); both from a generator seeded per row and step (`noise_keys`, None when no
-    row draws noise), so a request's tokens do not depend on its batch. Under
+    position), rows with alg_temp > 0 perturb theirs (Gumbel top-k: the step's k positions
+    drawn without replacement from softmax(confidence / alg_temp), Dream's multinomial);
+    all from a generator seeded per row and step (`noise_keys`, None when no row draws
+    noise), so a request's tokens do not depend on its batch. Under
     Confidence.SAMPLED (`rp.sampled`) the proposals at `need` are drawn from, and the
     confidence read off, Dream's sample_tokens distribution (dream_logits)."""
     x0 = logits.argmax(-1)  # float -> float64 is exact, so this is the float64 argmax
@@ -222,7 +224,7 @@ def propose(logits: torch.Tensor, rp: RowParams, noise_keys: Optional[Sequence[O
     lg = logits[idx].to(torch.float64)
     if rp.sampled and bool(((rp.real[2] > 0) | (rp.real[3] < 1) | (rp.ints[3] > 0)).any()):  # host values
         lg = dream_logits(lg, rp.dev.temperature[idx[0]], rp.dev.top_p[idx[0]], rp.dev.top_k[idx[0]])
-    drawn = {}
+    drawn, gumbel = {}, {}
     for i, key in enumerate(noise_keys or ()):
         if key is None:
             continue
@@ -238,6 +240,9 @@ def propose(logits: torch.Tensor, rp: RowParams, noise_keys: Optional[Sequence[O
                 x0[i] = (r - float(p.temperature) * torch.log(-torch.log(noise))).argmax(-1)
         if p.remasking == "random" or p.policy == "origin":
             drawn[i] = torch.rand(x0.shape[1], generator=gen, dtype=torch.float64, device=x0.device)
+        if p.alg_temp > 0:  # Gumbel noise: the top-k of conf / alg_temp + G is Dream's multinomial draw
+            gumbel[i] = -torch.log(-torch.log(torch.rand(x0.shape[1], generator=gen, dtype=torch.float64,
+                                                         device=x0.device)))
     probs = torch.softmax(lg, dim=-1)
     rem = rp.dev.remasking[idx[0]]
     c = probs.gather(-1, x0[idx][:, None]).squeeze(-1)
@@ -259,6 +264,8 @@ def propose(logits: torch.Tensor, rp: RowParams, noise_keys: Optional[Sequence[O
     conf[idx] = c
     for i, r in drawn.items():
         conf[i] = torch.where(need[i], r, conf[i])
+    for i, g in gumbel.items():
+        conf[i] = torch.where(need[i], conf[i] / rp.params[i].alg_temp + g, conf[i])
     return x0, conf
 
 

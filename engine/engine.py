@@ -91,7 +91,7 @@ class Engine(EngineCore):
         req.state = req.rule.start(req, self.traits)
         params = req.params
         if (params.temperature and params.temperature > 0) or params.remasking == "random" \
-                or params.policy == "origin":
+                or params.policy == "origin" or params.alg_temp > 0:
             req.noise_seed = params.seed if params.seed is not None else random.getrandbits(62)
         return None
 

@@ -44,7 +44,7 @@ class Preset:
 
 
 # Dream's diffusion_generate `alg` (generation_utils.py `_sample`, shipped unchanged by DiffuCoder
-# and Dream-Coder) as blockray's policy and remasking; alg_temp is 0 (the top-k of the confidence)
+# and Dream-Coder) as blockray's policy and remasking; its alg_temp is SamplingParams.alg_temp
 DREAM_ALGS: Dict[str, Dict[str, str]] = {
     "maskgit_plus": dict(policy="timestep", remasking="low_confidence"),
     "topk_margin": dict(policy="timestep", remasking="margin"),
@@ -54,7 +54,7 @@ DREAM_ALGS: Dict[str, Dict[str, str]] = {
 
 
 def dream_generate(alg: str, max_new_tokens: int, steps: int, source: str = "", **sampling: Any) -> Preset:
-    """Dream's `diffusion_generate(max_new_tokens=, steps=, alg=, alg_temp=0, **sampling)`:
+    """Dream's `diffusion_generate(max_new_tokens=, steps=, alg=, **sampling)` (alg_temp among them):
     the answer is one block of max_new_tokens masks decoded in `steps` steps over the whole
     canvas (no first-position rule; every step recomputes every column, as Dream's loop)."""
     return Preset(engine=dict(block_length=max_new_tokens, steps_per_block=steps, cache="none"),

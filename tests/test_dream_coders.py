@@ -19,12 +19,15 @@ vivaikmalik/drug-dreaming @8c90769) for one request, in float64, with its own lo
   (entropy);
 - steps timesteps t = linspace(1, eps=1e-3, steps + 1): `origin` unmasks each mask with
   probability 1 - s/t, the other algs the int(n_mask * (1 - s/t)) most confident masks (all
-  at the last step), alg_temp 0.
+  at the last step); with alg_temp > 0, those positions drawn by torch.multinomial (without
+  replacement) from softmax(confidence / alg_temp).
 
 Two conventions are the engine's own, where the published loop leaves the result to torch:
 the noise (torch's global RNG there): a generator seeded per (request seed, tokens before the
 block, step) draws a Gumbel per (position, token) over the block, whose argmax over the
-processed logits is the Categorical draw, then (origin) one uniform per position; and ties
+processed logits is the Categorical draw, then (origin) one uniform per position, then
+(alg_temp > 0) a Gumbel per position, whose top-k over log-softmax(confidence / alg_temp) is
+the multinomial draw without replacement (test_alg_temp_draws_as_dreams_multinomial); and ties
 between equal confidences go to the lower position, where `torch.topk` leaves their order to
 its kernel (on the CPU a short row picks 6 before 4). Ties are common under the published
 settings: a position whose top-p nucleus is one token has confidence 1 and entropy 1e-10.
@@ -127,13 +130,15 @@ def diffusion_generate(model, prompt, alg, sp: SamplingParams, steps=S, processe
             logits = model(x, pos, keys, None, 0)[0].double()
         logits = torch.cat([logits[:1], logits[:-1]])[None]
         t, s = timesteps[i], timesteps[i + 1]
-        gumbel = drawn = None
-        if temperature > 0 or alg == "origin":  # the engine's noise: the block's Gumbel, then uniforms
-            gen = torch.Generator().manual_seed(hash((sp.seed, 0, i)) & (2**62 - 1))
+        gumbel = drawn = positions = None
+        if temperature > 0 or alg == "origin" or sp.alg_temp > 0:  # the engine's noise: the block's
+            gen = torch.Generator().manual_seed(hash((sp.seed, 0, i)) & (2**62 - 1))  # Gumbel, then uniforms
             if temperature > 0:
                 gumbel = -torch.log(-torch.log(torch.rand((g, logits.shape[-1]), generator=gen, dtype=torch.float64)))
             if alg == "origin":
                 drawn = torch.rand(g, generator=gen, dtype=torch.float64)
+            if sp.alg_temp > 0:  # a Gumbel per position: the multinomial draw of the positions
+                positions = -torch.log(-torch.log(torch.rand(g, generator=gen, dtype=torch.float64)))
         cols = mask_index[0, p:]  # the masked answer positions, in order
         mask_logits = logits[mask_index]
         noise = None if gumbel is None else gumbel[cols]
@@ -152,6 +157,10 @@ def diffusion_generate(model, prompt, alg, sp: SamplingParams, steps=S, processe
         k = int(num_mask_token * (1 - s / t)) if i < steps - 1 else int(num_mask_token)
         full_confidence = torch.full_like(x, -torch.inf, dtype=logits.dtype)
         full_confidence[mask_index] = confidence
+        if k > 0 and sp.alg_temp > 0:  # multinomial(softmax(full_confidence / alg_temp), k): without
+            # replacement, the top-k of log-probabilities plus Gumbel noise
+            full_confidence = torch.log_softmax(full_confidence / sp.alg_temp, dim=-1)
+            full_confidence[0, p:] += positions
         if k > 0:
             transfer_index = full_confidence.sort(descending=True, stable=True).indices[:, :k]  # topk, ties by position
             x_ = torch.zeros_like(x) + mask_id
@@ -170,8 +179,8 @@ KINDS = [("maskgit_plus", {}), ("entropy", {}), ("topk_margin", {}), ("origin", 
          ("maskgit_plus", dict(top_p=0.9)), ("entropy", dict(top_k=40)),
          ("entropy", dict(temperature=0.4, top_p=0.95, seed=5)),  # DiffuCoder's README
          ("maskgit_plus", dict(temperature=0.1, top_p=0.95, seed=7)),  # Dream-Coder's generation_config.yaml default
-         ("origin", dict(temperature=0.5, seed=9)), ("topk_margin", dict(top_k=3)), ("entropy", {}),
-         ("origin", dict(seed=11))]
+         ("origin", dict(temperature=0.5, seed=9)), ("topk_margin", dict(top_k=3, alg_temp=0.2, seed=13)),
+         ("entropy", dict(alg_temp=2.0, seed=15)), ("origin", dict(seed=11))]
 
 
 def workload(seed=0):
@@ -234,3 +243,39 @@ def test_dream_loads_with_its_ids_and_sampled_confidence():
     assert replace(ModelConfig.from_hf(diffucoder), extra={}) == replace(cfg, extra={})  # extra: keys passed through
     assert set(DREAM_ALGS) == {"maskgit_plus", "topk_margin", "entropy", "origin"}
     assert "remasking" in replace(SamplingParams(), policy="origin", remasking="entropy").validate()
+
+
+def test_the_alg_temp_rows_are_not_the_top_k(model, reference):
+    """The rows with alg_temp > 0 decode otherwise at alg_temp 0: the equality above checks
+    the draw of their positions."""
+    prompts, algs, params, _, ref = reference
+    rows = [i for i, sp in enumerate(params) if sp.alg_temp > 0]
+    assert len(rows) == 2
+    assert all(diffusion_generate(model, prompts[i], algs[i], replace(params[i], alg_temp=0.0)) != ref[i] for i in rows)
+
+
+def test_alg_temp_draws_as_dreams_multinomial():
+    """alg_temp > 0: the engine's Gumbel top-k of confidence / alg_temp (propose, then the
+    timestep policy's top-k) picks each pair of positions as often as Dream's
+    torch.multinomial(softmax(confidence / alg_temp), 2) without replacement, within 5
+    standard errors over 4000 seeded draws; and it needs the timestep policy."""
+    from itertools import permutations
+
+    from engine.decoding import RowParams, propose
+
+    logits = torch.randn(1, 4, 32, generator=torch.Generator().manual_seed(0), dtype=torch.float64) * 3
+    need = torch.ones(1, 4, dtype=torch.bool)
+    sp = SamplingParams(policy="timestep", alg_temp=0.3, seed=0)
+    _, conf = propose(logits, RowParams.build([replace(sp, alg_temp=0.0)], [None], "cpu"), None, need)
+    w = torch.softmax(conf[0] / sp.alg_temp, -1).tolist()
+    exact = {frozenset((i, j)): 0.0 for i, j in permutations(range(4), 2)}
+    for i, j in permutations(range(4), 2):
+        exact[frozenset((i, j))] += w[i] * w[j] / (1 - w[i])
+    n, counts = 4000, {k: 0 for k in exact}
+    rp = RowParams.build([sp], [0], "cpu")
+    for key in range(n):
+        _, c = propose(logits, rp, [key], need)
+        counts[frozenset(c[0].topk(2).indices.tolist())] += 1
+    for pair, prob in exact.items():
+        assert abs(counts[pair] / n - prob) <= 5 * (prob * (1 - prob) / n) ** 0.5 + 1e-9, (pair, counts[pair] / n, prob)
+    assert "alg_temp" in replace(sp, policy="threshold").validate()

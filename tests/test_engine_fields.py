@@ -27,7 +27,8 @@ SAMPLING = {"max_new_tokens": 8, "policy": "fixed", "threshold": 0.5, "factor": 
             "stop_token_ids": [3], "seed": 123, "remasking": "random", "first_position": True, "top_p": 0.5,
             "top_k": 5, "stop": ["w1"], "n": 2, "block_add_threshold": 0.5, "decoded_token_threshold": 0.5,
             "edit_threshold": 0.5, "max_post_steps": 3, "sub_block_length": 4, "max_denoising_steps": 1,
-            "entropy_bound": 5.0, "t_min": 0.0, "t_max": 3.0, "stability_threshold": 4, "confidence_threshold": 100.0}
+            "entropy_bound": 5.0, "t_min": 0.0, "t_max": 3.0, "stability_threshold": 4, "confidence_threshold": 100.0,
+            "alg_temp": 0.5}
 ENGINE = {"block_length": 8, "steps_per_block": 8, "cache": "none", "token_budget": 40, "scheduler": "sequential",
           "max_batch_size": 1, "advance": "step", "canvas": "block", "forward_overhead_cells": 10.0,
           "compile_decode": True, "profile": True}
@@ -113,7 +114,8 @@ def test_the_masked_engine_refuses_diffusion_gemmas_knobs(tiny_model_dir):
 
     model, _ = load_model(tiny_model_dir, dtype=torch.float32, tokenizer=False)
     eng = Engine(model, EngineConfig(block_length=4, steps_per_block=4, token_budget=256))
-    for name in sorted(CANVAS.sampling - MASKED.sampling):
+    # entropy_bound: read by the masked engine's policy entropy_bound only
+    for name in sorted(CANVAS.sampling - MASKED.sampling) + ["entropy_bound"]:
         out = eng.generate([[5, 6, 7]], SamplingParams(max_new_tokens=4, **{name: SAMPLING[name]}))[0]
         assert out.finish_reason == "error" and name in out.error, (name, out.error)
     out = eng.generate([[5, 6, 7]], SamplingParams(max_new_tokens=4, max_post_steps=3))[0]
