@@ -19,7 +19,7 @@ from .config import JOB_BOUNDS, DLLMProcessorConfig
 from .errors import CheckpointRefused, JobError
 from .output_lock import OutputLock, OutputLocked
 from .reader import DEFAULT_ID_COLUMN, DuplicateIds, InputError, PromptParquetDatasource
-from .resources import Cluster, check_resources
+from .resources import Cluster, check_gpu_memory, check_resources
 from .run_record import RECORD_FILE, build_record, check_resume, read_json, run_history
 from .stages import resolve_chat_template, template_of
 from .writer import accepted_parts, check_output, completed_keys, prepare_output, write_json
@@ -291,6 +291,7 @@ def preflight(input: Union[str, List[str]], output: str, config: DLLMProcessorCo
     record = build_record(config, checkpoint, check_chat_template(config, names, checkpoint))
     if cluster is not None:
         check_resources(config, cluster)
+        check_gpu_memory(config, checkpoint, cluster)
     try:
         parts = accepted_parts(out_fs, out_path) if resume else []  # late parts left out (pipeline/writer.py)
         keys = completed_keys(out_fs, out_path, id_column, parts)
