@@ -216,13 +216,11 @@ def resolve_token_budget(config: EngineConfig, mcfg: ModelConfig, dtype: torch.d
     (`engine_plan`, the weights loaded); else DEFAULT_TOKEN_BUDGET. Raises ValueError when
     no row of one block fits, and for a gpu_memory_utilization the device cannot honour."""
     memory = device_memory(device)
-    if memory is None:
-        if config.gpu_memory_utilization != EngineConfig().gpu_memory_utilization:
-            raise ValueError(f"gpu_memory_utilization={config.gpu_memory_utilization:g}: this engine runs on "
-                             f"{device}, which has no memory query to size the token budget from (it is "
-                             f"token_budget, else {DEFAULT_TOKEN_BUDGET}); leave gpu_memory_utilization at its default")
-        return fixed_budget(config)
-    if config.token_budget is not None:
+    if memory is None and config.gpu_memory_utilization != EngineConfig().gpu_memory_utilization:
+        raise ValueError(f"gpu_memory_utilization={config.gpu_memory_utilization:g}: this engine runs on {device}, "
+                         f"which has no memory query to size the token budget from (it is token_budget, else "
+                         f"{DEFAULT_TOKEN_BUDGET}); leave gpu_memory_utilization at its default")
+    if memory is None or config.token_budget is not None:
         return fixed_budget(config)
     free, total = memory
     plan = engine_plan(mcfg, dtype, config, free, total)

@@ -253,8 +253,9 @@ def preflight(input: Union[str, List[str]], output: str, config: DLLMProcessorCo
     """The job-level checks, before any engine (or Ray) work: output apart from the input,
     input readable with a prompt column of a usable type in every file, agreeing column
     types and unique ids (`id_column`, else "id" when the input has it, else <file>:<row>),
-    model and tokenizer loadable, settings the model's engine serves, the engine pool
-    within `cluster` (what the run's Ray has or will have: pipeline/resources.py), output
+    model and tokenizer loadable, settings the model's engine serves, the engine pool and
+    the model's memory within `cluster` (what the run's Ray has or will have:
+    pipeline/resources.py), output
     writable. Raises JobError naming the option to fix. Nothing in the output is removed
     (overwrite) or created until every other check has passed: the output is prepared
     last, under this run's lease on it (`Preflight.lock`, released by run_offline), with
