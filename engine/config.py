@@ -313,11 +313,24 @@ class SamplingParams:
         return self.block_add_threshold is not None
 
 
+# The token budget of an engine on a device without a memory query (CPU), when
+# EngineConfig.token_budget is not given; GPU engines plan theirs (engine.budget).
+DEFAULT_TOKEN_BUDGET = 65536
+
+
 @dataclass
 class EngineConfig:
     """How one engine batches and caches. `token_budget` bounds the padded batch
     area |A| * max_i(width_i) of every forward; `max_batch_size` is B for the static
     baseline and a cap on active requests for blockserve.
+
+    `token_budget` given is the user's fixed budget and wins. Unset (None), each engine
+    resolves it once at start (engine.budget.resolve_token_budget): on a GPU, planned from
+    the device's free memory so that weights, K/V and activations stay within
+    `gpu_memory_utilization` of it (vLLM's knob); on a device without a memory query
+    (CPU), the fixed DEFAULT_TOKEN_BUDGET. The engine, its scheduler and its rules then
+    read the resolved number; before that (the job's preflight, the sorter) None means
+    "not known yet", and each engine refuses a row wider than its own budget.
 
     `canvas`: what a row holds. `block` (BlockServe's box): prompt, committed blocks
     and the current block, width p + (b+1) L. `full` (LLaDA's `generate`, Fast-dLLM):
@@ -341,8 +354,14 @@ class EngineConfig:
     cache: CacheMode = field(default="refresh", metadata={"help": (
         "K/V cache: none, refresh (Fast-dLLM prefix cache), dual (prefix and masked suffix), persistent "
         "(block-causal models)")})
-    token_budget: int = field(default=65536, metadata={"bounds": at_least(2, integer=True), "help": (
-        "cells (rows x width) of the padded batch box an engine may forward at once")})
+    token_budget: Optional[int] = field(default=None, metadata={"bounds": at_least(2, integer=True), "help": (
+        "cells (rows x width) of the padded batch box an engine may forward at once; given, it is used as is "
+        "(it wins over gpu_memory_utilization); none: each engine plans it at start from its GPU's free memory "
+        f"and gpu_memory_utilization, on CPU {DEFAULT_TOKEN_BUDGET}")})
+    gpu_memory_utilization: float = field(default=0.9, metadata={"bounds": within(0, 1, low_open=True), "help": (
+        "share of each GPU's memory an engine may use for weights, K/V and activations (vLLM's name): sizes the "
+        "token budget when token_budget is not given, and the preflight refuses a model that cannot fit in it; "
+        "refused on an engine without a GPU")})
     scheduler: SchedulerKind = field(default=SchedulerKind.BLOCKSERVE, metadata={"help": (
         "blockserve (continuous, block-grained batching), static or sequential (the baselines)")})
     max_batch_size: int = field(default=256, metadata={"bounds": at_least(1, integer=True), "help": (
@@ -373,7 +392,7 @@ class EngineConfig:
             err = not_one_of(name, getattr(self, name), kind)
             if err:
                 raise ValueError(err)
-        if self.token_budget < self.block_length + 1:
+        if self.token_budget is not None and self.token_budget < self.block_length + 1:
             raise ValueError(f"token_budget must exceed block_length, got token_budget={self.token_budget} "
                              f"block_length={self.block_length}")
 
@@ -381,6 +400,11 @@ class EngineConfig:
     def mode(self) -> CacheModeRule:
         """The cache mode's rules (engine.modes): what a step computes, stores and keeps."""
         return cache_mode(self.cache)
+
+    def fixed_token_budget(self) -> int:
+        """The given token_budget, else DEFAULT_TOKEN_BUDGET: the budget of an engine that
+        plans none (no device memory query, DiffusionGemma's canvas engine)."""
+        return DEFAULT_TOKEN_BUDGET if self.token_budget is None else self.token_budget
 
     def full_canvas(self, block_causal: bool) -> bool:
         """Whether rows hold the full canvas on a model with this attention ("auto":

@@ -23,12 +23,13 @@ from __future__ import annotations
 
 import random
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, FrozenSet, List, Optional, Tuple
 
 import torch
 
 from .batch import Batch, relayout
+from .budget import resolve_token_budget
 from .config import EngineConfig
 from .core import EngineCore
 from .decoders import rule_for
@@ -54,6 +55,9 @@ class Engine(EngineCore):
 
     def __init__(self, model: DLLM, config: EngineConfig = EngineConfig(), tokenizer=None,
                  record_batches: bool = False):
+        # resolved once, here (engine.budget): everything below reads the resolved number
+        self.budget = resolve_token_budget(config, model.config, model.dtype, model.device)
+        config = replace(config, token_budget=self.budget.token_budget)
         super().__init__(config, tokenizer, model.config.vocab_size)
         self.model = model
         self.mcfg = model.config

@@ -19,7 +19,7 @@ from .config import JOB_BOUNDS, DLLMProcessorConfig
 from .errors import CheckpointRefused, JobError
 from .output_lock import OutputLock, OutputLocked
 from .reader import DEFAULT_ID_COLUMN, DuplicateIds, InputError, PromptParquetDatasource
-from .resources import Cluster, check_resources
+from .resources import Cluster, check_gpu_memory, check_resources
 from .run_record import RECORD_FILE, build_record, check_resume, read_json, run_history
 from .stages import resolve_chat_template, template_of
 from .writer import accepted_parts, check_output, completed_keys, prepare_output, write_json
@@ -253,8 +253,9 @@ def preflight(input: Union[str, List[str]], output: str, config: DLLMProcessorCo
     """The job-level checks, before any engine (or Ray) work: output apart from the input,
     input readable with a prompt column of a usable type in every file, agreeing column
     types and unique ids (`id_column`, else "id" when the input has it, else <file>:<row>),
-    model and tokenizer loadable, settings the model's engine serves, the engine pool
-    within `cluster` (what the run's Ray has or will have: pipeline/resources.py), output
+    model and tokenizer loadable, settings the model's engine serves, the engine pool and
+    the model's memory within `cluster` (what the run's Ray has or will have:
+    pipeline/resources.py), output
     writable. Raises JobError naming the option to fix. Nothing in the output is removed
     (overwrite) or created until every other check has passed: the output is prepared
     last, under this run's lease on it (`Preflight.lock`, released by run_offline), with
@@ -291,6 +292,7 @@ def preflight(input: Union[str, List[str]], output: str, config: DLLMProcessorCo
     record = build_record(config, checkpoint, check_chat_template(config, names, checkpoint))
     if cluster is not None:
         check_resources(config, cluster)
+        check_gpu_memory(config, checkpoint, cluster)
     try:
         parts = accepted_parts(out_fs, out_path) if resume else []  # late parts left out (pipeline/writer.py)
         keys = completed_keys(out_fs, out_path, id_column, parts)
