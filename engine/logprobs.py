@@ -52,10 +52,12 @@ def mask_stop_ids(b: Batch, rows: Sequence[int], logits: torch.Tensor) -> Option
         return None
     at = tuple(torch.tensor(c, device=logits.device) for c in zip(*idx))
     saved = logits[at].clone()
-    logits[at] = -torch.inf
+    with torch.inference_mode():  # the model's logits are inference tensors
+        logits[at] = -torch.inf
 
     def restore() -> None:
-        logits[at] = saved
+        with torch.inference_mode():
+            logits[at] = saved
     return restore
 
 
