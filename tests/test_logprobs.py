@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 
+import pyarrow as pa
 import pytest
 import torch
 
@@ -119,3 +120,45 @@ def test_logprobs_are_the_models_at_the_writing_step(case):
     assert checked > 20
     if case == "llada2-editing":
         assert rec.steps_with_edits > 0  # a token written again carries its last write's logprob
+
+
+def test_logprob_columns_through_build_processor(ray_local, tiny_model_dir):
+    """The one Ray run: ray.data.llm-style rows (its example's detokenize=False,
+    max_completion_tokens) get generated_logprobs / top_logprobs columns, null where not
+    asked, the engine's values for that prompt alone; a refused no-op value fails its
+    row only, naming the key."""
+    import ray
+
+    from engine import load_model
+    from pipeline import DLLMProcessorConfig, build_processor
+
+    ecfg = EngineConfig(block_length=4, steps_per_block=4, token_budget=1024)
+    cfg = DLLMProcessorConfig(model=tiny_model_dir, num_engines=1, batch_size=4, dtype="float64",
+                              wait_for_engines_s=0, engine=ecfg, sampling=SP(max_new_tokens=4, policy="fixed"))
+    asks = {"a": {"temperature": 0, "max_completion_tokens": 8, "detokenize": False, "logprobs": 2},
+            "b": {"max_tokens": 8},
+            "c": {"max_tokens": 8, "logprobs": 0, "min_tokens": 6, "ignore_eos": True},
+            "d": {"skip_special_tokens": False}}
+    items = [{"id": k, "prompt": f"copy: {k}bcdefg", "sampling_params": v} for k, v in asks.items()]
+    table = pa.Table.from_pylist(items)  # one Arrow struct: every row every key, null where not given
+    rows = {r["id"]: r for r in build_processor(cfg)(ray.data.from_arrow(table)).take_all()}
+    assert sorted(rows) == ["a", "b", "c", "d"]
+    assert rows["d"]["finish_reason"] == "error" and "skip_special_tokens=False" in rows["d"]["error"]
+    assert rows["d"]["generated_logprobs"] is None
+    model, tok = load_model(tiny_model_dir, dtype=torch.float64)
+    for k in "abc":
+        r = rows[k]
+        params = SP.from_dict(asks[k], cfg.sampling)
+        ref = Engine(model, ecfg, tokenizer=tok).generate([r["prompt"]], params)[0]
+        assert (r["generated_token_ids"], r["error"], r["generated_text"]) == (ref.token_ids, None, ref.text)
+        # the engine alone runs the prompt in a batch of one: its logits, and so the logprobs, may differ in
+        # the last bits (the exact check against the logits of the run itself is the test above)
+        near = lambda x: pytest.approx(x, rel=1e-12, abs=0)  # noqa: E731
+        assert r["generated_logprobs"] == (None if ref.logprobs is None else near(ref.logprobs))
+        top = r["top_logprobs"]
+        assert (top is None) == (ref.top_logprobs is None)
+        for got, want in zip(top or [], ref.top_logprobs or []):
+            assert [g["token_id"] for g in got] == [t for t, _ in want]
+            assert [g["logprob"] for g in got] == near([v for _, v in want])
+    assert rows["b"]["generated_logprobs"] is None and rows["c"]["top_logprobs"] is None
+    assert len(rows["a"]["top_logprobs"][0]) == 2 and len(rows["c"]["generated_logprobs"]) == 8
