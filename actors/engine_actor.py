@@ -322,6 +322,9 @@ class DLLMEngineActor:
             "latency_s": [float(o.latency_s) for o in outs],
             "sample_index": [r.sample for r in rows],
             "finished_at": [submitted + float(o.latency_s) for o in outs],
+            "generated_logprobs": [o.logprobs for o in outs],
+            "top_logprobs": [None if o.top_logprobs is None else
+                             [[{"token_id": t, "logprob": v} for t, v in top] for top in o.top_logprobs] for o in outs],
         }
         keep = [c for c in table.column_names if c not in cols and c != STOP_TEXT]
         table = table.select(keep)
