@@ -287,8 +287,11 @@ def preflight(input: Union[str, List[str]], output: str, config: DLLMProcessorCo
     needs_tokenizer = check_columns(source, config)
     ids_note = check_ids(source, named)
     names = source.schema.names if source.schema is not None else []
+    engine = config.engine
+    if cluster is not None and engine.token_budget is None and config.engine_resources(cluster.gpus)["device"] == "cpu":
+        engine = dataclasses.replace(engine, token_budget=engine.fixed_token_budget())  # CPU engines plan none
     checkpoint = check_model(config.model, needs_tokenizer, storage, config.adapter, config.attention,
-                             config.sampling, config.engine)
+                             config.sampling, engine)
     record = build_record(config, checkpoint, check_chat_template(config, names, checkpoint))
     if cluster is not None:
         check_resources(config, cluster)

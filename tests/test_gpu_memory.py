@@ -145,6 +145,21 @@ def test_the_preflight_refuses_a_model_that_cannot_fit(tmp_path, tiny_model_dir)
         check_gpu_memory(cpu, ckpt, Cluster({"CPU": 8.0}, [{"CPU": 8.0}]))
 
 
+def test_the_preflight_knows_the_cpu_engines_budget(tmp_path):
+    """Engines on CPU plan no budget (DEFAULT_TOKEN_BUDGET): settings every row exceeds it
+    with are refused before the run, as with a given budget (Dream's published context of
+    131,072 tokens holds such a row; on GPUs each engine plans its own and refuses it)."""
+    import published
+    from pipeline.preflight import preflight
+
+    root = published.build("Dream-org__Dream-v0-Instruct-7B", str(tmp_path / "dream"))
+    inp = str(tmp_path / "in.parquet")
+    write_prompts(inp, "r{}", 3)
+    cfg = DLLMProcessorConfig(model=root, sampling=SamplingParams(max_new_tokens=DEFAULT_TOKEN_BUDGET + 100))
+    with pytest.raises(JobError, match=f"more than token_budget={DEFAULT_TOKEN_BUDGET}"):
+        preflight(inp, str(tmp_path / "out"), cfg, cluster=Cluster({"CPU": 8.0}, [{"CPU": 8.0}]))
+
+
 def test_the_option_and_its_help(tiny_model_dir):
     from pipeline.cli import build_config, build_parser, parse_args
 
