@@ -175,14 +175,16 @@ class SourceFiles:
     headers by byte range and fingerprints it from this one object. A hub id is read
     through huggingface_hub's fsspec filesystem (hf://), with its own credentials
     (HF_TOKEN), not `storage`'s. It also serves engine.models.headers' file operations
-    (read a range, size, isfile, names) on paths under `root`."""
+    (read a range, size, isfile, names) on paths under `root`. `revision`: a hub id's
+    branch, tag or commit (see `check_revision`)."""
 
-    def __init__(self, model: str, storage: Optional[StorageOptions] = None):
-        self.model, self.source = model, classify(model)
+    def __init__(self, model: str, storage: Optional[StorageOptions] = None, revision: Optional[str] = None):
+        check_revision(model, revision)
+        self.model, self.source, self.revision = model, classify(model), revision
         self._whole: Dict[str, bytes] = {}
         try:
             if self.source.kind is SourceKind.HUB:
-                self.fs, root = get_filesystem(f"hf://{self.source.spec}")
+                self.fs, root = get_filesystem(hub_url(self.source.spec, revision))
             else:
                 spec = os.path.expanduser(self.source.spec) if self.source.is_local else self.source.spec
                 self.fs, root = get_filesystem(spec, storage)
@@ -412,5 +414,6 @@ def resolve_model(model: str, storage: Optional[StorageOptions] = None, *, weigh
 
 
 __all__ = ["ModelSource", "SourceKind", "SourceFiles", "FileStat", "ModelSourceError", "classify", "cache_dir", "cache_root",
-           "resolve_model", "fetch_remote", "fetch_hub", "check_revision", "hub_url", "model_name", "listing", "fingerprint", "check_listing",
+           "resolve_model", "fetch_remote", "fetch_hub", "check_revision", "hub_url", "model_name", "listing",
+           "fingerprint", "check_listing",
            "CACHE_ENV", "DOWNLOAD_LOG"]

@@ -133,6 +133,14 @@ class DLLMProcessor:
         """num_gpus / num_cpus / device of each engine actor, resolved against the cluster."""
         return self.config.engine_resources(ray.cluster_resources().get("GPU", 0) if ray.is_initialized() else 0)
 
+    def engine_options(self) -> Dict[str, Any]:
+        """Each engine actor's Ray options: its CPUs, GPUs and custom resources (those of
+        placement_group_config's bundles, and accelerator_type's resource, the one Ray's
+        option of that name asks for), spread over the cluster's nodes."""
+        res = self.engine_resources()
+        return dict(num_cpus=res["num_cpus"], num_gpus=res["num_gpus"], scheduling_strategy="SPREAD",
+                    **({"resources": res["resources"]} if res["resources"] else {}))
+
     def engine_stats(self) -> Dict[int, Dict[str, Any]]:
         """{rank: engine stats} as last posted (config.collect_engine_stats), else {}."""
         group = getattr(self, "_group", None)
@@ -168,12 +176,9 @@ class DLLMProcessor:
         # batches go to a live engine (actors/engine_router.py). Engines number themselves
         # from the group, which the driver owns, so a restarted engine gets a rank of its own.
         self._group = engine_group()
-        # accelerator_type is in `resources` as the resource Ray's option of that name asks for
-        engine_options = dict(num_cpus=res["num_cpus"], num_gpus=res["num_gpus"], scheduling_strategy="SPREAD",
-                              **({"resources": res["resources"]} if res["resources"] else {}))
         engines = dict(
             # the dataset holds the group
-            fn_constructor_args=(spec, engine_options, self._group, cfg.wait_for_engines_s),
+            fn_constructor_args=(spec, self.engine_options(), self._group, cfg.wait_for_engines_s),
             # k calls in flight per dispatcher, all feeding its one engine (see actors/engine_actor.py).
             compute=ray.data.ActorPoolStrategy(size=cfg.num_engines, max_tasks_in_flight_per_actor=k,
                                                max_concurrent_calls_per_actor=k),

@@ -305,7 +305,8 @@ def detokenize_stage(batch: pa.Table, *, model: str, detokenize: bool = True, sk
     return _set(batch, "generated_text", texts, pa.string())
 
 
-_local_dirs: Dict[Tuple[str, str], str] = {}  # (model, run id) -> a folder of its tokenizer files on this node
+# (model, hub revision, run id) -> a folder of its tokenizer files on this node
+_local_dirs: Dict[Tuple[str, Optional[str], str], str] = {}
 
 
 class _StageTask:
@@ -322,7 +323,7 @@ class _StageTask:
 
     def __call__(self, batch: pa.Table) -> pa.Table:
         ckpt = self.checkpoint
-        key = (ckpt.model, self.run_id)
+        key = (ckpt.model, ckpt.revision, self.run_id)
         if key not in _local_dirs:  # once per worker and run, not per batch
             _local_dirs[key] = ckpt.metadata_dir()
         model = dict(model=_local_dirs[key], config=ckpt.hf)
