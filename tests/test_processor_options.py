@@ -55,7 +55,7 @@ def test_should_continue_on_error_passes_error_rows_or_raises_on_the_first(ray_l
     for rid in ("g0", "g1", "g2"):
         r = by_id[rid]
         assert r["error"] is None and r["finish_reason"] == "length" and r["num_generated_tokens"] == 4, r
-    assert by_id["long"]["error"].startswith("prompt too long for the model's context"), by_id["long"]
+    assert by_id["long"]["error"] == "prompt of 2006 tokens + 1 blocks of 4 exceeds the model context of 1024 tokens"
     assert by_id["badp"]["error"] == "bad sampling_params: top_p must be in (0, 1], got 7.0", by_id["badp"]
     for rid in ("long", "badp"):
         assert by_id[rid]["finish_reason"] == "error" and by_id[rid]["generated_text"] is None, by_id[rid]
