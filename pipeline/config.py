@@ -170,6 +170,9 @@ class DLLMProcessorConfig:
         if err:
             raise ValueError(f"sampling: {err}")
         check_revision(self.model, self.revision)
+        if self.postprocess_error_rows and not self.should_continue_on_error:
+            raise ValueError("postprocess_error_rows=True needs should_continue_on_error=True: without it the first "
+                             "error row raises before any reaches postprocess")
         if self.chat_template_kwargs is not None and not (isinstance(self.chat_template_kwargs, dict) and all(
                 isinstance(k, str) for k in self.chat_template_kwargs)):
             raise ValueError(f"chat_template_kwargs must be a dict of keyword arguments, got "

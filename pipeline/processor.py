@@ -234,7 +234,8 @@ def build_processor(config: DLLMProcessorConfig, preprocess: Optional[RowFn] = N
     if checkpoint is None:
         try:
             checkpoint = check_model(config.model, needs_tokenizer=False, storage=storage, adapter=config.adapter,
-                                     attention=config.attention, sampling=config.sampling, engine=config.engine)
+                                     attention=config.attention, sampling=config.sampling, engine=config.engine,
+                                     revision=config.revision)
         except JobError as e:
             raise ValueError(e.message) from None
     return DLLMProcessor(config, preprocess, postprocess, storage, run_id or new_run_id(), checkpoint)

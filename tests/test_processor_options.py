@@ -44,7 +44,6 @@ def test_should_continue_on_error_passes_error_rows_or_raises_on_the_first(ray_l
     import ray
 
     from pipeline import build_processor
-    from pipeline.failures import users_to_fix
 
     def dataset():  # one block, one batch: "first" is the first in input order
         return ray.data.from_items(ROWS, override_num_blocks=1)
@@ -146,6 +145,9 @@ def test_revision_reaches_the_hub_and_is_the_models_identity(hub, tiny_model_dir
     assert main.fingerprint != v2.fingerprint
     assert v2.metadata_dir() == folders["v2"] and v2.weights_dir() == folders["v2"]  # the engines' copy
     assert (HUB_ID, "v2", HUB_METADATA) in asked["downloads"] and (HUB_ID, "v2", None) in asked["downloads"]
+    from pipeline import build_processor
+
+    assert build_processor(processor_config(HUB_ID, revision="v2")).checkpoint.fingerprint == v2.fingerprint
     record = build_record(processor_config(HUB_ID, revision="v2"), v2, None)
     assert record["model_sha256"] == v2.fingerprint and record["settings"]["revision"] == "v2"
 
@@ -251,6 +253,7 @@ def test_accelerator_type_and_placement_group_config_are_the_engines_ray_options
         "bundles[0]['GPU'] must be a finite amount >= 0": dict(placement_group_config={"bundles": [{"GPU": -1}]}),
         "accelerator_type 'H200' is a GPU type, and each engine asks for no GPU": dict(
             accelerator_type="H200", num_gpus_per_engine=0),
+        "postprocess_error_rows=True needs should_continue_on_error=True": dict(postprocess_error_rows=True),
     }
     for words, kw in refusals.items():
         with pytest.raises(ValueError) as info:
