@@ -9,7 +9,10 @@ lists) before anyone loads it. The completion marker records each file's size an
 identity as the store lists it (S3's ETag), so a later start on the node checks the copy
 against the remote listing (one LIST call) and fetches it again when any file changed,
 even to content of the same size. Hub ids go through `huggingface_hub.snapshot_download`
-(its own cache and locks).
+(its own cache and locks, kept per commit). A hub id may name a `revision` (a branch, tag
+or commit: vLLM's and transformers' `revision`), listed, read and downloaded at that
+revision; the default is the repository's main branch. A revision applies to hub ids only:
+a folder or an s3:// prefix has none, and one given with them is refused, not ignored.
 
 `weights=False` fetches everything but the weights (config, tokenizer, settings): what
 the driver's preflight and the tokenizer stages need, without gigabytes of weights.
@@ -138,12 +141,32 @@ def _is_file(fs: fsspec.AbstractFileSystem, path: str, info: Mapping[str, Any]) 
     return info.get("type", "file") == "file" or (bool(info.get("islink")) and fs.isfile(path))
 
 
-def _hub_error(repo_id: str, doing: str, e: BaseException) -> ModelSourceError:
+def _hub_error(repo_id: str, doing: str, e: BaseException, revision: Optional[str] = None) -> ModelSourceError:
+    at, rev = (f" at revision {revision!r}", f" --revision {revision}") if revision else ("", "")
     return ModelSourceError(
-        f"model {repo_id!r} is not a local directory, and as a hub id it cannot be {doing} here "
+        f"model {repo_id!r} is not a local directory, and as a hub id it cannot be {doing}{at} here "
         f"({describe_error(e, limit=300)}). Download it where the hub is reachable "
-        f"(`huggingface-cli download {repo_id} --local-dir DIR`) and pass --model DIR (a directory present "
+        f"(`huggingface-cli download {repo_id}{rev} --local-dir DIR`) and pass --model DIR (a directory present "
         "on every engine node) or an object-storage URL (--model s3://bucket/prefix/)")
+
+
+def check_revision(model: str, revision: Optional[str]) -> None:
+    """A revision is a hub id's (a branch, tag or commit); with a folder or a URL it would be
+    ignored, so it is refused naming both."""
+    if revision is not None and classify(model).kind is not SourceKind.HUB:
+        raise ModelSourceError(f"revision {revision!r} applies to hub ids only, and model {model} is "
+                               f"{'a local folder' if classify(model).is_local else 'an object-storage URL'}: "
+                               "it would be ignored; drop --revision (or give the hub id)")
+
+
+def hub_url(repo_id: str, revision: Optional[str] = None) -> str:
+    """The hf:// URL of a hub repository at `revision` (huggingface_hub's fsspec syntax,
+    org/name@rev, a revision holding "/" quoted as it expects)."""
+    if not revision:
+        return f"hf://{repo_id}"
+    from huggingface_hub.hf_file_system import safe_revision
+
+    return f"hf://{repo_id}@{safe_revision(revision)}"
 
 
 class SourceFiles:
@@ -152,14 +175,16 @@ class SourceFiles:
     headers by byte range and fingerprints it from this one object. A hub id is read
     through huggingface_hub's fsspec filesystem (hf://), with its own credentials
     (HF_TOKEN), not `storage`'s. It also serves engine.models.headers' file operations
-    (read a range, size, isfile, names) on paths under `root`."""
+    (read a range, size, isfile, names) on paths under `root`. `revision`: a hub id's
+    branch, tag or commit (see `check_revision`)."""
 
-    def __init__(self, model: str, storage: Optional[StorageOptions] = None):
-        self.model, self.source = model, classify(model)
+    def __init__(self, model: str, storage: Optional[StorageOptions] = None, revision: Optional[str] = None):
+        check_revision(model, revision)
+        self.model, self.source, self.revision = model, classify(model), revision
         self._whole: Dict[str, bytes] = {}
         try:
             if self.source.kind is SourceKind.HUB:
-                self.fs, root = get_filesystem(f"hf://{self.source.spec}")
+                self.fs, root = get_filesystem(hub_url(self.source.spec, revision))
             else:
                 spec = os.path.expanduser(self.source.spec) if self.source.is_local else self.source.spec
                 self.fs, root = get_filesystem(spec, storage)
@@ -174,7 +199,7 @@ class SourceFiles:
 
     def _error(self, doing: str, e: BaseException) -> ModelSourceError:
         if self.source.kind is SourceKind.HUB:
-            return _hub_error(self.source.spec, doing, e)
+            return _hub_error(self.source.spec, doing, e, self.revision)
         return ModelSourceError(f"model {self.model} cannot be {doing}: {describe_error(e)}")
 
     def bytes(self, rel: str) -> Optional[bytes]:
@@ -238,14 +263,15 @@ class SourceFiles:
         return sorted({r[len(prefix):].split("/", 1)[0] for r in self.files if r.startswith(prefix)})
 
 
-def listing(model: str, storage: Optional[StorageOptions] = None) -> Dict[str, FileStat]:
+def listing(model: str, storage: Optional[StorageOptions] = None, revision: Optional[str] = None
+            ) -> Dict[str, FileStat]:
     """{path relative to the model folder ("/"-separated): FileStat} of every file of `model`
     (a local directory, an fsspec URL or a hub id), hidden and lock files left out; {} when
     there is nothing there. One listing call: no file is read."""
-    return SourceFiles(model, storage).files
+    return SourceFiles(model, storage, revision).files
 
 
-def fingerprint(model: str, storage: Optional[StorageOptions] = None) -> str:
+def fingerprint(model: str, storage: Optional[StorageOptions] = None, revision: Optional[str] = None) -> str:
     """A sha256 (hex) naming the files of a model or adapter, read from its source (never
     from the node cache): over the files of `listing`, sorted by relative path, each one's
     path, size and digest (the sha256 of its content up to 2 MiB, else of its first and last
@@ -254,8 +280,8 @@ def fingerprint(model: str, storage: Optional[StorageOptions] = None) -> str:
     in the middle of a file larger than 2 MiB that keeps its size is not seen (the price of
     never reading a whole shard). A hub id needs the hub: offline or unknown,
     ModelSourceError saying how to give a local path instead. Cost: one listing, then each
-    small file read whole and two 1 MiB ranges of each larger one."""
-    return SourceFiles(model, storage).fingerprint()
+    small file read whole and two 1 MiB ranges of each larger one. `revision`: a hub id's."""
+    return SourceFiles(model, storage, revision).fingerprint()
 
 
 # What each kind of folder must hold: a model its config.json, a PEFT adapter its adapter_config.json.
@@ -354,14 +380,17 @@ def fetch_remote(url: str, storage: Optional[StorageOptions] = None, *, weights:
 HUB_METADATA = ["*.json", "*.txt", "*.model", "*.jinja", "tokenizer*"]
 
 
-def fetch_hub(repo_id: str, *, weights: bool = True) -> str:
-    """snapshot_download of a hub id; offline or unknown, the error says how to give a local path."""
+def fetch_hub(repo_id: str, *, weights: bool = True, revision: Optional[str] = None) -> str:
+    """snapshot_download of a hub id at `revision` (None: its main branch; huggingface_hub
+    keeps one snapshot folder per commit, so two revisions never share a copy); offline or
+    unknown, the error says how to give a local path."""
     try:
-        from huggingface_hub import snapshot_download
+        import huggingface_hub
 
-        return snapshot_download(repo_id, allow_patterns=None if weights else HUB_METADATA)
+        return huggingface_hub.snapshot_download(repo_id, revision=revision,
+                                                 allow_patterns=None if weights else HUB_METADATA)
     except Exception as e:  # noqa: BLE001
-        raise _hub_error(repo_id, "downloaded", e) from e
+        raise _hub_error(repo_id, "downloaded", e, revision) from e
 
 
 def model_name(model: str) -> str:
@@ -370,18 +399,21 @@ def model_name(model: str) -> str:
 
 
 def resolve_model(model: str, storage: Optional[StorageOptions] = None, *, weights: bool = True,
-                  kind: str = "model") -> str:
+                  kind: str = "model", revision: Optional[str] = None) -> str:
     """A local directory holding `model` (weights=False: at least its config, tokenizer and
     settings). Local directories are returned unchanged, without any check. `kind`
-    "adapter": a PEFT adapter folder (--adapter), fetched and cached by the same rules."""
+    "adapter": a PEFT adapter folder (--adapter), fetched and cached by the same rules.
+    `revision`: a hub id's branch, tag or commit (refused with anything else)."""
+    check_revision(model, revision)
     src = classify(model)
     if src.kind is SourceKind.REMOTE:
         return fetch_remote(src.spec, storage, weights=weights, kind=kind)
     if src.kind is SourceKind.HUB:
-        return fetch_hub(src.spec, weights=weights)
+        return fetch_hub(src.spec, weights=weights, revision=revision)
     return src.spec
 
 
 __all__ = ["ModelSource", "SourceKind", "SourceFiles", "FileStat", "ModelSourceError", "classify", "cache_dir", "cache_root",
-           "resolve_model", "fetch_remote", "fetch_hub", "model_name", "listing", "fingerprint", "check_listing",
+           "resolve_model", "fetch_remote", "fetch_hub", "check_revision", "hub_url", "model_name", "listing",
+           "fingerprint", "check_listing",
            "CACHE_ENV", "DOWNLOAD_LOG"]

@@ -59,16 +59,18 @@ class Checkpoint:
     adapter: Optional[AdapterPlan] = None
     attention: Attention = Attention.AUTO  # the override asked for (--attention)
     local_dir: Optional[str] = None  # a local model's folder, absolute
+    revision: Optional[str] = None  # a hub id's branch, tag or commit (--revision); its files are read at it
 
     @classmethod
     def open(cls, model: str, *, adapter: Optional[str] = None, attention: Any = Attention.AUTO,
-             storage: Optional[StorageOptions] = None, weights: bool = True) -> "Checkpoint":
+             storage: Optional[StorageOptions] = None, weights: bool = True,
+             revision: Optional[str] = None) -> "Checkpoint":
         """Read `model`'s files once and check them; `weights=False` skips the shard headers
         (tools that need only the config). Raises ModelSourceError (cannot be listed or
         read), ConfigRefused (config.json asks for what the engine does not compute, names
         the key), CheckpointError (shards), AdapterError (the adapter does not fit)."""
         attention = enum_value("attention", attention, Attention)
-        files = SourceFiles(model, storage)
+        files = SourceFiles(model, storage, revision)
         if files.source.is_local and not os.path.isdir(files.root):
             raise ModelSourceError(f"model {model} is not a directory")
         if not files.files:
@@ -113,19 +115,19 @@ class Checkpoint:
         return cls(model=model, source=files.source, storage=storage, fingerprint=files.fingerprint(),
                    config_sha256=hashlib.sha256(raw).hexdigest(), hf=hf, generation=generation, family=family,
                    config=cfg, ids=ids, stops=stops, tokenizer=tok, tensors=tensors, adapter=plan,
-                   attention=attention, local_dir=files.root if files.source.is_local else None)
+                   attention=attention, local_dir=files.root if files.source.is_local else None, revision=revision)
 
     # --- where its files are on this node ------------------------------------------------
     def metadata_dir(self) -> str:
         """A local folder holding its config and tokenizer files on this node: the model's
         own folder (as an absolute path: workers' working directories differ), or the node
         cache's copy without weights (fetched once per node)."""
-        return self.local_dir or resolve_model(self.model, self.storage, weights=False)
+        return self.local_dir or resolve_model(self.model, self.storage, weights=False, revision=self.revision)
 
     def weights_dir(self) -> str:
         """A local folder holding its weights on this node (a remote one downloaded once per
         node, under the node's lock, and verified)."""
-        return self.local_dir or resolve_model(self.model, self.storage)
+        return self.local_dir or resolve_model(self.model, self.storage, revision=self.revision)
 
     def adapter_dir(self) -> Optional[str]:
         return None if self.adapter is None else resolve_model(self.adapter.source, self.storage, kind="adapter")

@@ -20,14 +20,14 @@ from .errors import CheckpointRefused
 
 
 def open_checkpoint(model: str, *, adapter: Optional[str] = None, attention: str = "auto",
-                    storage: Optional[StorageOptions] = None) -> Checkpoint:
+                    storage: Optional[StorageOptions] = None, revision: Optional[str] = None) -> Checkpoint:
     """The job's Checkpoint, or CheckpointRefused naming what is wrong and the option."""
     try:
-        return Checkpoint.open(model, adapter=adapter, attention=attention, storage=storage)
+        return Checkpoint.open(model, adapter=adapter, attention=attention, storage=storage, revision=revision)
     except AdapterError as e:
         raise CheckpointRefused(f"{e}", "adapter") from e
     except (ModelSourceError, CheckpointError) as e:
-        raise CheckpointRefused(f"{e}", "model") from e
+        raise CheckpointRefused(f"{e}", "model", *(["revision"] if revision else [])) from e
     except ValueError as e:  # ConfigRefused: config.json, or an --attention the family does not allow
         raise CheckpointRefused(f"{model}: {e}", "attention" if "--attention" in str(e) else "model") from e
 

@@ -71,6 +71,17 @@ def _flag_kwargs(tp: Any) -> Optional[Dict[str, Any]]:
     return None
 
 
+def json_object(text: str) -> Dict[str, Any]:
+    """A flag's JSON object (a dict field whose metadata says "json": chat_template_kwargs, ...)."""
+    try:
+        value = json.loads(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"not JSON ({e}): {text!r:.80}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"expected a JSON object ({{...}}), got {text!r:.80}")
+    return value
+
+
 def _shown(value: Any, is_bool: bool = False) -> str:
     if is_bool:  # --x/--no-x; None lets the model or the data decide
         return {True: "on", False: "off", None: "auto"}[value]
@@ -83,14 +94,15 @@ def _shown(value: Any, is_bool: bool = False) -> str:
 
 def add_config_options(parser: argparse.ArgumentParser, group: argparse._ArgumentGroup, cls: type, *,
                        dataclass_defaults: bool) -> None:
-    """One flag per field of `cls` that has a command-line form and is not a flag already.
+    """One flag per field of `cls` that has a command-line form and is not a flag already
+    (a dict field whose metadata says "json": a JSON object).
     `dataclass_defaults=False`: the flag defaults to None (so that a model's blockray.json
     can fill it) and --help shows the dataclass's default."""
     hints = typing.get_type_hints(cls)
     taken = {s for a in parser._actions for s in a.option_strings}
     for f in dataclasses.fields(cls):
         flag = "--" + f.name.replace("_", "-")
-        kwargs = _flag_kwargs(hints[f.name])
+        kwargs = {"type": json_object, "metavar": "JSON"} if f.metadata.get("json") else _flag_kwargs(hints[f.name])
         if f.name in _NOT_FLAGS or kwargs is None or flag in taken or f.metadata.get("cli") is False:
             continue
         if f.metadata.get("choices"):
@@ -241,7 +253,8 @@ def build_config(args: argparse.Namespace, num_gpus_in_cluster: float, storage: 
     from .config import MODEL_SETTINGS_FILE, DLLMProcessorConfig, model_settings, split_settings, unknown_settings
     from common.model_source import resolve_model
 
-    settings = model_settings(resolve_model(args.model, storage, weights=False))
+    revision = getattr(args, "revision", None)
+    settings = model_settings(resolve_model(args.model, storage, weights=False, revision=revision))
     unknown = unknown_settings(settings)
     if unknown:  # else dropped silently: a typo would leave the model's defaults in place
         raise ValueError(f"{MODEL_SETTINGS_FILE} of model {args.model}: unknown key(s) {', '.join(unknown)}; it "

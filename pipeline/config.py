@@ -13,6 +13,7 @@ import os
 from dataclasses import dataclass, field, fields
 from typing import Any, Dict, List, Optional
 
+from common.model_source import check_revision
 from engine.config import (Attention, Bounds, EngineConfig, SamplingParams, above, at_least, enum_value,
                            out_of_bounds, within)
 
@@ -132,6 +133,25 @@ class DLLMProcessorConfig:
     # Engines post their stats (busy_s, padded_cells, ...) per rank after every batch;
     # read them with `processor.engine_stats()` (tests, benches).
     collect_engine_stats: bool = field(default=False, metadata={"cli": False, "help": "tests and benches"})
+    # ray.data.llm's and vLLM's names for the same things (docs/usage.md's mapping table).
+    should_continue_on_error: bool = field(default=False, metadata={"cli": False, "help": (
+        "build_processor: False (ray.data.llm's default) raises on the first error row, naming its id and error, "
+        "when the dataset is consumed; True passes error rows through with their `error` column. The job "
+        "(run_offline, the CLI) always writes every row and judges by --max-error-fraction")})
+    revision: Optional[str] = field(default=None, metadata={"help": (
+        "hub revision (branch, tag or commit) of a hub id --model, as vLLM's --revision; not for a local folder "
+        "or s3:// model (refused), nor for --adapter (fetched at its main branch)")})
+    chat_template_kwargs: Optional[Dict[str, Any]] = field(default=None, metadata={"json": True, "help": (
+        "keyword arguments of the chat template (passed to apply_chat_template), as ray.data.llm's and vLLM's, "
+        "e.g. '{\"enable_thinking\": false}' (a JSON object)")})
+    accelerator_type: Optional[str] = field(default=None, metadata={"help": (
+        "the GPU type each engine needs, as Ray's accelerator_type (e.g. H200, A100-80G): engines are placed only "
+        "on nodes with that GPU")})
+    placement_group_config: Optional[Dict[str, Any]] = field(default=None, metadata={"json": True, "help": (
+        "ray.data.llm's placement_group_config for one engine: {\"bundles\": [{\"GPU\": 1, \"CPU\": 1}], "
+        "\"strategy\": \"PACK\"} (a JSON object); an engine is one actor on one node, so its bundles are summed "
+        "into that actor's resources and must be packed (PACK / STRICT_PACK); instead of --num-gpus-per-engine, "
+        "--num-cpus-per-engine and --engine-resource")})
     # Observability.
     enable_metrics: bool = field(default=True, metadata={"help": "export engine metrics to Ray's Prometheus endpoint"})
     record_batches: bool = field(default=False, metadata={"cli": False, "help": (
@@ -149,15 +169,89 @@ class DLLMProcessorConfig:
         err = self.sampling.validate()
         if err:
             raise ValueError(f"sampling: {err}")
+        check_revision(self.model, self.revision)
+        if self.postprocess_error_rows and not self.should_continue_on_error:
+            raise ValueError("postprocess_error_rows=True needs should_continue_on_error=True: without it the first "
+                             "error row raises before any reaches postprocess")
+        if self.chat_template_kwargs is not None and not (isinstance(self.chat_template_kwargs, dict) and all(
+                isinstance(k, str) for k in self.chat_template_kwargs)):
+            raise ValueError(f"chat_template_kwargs must be a dict of keyword arguments, got "
+                             f"{self.chat_template_kwargs!r:.80}")
+        if self.accelerator_type is not None and (not isinstance(self.accelerator_type, str)
+                                                  or not self.accelerator_type.strip()):
+            raise ValueError(f"accelerator_type must name a GPU type (e.g. H200), got {self.accelerator_type!r}")
+        if self.placement_group_config is not None:
+            bundle_of(self.placement_group_config)  # refuses what an engine cannot be placed as
+            given = [f"--{k.replace('_', '-')}" for k in ("num_gpus_per_engine", "num_cpus_per_engine")
+                     if getattr(self, k) is not None] + (["--engine-resource"] if self.resources_per_engine else [])
+            if given:
+                raise ValueError(f"placement_group_config gives each engine's resources, and so does "
+                                 f"{', '.join(given)}: give one of them")
+        if self.accelerator_type is not None and not self.engine_resources(1.0)["num_gpus"]:
+            raise ValueError(f"accelerator_type {self.accelerator_type!r} is a GPU type, and each engine asks for no "
+                             "GPU (num_gpus_per_engine 0, or no GPU in placement_group_config): engines on CPU would "
+                             "not use it; drop one of them")
 
     def engine_resources(self, cluster_gpus: float) -> Dict[str, Any]:
-        """num_gpus / num_cpus / device of each engine actor on a cluster with this many
-        GPUs: unless set, one GPU each when the cluster has any, and 1 CPU with a GPU, 0.5
-        without (so that read/tokenize/write tasks still get a core on small machines: an
-        actor holding every CPU starves the pipeline)."""
-        gpus = self.num_gpus_per_engine if self.num_gpus_per_engine is not None else (1.0 if cluster_gpus > 0 else 0.0)
-        cpus = self.num_cpus_per_engine if self.num_cpus_per_engine is not None else (1.0 if gpus else 0.5)
-        return {"num_gpus": gpus, "num_cpus": cpus, "device": "cuda" if gpus else "cpu"}
+        """num_gpus / num_cpus / custom resources / device of each engine actor on a cluster
+        with this many GPUs: from placement_group_config's bundles when given, else unless
+        set, one GPU each when the cluster has any (always with accelerator_type), and 1 CPU
+        with a GPU, 0.5 without (so that read/tokenize/write tasks still get a core on small
+        machines: an actor holding every CPU starves the pipeline). accelerator_type: Ray's
+        resource `accelerator_type:<type>` (0.001 per engine, as Ray's option asks)."""
+        resources = dict(self.resources_per_engine or {})
+        if self.placement_group_config is not None:
+            resources = bundle_of(self.placement_group_config)
+            gpus, cpus = resources.pop("GPU", 0.0), resources.pop("CPU", 0.0)
+        else:
+            gpus = self.num_gpus_per_engine if self.num_gpus_per_engine is not None else (
+                1.0 if cluster_gpus > 0 or self.accelerator_type else 0.0)
+            cpus = self.num_cpus_per_engine if self.num_cpus_per_engine is not None else (1.0 if gpus else 0.5)
+        if self.accelerator_type:
+            resources[ACCELERATOR_PREFIX + self.accelerator_type] = ACCELERATOR_AMOUNT
+        return {"num_gpus": gpus, "num_cpus": cpus, "resources": resources, "device": "cuda" if gpus else "cpu"}
+
+
+# Ray's accelerator_type option is this resource, of this amount, on the task or actor
+ACCELERATOR_PREFIX, ACCELERATOR_AMOUNT = "accelerator_type:", 0.001
+PLACEMENT_STRATEGIES = ("PACK", "STRICT_PACK", "SPREAD", "STRICT_SPREAD")
+
+
+def bundle_of(pg: Any) -> Dict[str, float]:
+    """The resources of one engine from ray.data.llm's `placement_group_config` ({"bundles":
+    [...], "strategy": ...}, or its {"bundle_per_worker": {...}}), summed over its bundles, as
+    ray.data.llm sums them for an engine of one device. Why summed, not a placement group:
+    an engine is one actor on one node (no tensor parallelism), so its bundles are placed
+    together; a SPREAD strategy over several bundles cannot be honoured and is refused."""
+    where = "placement_group_config"
+    if not isinstance(pg, dict):
+        raise ValueError(f"{where} must be a dict with 'bundles' and 'strategy', got {pg!r:.80}")
+    unknown = sorted(set(pg) - {"bundles", "strategy", "bundle_per_worker"})
+    if unknown:
+        raise ValueError(f"{where}: unknown key(s) {', '.join(map(repr, unknown))}; it takes 'bundles' (or "
+                         "'bundle_per_worker') and 'strategy'")
+    if ("bundles" in pg) == ("bundle_per_worker" in pg):
+        raise ValueError(f"{where} needs 'bundles' (a list of resource dicts) or 'bundle_per_worker', one of them")
+    bundles = pg["bundles"] if "bundles" in pg else [pg["bundle_per_worker"]]
+    strategy = pg.get("strategy", "PACK")
+    if strategy not in PLACEMENT_STRATEGIES:
+        raise ValueError(f"{where}: strategy must be one of {', '.join(PLACEMENT_STRATEGIES)}, got {strategy!r}")
+    if not isinstance(bundles, list) or not bundles:
+        raise ValueError(f"{where}: bundles must be a non-empty list of resource dicts, got {bundles!r:.80}")
+    if len(bundles) > 1 and strategy not in ("PACK", "STRICT_PACK"):
+        raise ValueError(f"{where}: strategy {strategy} over {len(bundles)} bundles, but an engine is one actor on "
+                         "one node (no tensor parallelism): its bundles are placed together; use PACK or "
+                         "STRICT_PACK, or one bundle")
+    total: Dict[str, float] = {}
+    for i, bundle in enumerate(bundles):
+        if not isinstance(bundle, dict) or not bundle:
+            raise ValueError(f"{where}: bundles[{i}] must be a non-empty dict of resources, got {bundle!r:.80}")
+        for name, amount in bundle.items():
+            if not isinstance(name, str) or isinstance(amount, bool) or not isinstance(amount, (int, float)) or (
+                    not 0 <= amount < float("inf")):
+                raise ValueError(f"{where}: bundles[{i}][{name!r}] must be a finite amount >= 0, got {amount!r}")
+            total[name] = total.get(name, 0.0) + float(amount)
+    return total
 
 
 MODEL_SETTINGS_FILE = "blockray.json"

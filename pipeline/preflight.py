@@ -76,7 +76,7 @@ def check_tokenizer(checkpoint: Any) -> None:
 
 def check_model(model: str, needs_tokenizer: bool, storage: Optional[StorageOptions] = None,
                 adapter: Optional[str] = None, attention: str = "auto", sampling: Any = None,
-                engine: Any = None) -> Any:
+                engine: Any = None, revision: Optional[str] = None) -> Any:
     """The model's Checkpoint (engine.checkpoint), read once from its source and checked:
     config.json of a supported family (parsed by the engine's own parser, never by a
     checkpoint's remote code), every shard header (a remote model's by byte range: no
@@ -87,7 +87,7 @@ def check_model(model: str, needs_tokenizer: bool, storage: Optional[StorageOpti
 
     storage = (storage or StorageOptions()).resolved()  # once: every stage and engine reads it the same way
     try:
-        checkpoint = open_checkpoint(model, adapter=adapter, attention=attention, storage=storage)
+        checkpoint = open_checkpoint(model, adapter=adapter, attention=attention, storage=storage, revision=revision)
         check_settings(checkpoint, sampling, engine)
     except CheckpointRefused as e:
         raise JobError(f"model: {e.message}", *e.options) from e
@@ -291,7 +291,7 @@ def preflight(input: Union[str, List[str]], output: str, config: DLLMProcessorCo
     if cluster is not None and engine.token_budget is None and config.engine_resources(cluster.gpus)["device"] == "cpu":
         engine = dataclasses.replace(engine, token_budget=engine.fixed_token_budget())  # CPU engines plan none
     checkpoint = check_model(config.model, needs_tokenizer, storage, config.adapter, config.attention,
-                             config.sampling, engine)
+                             config.sampling, engine, config.revision)
     record = build_record(config, checkpoint, check_chat_template(config, names, checkpoint))
     if cluster is not None:
         check_resources(config, cluster)

@@ -8,10 +8,13 @@ composes with whatever the user reads from or writes to. Stages:
     dispatchers, one engine actor each) → detokenize → postprocess (user, per row)
 
 Every stage adds columns and keeps the rest, so user columns reach the output as they
-came in (unless postprocess chooses otherwise). As in ray.data.llm, an error row skips
-postprocess (it has no generated text to build on) and comes out whole, `error` set and
-`generated_text` null, unless `postprocess_error_rows`; and a row's `model` column names
-the model it is for (MODEL_COLUMN), which must be the one served.
+came in (unless postprocess chooses otherwise). As in ray.data.llm, a row that fails
+(`error` set: a prompt too long, a bad per-row sampling value, ...) raises `ErrorRow`,
+naming its id and error, when the dataset is consumed (`should_continue_on_error=False`,
+the default); with True it skips postprocess (it has no generated text to build on) and
+comes out whole, `error` set and `generated_text` null, unless `postprocess_error_rows`.
+A row's `model` column names the model it is for (MODEL_COLUMN), which must be the one
+served.
 """
 from __future__ import annotations
 
@@ -20,6 +23,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, Optional
 
+import pyarrow as pa
 import ray
 import ray.data
 
@@ -90,6 +94,24 @@ def served_names(config: DLLMProcessorConfig) -> Dict[str, Any]:
     return dict(column=MODEL_COLUMN, served=sorted(names), serving=serving)
 
 
+class ErrorRow(ValueError):
+    """A row failed and the processor was built with should_continue_on_error=False
+    (ray.data.llm's default): the dataset stops at the first such row, naming it."""
+
+
+def raise_on_error_rows(batch: pa.Table, *, id_column: Optional[str]) -> pa.Table:
+    """The batch unchanged, or ErrorRow for its first row whose `error` is set (its id and
+    error: ray.data.llm's default, should_continue_on_error=False)."""
+    errors = batch.column("error").to_pylist()
+    first = next((i for i, e in enumerate(errors) if e), None)
+    if first is None:
+        return batch
+    ids = batch.column(id_column).to_pylist() if id_column and id_column in batch.column_names else None
+    name = f"with {id_column} {ids[first]!r}" if ids is not None else f"{first} of its batch (no {id_column!r} column)"
+    raise ErrorRow(f"row {name} failed: {errors[first]} (should_continue_on_error=False, ray.data.llm's default; "
+                   "True passes error rows through with their error column)")
+
+
 def _merge_preprocess(fn: RowFn) -> RowFn:
     """Preprocess returns the fields it adds or changes; the rest of the row is kept."""
     def apply(row: Dict[str, Any]) -> Dict[str, Any]:
@@ -110,6 +132,14 @@ class DLLMProcessor:
     def engine_resources(self) -> Dict[str, Any]:
         """num_gpus / num_cpus / device of each engine actor, resolved against the cluster."""
         return self.config.engine_resources(ray.cluster_resources().get("GPU", 0) if ray.is_initialized() else 0)
+
+    def engine_options(self) -> Dict[str, Any]:
+        """Each engine actor's Ray options: its CPUs, GPUs and custom resources (those of
+        placement_group_config's bundles, and accelerator_type's resource, the one Ray's
+        option of that name asks for), spread over the cluster's nodes."""
+        res = self.engine_resources()
+        return dict(num_cpus=res["num_cpus"], num_gpus=res["num_gpus"], scheduling_strategy="SPREAD",
+                    **({"resources": res["resources"]} if res["resources"] else {}))
 
     def engine_stats(self) -> Dict[int, Dict[str, Any]]:
         """{rank: engine stats} as last posted (config.collect_engine_stats), else {}."""
@@ -146,11 +176,9 @@ class DLLMProcessor:
         # batches go to a live engine (actors/engine_router.py). Engines number themselves
         # from the group, which the driver owns, so a restarted engine gets a rank of its own.
         self._group = engine_group()
-        engine_options = dict(num_cpus=res["num_cpus"], num_gpus=res["num_gpus"], scheduling_strategy="SPREAD",
-                              **({"resources": dict(cfg.resources_per_engine)} if cfg.resources_per_engine else {}))
         engines = dict(
             # the dataset holds the group
-            fn_constructor_args=(spec, engine_options, self._group, cfg.wait_for_engines_s),
+            fn_constructor_args=(spec, self.engine_options(), self._group, cfg.wait_for_engines_s),
             # k calls in flight per dispatcher, all feeding its one engine (see actors/engine_actor.py).
             compute=ray.data.ActorPoolStrategy(size=cfg.num_engines, max_tasks_in_flight_per_actor=k,
                                                max_concurrent_calls_per_actor=k),
@@ -164,6 +192,8 @@ class DLLMProcessor:
         ds = ds.map_batches(EngineDispatcher, **engines)
         ds = ds.map_batches(DetokenizeUDF(**where, detokenize=cfg.detokenize,
                                           skip_special_tokens=cfg.skip_special_tokens), **cpu_stage)
+        if not cfg.should_continue_on_error:
+            ds = ds.map_batches(functools.partial(raise_on_error_rows, id_column=cfg.id_column), **cpu_stage)
         if self.postprocess is not None:
             ds = ds.map(_postprocess(self.postprocess, cfg.postprocess_error_rows, cfg.id_column),
                         num_cpus=cfg.cpu_stage_num_cpus)
@@ -188,9 +218,10 @@ def build_processor(config: DLLMProcessorConfig, preprocess: Optional[RowFn] = N
 
     `preprocess(row) -> dict` runs first and its fields are merged into the row (e.g.
     build `prompt` from other columns, or set a per-row `sampling_params` dict).
-    `postprocess(row) -> dict` runs last and its result *is* the output row; an error row
-    (`error` set, `generated_text` null) skips it and comes out whole, unless
-    `config.postprocess_error_rows`.
+    `postprocess(row) -> dict` runs last and its result *is* the output row. An error row
+    (`error` set, `generated_text` null) raises ErrorRow naming it when the dataset is
+    consumed, unless `config.should_continue_on_error`: then it skips postprocess and comes
+    out whole, unless `config.postprocess_error_rows`.
     `storage`: object-storage options for a remote `config.model` (default: AWS_* variables).
     `run_id`: the engines' `run` metrics tag (default: a fresh one).
     `checkpoint`: the model's Checkpoint when the caller's preflight opened it (the job
@@ -203,7 +234,8 @@ def build_processor(config: DLLMProcessorConfig, preprocess: Optional[RowFn] = N
     if checkpoint is None:
         try:
             checkpoint = check_model(config.model, needs_tokenizer=False, storage=storage, adapter=config.adapter,
-                                     attention=config.attention, sampling=config.sampling, engine=config.engine)
+                                     attention=config.attention, sampling=config.sampling, engine=config.engine,
+                                     revision=config.revision)
         except JobError as e:
             raise ValueError(e.message) from None
     return DLLMProcessor(config, preprocess, postprocess, storage, run_id or new_run_id(), checkpoint)

@@ -5,8 +5,11 @@ never place (or failing with Ray's infeasibility error, which names no option).
 The pool: `num_engines` engine actors (each `DLLMProcessorConfig.engine_resources`), one
 dispatcher per engine (DISPATCHER_CPUS), and room beside them for one CPU task of the
 stages (read, tokenize, sort, detokenize, write), without which rows never reach the
-engines. CPUs and GPUs only: a custom resource (--engine-resource) may come with nodes
-that join later, and an engine waiting for one fails after --wait-for-engines-s, naming it.
+engines. CPUs, GPUs and the GPU type (accelerator_type, Ray's resource
+`accelerator_type:<type>`, which a node has when its GPUs are of that type) only: a
+custom resource (--engine-resource, or in placement_group_config's bundles) may come with
+nodes that join later, and an engine waiting for one fails after --wait-for-engines-s,
+naming it.
 
 Checked by the preflight, before the output is touched: against the node a local Ray will
 start with (the CPUs of --num-cpus, else the machine's, and its GPUs, as Ray itself
@@ -27,7 +30,7 @@ from typing import Any, Dict, Iterable, List, Optional
 
 from actors.engine_router import DISPATCHER_CPUS
 
-from .config import DLLMProcessorConfig
+from .config import ACCELERATOR_PREFIX, DLLMProcessorConfig
 from .errors import JobError
 
 # The CPUs of a read or write task (pipeline/reader.py read_prompts, pipeline/writer.py write_results)
@@ -60,15 +63,14 @@ class Cluster:
 ACCELERATOR_MEMORY_GIB = {"V100": 32, "P100": 16, "T4": 16, "P4": 8, "K80": 12, "A10G": 24, "L4": 24, "L40S": 48,
                           "A100": 80, "A100-40G": 40, "A100-80G": 80, "H100": 94, "H200": 141, "H20": 96,
                           "B200": 192, "B300": 288, "GB200": 192, "GB300": 288, "RTX-PRO-6000": 96}
-ACCELERATOR = "accelerator_type:"
 
 
 def listed_gpu_memory(nodes: Iterable[Dict[str, float]]) -> "tuple[Optional[int], Optional[str]]":
     """(bytes, type) of the largest GPU among `nodes` whose accelerator type is listed in
     ACCELERATOR_MEMORY_GIB; (None, None) when none is."""
-    found = [(ACCELERATOR_MEMORY_GIB[k[len(ACCELERATOR):]] << 30, k[len(ACCELERATOR):]) for node in nodes
-             if node.get("GPU") for k in node if k.startswith(ACCELERATOR) and k[len(ACCELERATOR):]
-             in ACCELERATOR_MEMORY_GIB]
+    n = len(ACCELERATOR_PREFIX)
+    found = [(ACCELERATOR_MEMORY_GIB[k[n:]] << 30, k[n:]) for node in nodes
+             if node.get("GPU") for k in node if k.startswith(ACCELERATOR_PREFIX) and k[n:] in ACCELERATOR_MEMORY_GIB]
     return max(found) if found else (None, None)
 
 
@@ -137,7 +139,8 @@ def pool_needs(config: DLLMProcessorConfig, cluster_gpus: float) -> Dict[str, An
     """{"engine": one engine's resources, "total": the whole pool's, "task": the CPU task
     kept room for}, on a cluster with `cluster_gpus` GPUs."""
     res = config.engine_resources(cluster_gpus)
-    engine = {"CPU": res["num_cpus"], "GPU": res["num_gpus"]}
+    engine = {"CPU": res["num_cpus"], "GPU": res["num_gpus"],
+              **{k: v for k, v in res["resources"].items() if k.startswith(ACCELERATOR_PREFIX)}}
     task = max(config.cpu_stage_num_cpus, IO_TASK_CPUS)
     n = config.num_engines
     total = {k: n * v for k, v in engine.items()}
@@ -149,17 +152,31 @@ def pool_needs(config: DLLMProcessorConfig, cluster_gpus: float) -> Dict[str, An
 _PER_ENGINE = {"CPU": "num_cpus_per_engine", "GPU": "num_gpus_per_engine"}
 
 
+def _option(config: DLLMProcessorConfig, kind: str) -> str:
+    """The option that makes one engine ask for resource `kind`."""
+    if kind.startswith(ACCELERATOR_PREFIX):
+        return "accelerator_type"
+    return "placement_group_config" if config.placement_group_config is not None else _PER_ENGINE[kind]
+
+
 def check_resources(config: DLLMProcessorConfig, cluster: Cluster) -> None:
     """Raise JobError naming the options when the pool can never be placed on `cluster`:
-    more of a resource in total than it has, or one engine larger than any of its nodes."""
+    more of a resource in total than it has (no node with GPUs of the accelerator_type), or
+    one engine larger than any of its nodes."""
     gpus = cluster.total.get("GPU", 0.0) if cluster.knows("GPU") else 0.0
     needs = pool_needs(config, gpus)
     n, engine = config.num_engines, needs["engine"]
-    for kind, need in needs["total"].items():
+    # the GPU type first: with accelerator_type and no GPU of that type, that is what to fix
+    for kind, need in sorted(needs["total"].items(), key=lambda kv: not kv[0].startswith(ACCELERATOR_PREFIX)):
         have = cluster.total.get(kind, 0.0)
         if not need or not cluster.knows(kind) or need <= have + 1e-9:
             continue
-        per = _PER_ENGINE[kind]
+        per = _option(config, kind)
+        if per == "accelerator_type":
+            types = sorted(k[len(ACCELERATOR_PREFIX):] for k in cluster.total if k.startswith(ACCELERATOR_PREFIX))
+            raise JobError(f"accelerator_type {config.accelerator_type!r}: no node of {cluster.what} has GPUs of that "
+                           f"type (its GPU types: {', '.join(types) or 'none'}): the engines could never start. Give "
+                           "the type Ray reports for the cluster's GPUs, or drop it", per)
         how = f"{n} engine(s) x {engine[kind]:g}"
         if kind == "CPU":
             how += f" + {n} dispatcher(s) x {DISPATCHER_CPUS:g} + {needs['task']:g} for a read/tokenize/write task"
@@ -170,9 +187,10 @@ def check_resources(config: DLLMProcessorConfig, cluster: Cluster) -> None:
     sized = {k: v for k, v in engine.items() if v and cluster.knows(k)}
     if cluster.nodes and not any(all(node.get(k, 0.0) + 1e-9 >= v for k, v in sized.items())
                                  for node in cluster.nodes):
-        want = ", ".join(f"{v:g} {k}" for k, v in sized.items())
+        want = ", ".join(f"GPUs of type {k[len(ACCELERATOR_PREFIX):]}" if k.startswith(ACCELERATOR_PREFIX)
+                         else f"{v:g} {k}" for k, v in sized.items())
         raise JobError(f"one engine needs {want} on a single node, and no node of {cluster.what} has that much: "
-                       "ask less per engine", *[_PER_ENGINE[k] for k in sized])
+                       "ask less per engine", *dict.fromkeys(_option(config, k) for k in sized))
 
 
 def check_gpu_memory(config: DLLMProcessorConfig, checkpoint: Any, cluster: Cluster) -> None:

@@ -238,8 +238,11 @@ def engine_figures(processor: Any) -> Dict[str, Dict[str, Any]]:
 
 def build_processor_for(config: DLLMProcessorConfig, storage: Optional[StorageOptions] = None,
                         run_id: Optional[str] = None, checkpoint: Any = None):
+    """The job's processor: error rows always pass (should_continue_on_error=True), every row
+    is written, and max_error_fraction judges the run once it has finished."""
     from .processor import build_processor
 
+    config = dataclasses.replace(config, should_continue_on_error=True)
     return build_processor(config, storage=storage, run_id=run_id, checkpoint=checkpoint)
 
 

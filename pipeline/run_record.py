@@ -33,6 +33,7 @@ NOT_RESULT_FIELDS = frozenset({
     "wait_for_engines_s", "sort", "sort_window_rows", "sort_min_prefix", "collect_engine_stats", "enable_metrics",
     "record_batches", "engine.token_budget", "engine.gpu_memory_utilization", "engine.max_batch_size", "engine.scheduler", "engine.advance",
     "engine.profile", "postprocess_error_rows",
+    "should_continue_on_error", "accelerator_type", "placement_group_config",
 })
 
 

@@ -95,28 +95,34 @@ def chat_stage_kwargs(config: Any) -> Optional[Dict[str, Any]]:
     if config.apply_chat_template is False:
         return None
     return dict(messages_column=config.messages_column, chat_template=resolve_chat_template(config.chat_template),
-                mode=config.apply_chat_template, keep_prompt=config.keep_prompt)
+                mode=config.apply_chat_template, keep_prompt=config.keep_prompt,
+                template_kwargs=config.chat_template_kwargs)
 
 
-def render_chat(tok: Any, messages: List[Dict[str, Any]], chat_template: Optional[str]) -> str:
+def render_chat(tok: Any, messages: List[Dict[str, Any]], chat_template: Optional[str],
+                template_kwargs: Optional[Dict[str, Any]] = None) -> str:
     """One conversation as text. The last turn the user's: add the generation prompt (a
     new assistant turn). The assistant's (a prefill): continue that turn instead of
-    opening a new one (transformers' continue_final_message), as vLLM's chat API does."""
+    opening a new one (transformers' continue_final_message), as vLLM's chat API does.
+    `template_kwargs`: chat_template_kwargs, variables the template reads (e.g.
+    enable_thinking), passed to apply_chat_template as ray.data.llm and vLLM pass them."""
     turns = [{k: v for k, v in dict(m).items() if v is not None} for m in messages]
     prefill = turns[-1].get("role") == "assistant"
     return tok.apply_chat_template(turns, chat_template=chat_template, tokenize=False,
-                                   add_generation_prompt=not prefill, continue_final_message=prefill)
+                                   add_generation_prompt=not prefill, continue_final_message=prefill,
+                                   **(template_kwargs or {}))
 
 
 def chat_template_stage(batch: pa.Table, *, model: str, messages_column: str, chat_template: Optional[str] = None,
                         mode: Optional[bool] = True, prompt_column: str = "prompt", keep_prompt: bool = True,
-                        config: Optional[Dict[str, Any]] = None) -> pa.Table:
+                        config: Optional[Dict[str, Any]] = None,
+                        template_kwargs: Optional[Dict[str, Any]] = None) -> pa.Table:
     """Render `messages_column` (a list of {role, content}) with `chat_template` or the
     tokenizer's into the text the engine gets; with `keep_prompt` it is also the output's
     `prompt_column` (as ray.data.llm keeps it), so what the model saw can be audited.
     `mode`: True renders (a missing column or template is an error), None (auto) renders
     only when the batch has the column and a template exists; a row whose messages are
-    null then keeps its text prompt."""
+    null then keeps its text prompt. `template_kwargs`: see render_chat."""
     names = batch.column_names
     if messages_column not in names:
         if mode is None:
@@ -146,7 +152,7 @@ def chat_template_stage(batch: pa.Table, *, model: str, messages_column: str, ch
                     "" if isinstance(given[i], str) else f", and so is {prompt_column!r}"))
             if not messages:
                 raise ValueError(f"{messages_column!r} is empty")
-            texts[i] = render_chat(tok, parse_messages(messages, messages_column), chat_template)
+            texts[i] = render_chat(tok, parse_messages(messages, messages_column), chat_template, template_kwargs)
         except Exception as e:  # noqa: BLE001 - per-row error
             errors[i] = row_error(e, "chat template failed")
     batch = _set(batch, TEXT_PROMPT, texts, pa.string())
@@ -299,7 +305,8 @@ def detokenize_stage(batch: pa.Table, *, model: str, detokenize: bool = True, sk
     return _set(batch, "generated_text", texts, pa.string())
 
 
-_local_dirs: Dict[Tuple[str, str], str] = {}  # (model, run id) -> a folder of its tokenizer files on this node
+# (model, hub revision, run id) -> a folder of its tokenizer files on this node
+_local_dirs: Dict[Tuple[str, Optional[str], str], str] = {}
 
 
 class _StageTask:
@@ -316,7 +323,7 @@ class _StageTask:
 
     def __call__(self, batch: pa.Table) -> pa.Table:
         ckpt = self.checkpoint
-        key = (ckpt.model, self.run_id)
+        key = (ckpt.model, ckpt.revision, self.run_id)
         if key not in _local_dirs:  # once per worker and run, not per batch
             _local_dirs[key] = ckpt.metadata_dir()
         model = dict(model=_local_dirs[key], config=ckpt.hf)

@@ -277,7 +277,7 @@ def test_bad_rows_through_build_processor(ray_local, tiny_model_dir):
     from pipeline import DLLMProcessorConfig, build_processor
 
     cfg = DLLMProcessorConfig(model=tiny_model_dir, num_engines=1, batch_size=4, dtype="float64",
-                              wait_for_engines_s=0, engine=EngineConfig(block_length=4, steps_per_block=4,
+                              wait_for_engines_s=0, should_continue_on_error=True, engine=EngineConfig(block_length=4, steps_per_block=4,
                                                                         token_budget=1024),
                               sampling=SamplingParams(max_new_tokens=4, policy="fixed"))
     items = [

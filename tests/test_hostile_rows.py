@@ -35,7 +35,7 @@ def tiny_config(model: str, **kw):
     from pipeline import DLLMProcessorConfig
 
     return DLLMProcessorConfig(model=model, num_engines=1, batch_size=4, max_concurrent_batches=2, dtype="float64",
-                               wait_for_engines_s=0, sort="none",
+                               wait_for_engines_s=0, sort="none", should_continue_on_error=True,
                                engine=EngineConfig(block_length=4, steps_per_block=4, token_budget=1024),
                                sampling=SamplingParams(max_new_tokens=8, policy="fixed"), **kw)
 

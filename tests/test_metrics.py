@@ -72,6 +72,7 @@ def test_metrics_exported_with_nonzero_values(tiny_model_dir, ray_local, metrics
     # rows get padded, batches overlap, for a few export periods.
     config = DLLMProcessorConfig(
         model=tiny_model_dir, num_engines=1, batch_size=8, max_concurrent_batches=4, sort="none",
+        should_continue_on_error=True,  # the empty prompt's error row
         engine=EngineConfig(block_length=4, steps_per_block=8, token_budget=1024, max_batch_size=2),
         sampling=SamplingParams(max_new_tokens=16, policy="fixed", stop_token_ids=[]))
     items = [{"prompt": "copy: " + "abcdefghijklmnop"[: 1 + i % 16]} for i in range(64)] + [{"prompt": ""}]

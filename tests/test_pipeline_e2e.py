@@ -42,7 +42,7 @@ def s3_input(s3fs_client):
 def test_s3_to_s3_with_two_engines(tiny_model_dir, ray_local, s3_input, s3_storage, s3fs_client):
     url, n_rows = s3_input
     config = DLLMProcessorConfig(model=tiny_model_dir, num_engines=2, batch_size=3, max_concurrent_batches=2,
-                                 engine=ENGINE, sampling=SAMPLING, dtype="float64")
+                                 engine=ENGINE, sampling=SAMPLING, dtype="float64", should_continue_on_error=True)
     # Blocks of one batch: Ray Data hands engines work block by block.
     ds = build_processor(config)(read_prompts(url, storage=s3_storage, rows_per_block=config.batch_size))
     sink = write_results(ds, "s3://e2e/results", storage=s3_storage)
