@@ -133,8 +133,8 @@ def test_logprob_columns_through_build_processor(ray_local, tiny_model_dir):
     from pipeline import DLLMProcessorConfig, build_processor
 
     ecfg = EngineConfig(block_length=4, steps_per_block=4, token_budget=1024)
-    cfg = DLLMProcessorConfig(model=tiny_model_dir, num_engines=1, batch_size=4, dtype="float64",
-                              wait_for_engines_s=0, engine=ecfg, sampling=SP(max_new_tokens=4, policy="fixed"))
+    cfg = DLLMProcessorConfig(model=tiny_model_dir, should_continue_on_error=True, num_engines=1, batch_size=4,
+                              dtype="float64", wait_for_engines_s=0, engine=ecfg, sampling=SP(max_new_tokens=4, policy="fixed"))
     asks = {"a": {"temperature": 0, "max_completion_tokens": 8, "detokenize": False, "logprobs": 2},
             "b": {"max_tokens": 8},
             "c": {"max_tokens": 8, "logprobs": 0, "min_tokens": 6, "ignore_eos": True},
