@@ -18,6 +18,7 @@ from types import SimpleNamespace
 
 import fsspec
 import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 
 from conftest import ROOT, part_files, read_parts
@@ -272,3 +273,25 @@ def test_openai_batch_file_through_the_cli_and_a_resume(tmp_path, tiny_model_dir
     assert part_files(out) == files
     with open(os.path.join(out, "results.jsonl"), "rb") as f:
         assert f.read() == first
+
+
+def test_a_batch_file_in_and_results_out_on_s3(s3_storage, s3fs_client):
+    from common.storage import get_filesystem
+    from pipeline.openai_batch import write_results_file
+
+    s3fs_client.mkdir("formats")
+    items = [line("q2", COMPLETIONS, prompt="copy: a"), line("q1", CHAT, messages=chat("rev: a"))]
+    s3fs_client.pipe("formats/in/batch.jsonl", ("\n".join(json.dumps(i) for i in items) + "\n").encode())
+    src = PromptParquetDatasource("s3://formats/in/", s3_storage)  # auto: a folder of one batch file
+    assert src.format == "openai-batch" and src.input_ids() == ["q2", "q1"]
+    rows = pa.table({"custom_id": ["q1", "q2"], "url": [CHAT, COMPLETIONS], "sample_index": [0, 0],
+                     "generated_text": ["a", "a"], "finish_reason": ["stop", "length"], "error": [None, None],
+                     "num_prompt_tokens": [9, 7], "num_generated_tokens": [1, 8], "finished_at": [5.0, 6.0]})
+    with s3fs_client.open("formats/out/part-a.parquet", "wb") as f:
+        pq.write_table(rows, f)
+    fs, path = get_filesystem("s3://formats/out", s3_storage)
+    assert write_results_file(fs, path, src.input_ids(), "custom_id", "tiny", ["tiny"]) == "s3://formats/out/results.jsonl"
+    out = [json.loads(t) for t in s3fs_client.cat("formats/out/results.jsonl").decode().splitlines()]
+    assert [(o["custom_id"], o["response"]["body"]["object"]) for o in out] == [
+        ("q2", "text_completion"), ("q1", "chat.completion")]
+    assert sorted(s3fs_client.ls("formats/out")) == ["formats/out/part-a.parquet", "formats/out/results.jsonl"]
