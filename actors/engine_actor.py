@@ -125,14 +125,21 @@ class DLLMEngineActor:
         self.model_dir = ckpt.weights_dir()  # also where stop strings' tokenizer is
         dtype = resolve_dtype(spec.dtype, self.device)
         if ckpt.serving == Serving.CANVAS:  # DiffusionGemma: transformers' own class, served by engine.canvas
+            from engine.budget import fixed_budget
             from engine.canvas import CanvasParams, CanvasServe, load_diffusion_gemma
 
+            self.budget = fixed_budget(self.engine_config)  # the canvas engine plans none
             defaults = CanvasParams.from_generation(ckpt.generation)
             self.model = load_diffusion_gemma(ckpt, dtype, str(self.device), weights_dir=self.model_dir)
             factory = lambda: CanvasServe(self.model, defaults, self.engine_config)  # noqa: E731
         else:
+            from engine.budget import resolve_token_budget
+
             self.model, _ = load_model(ckpt, dtype=dtype, device=self.device, tokenizer=False,
                                        weights_dir=self.model_dir)
+            # once, with the weights loaded and before any engine (warm-up and restarts alike)
+            self.budget = resolve_token_budget(self.engine_config, self.model.config, self.model.dtype, self.device)
+            self.engine_config = dataclasses.replace(self.engine_config, token_budget=self.budget.token_budget)
             factory = lambda: Engine(self.model, self.engine_config, tokenizer=self._tokenizer,  # noqa: E731
                                      record_batches=spec.record_batches)
             if spec.warmup:
@@ -163,7 +170,8 @@ class DLLMEngineActor:
         self.rank = rank
         if self.spec.enable_metrics and ray.is_initialized():
             self.metrics = EngineMetrics(rank, model=self.model_name, run=self.spec.run_id)
-        logger.info("engine rank %d ready on %s (%s)", rank, self.device, self.checkpoint.model)
+        logger.info("engine rank %d ready on %s (%s), %s", rank, self.device, self.checkpoint.model,
+                    self.budget.describe())
 
     async def _numbered(self) -> int:
         """Its rank: the group's answer to the constructor's request, awaited by the first
@@ -314,6 +322,9 @@ class DLLMEngineActor:
             "latency_s": [float(o.latency_s) for o in outs],
             "sample_index": [r.sample for r in rows],
             "finished_at": [submitted + float(o.latency_s) for o in outs],
+            "generated_logprobs": [o.logprobs for o in outs],
+            "top_logprobs": [None if o.top_logprobs is None else
+                             [[{"token_id": t, "logprob": v} for t, v in top] for top in o.top_logprobs] for o in outs],
         }
         keep = [c for c in table.column_names if c not in cols and c != STOP_TEXT]
         table = table.select(keep)
@@ -331,7 +342,9 @@ class DLLMEngineActor:
         return None if log is None else [list(r.request_ids) for r in log]
 
     def engine_stats(self) -> Dict[str, Any]:
-        return dataclasses.asdict(self.loop.engine.stats)
+        """The engine's EngineStats, and how its token budget was resolved (`budget`: where
+        it came from, the memory plan: engine.budget.Budget)."""
+        return {**dataclasses.asdict(self.loop.engine.stats), "budget": self.budget.as_dict()}
 
     def __del__(self) -> None:
         loop = getattr(self, "loop", None)

@@ -33,6 +33,10 @@ OUTPUT_SCHEMA = pa.schema([
     ("latency_s", pa.float64()),
     ("sample_index", pa.int64()),  # 0..n-1: one output row per (input row, sample)
     ("finished_at", pa.float64()),  # Unix time the engine returned the row (summary: generation phase)
+    # sampling_params.logprobs (engine.logprobs), null when not asked: per generated token its
+    # log-probability at the step that wrote it, and (logprobs > 0) the N most likely tokens there
+    ("generated_logprobs", pa.list_(pa.float64())),
+    ("top_logprobs", pa.list_(pa.list_(pa.struct([("token_id", pa.int64()), ("logprob", pa.float64())])))),
 ])
 # Added by the engine stage's dispatcher (actors/engine_router.py): how many times the row's
 # batch was sent to another engine because the engine running it was lost (0: never).

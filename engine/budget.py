@@ -26,15 +26,25 @@ deliberately conservative (every term is an upper bound on what the engine alloc
 1-token prompts is much smaller than one for chat-length prompts. Attention is assumed
 to run in a fused kernel (no [T, W] score matrix); block-causal models add their
 boolean [W, W] mask per row (A * max_width bytes).
+
+An engine whose EngineConfig.token_budget is not given plans it here at start
+(`resolve_token_budget`): on a GPU, `free` is what gpu_memory_utilization of the device
+leaves after what is already held there (vLLM's rule: utilization x total - used, the
+weights loaded), with no margin but `reserve_bytes`; the budget is capped at what the
+engine can ever fill (max_batch_size rows of the model's context). On a device without a
+memory query (CPU) it is DEFAULT_TOKEN_BUDGET. The job's preflight refuses a model whose
+weights and one row of one block cannot fit in utilization x a GPU's memory (`engine_plan`
+with the weights not loaded).
 """
 from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass, replace
-from typing import Optional
+from typing import Any, Dict, Optional, Tuple
 
 import torch
 
+from .config import DEFAULT_TOKEN_BUDGET, EngineConfig
 from .models import ModelConfig
 from .modes import MODES, cache_mode
 from .slots import SLACK
@@ -112,8 +122,9 @@ def plan_token_budget(free_bytes: int, cfg: ModelConfig, dtype: torch.dtype = to
                       cache: str = "refresh", block_length: int = 32, *, weights_loaded: bool = False,
                       min_prompt_len: int = 1, max_batch_size: Optional[int] = None,
                       max_width: Optional[int] = None, margin_frac: float = 0.10,
-                      reserve_bytes: int = 512 << 20) -> MemoryPlan:
-    """The largest token budget A with `bytes_for(A) <= free_bytes`.
+                      reserve_bytes: int = 512 << 20, max_area: Optional[int] = None) -> MemoryPlan:
+    """The largest token budget A with `bytes_for(A) <= free_bytes`, at most `max_area`
+    (the largest box the engine can form: more is memory it never fills).
 
     `free_bytes` is what the device reports free (torch.cuda.mem_get_info()[0]); pass
     `weights_loaded=True` when the model is already resident (then weights are not
@@ -137,6 +148,86 @@ def plan_token_budget(free_bytes: int, cfg: ModelConfig, dtype: torch.dtype = to
         area -= 1
     while area > 0 and plan.bytes_for(area + 1) <= free_bytes:  # rows are floored: the last partial row is free
         area += 1
+    if max_area is not None:
+        area = min(area, max_area)
     if area <= block_length:
         area = 0
     return replace(plan, token_budget=area)
+
+
+GiB = 1 << 30
+
+
+def device_memory(device: Any) -> Optional[Tuple[int, int]]:
+    """(free, total) bytes of `device` for this process, or None where there is no memory
+    query (CPU). The one place an engine asks its device: free counts what torch's caching
+    allocator holds unused too (a warm-up engine's freed K/V), which this process reuses."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return None
+    free, total = torch.cuda.mem_get_info(device)
+    cached = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+    return int(free + cached), int(total)
+
+
+def engine_plan(mcfg: ModelConfig, dtype: torch.dtype, config: EngineConfig, free_bytes: int, total_bytes: int,
+                *, weights_loaded: bool = True) -> MemoryPlan:
+    """The budget an engine of `config` plans with `free_bytes` of its device's `total_bytes`
+    free: what gpu_memory_utilization of the device leaves after what is held already,
+    capped at max_batch_size rows of the model's context. The preflight asks the same of a
+    whole GPU (free = total, weights not loaded)."""
+    usable = max(0, free_bytes - math.ceil((1 - config.gpu_memory_utilization) * total_bytes))
+    return plan_token_budget(usable, mcfg, dtype, config.cache, config.block_length, weights_loaded=weights_loaded,
+                             max_batch_size=config.max_batch_size, margin_frac=0.0,
+                             max_area=config.max_batch_size * mcfg.max_seq_len)
+
+
+@dataclass(frozen=True)
+class Budget:
+    """An engine's resolved token budget and where it came from: "token_budget" (given),
+    "planned" (from the device's memory, `plan`), "default" (no memory query: CPU)."""
+
+    token_budget: int
+    source: str
+    gpu_memory_utilization: Optional[float] = None
+    free_bytes: Optional[int] = None
+    total_bytes: Optional[int] = None
+    plan: Optional[MemoryPlan] = None
+
+    def as_dict(self) -> Dict[str, Any]:
+        return asdict(self)
+
+    def describe(self) -> str:
+        """The engine's start-up log line's words for it."""
+        if self.source == "planned":
+            return (f"token budget {self.token_budget} planned from {self.free_bytes / GiB:.2f} GiB free of "
+                    f"{self.total_bytes / GiB:.2f} GiB (gpu_memory_utilization {self.gpu_memory_utilization:g})")
+        return f"token budget {self.token_budget} ({'given' if self.source == 'token_budget' else 'the default'})"
+
+
+def fixed_budget(config: EngineConfig) -> Budget:
+    """The budget of an engine that plans none: the given one, else DEFAULT_TOKEN_BUDGET."""
+    return Budget(config.fixed_token_budget(), "default" if config.token_budget is None else "token_budget")
+
+
+def resolve_token_budget(config: EngineConfig, mcfg: ModelConfig, dtype: torch.dtype, device: Any) -> Budget:
+    """The token budget an engine of `config` runs with on `device`, once, at its start: the
+    given one; else, on a device with a memory query, the plan from its free memory
+    (`engine_plan`, the weights loaded); else DEFAULT_TOKEN_BUDGET. Raises ValueError when
+    no row of one block fits, and for a gpu_memory_utilization the device cannot honour."""
+    memory = device_memory(device)
+    if memory is None and config.gpu_memory_utilization != EngineConfig().gpu_memory_utilization:
+        raise ValueError(f"gpu_memory_utilization={config.gpu_memory_utilization:g}: this engine runs on {device}, "
+                         f"which has no memory query to size the token budget from (it is token_budget, else "
+                         f"{DEFAULT_TOKEN_BUDGET}); leave gpu_memory_utilization at its default")
+    if memory is None or config.token_budget is not None:
+        return fixed_budget(config)
+    free, total = memory
+    plan = engine_plan(mcfg, dtype, config, free, total)
+    if not plan.token_budget:
+        raise ValueError(
+            f"no token budget fits on {device}: {free / GiB:.2f} GiB free of {total / GiB:.2f} GiB, of which "
+            f"gpu_memory_utilization {config.gpu_memory_utilization:g} leaves {plan.free_bytes / GiB:.2f} GiB to this "
+            f"engine, less than one row of one block needs ({plan.bytes_for(config.block_length + 1) / GiB:.2f} GiB "
+            "with the reserve); raise gpu_memory_utilization, free the GPU, or give token_budget")
+    return Budget(plan.token_budget, "planned", config.gpu_memory_utilization, free, total, plan)

@@ -5,8 +5,8 @@ from __future__ import annotations
 import enum
 import math
 import numbers
-from dataclasses import dataclass, field, fields, replace
-from typing import Any, Dict, Literal, Optional, Sequence, get_args
+from dataclasses import InitVar, dataclass, field, fields, replace
+from typing import Any, Dict, Literal, Optional, Sequence, Union, get_args
 
 from .modes import CacheMode as CacheModeRule, cache_mode
 
@@ -120,6 +120,9 @@ def out_of_bounds(obj: Any) -> Optional[str]:
     return None
 
 
+MAX_LOGPROBS = 20  # vLLM's default max_logprobs
+
+
 @dataclass
 class SamplingParams:
     """Per-request decoding settings. `stop_token_ids=None` means the checkpoint's stop
@@ -157,8 +160,21 @@ class SamplingParams:
     -1: off) and `top_p` (1: off) restrict the tokens a sampled proposal may take (the
     confidence that ranks positions stays the model's own probability), `stop`
     (strings: the request ends at the block boundary after the first one, and its text
-    is cut before it), `seed`, `n` (samples per row; the pipeline expands a row into n
-    requests with seeds derived from the row's). `from_dict` also takes `max_tokens`.
+    is cut before it, or kept with `include_stop_str_in_output`), `seed`, `n` (samples per
+    row; the pipeline expands a row into n requests with seeds derived from the row's),
+    `min_tokens` (no stop id or stop string ends a row before it has that many generated
+    tokens: the stop ids' logits are -inf at the answer's first min_tokens positions, so
+    no proposal there is a stop id, and a stop string counts only where it ends past
+    the text of the first min_tokens - 1 tokens), `ignore_eos` (the checkpoint's stop ids
+    do not end the row; explicit `stop_token_ids` and stop strings still do),
+    `logprobs` (engine.logprobs: per generated token,
+    the log-probability the model gave it at the step that wrote it, and N alternatives).
+    `max_tokens` and `max_completion_tokens` are names of max_new_tokens (in `from_dict`
+    and as keyword arguments); `detokenize` is accepted and changes nothing
+    (generated_text is the processor's detokenize setting's, as with ray.data.llm, whose
+    detokenize stage makes the text), and so are `skip_special_tokens=True` and
+    `spaces_between_special_tokens=True` (vLLM's defaults, what the text is decoded with;
+    False is refused naming the key: the job's skip_special_tokens decides the text).
 
     SDAR / TraDo checkpoints (ThresholdRule.BLOCK_FLOOR): `threshold` is
     block_diffusion_generate's low_confidence_dynamic (strictly greater, at least the `fixed`
@@ -253,8 +269,49 @@ class SamplingParams:
     confidence_threshold: Optional[float] = field(default=None, metadata={"bounds": above(0), "help": (
         "DiffusionGemma: a canvas stops early once its mean token entropy is below this "
         "(none: generation_config.json)")})
+    # vLLM's names (masked-diffusion engine; DiffusionGemma's refuses them)
+    min_tokens: int = field(default=0, metadata={"bounds": at_least(0, integer=True), "help": (
+        "no stop id or stop string ends a row before it has this many generated tokens (the stop ids' logits "
+        "are -inf at those answer positions)")})
+    ignore_eos: bool = field(default=False, metadata={"help": (
+        "the checkpoint's stop ids (EOS, end of turn) do not end a row; explicit stop_token_ids and stop "
+        "strings still do")})
+    include_stop_str_in_output: bool = field(default=False, metadata={"help": (
+        "keep the stop string that ended a row in its text")})
+    logprobs: Optional[Union[bool, int]] = field(default=None, metadata={
+        "bounds": within(0, MAX_LOGPROBS, integer=True), "help": (
+            "per generated token, the log-probability the model gave it at the step that wrote it "
+            "(generated_logprobs), and this many most likely alternatives (top_logprobs); true: 0; none: off")})
+    # vLLM's other names, as keyword arguments (from_dict maps them): not fields
+    max_tokens: InitVar[Optional[int]] = None
+    max_completion_tokens: InitVar[Optional[int]] = None
+    detokenize: InitVar[Optional[bool]] = None
+    skip_special_tokens: InitVar[Optional[bool]] = None
+    spaces_between_special_tokens: InitVar[Optional[bool]] = None
 
-    ALIASES = {"max_tokens": "max_new_tokens"}  # vLLM's name -> ours
+    ALIASES = {"max_tokens": "max_new_tokens", "max_completion_tokens": "max_new_tokens"}  # vLLM's names -> ours
+    # vLLM's keys accepted with the values that change nothing here (see the docstring), and why others are refused
+    NO_OP = {"detokenize": ((True, False), ""),
+             "skip_special_tokens": ((True,), "the text leaves special tokens out as the job's skip_special_tokens "
+                                              "says (--no-skip-special-tokens for the whole job)"),
+             "spaces_between_special_tokens": ((True,), "the text is decoded with the tokenizer's default")}
+
+    def __post_init__(self, max_tokens: Optional[int], max_completion_tokens: Optional[int],
+                      detokenize: Optional[bool], skip_special_tokens: Optional[bool],
+                      spaces_between_special_tokens: Optional[bool]) -> None:
+        given = {k: v for k, v in (("max_tokens", max_tokens), ("max_completion_tokens", max_completion_tokens))
+                 if v is not None}
+        if len(set(given.values())) > 1:
+            raise ValueError(f"max_tokens and max_completion_tokens disagree: {given}")
+        if given:
+            self.max_new_tokens = next(iter(given.values()))
+        for key, value in (("detokenize", detokenize), ("skip_special_tokens", skip_special_tokens),
+                           ("spaces_between_special_tokens", spaces_between_special_tokens)):
+            err = self.no_op_refusal(key, value)
+            if err:
+                raise ValueError(err)
+        if isinstance(self.logprobs, bool):  # vLLM / OpenAI: true asks for the chosen token's only
+            self.logprobs = 0 if self.logprobs else None
 
     @classmethod
     def from_dict(cls, d: Dict[str, Any], base: Optional["SamplingParams"] = None) -> "SamplingParams":
@@ -264,16 +321,35 @@ class SamplingParams:
         out: Dict[str, Any] = {}
         for key, value in dict(d).items():
             name = cls.ALIASES.get(key, key)
-            if name not in known:
-                unknown = sorted(k for k in d if cls.ALIASES.get(k, k) not in known)
-                raise ValueError(f"unknown sampling parameter(s) {unknown}; known: {sorted(known | set(cls.ALIASES))}")
-            if value is not None:
+            if name not in known and key not in cls.NO_OP:
+                unknown = sorted(k for k in d if cls.ALIASES.get(k, k) not in known and k not in cls.NO_OP)
+                raise ValueError(f"unknown sampling parameter(s) {unknown}; "
+                                 f"known: {sorted(known | set(cls.ALIASES) | set(cls.NO_OP))}")
+            if key in cls.NO_OP:
+                err = cls.no_op_refusal(key, value)
+                if err:
+                    raise ValueError(err)
+            elif value is not None:
+                if name in out and out[name] != value:
+                    same = sorted(k for k in d if cls.ALIASES.get(k, k) == name and d[k] is not None)
+                    raise ValueError(f"{' and '.join(same)} name the same setting and disagree")
                 out[name] = value
         if isinstance(out.get("stop"), str):
             out["stop"] = [out["stop"]]
         if "stop_token_ids" in out:
             out["stop_token_ids"] = [int(t) for t in out["stop_token_ids"]]
         return replace(base or cls(), **out)
+
+    @classmethod
+    def no_op_refusal(cls, key: str, value: Any) -> Optional[str]:
+        """Why vLLM's key `key` cannot take `value` here (a value that would change the
+        results), or None (null or a value that changes nothing)."""
+        ok, why = cls.NO_OP[key]
+        if value is None or any(value is v for v in ok):
+            return None
+        if not isinstance(value, bool):
+            return f"{key} must be true or false, got {value!r}"
+        return f"{key}={value!r} is not supported per row: {why}"
 
     def validate(self) -> Optional[str]:
         """A message naming the bad field, or None; per request, so one bad row never
@@ -302,6 +378,11 @@ class SamplingParams:
         if self.stop is not None and (isinstance(self.stop, str) or not all(isinstance(x, str) and x
                                                                              for x in self.stop)):
             return f"stop must be a list of non-empty strings, got {self.stop!r}"
+        if self.min_tokens > self.max_new_tokens:
+            return f"min_tokens={self.min_tokens} must be at most max_new_tokens={self.max_new_tokens}"
+        for name in ("ignore_eos", "include_stop_str_in_output"):
+            if not isinstance(getattr(self, name), bool):
+                return f"{name} must be true or false, got {getattr(self, name)!r}"
         if self.d2f and ((self.policy, self.remasking) != ("threshold", "low_confidence") or self.first_position):
             return ("block_add_threshold (D2F) decodes with policy 'threshold', remasking 'low_confidence' "
                     f"and no first_position, got {self.policy!r}, {self.remasking!r}, {self.first_position!r}")
@@ -313,11 +394,24 @@ class SamplingParams:
         return self.block_add_threshold is not None
 
 
+# The token budget of an engine on a device without a memory query (CPU), when
+# EngineConfig.token_budget is not given; GPU engines plan theirs (engine.budget).
+DEFAULT_TOKEN_BUDGET = 65536
+
+
 @dataclass
 class EngineConfig:
     """How one engine batches and caches. `token_budget` bounds the padded batch
     area |A| * max_i(width_i) of every forward; `max_batch_size` is B for the static
     baseline and a cap on active requests for blockserve.
+
+    `token_budget` given is the user's fixed budget and wins. Unset (None), each engine
+    resolves it once at start (engine.budget.resolve_token_budget): on a GPU, planned from
+    the device's free memory so that weights, K/V and activations stay within
+    `gpu_memory_utilization` of it (vLLM's knob); on a device without a memory query
+    (CPU), the fixed DEFAULT_TOKEN_BUDGET. The engine, its scheduler and its rules then
+    read the resolved number; before that (the job's preflight, the sorter) None means
+    "not known yet", and each engine refuses a row wider than its own budget.
 
     `canvas`: what a row holds. `block` (BlockServe's box): prompt, committed blocks
     and the current block, width p + (b+1) L. `full` (LLaDA's `generate`, Fast-dLLM):
@@ -341,8 +435,14 @@ class EngineConfig:
     cache: CacheMode = field(default="refresh", metadata={"help": (
         "K/V cache: none, refresh (Fast-dLLM prefix cache), dual (prefix and masked suffix), persistent "
         "(block-causal models)")})
-    token_budget: int = field(default=65536, metadata={"bounds": at_least(2, integer=True), "help": (
-        "cells (rows x width) of the padded batch box an engine may forward at once")})
+    token_budget: Optional[int] = field(default=None, metadata={"bounds": at_least(2, integer=True), "help": (
+        "cells (rows x width) of the padded batch box an engine may forward at once; given, it is used as is "
+        "(it wins over gpu_memory_utilization); none: each engine plans it at start from its GPU's free memory "
+        f"and gpu_memory_utilization, on CPU {DEFAULT_TOKEN_BUDGET}")})
+    gpu_memory_utilization: float = field(default=0.9, metadata={"bounds": within(0, 1, low_open=True), "help": (
+        "share of each GPU's memory an engine may use for weights, K/V and activations (vLLM's name): sizes the "
+        "token budget when token_budget is not given, and the preflight refuses a model that cannot fit in it; "
+        "refused on an engine without a GPU")})
     scheduler: SchedulerKind = field(default=SchedulerKind.BLOCKSERVE, metadata={"help": (
         "blockserve (continuous, block-grained batching), static or sequential (the baselines)")})
     max_batch_size: int = field(default=256, metadata={"bounds": at_least(1, integer=True), "help": (
@@ -373,7 +473,7 @@ class EngineConfig:
             err = not_one_of(name, getattr(self, name), kind)
             if err:
                 raise ValueError(err)
-        if self.token_budget < self.block_length + 1:
+        if self.token_budget is not None and self.token_budget < self.block_length + 1:
             raise ValueError(f"token_budget must exceed block_length, got token_budget={self.token_budget} "
                              f"block_length={self.block_length}")
 
@@ -381,6 +481,11 @@ class EngineConfig:
     def mode(self) -> CacheModeRule:
         """The cache mode's rules (engine.modes): what a step computes, stores and keeps."""
         return cache_mode(self.cache)
+
+    def fixed_token_budget(self) -> int:
+        """The given token_budget, else DEFAULT_TOKEN_BUDGET: the budget of an engine that
+        plans none (no device memory query, DiffusionGemma's canvas engine)."""
+        return DEFAULT_TOKEN_BUDGET if self.token_budget is None else self.token_budget
 
     def full_canvas(self, block_causal: bool) -> bool:
         """Whether rows hold the full canvas on a model with this attention ("auto":

@@ -23,16 +23,18 @@ from __future__ import annotations
 
 import random
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, FrozenSet, List, Optional, Tuple
 
 import torch
 
 from .batch import Batch, relayout
+from .budget import resolve_token_budget
 from .config import EngineConfig
 from .core import EngineCore
 from .decoders import rule_for
 from .decoding import propose, select
+from .logprobs import collect, mask_stop_ids, record
 from .models import DLLM
 from .reads import MASKED
 from .rules import Traits, row_refusal
@@ -54,6 +56,9 @@ class Engine(EngineCore):
 
     def __init__(self, model: DLLM, config: EngineConfig = EngineConfig(), tokenizer=None,
                  record_batches: bool = False):
+        # resolved once, here (engine.budget): everything below reads the resolved number
+        self.budget = resolve_token_budget(config, model.config, model.dtype, model.device)
+        config = replace(config, token_budget=self.budget.token_budget)
         super().__init__(config, tokenizer, model.config.vocab_size)
         self.model = model
         self.mcfg = model.config
@@ -73,7 +78,10 @@ class Engine(EngineCore):
 
     # --- requests -----------------------------------------------------------------
     def stop_ids(self, params) -> List[int]:
-        return list(params.stop_token_ids) if params.stop_token_ids is not None else self.mcfg.stop_token_ids
+        """The row's explicit stop_token_ids, else the checkpoint's (none with ignore_eos, as vLLM's)."""
+        if params.stop_token_ids is not None:
+            return list(params.stop_token_ids)
+        return [] if params.ignore_eos else list(self.mcfg.stop_token_ids)
 
     def sampling_reads(self, req: Request) -> Tuple[FrozenSet[str], str]:
         """A row's decoding rule (engine.decoders) is chosen here: the fields it reads."""
@@ -175,18 +183,23 @@ class Engine(EngineCore):
         if b.valid_dev is not None:  # only the rows' own blocks (not earlier committed ones) are denoised
             is_mask &= b.valid_dev
         logits = self.runner.step_logits(b)
+        live = self._live(b)
+        live_rows = [i for _, rows in live for i in rows]
+        unmask_stops = mask_stop_ids(b, live_rows, logits)  # min_tokens
         rp = b.unit_params
         units = lambda t: t.reshape(B * NB, L, *t.shape[2:])  # noqa: E731
         need_idx = [t.to(self.device) for t in units(b.masked).nonzero(as_tuple=True)]
         x0, conf = propose(units(logits), rp, self._noise_keys(b), units(is_mask), need_idx)
         step = b.step.repeat_interleave(NB) if NB > 1 else b.step
-        live = self._live(b)
         chosen = units(is_mask)
         for rule, rows in live:  # each rule's rows: the positions their step may unmask
             chosen = rule.candidates(b, rows, chosen)
         sel = select(conf, chosen, step.to(self.device), rp, L, S)
         for rule, rows in live:  # each rule's rows: its own selection
             sel = rule.select(b, rows, sel, conf=conf, is_mask=units(is_mask), x0=x0, window=window, logits=logits)
+        if unmask_stops is not None:
+            unmask_stops()  # the logprobs are the model's own
+        record(b, live_rows, sel, x0, logits, self._fetch)
         window = torch.where(sel.reshape(B, NB * L), x0.reshape(B, NB * L), window)
         b.ids.scatter_(1, cols, window)
         b.busy_steps += b.masked.any(1).long()
@@ -273,18 +286,27 @@ class Engine(EngineCore):
     def _stop_string(self, req: Request, n_before: int, n_max: int):
         """(tokens, text) when a stop string appears in the first `n_max` generated
         tokens (it was not in the first `n_before`): the fewest tokens whose text holds
-        it, and the text before it; else None. Decided on the detokenized text, as vLLM does."""
-        def first(text: str) -> int:
-            return min((i for i in (text.find(x) for x in req.params.stop) if i >= 0), default=-1)
-
+        it, and the text before it (with it: include_stop_str_in_output); else None. Decided
+        on the detokenized text, as vLLM does; with min_tokens a stop string counts only
+        where it ends past the text of the first min_tokens - 1 tokens (vLLM checks none
+        before then)."""
+        p = req.params
         decode = lambda n: self.tokenizer.decode(req.output_ids[:n], skip_special_tokens=True)  # noqa: E731
-        if first(decode(n_max)) < 0:
+        floor = len(decode(p.min_tokens - 1)) if p.min_tokens > 1 else 0
+
+        def first(text: str) -> Optional[Tuple[int, int, str]]:
+            """(where, which, the string) of the earliest stop string in `text`."""
+            hits = [(text.find(x, max(0, floor - len(x) + 1)), j, x) for j, x in enumerate(p.stop)]
+            return min((h for h in hits if h[0] >= 0), default=None)
+
+        if first(decode(n_max)) is None:
             return None
-        for n in range(n_before + 1, n_max + 1):
+        for n in range(max(n_before + 1, p.min_tokens), n_max + 1):
             text = decode(n)
-            at = first(text)
-            if at >= 0:
-                return n, text[:at]
+            hit = first(text)
+            if hit is not None:
+                at, _, x = hit
+                return n, text[:at + len(x) if p.include_stop_str_in_output else at]
         return None
 
     def _finish(self, req: Request, reason: FinishReason, n_tokens: int = 0, text: Optional[str] = None) -> None:
@@ -293,7 +315,9 @@ class Engine(EngineCore):
             self.scheduler.finish(req)
         if text is None and self.tokenizer is not None and reason != FinishReason.ERROR:
             text = self.tokenizer.decode(toks, skip_special_tokens=True)
+        logprobs, top = collect(req, len(toks)) if reason != FinishReason.ERROR else (None, None)
         self.output(RequestOutput(
             request_id=req.request_id, prompt_token_ids=req.prompt + req.lead, token_ids=toks, finish_reason=reason,
             text=text, error=req.error, num_blocks=self.shape.block_index(req), num_steps=req.num_steps,
-            latency_s=time.perf_counter() - req.arrival, prompt_tokens_forwarded=req.prompt_forwarded))
+            latency_s=time.perf_counter() - req.arrival, prompt_tokens_forwarded=req.prompt_forwarded,
+            logprobs=logprobs, top_logprobs=top))

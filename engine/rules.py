@@ -143,7 +143,7 @@ def row_refusal(req: "Request", traits: Traits) -> Optional[str]:
         traits.model.max_seq_len
     if width > context:
         return f"prompt of {p} tokens + {blocks} blocks of {L} exceeds the model context of {context} tokens"
-    if width > traits.config.token_budget:
+    if traits.config.token_budget is not None and width > traits.config.token_budget:  # None: not resolved yet
         return (f"request needs {width} tokens of batch budget alone (prompt {p} + {blocks} blocks of {L}), "
                 f"more than token_budget={traits.config.token_budget}")
     return None

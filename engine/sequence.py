@@ -5,7 +5,7 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
-from typing import Any, List, Optional, Sequence, Tuple, Union
+from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
 from .config import SamplingParams
 
@@ -33,6 +33,10 @@ class RequestOutput:
     num_steps: int = 0
     latency_s: float = 0.0
     prompt_tokens_forwarded: int = 0  # how often the prompt was computed (cache accounting)
+    # SamplingParams.logprobs (engine.logprobs): per token of token_ids, its log-probability at
+    # the step that wrote it, and (logprobs > 0) the most likely (token id, logprob) there
+    logprobs: Optional[List[float]] = None
+    top_logprobs: Optional[List[List[Tuple[int, float]]]] = None
 
 
 @dataclass(eq=False)
@@ -58,6 +62,8 @@ class Request:
     # prompt's tail after its last whole block, which opens the first decoded block;
     # `prompt` is then the whole blocks only
     lead: List[int] = field(default_factory=list)
+    # answer position -> (logprob, top logprobs) of its last write (SamplingParams.logprobs)
+    token_logprobs: Dict[int, Tuple[float, Optional[List[Tuple[int, float]]]]] = field(default_factory=dict)
 
     @property
     def prompt_len(self) -> int:

@@ -57,7 +57,7 @@ def every_row_refusal(checkpoint: Checkpoint, sampling: Any, engine: Any) -> Opt
 
         knobs = CanvasParams.from_generation(checkpoint.generation).override(sampling)
         return knobs.validate() or budget_refusal(1, sampling.max_new_tokens,
-                                                  checkpoint.family.canvas_length(checkpoint.hf), engine.token_budget)
+                                                  checkpoint.family.canvas_length(checkpoint.hf), engine.fixed_token_budget())
     from engine.decoders import settings_refusal
     from engine.rules import Traits
     from engine.sequence import RowShape

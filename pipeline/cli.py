@@ -52,6 +52,8 @@ def _flag_kwargs(tp: Any) -> Optional[Dict[str, Any]]:
     args = typing.get_args(tp)
     if typing.get_origin(tp) is typing.Union and type(None) in args:
         rest = [a for a in args if a is not type(None)]
+        if set(rest) == {bool, int}:  # vLLM's logprobs (true or a count): a count on the command line
+            rest = [int]
         if len(rest) != 1:
             return None
         tp, args = rest[0], typing.get_args(rest[0])

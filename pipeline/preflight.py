@@ -20,7 +20,7 @@ from .errors import CheckpointRefused, JobError
 from .output_lock import OutputLock, OutputLocked
 from . import openai_batch
 from .reader import DEFAULT_ID_COLUMN, DuplicateIds, InputError, PromptParquetDatasource
-from .resources import Cluster, check_resources
+from .resources import Cluster, check_gpu_memory, check_resources
 from .run_record import RECORD_FILE, build_record, check_resume, read_json, run_history
 from .stages import resolve_chat_template, template_of
 from .writer import OUTPUT_FORMATS, PART_SUFFIX, accepted_parts, check_output, completed_keys, prepare_output, write_json
@@ -283,11 +283,12 @@ def preflight(input: Union[str, List[str]], output: str, config: DLLMProcessorCo
     """The job-level checks, before any engine (or Ray) work: output apart from the input,
     input readable with a prompt column of a usable type in every file, agreeing column
     types and unique ids (`id_column`, else "id" when the input has it, else <file>:<row>),
-    model and tokenizer loadable, settings the model's engine serves, the engine pool
-    within `cluster` (what the run's Ray has or will have: pipeline/resources.py), output
-    writable. `input_format` (reader.INPUT_FORMATS, auto by the files) and `output_format`
-    (writer.OUTPUT_FORMATS): an OpenAI batch file is refused here when a line is no
-    request (not JSON, no custom_id, a repeated one), naming the line. Raises JobError naming the option to fix. Nothing in the output is removed
+    model and tokenizer loadable, settings the model's engine serves, the engine pool and
+    the model's memory within `cluster` (what the run's Ray has or will have:
+    pipeline/resources.py), output writable. `input_format` (reader.INPUT_FORMATS, auto by
+    the files) and `output_format` (writer.OUTPUT_FORMATS): an OpenAI batch file is refused
+    here when a line is no request (not JSON, no custom_id, a repeated one), naming the
+    line. Raises JobError naming the option to fix. Nothing in the output is removed
     (overwrite) or created until every other check has passed: the output is prepared
     last, under this run's lease on it (`Preflight.lock`, released by run_offline), with
     the run record a resume is checked against (`resume_mismatch="allow"` mixes settings
@@ -324,8 +325,11 @@ def preflight(input: Union[str, List[str]], output: str, config: DLLMProcessorCo
     else:
         needs_tokenizer = check_columns(source, config)
         ids_note = check_ids(source, named)
+    engine = config.engine
+    if cluster is not None and engine.token_budget is None and config.engine_resources(cluster.gpus)["device"] == "cpu":
+        engine = dataclasses.replace(engine, token_budget=engine.fixed_token_budget())  # CPU engines plan none
     checkpoint = check_model(config.model, needs_tokenizer, storage, config.adapter, config.attention,
-                             config.sampling, config.engine)
+                             config.sampling, engine)
     template = check_chat_template(config, names, checkpoint)
     if (source.format == "openai-batch" and template is None and config.messages_column in names
             and config.apply_chat_template is not False):
@@ -334,6 +338,7 @@ def preflight(input: Union[str, List[str]], output: str, config: DLLMProcessorCo
     record = build_record(config, checkpoint, template)
     if cluster is not None:
         check_resources(config, cluster)
+        check_gpu_memory(config, checkpoint, cluster)
     try:
         parts = accepted_parts(out_fs, out_path) if resume else []  # late parts left out (pipeline/writer.py)
         keys = completed_keys(out_fs, out_path, id_column, parts)

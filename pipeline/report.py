@@ -147,6 +147,20 @@ pre{background:#f8f8f8;padding:8px;overflow:auto;font-size:12px}
 """
 
 
+def budget_text(engine: Dict[str, Any]) -> Optional[str]:
+    """An engine's token budget and where it came from (engine.budget.Budget): "12345
+    (planned: gpu_memory_utilization 0.9 of 79.1 GiB, 71.0 GiB free)", "65536 (default)"."""
+    b = engine.get("budget") or {}
+    n = b.get("token_budget", engine.get("token_budget"))
+    if n is None:
+        return None
+    if b.get("source") == "planned":
+        return (f"{n} (planned: gpu_memory_utilization {b['gpu_memory_utilization']:g} of "
+                f"{b['total_bytes'] / 2**30:.1f} GiB, {b['free_bytes'] / 2**30:.1f} GiB free)")
+    source = {"token_budget": " (given)", "default": " (default)"}.get(b.get("source"), "")
+    return f"{n}{source}"
+
+
 def render_report(summary: Dict[str, Any]) -> str:
     """The report page of a run's summary (summarize's dict plus run_offline's fields)."""
     s = summary
@@ -165,7 +179,7 @@ def render_report(summary: Dict[str, Any]) -> str:
         ("generation phase, s", s.get("generation_s")), ("engines", s.get("num_engines")),
         ("exact match", s.get("exact_match")), ("finish reasons", json.dumps(s.get("finish_reasons") or {})),
     ]
-    engine_rows = [(r, rows_by_engine.get(r), e.get("busy_s"), e.get("forward_s"), e.get("steps"),
+    engine_rows = [(r, rows_by_engine.get(r), budget_text(e), e.get("busy_s"), e.get("forward_s"), e.get("steps"),
                     e.get("generated_tokens"), e.get("padding_fraction")) for r, e in engines.items()]
     errors = [(e["count"], e["error"]) for e in s.get("top_errors") or []]
     record = {k: s.get(k) for k in ("config", "model_config_sha256", "blockray_version", "git_commit", "input")}
@@ -177,7 +191,8 @@ def render_report(summary: Dict[str, Any]) -> str:
                                   ["p50, s", "p90, s", "p99, s", "mean, s"]),
         '<div class="plots">', *(c.svg() for c in charts(s)), "</div>",
         "<h2>Engines</h2>",
-        table(engine_rows, ["rank", "rows", "busy s", "forward s", "steps", "generated tokens", "padding"])
+        table(engine_rows, ["rank", "rows", "token budget", "busy s", "forward s", "steps", "generated tokens",
+                            "padding"])
         if engine_rows else '<p class="empty">no engine stats</p>',
         "<h2>Padding and retries</h2>",
         table([("padded / computed cells, all engines", padded / computed if computed else None),

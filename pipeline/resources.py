@@ -11,7 +11,14 @@ that join later, and an engine waiting for one fails after --wait-for-engines-s,
 Checked by the preflight, before the output is touched: against the node a local Ray will
 start with (the CPUs of --num-cpus, else the machine's, and its GPUs, as Ray itself
 resolves them), or against a joined cluster once connected (before any engine starts), in
-total and per node, or what its autoscaler may grow it to."""
+total and per node, or what its autoscaler may grow it to.
+
+GPU memory (`check_gpu_memory`): a model whose weights and one row of one block need more
+than gpu_memory_utilization x the cluster's largest GPU is refused. Ray reports no GPU
+memory: the local node's is read from NVML (the bindings Ray ships, as Ray counts its GPUs,
+no CUDA context), a joined cluster's from each GPU node's `accelerator_type:<T>` resource
+(ACCELERATOR_MEMORY_GIB); a GPU of a type not listed there is not checked (each engine
+then plans its budget at start and refuses, naming the memory, when not one row fits)."""
 from __future__ import annotations
 
 import os
@@ -36,6 +43,8 @@ class Cluster:
     nodes: List[Dict[str, float]] = field(default_factory=list)
     kinds: Optional[Iterable[str]] = None  # None: every resource (absent means none)
     what: str = "the cluster"
+    gpu_memory: Optional[int] = None  # bytes of its largest GPU; None: unknown (or no GPU)
+    gpu_type: Optional[str] = None  # that GPU's accelerator type, as Ray names it
 
     def knows(self, kind: str) -> bool:
         return self.kinds is None or kind in self.kinds
@@ -43,6 +52,43 @@ class Cluster:
     @property
     def gpus(self) -> float:
         return self.total.get("GPU", 0.0)
+
+
+# GiB of GPU memory by Ray's accelerator type (ray.util.accelerators; the node resource
+# "accelerator_type:<T>"): the largest memory the type ships with, since a refusal must be
+# certain (Ray names an 80 and a 94 GiB H100 alike).
+ACCELERATOR_MEMORY_GIB = {"V100": 32, "P100": 16, "T4": 16, "P4": 8, "K80": 12, "A10G": 24, "L4": 24, "L40S": 48,
+                          "A100": 80, "A100-40G": 40, "A100-80G": 80, "H100": 94, "H200": 141, "H20": 96,
+                          "B200": 192, "B300": 288, "GB200": 192, "GB300": 288, "RTX-PRO-6000": 96}
+ACCELERATOR = "accelerator_type:"
+
+
+def listed_gpu_memory(nodes: Iterable[Dict[str, float]]) -> "tuple[Optional[int], Optional[str]]":
+    """(bytes, type) of the largest GPU among `nodes` whose accelerator type is listed in
+    ACCELERATOR_MEMORY_GIB; (None, None) when none is."""
+    found = [(ACCELERATOR_MEMORY_GIB[k[len(ACCELERATOR):]] << 30, k[len(ACCELERATOR):]) for node in nodes
+             if node.get("GPU") for k in node if k.startswith(ACCELERATOR) and k[len(ACCELERATOR):]
+             in ACCELERATOR_MEMORY_GIB]
+    return max(found) if found else (None, None)
+
+
+def nvml_gpu_memory() -> Optional[int]:
+    """Bytes of this machine's largest NVIDIA GPU from NVML (Ray's own bindings: no CUDA
+    context is created), or None without one."""
+    try:
+        import ray._private.thirdparty.pynvml as nvml
+
+        nvml.nvmlInit()
+    except Exception:  # noqa: BLE001 - no NVIDIA driver
+        return None
+    try:
+        sizes = [int(nvml.nvmlDeviceGetMemoryInfo(nvml.nvmlDeviceGetHandleByIndex(i)).total)
+                 for i in range(nvml.nvmlDeviceGetCount())]
+        return max(sizes, default=None)
+    except Exception:  # noqa: BLE001 - not checked
+        return None
+    finally:
+        nvml.nvmlShutdown()
 
 
 def local_cluster(num_cpus: Optional[int]) -> Cluster:
@@ -56,7 +102,10 @@ def local_cluster(num_cpus: Optional[int]) -> Cluster:
         spec = ResourceAndLabelSpec(num_cpus=num_cpus).resolve(is_head=True)
         node = {**{k: float(v) for k, v in (spec.resources or {}).items()}, "CPU": float(spec.num_cpus),
                 "GPU": float(spec.num_gpus or 0)}
-        return Cluster(node, [node], what=f"the local Ray ({where})")
+        memory, kind = listed_gpu_memory([node])
+        if node["GPU"]:
+            memory = nvml_gpu_memory() or memory
+        return Cluster(node, [node], what=f"the local Ray ({where})", gpu_memory=memory, gpu_type=kind)
     except Exception:  # noqa: BLE001 - Ray's resolver moved: what the job knows
         cpus = float(num_cpus if num_cpus is not None else len(os.sched_getaffinity(0)))
         return Cluster({"CPU": cpus}, [{"CPU": cpus}], kinds=("CPU",), what=f"the local Ray ({where})")
@@ -80,7 +129,8 @@ def connected_cluster() -> Cluster:
     if config is not None:
         nodes += [{k: float(v) for k, v in g.resources.items()} for g in config.node_group_configs if g.max_count]
         total = {k: max(total.get(k, 0.0), float((most or {}).get(k, 0))) for k in {*total, *(most or {})}}
-    return Cluster(total, nodes, what="the cluster" + (" (with the nodes its autoscaler may add)" if config else ""))
+    return Cluster(total, nodes, what="the cluster" + (" (with the nodes its autoscaler may add)" if config else ""),
+                   **dict(zip(("gpu_memory", "gpu_type"), listed_gpu_memory(nodes))))
 
 
 def pool_needs(config: DLLMProcessorConfig, cluster_gpus: float) -> Dict[str, Any]:
@@ -123,3 +173,48 @@ def check_resources(config: DLLMProcessorConfig, cluster: Cluster) -> None:
         want = ", ".join(f"{v:g} {k}" for k, v in sized.items())
         raise JobError(f"one engine needs {want} on a single node, and no node of {cluster.what} has that much: "
                        "ask less per engine", *[_PER_ENGINE[k] for k in sized])
+
+
+def check_gpu_memory(config: DLLMProcessorConfig, checkpoint: Any, cluster: Cluster) -> None:
+    """Raise JobError when the model cannot fit at all on `cluster`'s GPUs: its weights and
+    one row of one block (engine.budget.engine_plan of a whole GPU, weights not loaded) need
+    more than gpu_memory_utilization x its largest GPU's memory. With the engines on CPU, a
+    gpu_memory_utilization other than the default is refused: nothing would read it.
+    Unknown GPU memory, or DiffusionGemma's canvas engine (which plans no budget): not checked."""
+    from engine.config import EngineConfig
+    from engine.models.families import Serving
+
+    gpus = cluster.total.get("GPU", 0.0) if cluster.knows("GPU") else 0.0
+    util = config.engine.gpu_memory_utilization
+    if config.engine_resources(gpus)["device"] == "cpu":
+        if util != EngineConfig().gpu_memory_utilization:
+            why = f"{cluster.what} has no GPU" if not gpus else "--num-gpus-per-engine is 0"
+            raise JobError(f"gpu_memory_utilization {util:g}: the engines run on CPU ({why}), where nothing reads "
+                           "it (the token budget is --token-budget, else the CPU default); leave it at the default",
+                           "gpu_memory_utilization")
+        return
+    if cluster.gpu_memory is None or checkpoint.serving != Serving.MASKED:
+        return
+    import torch  # a GPU job's driver only
+
+    from actors.engine_actor import resolve_dtype
+    from engine.budget import engine_plan, weight_bytes
+
+    memory, mcfg = cluster.gpu_memory, checkpoint.config
+    dtype = resolve_dtype(config.dtype, torch.device("cuda"))
+    plan = engine_plan(mcfg, dtype, config.engine, memory, memory, weights_loaded=False)
+    if plan.token_budget:
+        return
+    weights, need = weight_bytes(mcfg, dtype), plan.bytes_for(config.engine.block_length + 1)
+    gpu = _size(memory) + (f" ({cluster.gpu_type})" if cluster.gpu_type else "")
+    raise JobError(
+        f"model {config.model} cannot fit on the GPUs of {cluster.what}: its weights take {_size(weights)} "
+        f"({mcfg.num_params():,} parameters in {str(dtype).removeprefix('torch.')}), with one row of one block and "
+        f"the reserve {_size(need)}, more than gpu_memory_utilization {util:g} x the largest GPU's {gpu} = "
+        f"{_size(util * memory)}. Use GPUs with more memory, a higher --gpu-memory-utilization or a smaller --dtype",
+        "gpu_memory_utilization", "model", "dtype")
+
+
+def _size(n: float) -> str:
+    unit = next(u for u in (3, 2, 1, 0) if n >= 2 ** (10 * u) or not u)
+    return f"{n / 2 ** (10 * unit):.1f} {('B', 'KiB', 'MiB', 'GiB')[unit]}"

@@ -124,7 +124,7 @@ def _run(checked: Preflight, input: Union[str, List[str]], config: DLLMProcessor
     source, done, out_fs, out_path = checked.source, checked.done, checked.out_fs, checked.out_path
     if config.id_column != id_column:  # per-row seeds derive from the job's ids
         config = dataclasses.replace(config, id_column=id_column)
-    if report and not config.collect_engine_stats:  # per-engine busy time and padding for the report
+    if not config.collect_engine_stats:  # per-engine token budget (summary.json), busy time and padding (report)
         config = dataclasses.replace(config, collect_engine_stats=True)
 
     # --- run ------------------------------------------------------------------------------
@@ -138,7 +138,7 @@ def _run(checked: Preflight, input: Union[str, List[str]], config: DLLMProcessor
             sink = write_results(ds, (out_fs, out_path), rows_per_file=rows_per_file, stats_fn=stats_fn,
                                  writer=checked.lock.writer_id, guard=checked.lock.guard(),
                                  part_format=checked.output_format)
-            engines = engine_figures(processor) if report else {}
+            engines = engine_figures(processor)
         except Exception as e:  # noqa: BLE001 - the user's to fix: one line; a bug: as raised
             checked.lock.after_failure()
             if not users_to_fix(e):
@@ -176,8 +176,7 @@ def _run(checked: Preflight, input: Union[str, List[str]], config: DLLMProcessor
     summary["run_record"] = checked.record
     summary["ids_note"] = checked.ids_note
     summary["runs"] = [*checked.history, history_entry(summary, checked.settings_changed)]
-    if report:
-        summary["engines"] = engines
+    summary["engines"] = engines
     results = None
     if checked.output_format == "openai-batch":
         from .openai_batch import write_results_file
@@ -238,9 +237,12 @@ def lease_lost(lock: Any) -> Optional[str]:
 
 
 def engine_figures(processor: Any) -> Dict[str, Dict[str, Any]]:
-    """{engine rank: busy_s, forward_s, steps, generated tokens, padding fraction} as the
-    engines last posted them (config.collect_engine_stats); {} when none did."""
-    keep = ("busy_s", "forward_s", "cycles", "steps", "generated_tokens", "padded_cells", "computed_cells")
+    """{engine rank: busy_s, forward_s, steps, generated tokens, padding fraction, token
+    budget and how it was resolved (`budget`: engine.budget.Budget, the memory plan of a
+    planned one)} as the engines last posted them (config.collect_engine_stats); {} when
+    none did."""
+    keep = ("busy_s", "forward_s", "cycles", "steps", "generated_tokens", "padded_cells", "computed_cells",
+            "token_budget", "kv_peak_bytes", "budget")
     try:
         posted = getattr(processor, "engine_stats", dict)()
     except Exception as e:  # noqa: BLE001 - the report then says "no engine stats"; the run stands

@@ -272,6 +272,9 @@ def format_summary(summary: Dict[str, Any]) -> str:
     ]
     if em is not None:
         lines.append(f"exact match        {em:.3f} ({summary['exact_matches']}/{summary['scored_rows']})")
+    budgets = {r: e["token_budget"] for r, e in (summary.get("engines") or {}).items() if e.get("token_budget")}
+    if budgets:  # per engine: planned on a GPU from its free memory unless given (engine.budget)
+        lines.append("token budget       " + ", ".join(f"engine {r}: {n}" for r, n in budgets.items()))
     if summary.get("duplicate_ids"):
         d = summary["duplicate_ids"]
         lines.append(f"duplicate ids      {d['count']} ids ({d['extra_rows']} extra rows), e.g. {d['first']}")

@@ -391,6 +391,17 @@ def build(folder_name: str, root: str, seed: int = 0) -> str:
     return root
 
 
-__all__ = ["build", "folders", "shrink", "config", "tokenizer_config", "added_tokens", "published_ids", "mask_token",
+def build_from_config(hf: Dict[str, Any], root: str, seed: int = 0) -> str:
+    """A loadable tiny checkpoint from a published config.json alone, for a set whose other
+    files no stored source holds (Fast-dLLM v2): `hf` shrunk as `build` shrinks, weights
+    as one model.safetensors under the family's names, no tokenizer files."""
+    os.makedirs(root, exist_ok=True)
+    hf = shrink(hf)
+    _write_weights(root, hf, None, seed)
+    _dump(os.path.join(root, "config.json"), hf)
+    return root
+
+
+__all__ = ["build", "build_from_config", "folders", "shrink", "config", "tokenizer_config", "added_tokens", "published_ids", "mask_token",
            "chat_template", "remote_code_files", "kept_names", "bpe_vocab", "token_text", "VENDORED", "SHARED",
            "IDS_PUBLISHED_ELSEWHERE", "MASK_TOKENS_ELSEWHERE", "ADDED_TOKENS_JSON_DIFFERS", "MERGES", "SHRINK"]

@@ -255,6 +255,34 @@ def test_the_published_config_parses_as_fast_dllm_v2():
     assert out.finish_reason == "error" and "sub_block_length=3 must divide block_length=8" in out.error
 
 
+def test_the_published_config_loads_and_runs_the_job(ray_local, tmp_path):
+    """CONFIG (Fast-dLLM v2's config.json; its other files are in no stored source) shrunk as
+    tests/test_published.py shrinks every published set, tiny weights under the family's
+    names: load_model, the preflight and a 10-row job of pre-tokenized prompts (no
+    tokenizer published), decoded as docs/models/fast_dllm_v2.md runs it."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    import published
+    from engine import load_model
+    from pipeline import DLLMProcessorConfig, run_offline
+    from pipeline.preflight import preflight
+
+    root = published.build_from_config(CONFIG, str(tmp_path / "fast_dllm_v2"))
+    model, tok = load_model(root, dtype=torch.float32)
+    assert tok is None and (model.config.family.name, model.config.mask_token_id) == ("Fast-dLLM v2", 151665)
+    inp, out = str(tmp_path / "in.parquet"), str(tmp_path / "out")
+    pq.write_table(pa.table({"id": [f"r{i}" for i in range(10)],
+                             "prompt_token_ids": [list(range(100, 103 + 4 * i)) for i in range(10)]}), inp)
+    config = DLLMProcessorConfig(model=root, batch_size=5, enable_metrics=False,
+                                 engine=EngineConfig(block_length=32, steps_per_block=32, cache="persistent"),
+                                 sampling=SamplingParams(max_new_tokens=8, threshold=0.9, sub_block_length=8))
+    assert preflight(inp, str(tmp_path / "checked"), config).source.num_rows == 10
+    summary = run_offline(inp, out, config)
+    assert (summary["rows"], summary["errors"], summary["status"]) == (10, 0, "ok")
+    assert summary["stop_token_ids"] == {"151645": "config.json eos_token_id"}
+
+
 def test_the_threshold_is_strict_at_least_the_most_probable():
     """batch_sample's rule on crafted confidences against the engine's select: a probability
     equal to the threshold is not taken (only the most probable one is, as ever)."""

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import random
 import time
+from dataclasses import replace
 from typing import Any, Dict
 
 from ..config import EngineConfig
@@ -20,6 +21,7 @@ class CanvasServe(EngineCore):
     reads = CANVAS
 
     def __init__(self, model: Any, defaults: CanvasParams, config: EngineConfig = EngineConfig()):
+        config = replace(config, token_budget=config.fixed_token_budget())  # it plans no budget (engine.budget)
         super().__init__(config, tokenizer=None, vocab_size=model.config.text_config.vocab_size)
         self.canvas = CanvasEngine(model, defaults, scheduler=config.scheduler, max_batch_size=config.max_batch_size,
                                    token_budget=config.token_budget)

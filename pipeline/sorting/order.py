@@ -119,7 +119,8 @@ class SortWindowUDF:
 def max_width(cfg: DLLMProcessorConfig, checkpoint: Any) -> int:
     """The widest request the engines accept: token_budget and the model's context
     (engine/sequence.py `validate` refuses wider ones)."""
-    return min(cfg.engine.token_budget, int(checkpoint.config.max_seq_len))
+    budget = cfg.engine.token_budget  # None: each engine plans its own (engine.budget) and refuses wider rows
+    return int(checkpoint.config.max_seq_len) if budget is None else min(budget, int(checkpoint.config.max_seq_len))
 
 
 def cost_shape(cfg: DLLMProcessorConfig, checkpoint: Any) -> Dict[str, Any]:
