@@ -1,4 +1,4 @@
-"""Offline evaluation of a diffusion LM over a Parquet prompt set, on Ray.
+"""Offline evaluation of a diffusion LM over a prompt set (Parquet, JSON Lines, CSV, OpenAI batch), on Ray.
 
     blockray --input s3://bucket/prompts/ --output s3://bucket/out/     # the installed command
     blockray eval --input …                                             # the same
@@ -165,6 +165,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     from .config import DLLMProcessorConfig
     from .dashboard import COST, DASHBOARD_PORT, DEFAULT_ON
+    from .reader import INPUT_FORMATS
+    from .writer import OUTPUT_FORMATS
 
     p = _Parser(description=__doc__.split("\n\n")[0], epilog=__doc__.split("\n\n")[1],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -172,8 +174,17 @@ def build_parser() -> argparse.ArgumentParser:
     has_default_input = os.path.isfile(DEFAULT_INPUT)
     io.add_argument("--input", nargs="+", default=[DEFAULT_INPUT] if has_default_input else None,
                     required=not has_default_input,
-                    help="Parquet file(s)/folder(s): local path, s3://, any fsspec URL (default: "
+                    help="prompt file(s)/folder(s) (--input-format): local path, s3://, any fsspec URL (default: "
                          + ("jobs/data/tiny_eval.parquet, 1,200 tiny-task prompts)" if has_default_input else "none)"))
+    io.add_argument("--input-format", choices=INPUT_FORMATS, default="auto",
+                    help="parquet; jsonl (JSON Lines) and csv, with the same columns; openai-batch (OpenAI Batch / "
+                         "vllm run-batch requests: {custom_id, method, url, body} per line, custom_id the ids; see "
+                         "docs/formats.md); auto: by the files' suffix, a .jsonl whose first line has custom_id and "
+                         "body being openai-batch (default: auto)")
+    io.add_argument("--output-format", choices=OUTPUT_FORMATS, default="parquet",
+                    help="part files as parquet or jsonl (JSON Lines), written as the run goes; openai-batch: Parquet "
+                         "parts, then results.jsonl at --output when the run ends, one OpenAI batch result per "
+                         "request in input order (default: parquet)")
     io.add_argument("--output", default=None,
                     help=f"output folder (local or s3://…) (default: {DEFAULT_OUTPUT_ROOT}/<time>)")
     io.add_argument("--overwrite", action="store_true", help="replace results already at --output (default: off)")
@@ -347,7 +358,8 @@ def run_job(args: argparse.Namespace) -> int:
     options = dict(storage=storage, limit=args.limit, id_column=args.id_column, overwrite=args.overwrite,
                    resume=args.resume, allow_duplicate_ids=args.allow_duplicate_ids,
                    max_error_fraction=MAX_ERROR_FRACTION if args.max_error_fraction is None
-                   else args.max_error_fraction, resume_mismatch=args.resume_mismatch)
+                   else args.max_error_fraction, resume_mismatch=args.resume_mismatch,
+                   input_format=args.input_format, output_format=args.output_format)
     job: Dict[str, Any] = {}  # what the clean stop on a signal releases
     stop = StopOnSignal(cleanup=lambda signum: stop_cleanly(job.get("checked")))
     stop.install()  # Ctrl-C / SIGTERM: a clean stop, exit 130 / 143 (pipeline/signals.py)
@@ -429,7 +441,8 @@ def print_summary(summary: dict) -> None:
     print(format_summary(summary))
     print("SUMMARY_JSON " + json.dumps({k: summary.get(k) for k in (
         "rows", "errors", "generated_tokens", "tokens_per_s", "wall_s", "exact_match", "rows_skipped",
-        "rows_processed", "summary_file", "status", "top_errors", "duplicate_ids", "run_id", "report_file")}), flush=True)
+        "rows_processed", "summary_file", "status", "top_errors", "duplicate_ids", "run_id", "report_file",
+        "results_file")}), flush=True)
 
 
 def entry_point() -> None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import difflib
 import json
 import os
+import posixpath
 from dataclasses import dataclass, field, fields
 from typing import Any, Dict, List, Optional
 
@@ -47,6 +48,10 @@ class DLLMProcessorConfig:
     model: str = field(metadata={"help": (
         "local Hugging Face style directory (config.json, *.safetensors, tokenizer files), s3://… URL or hub "
         "id")})
+    served_model_name: Optional[str] = field(default=None, metadata={"help": (
+        "the name requests give for this run's model (vLLM's --served-model-name): a row's `model` (an OpenAI "
+        "batch line's body.model) naming another is that row's error, and OpenAI batch results name it; the "
+        "model's path or id is accepted too (none: the model's folder name, or its hub id)")})
     adapter: Optional[str] = field(default=None, metadata={"help": (
         "PEFT LoRA adapter merged into the model's weights at load time (a local folder with adapter_config.json "
         "+ adapter_model.safetensors, an s3://… URL or a hub id, fetched and cached as --model is), e.g. "
@@ -191,6 +196,16 @@ class DLLMProcessorConfig:
             raise ValueError(f"accelerator_type {self.accelerator_type!r} is a GPU type, and each engine asks for no "
                              "GPU (num_gpus_per_engine 0, or no GPU in placement_group_config): engines on CPU would "
                              "not use it; drop one of them")
+
+    def served_name(self) -> str:
+        """served_model_name, else the adapter's (with one merged, the base alone is not
+        served) or the model's folder name, or its hub id (vLLM's default is the --model
+        text itself, a path that would tie requests to one machine's folders)."""
+        if self.served_model_name:
+            return self.served_model_name
+        name = (self.adapter or self.model).rstrip("/")
+        local = "://" in name or name.startswith(("/", ".", "~")) or os.path.exists(name)
+        return posixpath.basename(name) if local else name
 
     def engine_resources(self, cluster_gpus: float) -> Dict[str, Any]:
         """num_gpus / num_cpus / custom resources / device of each engine actor on a cluster

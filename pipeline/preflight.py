@@ -18,11 +18,12 @@ from common.tokenizer import load_tokenizer
 from .config import JOB_BOUNDS, DLLMProcessorConfig
 from .errors import CheckpointRefused, JobError
 from .output_lock import OutputLock, OutputLocked
+from . import openai_batch
 from .reader import DEFAULT_ID_COLUMN, DuplicateIds, InputError, PromptParquetDatasource
 from .resources import Cluster, check_gpu_memory, check_resources
 from .run_record import RECORD_FILE, build_record, check_resume, read_json, run_history
 from .stages import resolve_chat_template, template_of
-from .writer import accepted_parts, check_output, completed_keys, prepare_output, write_json
+from .writer import OUTPUT_FORMATS, PART_SUFFIX, accepted_parts, check_output, completed_keys, prepare_output, write_json
 
 SUMMARY_FILE = "summary.json"
 
@@ -52,6 +53,7 @@ class Preflight:
     settings_changed: List[str] = dataclasses.field(default_factory=list)  # vs the record kept (allowed)
     id_column: str = DEFAULT_ID_COLUMN  # the column holding the ids (derived ones included)
     ids_note: Optional[str] = None  # when the ids are derived, <file>:<row>: what that means (the summary says it)
+    output_format: str = "parquet"  # pipeline/writer.py OUTPUT_FORMATS
 
     def release(self) -> None:
         if self.lock is not None:
@@ -236,6 +238,33 @@ def check_ids(source: PromptParquetDatasource, id_column: Optional[str]) -> Opti
             "or give the input an id column")
 
 
+def check_batch_input(config: DLLMProcessorConfig, id_column: Optional[str]) -> str:
+    """An OpenAI batch input lands in the processor's default columns, its ids are its
+    custom_ids: a config or --id-column naming other columns is refused (else ignored)."""
+    if id_column not in (None, openai_batch.ID_COLUMN):
+        raise JobError(f"an OpenAI batch input's ids are its {openai_batch.ID_COLUMN!r}s; --id-column {id_column!r} "
+                       "does not apply to it: leave it out", "id_column")
+    wanted = {"prompt_column": "prompt", "messages_column": "messages",
+              "sampling_column": openai_batch.SAMPLING_COLUMN}
+    for option, name in wanted.items():
+        if getattr(config, option) != name:
+            raise JobError(f"an OpenAI batch input's requests are read into column {name!r}; --"
+                           f"{option.replace('_', '-')} {getattr(config, option)!r} does not apply to it: leave it "
+                           "out", option)
+    return openai_batch.ID_COLUMN
+
+
+def check_output_format(output_format: str, parts: List[str], where: str) -> None:
+    """A known output format, whose part files would not mix with the ones kept (resume)."""
+    if output_format not in OUTPUT_FORMATS:
+        raise JobError(f"output format {output_format!r} is not one of {', '.join(OUTPUT_FORMATS)}", "output_format")
+    other = [p for p in parts if not p.endswith(PART_SUFFIX[output_format])]
+    if other:
+        raise JobError(f"output {where} holds part files of another format ({other[0]}); output format "
+                       f"{output_format} would mix them: give the format it was written with, or another output "
+                       "(or --overwrite)", "output_format")
+
+
 def check_options(**values: Any) -> None:
     """The job's own numeric options within their bounds (config.JOB_BOUNDS), else a
     JobError naming the first that is not."""
@@ -249,14 +278,17 @@ def preflight(input: Union[str, List[str]], output: str, config: DLLMProcessorCo
               storage: Optional[StorageOptions] = None, limit: Optional[int] = None, id_column: Optional[str] = None,
               overwrite: bool = False, resume: bool = True, allow_duplicate_ids: bool = False,
               max_error_fraction: float = MAX_ERROR_FRACTION, resume_mismatch: str = "refuse",
-              run_id: str = "", cluster: Optional[Cluster] = None) -> Preflight:
+              run_id: str = "", cluster: Optional[Cluster] = None, input_format: str = "auto",
+              output_format: str = "parquet") -> Preflight:
     """The job-level checks, before any engine (or Ray) work: output apart from the input,
     input readable with a prompt column of a usable type in every file, agreeing column
     types and unique ids (`id_column`, else "id" when the input has it, else <file>:<row>),
     model and tokenizer loadable, settings the model's engine serves, the engine pool and
     the model's memory within `cluster` (what the run's Ray has or will have:
-    pipeline/resources.py), output
-    writable. Raises JobError naming the option to fix. Nothing in the output is removed
+    pipeline/resources.py), output writable. `input_format` (reader.INPUT_FORMATS, auto by
+    the files) and `output_format` (writer.OUTPUT_FORMATS): an OpenAI batch file is refused
+    here when a line is no request (not JSON, no custom_id, a repeated one), naming the
+    line. Raises JobError naming the option to fix. Nothing in the output is removed
     (overwrite) or created until every other check has passed: the output is prepared
     last, under this run's lease on it (`Preflight.lock`, released by run_offline), with
     the run record a resume is checked against (`resume_mismatch="allow"` mixes settings
@@ -279,20 +311,31 @@ def preflight(input: Union[str, List[str]], output: str, config: DLLMProcessorCo
         raise JobError(f"{e}", "output") from e
     except Exception:  # noqa: BLE001 - an output that cannot be read: the write probe below names why
         pass
+    check_output_format(output_format, [], output)
     named, id_column = id_column, id_column or DEFAULT_ID_COLUMN
     try:
-        source = PromptParquetDatasource(input, storage, id_column=id_column, limit=limit)
+        source = PromptParquetDatasource(input, storage, id_column=id_column, limit=limit, input_format=input_format)
     except InputError as e:
-        raise JobError(f"{e}", "input") from e
-    needs_tokenizer = check_columns(source, config)
-    ids_note = check_ids(source, named)
+        raise JobError(f"{e}", "input", "input_format") from e
+    if source.format == "openai-batch":  # its ids are its custom_ids
+        named = id_column = check_batch_input(config, named)
     names = source.schema.names if source.schema is not None else []
+    if source.format == "openai-batch":  # every line has a prompt, or its own error
+        needs_tokenizer, ids_note = True, None
+    else:
+        needs_tokenizer = check_columns(source, config)
+        ids_note = check_ids(source, named)
     engine = config.engine
     if cluster is not None and engine.token_budget is None and config.engine_resources(cluster.gpus)["device"] == "cpu":
         engine = dataclasses.replace(engine, token_budget=engine.fixed_token_budget())  # CPU engines plan none
     checkpoint = check_model(config.model, needs_tokenizer, storage, config.adapter, config.attention,
                              config.sampling, engine, config.revision)
-    record = build_record(config, checkpoint, check_chat_template(config, names, checkpoint))
+    template = check_chat_template(config, names, checkpoint)
+    if (source.format == "openai-batch" and template is None and config.messages_column in names
+            and config.apply_chat_template is not False):
+        raise JobError(f"the input's {openai_batch.CHAT} lines need a chat template, and the tokenizer of "
+                       f"{config.model} has none: give one with --chat-template PATH", "chat_template")
+    record = build_record(config, checkpoint, template)
     if cluster is not None:
         check_resources(config, cluster)
         check_gpu_memory(config, checkpoint, cluster)
@@ -302,6 +345,7 @@ def preflight(input: Union[str, List[str]], output: str, config: DLLMProcessorCo
     except Exception as e:  # noqa: BLE001
         raise JobError(f"output {output}: its part files cannot be read to resume: {describe_error(e)}; "
                        "--overwrite starts afresh", "output") from e
+    check_output_format(output_format, parts, out_fs.unstrip_protocol(out_path))
     done = [i for i, _ in keys]  # one per output row: a row of n samples is n rows
     if len(keys) != len(set(keys)) and not allow_duplicate_ids:  # (id, sample_index) written twice
         raise JobError(f"output {out_fs.unstrip_protocol(out_path)} already holds duplicate ids; "
@@ -334,6 +378,6 @@ def preflight(input: Union[str, List[str]], output: str, config: DLLMProcessorCo
         lock.release()
         raise JobError(f"output {output} cannot be used: {type(e).__name__}: {e}", "output") from e
     return Preflight(source, done, out_fs, out_path, duplicates, checkpoint, lock, record, history, changed,
-                     id_column, ids_note)
+                     id_column, ids_note, output_format)
 
 

@@ -83,14 +83,16 @@ def _postprocess(fn: RowFn, error_rows: bool, id_column: Optional[str]) -> RowFn
 
 
 def served_names(config: DLLMProcessorConfig) -> Dict[str, Any]:
-    """The names a row's MODEL_COLUMN may give for the model this run serves (its adapter's
-    when there is one: with the adapter merged, the base model alone is not served), and
+    """The names a row's MODEL_COLUMN may give for the model this run serves (its served
+    name, config.served_name; its adapter's when there is one: with the adapter merged,
+    the base model alone is not served), and
     what it serves in words; the tokenize stage's `models` argument."""
     name = config.adapter or config.model
-    names = {name, name.rstrip("/")}
+    names = {name, name.rstrip("/"), config.served_name()}
     if os.path.isdir(name):  # a local folder by any spelling of its path
         names |= {os.path.abspath(name), os.path.realpath(name)}
-    serving = f"{config.model!r}" + (f" with adapter {config.adapter!r}" if config.adapter else "")
+    serving = (f"{config.model!r}" + (f" with adapter {config.adapter!r}" if config.adapter else "")
+               + f" (served as {config.served_name()!r})")
     return dict(column=MODEL_COLUMN, served=sorted(names), serving=serving)
 
 

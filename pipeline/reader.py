@@ -1,26 +1,35 @@
-"""Read prompt Parquet files (local or any fsspec URL) into a Ray Dataset.
+"""Read prompt files (local or any fsspec URL) into a Ray Dataset: Parquet, JSON Lines,
+CSV or OpenAI batch files (pipeline/openai_batch.py), each format a `FileFormat`.
 
 Why a small Datasource instead of `ray.data.read_parquet`: when the input has no id
 column, each row gets an id derived from its file and its row number inside that file,
 which stays the same across runs, cluster sizes and block splits. `read_parquet`
-cannot say which row of a file a row was. Each read task streams one file's record
-batches, so memory stays bounded by a block, not by a file.
+cannot say which row of a file a row was. Each read task streams one Parquet file's
+record batches, so memory stays bounded by a block, not by a file; a JSON Lines, CSV or
+OpenAI batch file is read whole (by the preflight, to count and check its rows, then by
+its read task), so memory is bounded by the largest such file. Every format has the same
+guarantees: ids, limit, resume, schemas unified or refused.
 """
 from __future__ import annotations
 
+import io
 import posixpath
 from dataclasses import dataclass
-from typing import Iterable, List, Optional, Sequence, Tuple, Union
+from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple, Union
 
 import fsspec
 import pyarrow as pa
 import pyarrow.compute as pc
+import pyarrow.csv as pcsv
+import pyarrow.json as pjson
 import pyarrow.parquet as pq
 import ray.data
 from ray.data.block import BlockMetadata
 from ray.data.datasource import Datasource, ReadTask
 
 from common.storage import StorageOptions, get_filesystem
+
+from . import openai_batch
 
 PathLike = Union[str, Sequence[str]]
 DEFAULT_ID_COLUMN = "id"  # the id column when none is named: used when the input has it
@@ -51,9 +60,108 @@ def _is_hidden(path: str) -> bool:
     return any(part.startswith(("_", ".")) for part in path.split("/") if part)
 
 
-def list_parquet_files(fs: fsspec.AbstractFileSystem, path: str) -> List[Tuple[str, str, int]]:
-    """[(path, name relative to `path`, size)] of the Parquet files at `path` (a file or a
-    folder searched recursively), sorted so that the order and the derived ids are stable."""
+class FileFormat:
+    """How one input format is read: the suffixes of its files in a folder, a file's rows
+    (as Arrow tables, in order) and its row count and schema. Parquet streams; the
+    others read a file whole (`table`)."""
+
+    name = ""
+    suffixes: Tuple[str, ...] = ()
+    id_column: Optional[str] = None  # a format whose rows carry their ids in a column of its own
+
+    def table(self, fh: Any, where: str, seen: Optional[Dict[str, str]] = None) -> pa.Table:
+        raise NotImplementedError
+
+    def inspect(self, fh: Any, where: str, seen: Dict[str, str]) -> Tuple[int, pa.Schema]:
+        """(rows, schema) of an open file; `seen`: what the files read before hold, for a
+        format whose checks span files (OpenAI batch: custom_id)."""
+        t = self.table(fh, where, seen)
+        return t.num_rows, t.schema
+
+    def batches(self, fh: Any, where: str, rows: int, columns: Optional[List[str]]) -> Iterable[pa.Table]:
+        """The file's rows in order, in tables of at most `rows` rows (`columns`: those
+        needed, when the format can read fewer)."""
+        for b in self.table(fh, where).to_batches(max_chunksize=rows):
+            yield pa.Table.from_batches([b])
+
+
+class ParquetFormat(FileFormat):
+    name, suffixes = "parquet", (".parquet",)
+
+    def inspect(self, fh: Any, where: str, seen: Dict[str, str]) -> Tuple[int, pa.Schema]:
+        pf = pq.ParquetFile(fh)
+        return pf.metadata.num_rows, pf.schema_arrow
+
+    def batches(self, fh: Any, where: str, rows: int, columns: Optional[List[str]]) -> Iterable[pa.Table]:
+        pf = pq.ParquetFile(fh)
+        want = None if columns is None else [c for c in columns if c in pf.schema_arrow.names]
+        for batch in pf.iter_batches(batch_size=rows, columns=want):
+            yield pa.Table.from_batches([batch])
+
+
+class JsonLinesFormat(FileFormat):
+    name, suffixes = "jsonl", (".jsonl", ".ndjson", ".json")
+
+    def table(self, fh: Any, where: str, seen: Optional[Dict[str, str]] = None) -> pa.Table:
+        return pjson.read_json(fh)
+
+
+class CsvFormat(FileFormat):
+    name, suffixes = "csv", (".csv",)
+
+    def table(self, fh: Any, where: str, seen: Optional[Dict[str, str]] = None) -> pa.Table:
+        return pcsv.read_csv(fh)
+
+
+class OpenAIBatchFormat(FileFormat):
+    name, suffixes, id_column = "openai-batch", JsonLinesFormat.suffixes, openai_batch.ID_COLUMN
+
+    def table(self, fh: Any, where: str, seen: Optional[Dict[str, str]] = None) -> pa.Table:
+        try:
+            return openai_batch.parse_lines(io.TextIOWrapper(fh, encoding="utf-8"), where, seen)
+        except UnicodeDecodeError as e:
+            raise openai_batch.BatchFileError(f"{where} is not UTF-8 text: {e}") from None
+
+
+FORMATS: Dict[str, FileFormat] = {f.name: f for f in (ParquetFormat(), JsonLinesFormat(), CsvFormat(),
+                                                      OpenAIBatchFormat())}
+INPUT_FORMATS = ("auto", *FORMATS)
+
+
+def _first_line(fs: fsspec.AbstractFileSystem, path: str) -> str:
+    with fs.open(path, "rb") as fh:
+        for line in fh:
+            if line.strip():
+                return line.decode("utf-8", "replace")
+    return ""
+
+
+def detect_format(fs: fsspec.AbstractFileSystem, path: str) -> str:
+    """The format of the input at `path` (input format auto): by its files' suffix (a
+    folder: Parquet when it holds any, else the one kind it holds); JSON Lines whose
+    first line is an object with custom_id and body is an OpenAI batch file. A file of
+    another name is read as Parquet."""
+    if fs.isfile(path):
+        files = [path]
+    else:
+        files = sorted(p for p, info in fs.find(path, detail=True).items() if info.get("type") == "file"
+                       and not _is_hidden(p[len(path.rstrip("/")) + 1:]))
+    kinds = {name for name in ("parquet", "csv", "jsonl") for p in files if p.endswith(FORMATS[name].suffixes)}
+    if "parquet" in kinds or not kinds:
+        return "parquet"
+    if len(kinds) > 1:
+        raise InputError(f"input {fs.unstrip_protocol(path)} holds both CSV and JSON Lines files; give "
+                         "--input-format (input_format) to read one kind")
+    kind = kinds.pop()
+    first = next(p for p in files if p.endswith(FORMATS[kind].suffixes))
+    return "openai-batch" if kind == "jsonl" and openai_batch.is_batch_line(_first_line(fs, first)) else kind
+
+
+def list_input_files(fs: fsspec.AbstractFileSystem, path: str, suffixes: Tuple[str, ...] = (".parquet",)
+                     ) -> List[Tuple[str, str, int]]:
+    """[(path, name relative to `path`, size)] of the input files at `path` (a file, or a
+    folder searched recursively for names ending in `suffixes`), sorted so that the order
+    and the derived ids are stable."""
     if fs.isfile(path):
         return [(path, posixpath.basename(path), int(fs.size(path) or 0))]
     found = fs.find(path, detail=True)
@@ -61,11 +169,14 @@ def list_parquet_files(fs: fsspec.AbstractFileSystem, path: str) -> List[Tuple[s
     out = []
     for p, info in found.items():
         rel = p[len(base):] if p.startswith(base) else posixpath.basename(p)
-        if info.get("type") == "file" and p.endswith(".parquet") and not _is_hidden(rel):
+        if info.get("type") == "file" and p.endswith(suffixes) and not _is_hidden(rel):
             out.append((p, rel, int(info.get("size") or 0)))
     if not out:
-        raise FileNotFoundError(f"no .parquet files under {fs.unstrip_protocol(path)}")
+        raise FileNotFoundError(f"no {' / '.join(suffixes)} files under {fs.unstrip_protocol(path)}")
     return sorted(out)
+
+
+list_parquet_files = list_input_files
 
 
 @dataclass
@@ -156,22 +267,17 @@ def _is_excluded(ids: Union[pa.Array, pa.ChunkedArray], exclude: pa.Array) -> pa
 
 def _read_file(fs: fsspec.AbstractFileSystem, ref: _FileRef, id_column: str,
                columns: Optional[List[str]], rows_per_batch: int,
-               exclude_ids: Optional[pa.Array] = None, target: Optional[pa.Schema] = None) -> Iterable[pa.Table]:
+               exclude_ids: Optional[pa.Array] = None, target: Optional[pa.Schema] = None,
+               fmt: FileFormat = FORMATS["parquet"]) -> Iterable[pa.Table]:
     """Stream one file's first `ref.num_rows` rows, adding ids when absent, in the
     input's unified schema `target`, and dropping rows whose id is in `exclude_ids`
     (resume: already in the output)."""
     keep = None if columns is None else [*columns, id_column]
     with fs.open(ref.path, "rb") as fh:
-        pf = pq.ParquetFile(fh)
-        names = pf.schema_arrow.names
-        want = None if columns is None else [c for c in columns if c in names]
-        if want is not None and id_column in names and id_column not in want:
-            want.append(id_column)
         row = 0
-        for batch in pf.iter_batches(batch_size=rows_per_batch, columns=want):
-            if row + batch.num_rows > ref.num_rows:
-                batch = batch.slice(0, ref.num_rows - row)
-            table = pa.Table.from_batches([batch])
+        for table in fmt.batches(fh, ref.url or ref.path, rows_per_batch, keep):
+            if row + table.num_rows > ref.num_rows:
+                table = table.slice(0, ref.num_rows - row)
             if id_column not in table.column_names:
                 table = table.append_column(id_column, _derived_ids(ref.name, row, table.num_rows))
             row += table.num_rows
@@ -185,17 +291,22 @@ def _read_file(fs: fsspec.AbstractFileSystem, ref: _FileRef, id_column: str,
 
 
 class PromptParquetDatasource(Datasource):
-    """One read task per group of files; see the module docstring. Footers are read up
-    front, so row counts are exact (progress bars know the total, a limit is exact, and
-    the reader can cut blocks of a chosen number of rows), and the files' schemas are
-    unified (or refused) before any read task runs. A `limit` stops reading footers once
-    it is reached, but the first file's is always read (limit 0: no rows, its columns
-    still checked)."""
+    """One read task per group of files; see the module docstring. Footers (or a whole
+    file, for formats without one) are read up front, so row counts are exact (progress
+    bars know the total, a limit is exact, and the reader can cut blocks of a chosen
+    number of rows), and the files' schemas are unified (or refused) before any read task
+    runs. A `limit` stops reading files once it is reached, but the first file is always
+    read (limit 0: no rows, its columns still checked). `input_format`: one of
+    INPUT_FORMATS, auto by the files (`detect_format`); the one read is `format`."""
 
     def __init__(self, paths: PathLike, storage: Optional[StorageOptions] = None, id_column: str = "id",
                  columns: Optional[List[str]] = None, limit: Optional[int] = None,
-                 exclude_ids: Optional[Iterable[str]] = None):
+                 exclude_ids: Optional[Iterable[str]] = None, input_format: str = "auto"):
         super().__init__()
+        if input_format not in INPUT_FORMATS:
+            raise InputError(f"input format {input_format!r} is not one of {', '.join(INPUT_FORMATS)}")
+        self.format = None if input_format == "auto" else input_format
+        seen: Dict[str, str] = {}  # across files: OpenAI batch custom_ids
         self._fs = None
         self._files: List[_FileRef] = []
         self.files_read: List[_FileRef] = []  # every file whose footer was read, rows or not
@@ -208,7 +319,15 @@ class PromptParquetDatasource(Datasource):
         for url in [paths] if isinstance(paths, str) else list(paths):
             try:
                 fs, path = get_filesystem(url, storage)
-                found = list_parquet_files(fs, path)
+                kind = detect_format(fs, path) if input_format == "auto" else input_format
+                if self.format not in (None, kind):
+                    raise InputError(f"input {url} is {kind} and another input {self.format} (input format auto); "
+                                     "give --input-format (input_format), or one kind of input")
+                self.format = kind
+                id_column = self._id_column = FORMATS[kind].id_column or id_column
+                found = list_input_files(fs, path, FORMATS[kind].suffixes)
+            except InputError:
+                raise
             except Exception as e:  # noqa: BLE001 - one clear message for any unreadable input
                 raise InputError(f"input {url} is not readable: {type(e).__name__}: {e}") from e
             self._fs = self._fs or fs  # one filesystem for all paths (same scheme expected)
@@ -218,10 +337,12 @@ class PromptParquetDatasource(Datasource):
                 full = fs.unstrip_protocol(p)
                 try:
                     with fs.open(p, "rb") as fh:
-                        pf = pq.ParquetFile(fh)
-                        n, schema = pf.metadata.num_rows, pf.schema_arrow
+                        n, schema = FORMATS[kind].inspect(fh, full, seen)
+                except openai_batch.BatchFileError as e:
+                    raise InputError(f"input file {e}") from e
                 except Exception as e:  # noqa: BLE001
-                    raise InputError(f"input file {full} is not readable Parquet: {type(e).__name__}: {e}") from e
+                    raise InputError(f"input file {full} is not readable {kind}: {type(e).__name__}: {e} "
+                                     "(--input-format names the format)") from e
                 repeated = repeated_columns(schema)
                 if repeated:
                     raise InputError(f"input file {full} has more than one column named {repeated[0]!r}; rename or "
@@ -257,8 +378,14 @@ class PromptParquetDatasource(Datasource):
         if not ref.has_ids:
             return _derived_ids(ref.name, 0, ref.num_rows)
         with self._fs.open(ref.path, "rb") as fh:
-            col = pq.ParquetFile(fh).read(columns=[self._id_column]).column(self._id_column)
+            chunks = [t.column(self._id_column) for t in FORMATS[self.format].batches(
+                fh, ref.url, 1 << 20, [self._id_column])]
+        col = pa.chunked_array([c for ch in chunks for c in ch.chunks], chunks[0].type) if chunks else pa.array([])
         return pc.cast(col.slice(0, ref.num_rows), pa.string()).combine_chunks()
+
+    def input_ids(self) -> List[str]:
+        """The ids of every row read (resumed ones too), in input order."""
+        return [i for ref in self.files_read if ref.num_rows for i in self._file_ids(ref).to_pylist()]
 
     def scan_ids(self, exclude_ids: Optional[Iterable[str]] = None, max_named: int = 5) -> Optional[DuplicateIds]:
         """Read every file's ids once: leave out the rows whose id is in `exclude_ids`
@@ -301,12 +428,12 @@ class PromptParquetDatasource(Datasource):
         n = max(1, min(parallelism if parallelism > 0 else len(self._files), len(self._files)))
         groups = [self._files[i::n] for i in range(n)]
         fs, id_column, columns, exclude = self._fs, self._id_column, self._columns, self._exclude
-        target = self.schema
+        target, fmt = self.schema, FORMATS[self.format]
         tasks = []
         for group in groups:
             def read_fn(group=group) -> Iterable[pa.Table]:
                 for ref in group:
-                    yield from _read_file(fs, ref, id_column, columns, 4096, exclude, target)
+                    yield from _read_file(fs, ref, id_column, columns, 4096, exclude, target, fmt)
 
             meta = BlockMetadata(num_rows=sum(f.rows_out for f in group), size_bytes=sum(f.size for f in group) or None,
                                  exec_stats=None, input_files=[f.path for f in group])
@@ -321,7 +448,7 @@ def read_prompts(paths: PathLike, *, storage: Optional[StorageOptions] = None, i
                  columns: Optional[List[str]] = None, limit: Optional[int] = None,
                  rows_per_block: Optional[int] = None, num_cpus: float = 0.25,
                  source: Optional[PromptParquetDatasource] = None) -> ray.data.Dataset:
-    """A Dataset of the rows of the Parquet files at `paths` (file or folder URLs), every
+    """A Dataset of the rows of the prompt files at `paths` (file or folder URLs), every
     row carrying `id_column` (from the data, or '<file>:<row>'). `limit` keeps the first
     rows in file order.
 

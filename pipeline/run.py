@@ -1,4 +1,6 @@
-"""Parquet in, Parquet out: the offline evaluation run behind jobs/offline_eval.py.
+"""Prompts in (Parquet, JSON Lines, CSV, OpenAI batch), results out (Parquet or JSON Lines
+part files, and an OpenAI batch results.jsonl): the offline evaluation run behind
+jobs/offline_eval.py.
 
 Kept here (not in the job script) so tests can call it and the job stays a thin
 argument parser.
@@ -38,7 +40,7 @@ import dataclasses
 import functools
 import logging
 import time
-from typing import Any, Dict, List, Optional, Union
+from typing import Any, Callable, Dict, List, Optional, Union
 
 import ray
 
@@ -80,7 +82,7 @@ def run_offline(input: Union[str, List[str]], output: str, config: DLLMProcessor
                 rows_per_file: Optional[int] = 256, allow_duplicate_ids: bool = False,
                 max_error_fraction: float = MAX_ERROR_FRACTION, resume_mismatch: str = "refuse",
                 preflighted: Optional[Preflight] = None, run_id: Optional[str] = None,
-                report: bool = False) -> Dict[str, Any]:
+                report: bool = False, input_format: str = "auto", output_format: str = "parquet") -> Dict[str, Any]:
     """Read prompts, generate, stream results to `output`, write `summary.json` beside
     them and return the summary. With `resume` (default) ids already in `output`'s part
     files are skipped; `overwrite` starts from scratch instead. `preflighted`: what
@@ -88,7 +90,10 @@ def run_offline(input: Union[str, List[str]], output: str, config: DLLMProcessor
     `report`: also write report.html (pipeline/report.py), with the engines' own stats
     (the job, pipeline/cli.py, does unless --no-report). `id_column`: the input's ids
     (default: "id" when the input has it, else each row's <file>:<row>, which the summary
-    states); a column named must be in every input file.
+    states); a column named must be in every input file. `input_format`: auto (by the
+    files: pipeline/reader.py detect_format), parquet, jsonl, csv or openai-batch (ids:
+    custom_id); `output_format`: parquet or jsonl part files, or openai-batch (Parquet
+    parts, then results.jsonl in input order when the run ends: pipeline/openai_batch.py).
 
     Raises JobError for what stops the run and the user must fix (pipeline/failures.py),
     ErrorFractionExceeded (a JobError, after summary.json is written) when more than
@@ -103,7 +108,8 @@ def run_offline(input: Union[str, List[str]], output: str, config: DLLMProcessor
     checked = preflighted or preflight(  # the engine pool against the Ray connected to, if any yet
         input, output, config, storage=storage, limit=limit, id_column=id_column, overwrite=overwrite,
         resume=resume, allow_duplicate_ids=allow_duplicate_ids, max_error_fraction=max_error_fraction,
-        resume_mismatch=resume_mismatch, run_id=run_id, cluster=connected_cluster() if ray.is_initialized() else None)
+        resume_mismatch=resume_mismatch, run_id=run_id, cluster=connected_cluster() if ray.is_initialized() else None,
+        input_format=input_format, output_format=output_format)
     try:
         return _run(checked, input, config, storage, checked.id_column, reference_column, rows_per_file,
                     max_error_fraction, run_id, t0, report)
@@ -130,7 +136,8 @@ def _run(checked: Preflight, input: Union[str, List[str]], config: DLLMProcessor
             processor = build_processor_for(config, storage, run_id, checked.checkpoint)
             ds = processor(read_prompts(input, rows_per_block=config.batch_size, source=source))
             sink = write_results(ds, (out_fs, out_path), rows_per_file=rows_per_file, stats_fn=stats_fn,
-                                 writer=checked.lock.writer_id, guard=checked.lock.guard())
+                                 writer=checked.lock.writer_id, guard=checked.lock.guard(),
+                                 part_format=checked.output_format)
             engines = engine_figures(processor)
         except Exception as e:  # noqa: BLE001 - the user's to fix: one line; a bug: as raised
             checked.lock.after_failure()
@@ -170,21 +177,31 @@ def _run(checked: Preflight, input: Union[str, List[str]], config: DLLMProcessor
     summary["ids_note"] = checked.ids_note
     summary["runs"] = [*checked.history, history_entry(summary, checked.settings_changed)]
     summary["engines"] = engines
-    finish(checked, summary, report)
+    results = None
+    if checked.output_format == "openai-batch":
+        from .openai_batch import write_results_file
+        from .processor import served_names
+
+        results = functools.partial(write_results_file, out_fs, out_path, source.input_ids(), id_column,
+                                    config.served_name(), served_names(config)["served"], checked.lock.verify)
+    finish(checked, summary, report, results)
     if summary["status"] == "failed":
         raise ErrorFractionExceeded(error_fraction_message(summary, max_error_fraction), summary)
     return summary
 
 
-def finish(checked: Preflight, summary: Dict[str, Any], report: bool) -> None:
+def finish(checked: Preflight, summary: Dict[str, Any], report: bool,
+           results: Optional[Callable[[], str]] = None) -> None:
     """After every part file: check the lease is still this run's, remove late parts
-    (pipeline/writer.py), write report.html (with `report`) and summary.json, remove the
-    lease. A failure there the user must fix (storage, the lease lost) is a JobError that
+    (pipeline/writer.py), write `results` (OpenAI batch's results.jsonl), report.html (with
+    `report`) and summary.json, remove the lease. A failure there the user must fix (storage, the lease lost) is a JobError that
     says what is written and what to do; a bug propagates."""
     out_fs, out_path = checked.out_fs, checked.out_path
     try:
         checked.lock.verify()  # a run that lost the output's lease writes nothing more there
         remove_late_parts(out_fs, out_path)
+        if results is not None:
+            summary["results_file"] = results()
         if report:
             from .report import write_report
 

@@ -1,4 +1,4 @@
-"""Stream result blocks to Parquet files (local or any fsspec URL), each file complete or absent.
+"""Stream result blocks to Parquet (or JSON Lines) files (local or any fsspec URL), each file complete or absent.
 
 Why a Datasink of our own: Ray's Parquet writer opens the final name and fills it, so
 a reader listing the folder mid-run (or after a crash) can see a truncated file. Here
@@ -26,6 +26,7 @@ and needs no clock:
 """
 from __future__ import annotations
 
+import base64
 import json
 import logging
 import re
@@ -45,7 +46,11 @@ logger = logging.getLogger(__name__)
 
 TMP_DIR = "_tmp"
 PARTS_FILE = "_parts.json"  # the part manifest (see the module docstring)
-_FENCED_PART = re.compile(r"part-([0-9a-f]{12})-\d+\.parquet")  # a part a lease's run wrote
+# Part files by output format: Parquet (also under results.jsonl, the OpenAI batch output) or JSON Lines.
+PART_SUFFIX = {"parquet": ".parquet", "jsonl": ".jsonl", "openai-batch": ".parquet"}
+OUTPUT_FORMATS = tuple(PART_SUFFIX)
+RESULT_SUFFIXES = (".parquet", ".jsonl", "/summary.json")  # result files directly in an output
+_FENCED_PART = re.compile(r"part-([0-9a-f]{12})-\d+\.(parquet|jsonl)")  # a part a lease's run wrote
 StatsFn = Callable[[pa.Table], Dict[str, Any]]
 Output = Union[str, Tuple[fsspec.AbstractFileSystem, str]]  # a URL, or a resolved (filesystem, path)
 
@@ -135,8 +140,8 @@ def prepare_output(fs: fsspec.AbstractFileSystem, path: str, overwrite: bool = F
     except Exception as e:  # noqa: BLE001
         raise OutputNotWritableError(f"output {fs.unstrip_protocol(path)} is not writable: "
                                      f"{type(e).__name__}: {e}") from e
-    for p in old:
-        if overwrite or p.rstrip("/").endswith("/summary.json"):
+    for p in old:  # a finished run's summary and results.jsonl: written again when the run ends
+        if overwrite or p.rstrip("/").endswith(("/summary.json", "/results.jsonl")):
             fs.rm(p)
     tmp = join(path, TMP_DIR)
     if (overwrite or resume) and fs.exists(tmp):
@@ -152,13 +157,13 @@ def prepare_output(fs: fsspec.AbstractFileSystem, path: str, overwrite: bool = F
 
 
 def check_output(fs: fsspec.AbstractFileSystem, path: str, overwrite: bool = False, resume: bool = False) -> List[str]:
-    """Without changing anything: the result files (`*.parquet`, summary.json) directly in
+    """Without changing anything: the result files (`*.parquet`, `*.jsonl`, summary.json) directly in
     `path`, or OutputExistsError when there are some and neither `overwrite` nor `resume`
     is given. Raises whatever the store raises when it cannot be listed."""
     fs.invalidate_cache()
     if not fs.exists(path):
         return []
-    old = [p for p in fs.ls(path, detail=False) if p.rstrip("/").endswith((".parquet", "/summary.json"))]
+    old = [p for p in fs.ls(path, detail=False) if p.rstrip("/").endswith(RESULT_SUFFIXES)]
     if old and not (overwrite or resume):
         raise OutputExistsError(f"{fs.unstrip_protocol(path)} already holds {len(old)} result file(s); "
                                 "pass overwrite=True (--overwrite), resume=True (--resume) "
@@ -167,12 +172,12 @@ def check_output(fs: fsspec.AbstractFileSystem, path: str, overwrite: bool = Fal
 
 
 def _part_names(fs: fsspec.AbstractFileSystem, path: str) -> List[str]:
-    """Names of the part files (`part-*.parquet`) directly in `path`, sorted."""
+    """Names of the part files (`part-*.parquet`, `part-*.jsonl`) directly in `path`, sorted."""
     fs.invalidate_cache()
     if not fs.exists(path):
         return []
     names = (p.rstrip("/").rsplit("/", 1)[-1] for p in fs.ls(path, detail=False))
-    return sorted(n for n in names if n.startswith("part-") and n.endswith(".parquet"))
+    return sorted(n for n in names if n.startswith("part-") and n.endswith((".parquet", ".jsonl")))
 
 
 def _fenced(fs: fsspec.AbstractFileSystem, path: str, names: Sequence[str]) -> "tuple[List[str], List[str]]":
@@ -213,25 +218,48 @@ def completed_keys(fs: fsspec.AbstractFileSystem, path: str, id_column: str = "i
                    parts: Optional[Sequence[str]] = None) -> List[Tuple[str, int]]:
     """(id, sample_index) of every output row in the part files `parts` at `path`
     (default: `accepted_parts`); sample_index is 0 in files written before it existed."""
-    keys: List[Tuple[str, int]] = []
+    return [(str(r[id_column]), int(r.get("sample_index") or 0))
+            for r in part_rows(fs, path, [id_column, "sample_index"], parts)]
+
+
+def part_rows(fs: fsspec.AbstractFileSystem, path: str, columns: Sequence[str],
+              parts: Optional[Sequence[str]] = None) -> Iterable[Dict[str, Any]]:
+    """The rows of the part files `parts` at `path` (default: `accepted_parts`), Parquet or
+    JSON Lines, in file order, each with those of `columns` its file has."""
     for name in accepted_parts(fs, path) if parts is None else parts:
         with fs.open(join(path, name), "rb") as fh:
+            if name.endswith(".jsonl"):
+                for line in fh:
+                    if line.strip():
+                        row = json.loads(line)
+                        yield {c: row[c] for c in columns if c in row}
+                continue
             f = pq.ParquetFile(fh)
-            cols = [id_column] + (["sample_index"] if "sample_index" in f.schema_arrow.names else [])
-            table = f.read(columns=cols)
-        ids = table.column(id_column).to_pylist()
-        samples = table.column("sample_index").to_pylist() if len(cols) > 1 else [0] * len(ids)
-        keys.extend((str(i), int(k or 0)) for i, k in zip(ids, samples))
-    return keys
+            yield from f.read(columns=[c for c in columns if c in f.schema_arrow.names]).to_pylist()
+
+
+def _json_value(value: Any) -> Any:
+    """What JSON has no type for: dates and times in ISO 8601, bytes in base64, decimals as text."""
+    if hasattr(value, "isoformat"):
+        return value.isoformat()
+    if isinstance(value, (bytes, bytearray)):
+        return base64.b64encode(value).decode("ascii")
+    return str(value)
+
+
+def jsonl_bytes(table: pa.Table) -> bytes:
+    """A table as JSON Lines, one object per row, in its column order."""
+    return "".join(json.dumps(r, ensure_ascii=False, default=_json_value) + "\n" for r in table.to_pylist()).encode()
 
 
 class AtomicParquetDatasink(Datasink[Dict[str, Any]]):
-    """One Parquet file per write task; each task returns `stats_fn(table)` plus its file
-    name and row count, so the driver can summarise a run without reading outputs back."""
+    """One part file per write task, Parquet (or JSON Lines: `part_format`); each task
+    returns `stats_fn(table)` plus its file name and row count, so the driver can
+    summarise a run without reading outputs back."""
 
     def __init__(self, fs: fsspec.AbstractFileSystem, path: str, *, stats_fn: Optional[StatsFn] = None,
                  rows_per_file: Optional[int] = None, compression: str = "zstd", writer: Optional[str] = None,
-                 guard: Optional[Callable[[], None]] = None):
+                 guard: Optional[Callable[[], None]] = None, part_format: str = "parquet"):
         self.fs = fs
         self.path = path.rstrip("/")
         self.stats_fn = stats_fn
@@ -239,6 +267,7 @@ class AtomicParquetDatasink(Datasink[Dict[str, Any]]):
         self.compression = compression
         self.writer = writer or uuid.uuid4().hex[:12]  # the lease's id (see the module docstring)
         self.guard = guard  # checked before each commit: the run still holds the lease
+        self.suffix = PART_SUFFIX[part_format]
         self.result: Optional[WriteResult] = None
 
     def write(self, blocks: Iterable[Block], ctx) -> Dict[str, Any]:
@@ -247,8 +276,11 @@ class AtomicParquetDatasink(Datasink[Dict[str, Any]]):
         if not tables:
             return {"file": None, "rows": 0}
         table = pa.concat_tables(tables, promote_options="permissive")
-        name = f"part-{self.writer}-{ctx.task_idx:06d}.parquet"
-        atomic_write_table(self.fs, join(self.path, name), table, self.compression, self.guard)
+        name = f"part-{self.writer}-{ctx.task_idx:06d}{self.suffix}"
+        if self.suffix == ".jsonl":
+            atomic_write_bytes(self.fs, join(self.path, name), jsonl_bytes(table), self.guard)
+        else:
+            atomic_write_table(self.fs, join(self.path, name), table, self.compression, self.guard)
         out = {"file": name, "rows": table.num_rows}
         if self.stats_fn is not None:
             out.update(self.stats_fn(table))
@@ -277,8 +309,8 @@ def _output(output: Output, storage: Optional[StorageOptions]) -> Tuple[fsspec.A
 def write_results(ds, output: Output, *, storage: Optional[StorageOptions] = None,
                   stats_fn: Optional[StatsFn] = None, rows_per_file: Optional[int] = None, overwrite: bool = False,
                   num_cpus: float = 0.25, writer: Optional[str] = None,
-                  guard: Optional[Callable[[], None]] = None) -> AtomicParquetDatasink:
-    """Execute `ds` and stream its rows to Parquet under `output`; returns the sink, whose
+                  guard: Optional[Callable[[], None]] = None, part_format: str = "parquet") -> AtomicParquetDatasink:
+    """Execute `ds` and stream its rows to part files (`part_format`: PART_SUFFIX) under `output`; returns the sink, whose
     `write_returns` hold one stats dict per file written. `output` is a URL (prepared
     here: see `prepare_output`) or the (filesystem, path) that the caller already
     prepared (the job's preflight, under the lease whose id is `writer` and whose
@@ -287,7 +319,7 @@ def write_results(ds, output: Output, *, storage: Optional[StorageOptions] = Non
     if not isinstance(output, tuple):
         prepare_output(fs, path, overwrite=overwrite)
     sink = AtomicParquetDatasink(fs, path, stats_fn=stats_fn, rows_per_file=rows_per_file, writer=writer,
-                                 guard=guard)
+                                 guard=guard, part_format=part_format)
     ds.write_datasink(sink, ray_remote_args={"num_cpus": num_cpus})
     return sink
 
