@@ -6,6 +6,8 @@ the caller's own preprocess or postprocess raised (pipeline/failures.py counts b
 the user's to fix, not as bugs in blockray)."""
 from __future__ import annotations
 
+import re
+
 
 def flag(option: str) -> str:
     """The command line's flag of an option name."""
@@ -18,7 +20,8 @@ class OptionError(Exception):
         self.message, self.options = message, options
 
     def __str__(self) -> str:
-        flags = [flag(o) for o in self.options if flag(o) not in self.message]  # unless the message names it
+        flags = [f for f in map(flag, self.options)  # unless the message names it (--input, not --input-format)
+                 if not re.search(re.escape(f) + r"(?![\w-])", self.message)]
         return f"{self.message} ({', '.join(flags)})" if flags else self.message
 
 

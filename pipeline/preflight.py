@@ -316,7 +316,7 @@ def preflight(input: Union[str, List[str]], output: str, config: DLLMProcessorCo
     try:
         source = PromptParquetDatasource(input, storage, id_column=id_column, limit=limit, input_format=input_format)
     except InputError as e:
-        raise JobError(f"{e}", "input", "input_format") from e
+        raise JobError(f"{e}", "input") from e
     if source.format == "openai-batch":  # its ids are its custom_ids
         named = id_column = check_batch_input(config, named)
     names = source.schema.names if source.schema is not None else []

@@ -132,7 +132,7 @@ def test_the_cli_refuses_a_malformed_batch_file_before_ray_starts(tmp_path, tiny
     assert res.returncode == 2, res.stderr[-3000:]
     err = res.stderr.strip()
     where = f"file://{path}"
-    assert err == f"error: input file {where} line 2 repeats custom_id 'a' of {where} line 1: each request needs its own (--input, --input-format)", err
+    assert err == f"error: input file {where} line 2 repeats custom_id 'a' of {where} line 1: each request needs its own (--input)", err
     assert "blockray offline eval:" not in res.stdout  # Ray never started
 
 
