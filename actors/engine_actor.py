@@ -185,6 +185,9 @@ class DLLMEngineActor:
     def _on_step(self, engine: Any, outs: List[Any]) -> None:
         if self.metrics is not None:
             self.metrics.record_step(engine.stats, [o.latency_s for o in outs])
+            # set again at every step, as the engine's own gauges are: set only when a batch
+            # comes and goes, a long batch's value was missing from exports under load
+            self.metrics.set_batches_in_flight(self._in_flight)
 
     # --- entry points: Ray Data, the dispatcher ----------------------------------------
     async def __call__(self, batch: Union[pa.Table, Dict[str, Any]]):
