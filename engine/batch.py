@@ -56,6 +56,10 @@ class Batch:
         self.groups: Dict[Any, List[int]] = {}  # decoding rule -> its rows (engine.rules)
         for i, r in enumerate(self.rows):
             self.groups.setdefault(r.rule, []).append(i)
+        # the rows that ask for min_tokens / logprobs (engine.logprobs), found once per layout:
+        # most batches have none, and the step then does nothing for either
+        self.min_token_rows = [i for i, r in enumerate(self.rows) if r.params.min_tokens]
+        self.logprob_rows = [i for i, r in enumerate(self.rows) if r.params.logprobs is not None]
         self.stepwise = any(rule.stepwise for rule in self.groups)  # rows commit at any step: advance by steps
         n = self.n_window * L
         self.window_start = self.width - self.tail - n  # [B] first column of the window (host)

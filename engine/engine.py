@@ -184,8 +184,8 @@ class Engine(EngineCore):
             is_mask &= b.valid_dev
         logits = self.runner.step_logits(b)
         live = self._live(b)
-        live_rows = [i for _, rows in live for i in rows]
-        unmask_stops = mask_stop_ids(b, live_rows, logits)  # min_tokens
+        live_rows = {i for _, rows in live for i in rows} if b.min_token_rows or b.logprob_rows else set()
+        unmask_stops = mask_stop_ids(b, [i for i in b.min_token_rows if i in live_rows], logits)  # min_tokens
         rp = b.unit_params
         units = lambda t: t.reshape(B * NB, L, *t.shape[2:])  # noqa: E731
         need_idx = [t.to(self.device) for t in units(b.masked).nonzero(as_tuple=True)]
@@ -199,7 +199,7 @@ class Engine(EngineCore):
             sel = rule.select(b, rows, sel, conf=conf, is_mask=units(is_mask), x0=x0, window=window, logits=logits)
         if unmask_stops is not None:
             unmask_stops()  # the logprobs are the model's own
-        record(b, live_rows, sel, x0, logits, self._fetch)
+        record(b, [i for i in b.logprob_rows if i in live_rows], sel, x0, logits, self._fetch)
         window = torch.where(sel.reshape(B, NB * L), x0.reshape(B, NB * L), window)
         b.ids.scatter_(1, cols, window)
         b.busy_steps += b.masked.any(1).long()

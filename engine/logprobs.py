@@ -63,11 +63,10 @@ def mask_stop_ids(b: Batch, rows: Sequence[int], logits: torch.Tensor) -> Option
 
 def record(b: Batch, rows: Sequence[int], sel: torch.Tensor, x0: torch.Tensor, logits: torch.Tensor,
            fetch: Callable[[torch.Tensor], torch.Tensor]) -> None:
-    """For `rows` that ask for logprobs, the log-probability (and the top N) of every
+    """For `rows` (rows that ask for logprobs: Batch.logprob_rows), the log-probability (and the top N) of every
     token the step wrote (`sel` [B NB, L], `x0` its tokens) from the step's window logits
     [B, NB L, V], kept on the request by answer position (a later write replaces it);
     one device read (`fetch`)."""
-    rows = [i for i in rows if b.rows[i].params.logprobs is not None]
     if not rows:
         return
     B, dev = len(b.rows), logits.device

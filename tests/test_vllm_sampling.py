@@ -8,12 +8,8 @@ import pytest
 import torch
 
 from actors.row_values import RowValueError, parse_sampling
-from engine import Engine, EngineConfig, SamplingParams, load_model
-
-torch.set_num_threads(1)
-MODEL = "engine/assets/tiny-dllm"
-PROMPTS = ["rep 5: glxdz", "copy: pefcvilanrkarephqcrejypxibd", "sort: oedl", "rep 3: abc", "rep 2: w"]
-CFG = EngineConfig(block_length=8, steps_per_block=8, cache="refresh", token_budget=2048)
+from engine import Engine, SamplingParams, load_model
+from test_sampling import CFG, MODEL, PROMPTS  # the embedded model, its prompts and settings
 
 
 @pytest.fixture(scope="module")
