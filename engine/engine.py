@@ -38,6 +38,7 @@ from .logprobs import collect, mask_stop_ids, record
 from .models import DLLM
 from .reads import MASKED
 from .rules import Traits, row_refusal
+from . import prefix_cache
 from .runner import ModelRunner
 from .scheduler import make_scheduler
 from .sequence import FinishReason, Request, RequestOutput, RowShape
@@ -71,6 +72,12 @@ class Engine(EngineCore):
         self.slots = None if not config.mode.caches else KVSlots(
             self.mcfg, config.token_budget, model.dtype, self.device, max_rows=config.max_batch_size)
         self.stats.kv_budget_bytes = 0 if self.slots is None else config.token_budget * self.slots.cell_bytes
+        err = prefix_cache.refusal(self.mcfg.family, self.mcfg.block_causal, config, self.full_canvas)
+        if err:
+            raise ValueError(err)
+        self.prefix = None if not config.enable_prefix_caching else prefix_cache.PrefixCache(
+            self.slots, config.block_length, config.token_budget, self.stats)
+        self.scheduler.prefix = self.prefix
         self.batch_log: Optional[List[BatchRecord]] = [] if record_batches else None
         self.batch: Optional[Batch] = None
         self._grown: set = set()  # rows that committed a block and start their next one (or added one)
@@ -127,6 +134,8 @@ class Engine(EngineCore):
         """Admit/preempt; when membership or widths changed, lay the batch out again in
         slot order and move in the K/V slots only the rows that must move."""
         old = self.batch
+        if self.prefix is not None and old is not None:  # prompt blocks the last steps made final
+            self.prefix.insert(old, len(old.rows) * old.width)
         mid_block = set()
         if old is not None:
             mid_block = {r for r, s in zip(old.rows, old.step.tolist()) if s > 0 and r not in self._grown}
@@ -160,6 +169,10 @@ class Engine(EngineCore):
         slots.fit(len(b.rows), b.width, kept, widest(kept))
         shifted = [i for i in kept if b.rows[i] in self._grown] if not self.full_canvas else []
         slots.shift(shifted, widest(shifted), L)
+        if self.prefix is not None:  # joining rows start after their cached prompt blocks
+            refresh = self.cfg.mode.recomputes_at_block_start()
+            self.prefix.apply(b, [i for i, r in enumerate(b.rows) if r not in old_len],
+                              [i for i, r in enumerate(b.rows) if refresh and r in self._grown and r in old_len])
         b.cache = slots.box(len(b.rows), b.width)
         self.stats.kv_peak_bytes = slots.peak_bytes
         for k in ("regrow", "move", "shift"):
@@ -234,6 +247,8 @@ class Engine(EngineCore):
         requests are untouched and the engine keeps going."""
         for r in list(self.scheduler.active):
             self.scheduler.remove(r)
+            if self.prefix is not None:
+                self.prefix.release(r)
             r.error = message
             self._finish(r, FinishReason.ERROR)
         self.batch, self._grown = None, set()

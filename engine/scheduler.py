@@ -23,6 +23,10 @@ class Scheduler:
         self.active: List[Request] = []
         self._admitted = itertools.count()
         self.preemptions = 0
+        self.prefix = None  # engine.prefix_cache.PrefixCache: its cached blocks count in the budget
+
+    def _cached(self) -> int:
+        return self.prefix.cells if self.prefix is not None else 0
 
     def add(self, req: Request) -> None:
         raise NotImplementedError
@@ -52,6 +56,8 @@ class Scheduler:
     def _admit(self, req: Request) -> None:
         req.seq = next(self._admitted)
         self.active.append(req)
+        if self.prefix is not None:
+            self.prefix.acquire(req)
 
 
 class BlockServeScheduler(Scheduler):
@@ -75,7 +81,9 @@ class BlockServeScheduler(Scheduler):
 
     def schedule(self, can_preempt: Callable[[Request], bool] = lambda r: True) -> List[Request]:
         budget = self.cfg.token_budget
-        while len(self.active) > 1 and batch_cost(self.active, self.shape) > budget:
+        if self.prefix is not None:  # the rows' growth first takes room from unreferenced cached blocks
+            self.prefix.make_room(batch_cost(self.active, self.shape))
+        while len(self.active) > 1 and batch_cost(self.active, self.shape) + self._cached() > budget:
             # rows at a block boundary go back first; if growth still breaks the budget
             # (step advance: the others are mid-block), a mid-block row goes back too and
             # redoes its block later (same tokens: a block is a function of its prefix)
@@ -89,7 +97,10 @@ class BlockServeScheduler(Scheduler):
             i = bisect.bisect_right(self.pending, (box, float("inf"))) - 1
             width, _, cand = self.pending[max(i, 0)]
             new_box = max(box, width)
-            if (len(self.active) + 1) * new_box > budget:
+            need = (len(self.active) + 1) * new_box
+            if need + self._cached() > budget and self.prefix is not None:  # evict, sparing its own blocks if it can
+                self.prefix.make_room(need, keep=cand) or self.prefix.make_room(need)
+            if need + self._cached() > budget:
                 break
             self.pending.pop(max(i, 0))
             self._admit(cand)

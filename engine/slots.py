@@ -27,7 +27,7 @@ rows' slots in place (one attention per run of consecutive slots)."""
 from __future__ import annotations
 
 import math
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -85,6 +85,10 @@ class KVSlots:
         self.rows_cap = self.cols_cap = 0
         self.peak_bytes = 0
         self.copied: Dict[str, int] = {"regrow": 0, "move": 0, "shift": 0}
+        # engine.prefix_cache: cells a new view leaves at the storage's end for cached prompt
+        # blocks (given the batch's area), and what moves them out of a new view's way
+        self.reserve: Callable[[int], int] = lambda area: 0
+        self.before_view: Optional[Callable[[int, int, bool], None]] = None
 
     def _view(self, rows: int, cols: int) -> None:
         H, D, n = self.mcfg.n_kv_heads, self.mcfg.head_dim, self.mcfg.n_layers
@@ -103,7 +107,8 @@ class KVSlots:
         if rows <= self.rows_cap and width <= self.cols_cap:
             return
         area = rows * width
-        room = max(int(SLACK * self.budget), area)
+        full = max(int(SLACK * self.budget), area)
+        room = max(full - self.reserve(area), area)
         if rows > self.rows_cap:  # more rows than slots: room in both dimensions
             R = max(rows, int(rows * math.sqrt(room / area)))
             if self.max_rows:
@@ -116,7 +121,9 @@ class KVSlots:
         idx = torch.tensor(list(keep), device=self.device) if keep and keep_width else None
         buffer_bytes = self.cell_bytes // n_buffers  # one column of one layer's K (or V)
         grow = R * C > self.cells
-        cells = max(room, R * C) if grow else self.cells  # the storage holds `room`: later shapes re-view it
+        cells = max(full, R * C) if grow else self.cells  # the storage holds `full`: later shapes re-view it
+        if self.before_view is not None:
+            self.before_view(self.rows_cap * self.cols_cap, R * C, grow)
         alive = self.cells * n_buffers * buffer_bytes
         old_cols, olds = self.cols_cap, self.k + self.v or [None] * n_buffers
         self.k, self.v = [], []  # so that a replaced buffer is freed as soon as it is copied

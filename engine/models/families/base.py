@@ -169,6 +169,22 @@ class Family:
     defaults: Mapping[str, Any] = field(default_factory=dict)  # ids published loops default to
     mask_token: Optional[str] = None  # the added token that is the mask where config.json names no mask id
 
+    # --- decoding traits ----------------------------------------------------------------
+    def prefix_cache_refusal(self, block_causal: bool) -> Optional[str]:
+        """Why a prompt block's K/V cannot be shared between rows (engine.prefix_cache),
+        or None. Exact only with blocks at absolute positions and block-causal attention:
+        a complete prompt block then attends to itself and the blocks before it, so its
+        K/V depend only on the tokens up to its end. With a prompt that is one attention
+        segment (blocks after the prompt: LLaDA, Dream, D2F) or bidirectional attention, a
+        prefix's K/V depend on the tokens after it: refused, never approximated."""
+        if self.blocks != BlockLayout.ABSOLUTE:
+            return (f"{self.name} attends over the whole prompt at once (its blocks start after the prompt), so a "
+                    f"shared prefix's K/V depend on the rest of each prompt and cannot be reused exactly")
+        if not block_causal:
+            return (f"this {self.name} model's attention is bidirectional, so a shared prefix's K/V depend on the "
+                    f"tokens after it and cannot be reused exactly")
+        return None
+
     # --- config.json --------------------------------------------------------------------
     def matches(self, hf: Mapping[str, Any]) -> bool:
         """Whether config.json `hf` is this family's (by model_type; a family whose
