@@ -170,9 +170,11 @@ class Engine(EngineCore):
         shifted = [i for i in kept if b.rows[i] in self._grown] if not self.full_canvas else []
         slots.shift(shifted, widest(shifted), L)
         if self.prefix is not None:  # joining rows start after their cached prompt blocks
+            b.cache = slots.box(len(b.rows), b.width)
             refresh = self.cfg.mode.recomputes_at_block_start()
-            self.prefix.apply(b, [i for i, r in enumerate(b.rows) if r not in old_len],
-                              [i for i, r in enumerate(b.rows) if refresh and r in self._grown and r in old_len])
+            self.prefix.join(b, [i for i, r in enumerate(b.rows) if r not in old_len],
+                             [i for i, r in enumerate(b.rows) if refresh and r in self._grown and r in old_len],
+                             lambda rows: self.runner.forward(b, rows, catch_up=True))
         b.cache = slots.box(len(b.rows), b.width)
         self.stats.kv_peak_bytes = slots.peak_bytes
         for k in ("regrow", "move", "shift"):

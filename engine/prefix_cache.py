@@ -32,7 +32,7 @@ from __future__ import annotations
 import itertools
 import weakref
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Dict, List, Optional, Tuple
+from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Tuple
 
 if TYPE_CHECKING:  # torch-free at import (the preflight reads `refusal`)
     from .batch import Batch
@@ -41,6 +41,11 @@ if TYPE_CHECKING:  # torch-free at import (the preflight reads `refusal`)
     from .sequence import Request
     from .slots import KVSlots
     from .stats import EngineStats
+
+
+# Rounds of leaders prefilled for joining rows that share uncached blocks (`join`): a
+# round per depth at which their prompts part ways
+MAX_SHARE_ROUNDS = 4
 
 
 def refusal(family: Any, block_causal: bool, cfg: "EngineConfig", full_canvas: bool) -> Optional[str]:
@@ -173,49 +178,86 @@ class PrefixCache:
     def _view_end(self) -> int:
         return self.slots.rows_cap * self.slots.cols_cap
 
-    def apply(self, b: "Batch", joining: List[int], refreshing: List[int] = ()) -> None:
-        """Rows `joining` (new to the batch, in their slots): copy their pinned blocks that
-        are still cached into their slots and count them as cached columns. Rows
-        `refreshing` (starting a block under refresh / dual, which recompute the row) take
-        their cached prompt blocks the same way: their K/V are final, so recomputing them
-        would give the same values."""
+    def join(self, b: "Batch", joining: List[int], refreshing: List[int], prefill: Callable[[List[int]], None]) -> None:
+        """The batch was laid out: rows `joining` (new to it, in their slots) take their
+        cached prompt blocks (`apply`). Joining rows that share prompt blocks nobody has
+        cached yet would each compute them: one of them (the leader) is forwarded first
+        (`prefill`, a catch-up forward of its row), its blocks cached, and the others
+        take them from the cache; again for the blocks they still share. Rows
+        `refreshing` (starting a block under refresh / dual, which recompute the row)
+        take their cached prompt blocks the same way: their K/V are final, so recomputing
+        them would give the same values."""
+        self.apply(b, joining, pinned=True)
+        self.apply(b, refreshing, count=False)
+        cost = len(b.rows) * b.width
+        for _ in range(MAX_SHARE_ROUNDS):
+            leaders, followers = self._shared(b, joining)
+            if not leaders:
+                return
+            prefill(leaders)
+            self.insert(b, cost, rows=leaders)
+            self.apply(b, followers, count=False, hits=True)
+
+    def _shared(self, b: "Batch", rows: List[int]) -> Tuple[List[int], List[int]]:
+        """(leaders, followers) among `rows`: rows whose first uncached prompt block another
+        of them has too; the first of each such group leads."""
+        L, cached = self.L, b.cached.tolist()
+        groups: Dict[Any, List[int]] = {}
+        for i in rows:
+            r = b.rows[i]
+            k = cached[i] // L
+            if cached[i] % L or k >= len(r.prompt) // L:
+                continue
+            groups.setdefault((tuple(r.prompt[:k * L]), tuple(r.prompt[k * L:(k + 1) * L])), []).append(i)
+        shared = [g for g in groups.values() if len(g) > 1]
+        return sorted(g[0] for g in shared), sorted(i for g in shared for i in g[1:])
+
+    def apply(self, b: "Batch", rows: List[int], pinned: bool = False, count: bool = True, hits: bool = False) -> None:
+        """Copy the cached blocks of `rows` into their slots and count them as cached
+        columns: the blocks pinned at admission (`pinned`: still cached ones), else the
+        cached chain of their prompts. `count`: the rows' prompt blocks were looked up
+        (hit rate); `hits`: count what they take as hits."""
         slots, L, C = self.slots, self.L, self.slots.cols_cap
         lens = b.lens.tolist()
         st = self.stats
-        for i in list(joining) + list(refreshing):
+        for i in rows:
             r = b.rows[i]
-            nodes = self.release(r) if i in joining else self.match(r.prompt)
+            nodes = self.release(r) if pinned else self.match(r.prompt)
             live = []
             for n in nodes:
                 if not n.alive:
                     break
                 live.append(n)
-            if i in joining:
+            if count:
                 st.prefix_query_blocks += len(r.prompt) // L
                 st.prefix_query_tokens += len(r.prompt) + len(r.lead)
             if not live or int(b.cached[i]) >= len(live) * L:
                 continue
+            got = len(live) - int(b.cached[i]) // L  # blocks it did not hold yet
             c0 = C - lens[i]
             for j, n in enumerate(live):
                 n.used = next(self._clock)
+                if j < int(b.cached[i]) // L:
+                    continue
                 for t, k in zip(slots.storage, slots.k + slots.v):
                     k[i, :, c0 + j * L:c0 + (j + 1) * L] = self._chunk(t, n.chunk)
             b.cached[i] = len(live) * L
             self.inserted[r] = max(self.inserted.get(r, 0), len(live))
-            if i in joining:
-                st.prefix_hit_blocks += len(live)
-                st.prefix_hit_tokens += len(live) * L
-            st.prefix_copied_bytes += len(live) * L * slots.cell_bytes
+            if count or hits:
+                st.prefix_hit_blocks += got
+                st.prefix_hit_tokens += got * L
+            st.prefix_copied_bytes += got * L * slots.cell_bytes
 
-    def insert(self, b: "Batch", cost: int) -> None:
-        """Copy into the cache the prompt blocks the batch's rows made final that it lacks,
-        while the budget (`cost`: the batch's cells) leaves room: least recently used
-        unreferenced blocks make room for them."""
+    def insert(self, b: "Batch", cost: int, rows: Optional[List[int]] = None) -> None:
+        """Copy into the cache the prompt blocks the batch's rows (`rows`: those) made final
+        that it lacks, while the budget (`cost`: the batch's cells) leaves room: least
+        recently used unreferenced blocks make room for them."""
         if b.cache is None:
             return
         slots, L, C = self.slots, self.L, self.slots.cols_cap
         cached, lens = b.cached.tolist(), b.lens.tolist()
-        for i, r in enumerate(b.rows):
+        for i in range(len(b.rows)) if rows is None else rows:
+            r = b.rows[i]
             n_blocks = len(r.prompt) // L
             if self.inserted.get(r, 0) >= n_blocks or cached[i] < L:
                 continue

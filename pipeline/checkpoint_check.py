@@ -41,9 +41,24 @@ def check_settings(checkpoint: Checkpoint, sampling: Any, engine: Any) -> None:
     err = reads.refusal(sampling, engine)
     if err:
         raise CheckpointRefused(f"{err} ({where})")
+    err = prefix_caching_refusal(checkpoint, engine) if engine is not None else None
+    if err:
+        raise CheckpointRefused(f"{err} ({where})", "enable_prefix_caching")
     err = every_row_refusal(checkpoint, sampling, engine) if sampling is not None and engine is not None else None
     if err:
         raise CheckpointRefused(f"every row would be refused with these settings ({where}): {err}")
+
+
+def prefix_caching_refusal(checkpoint: Checkpoint, engine: Any) -> Optional[str]:
+    """Why the masked-diffusion engine would refuse enable_prefix_caching for this model
+    (a prompt whose prefix's K/V depend on what follows it: LLaDA, Dream, D2F; cache none;
+    the full canvas), or None. DiffusionGemma's engine says what it reads (engine.reads)."""
+    if checkpoint.serving == Serving.CANVAS or not engine.enable_prefix_caching:
+        return None
+    from engine.prefix_cache import refusal
+
+    cfg = checkpoint.config
+    return refusal(cfg.family, cfg.block_causal, engine, engine.full_canvas(cfg.block_causal))
 
 
 def every_row_refusal(checkpoint: Checkpoint, sampling: Any, engine: Any) -> Optional[str]:

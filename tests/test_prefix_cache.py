@@ -1,0 +1,137 @@
+"""Issue 40: prefix caching (engine/prefix_cache.py). In float64, rows decoded with the
+cache give exactly the tokens they give without it, on LLaDA2.0 and LLaDA2.1 (with
+editing), rows sharing prefixes of several lengths (one ending mid-block, a prompt that is
+all shared prefix), under every scheduler and cache mode, with preemption and eviction
+forced by a small budget; K/V peak memory stays within the budget's (plus one layer); a
+family whose prompt's K/V depend on what follows is refused, by the engine and by the
+job's preflight; the dispatcher's prefix affinity; the sorter's prefix locality knob."""
+from __future__ import annotations
+
+import os
+import random
+
+import pytest
+import torch
+
+from engine import Engine, EngineConfig, ModelConfig, SamplingParams, build_model
+from engine.slots import SLACK
+from test_llada2 import EOS, L, SETTINGS, tiny_llada2
+
+torch.set_num_threads(1)
+
+
+@pytest.fixture(scope="module")
+def model():
+    return build_model(tiny_llada2(), dtype=torch.float64, seed=0)
+
+
+def shared_prefix_workload(n=14, seed=0):
+    """Prompts from one 14-token preamble cut at 0, 3 (mid-block), 4, 8, 11 (mid-block) and
+    14 tokens (some prompts are the preamble alone), then 0-6 tokens of their own; and a
+    second preamble, so the cache holds two chains."""
+    rng = random.Random(seed)
+    pre = [[rng.randrange(13, 60) for _ in range(14)], [rng.randrange(13, 60) for _ in range(9)]]
+    prompts, names = [], list(SETTINGS)
+    for i in range(n):
+        p = pre[i % 3 == 2]
+        k = rng.choice([3, 4, 8, 11, len(p), len(p)])
+        own = [] if i % 4 == 0 else [rng.randrange(13, 60) for _ in range(rng.randint(1, 6))]
+        prompts.append(p[:k] + own)
+    jobs = [(names[i % len(names)], rng.randint(1, 3) * L - rng.randint(0, 2)) for i in range(n)]
+    return prompts, jobs
+
+
+def params_of(jobs, with_steps=None):
+    return [SamplingParams(max_new_tokens=n, policy="threshold", stop_token_ids=[EOS], **SETTINGS[name][0])
+            for name, n in jobs]
+
+
+def generate(model, prompts, jobs, **cfg):
+    eng = Engine(model, EngineConfig(block_length=L, steps_per_block=4, **cfg))
+    return [o.token_ids for o in eng.generate(prompts, params_of(jobs))], eng
+
+
+@pytest.mark.parametrize("scheduler,cache,budget,advance", [
+    ("blockserve", "persistent", 48, "block"), ("blockserve", "refresh", 40, "step"), ("blockserve", "dual", 56, "block"),
+    ("static", "persistent", 120, "block"), ("sequential", "persistent", 28, "block"),
+    ("sequential", "refresh", 32, "block")])
+def test_the_cache_gives_the_same_tokens(model, scheduler, cache, budget, advance):
+    """Every row's tokens equal with and without the cache; the cache was used (hits),
+    and under the small budgets it evicted and (blockserve) rows were preempted."""
+    prompts, jobs = shared_prefix_workload()
+    assert any(len(p) % L for p in prompts) and any(len(p) == 14 for p in prompts)
+    cfg = dict(scheduler=scheduler, cache=cache, token_budget=budget, max_batch_size=4, advance=advance)
+    off, _ = generate(model, prompts, jobs, **cfg)
+    on, eng = generate(model, prompts, jobs, **cfg, enable_prefix_caching=True)
+    assert on == off
+    st = eng.stats
+    assert st.prefix_hit_blocks > 0 and st.prefix_query_blocks >= st.prefix_hit_blocks
+    assert st.prefix_hit_tokens == L * st.prefix_hit_blocks and 0 < st.prefix_hit_rate <= 1
+    if scheduler != "static":
+        assert st.prefix_evictions > 0  # the budget forced the cache to give room
+    if scheduler == "blockserve" and cache == "persistent":
+        assert eng.scheduler.preemptions > 0
+    assert any(len(o) < n for o, (_, n) in zip(off, jobs))  # some rows stopped early
+
+
+def test_rows_that_join_together_compute_a_shared_prefix_once(model):
+    """Rows admitted in one batch that share uncached blocks: a leader computes them, the
+    others take them from the cache (fewer prompt columns computed, the same tokens)."""
+    rng = random.Random(5)
+    pre = [rng.randrange(13, 60) for _ in range(16)]
+    prompts = [pre + [rng.randrange(13, 60) for _ in range(rng.randint(0, 5))] for _ in range(4)]
+    jobs = [("2.1-edit", 2 * L)] * 4
+    off, e0 = generate(model, prompts, jobs, cache="persistent", token_budget=400)
+    on, e1 = generate(model, prompts, jobs, cache="persistent", token_budget=400, enable_prefix_caching=True)
+    assert on == off
+    assert e1.stats.prefix_hit_blocks == 3 * 4  # 3 followers x 4 blocks of the preamble
+    assert e1.stats.forward_tokens < e0.stats.forward_tokens
+
+
+def test_peak_kv_within_the_budget_with_the_cache_full(model):
+    """K/V peak <= the slots' budget (SLACK x token_budget cells) plus one layer's K, while
+    the cache fills what the batch leaves (it had to evict)."""
+    prompts, jobs = shared_prefix_workload(n=20, seed=3)
+    _, eng = generate(model, prompts, jobs, cache="persistent", token_budget=48, max_batch_size=4,
+                      enable_prefix_caching=True)
+    st, cfg = eng.stats, model.config
+    assert st.prefix_evictions > 0 and st.prefix_inserted_blocks > st.prefix_cached_blocks
+    one_layer = st.kv_budget_bytes // (2 * cfg.n_layers)
+    assert 0 < st.kv_peak_bytes <= SLACK * st.kv_budget_bytes + one_layer
+
+
+def test_bidirectional_prompts_are_refused(model, tiny_model_dir, tmp_path):
+    """LLaDA (a bidirectional prompt), cache none and the full canvas: refused, saying why;
+    by the engine and by the job's preflight (no Ray)."""
+    from engine.checkpoint import Checkpoint
+    from engine.loader import save_model
+    from pipeline.checkpoint_check import CheckpointRefused, check_settings
+
+    llada = build_model(ModelConfig.tiny(), dtype=torch.float32, seed=0)
+    with pytest.raises(ValueError, match="enable_prefix_caching: .*depend on the rest of each prompt"):
+        Engine(llada, EngineConfig(block_length=4, token_budget=64, enable_prefix_caching=True))
+    with pytest.raises(ValueError, match="cache 'none'"):
+        Engine(model, EngineConfig(block_length=4, cache="none", token_budget=64, enable_prefix_caching=True))
+    with pytest.raises(ValueError, match="full canvas"):
+        Engine(model, EngineConfig(block_length=4, canvas="full", token_budget=64, enable_prefix_caching=True))
+    cfg = EngineConfig(enable_prefix_caching=True)
+    with pytest.raises(CheckpointRefused, match="cannot be reused exactly") as e:
+        check_settings(Checkpoint.open(tiny_model_dir), SamplingParams(), cfg)
+    assert "--enable-prefix-caching" in str(e.value)
+    save_model(build_model(tiny_llada2(), dtype=torch.float32, seed=0), str(tmp_path / "llada2"))
+    check_settings(Checkpoint.open(str(tmp_path / "llada2")), SamplingParams(), cfg)  # accepted
+
+
+def test_prefix_affinity_routes_to_the_engine_holding_the_prefix():
+    from actors.prefix_affinity import PrefixAffinity, prefix_key
+
+    a, b = [list(range(40))], [list(range(100, 140))]
+    ka, kb = prefix_key(a, 8), prefix_key(b, 8)
+    assert ka != kb and prefix_key([[1, 2]], 8) is None
+    r = PrefixAffinity(slack=1)
+    assert r.choose(ka, {0: 0, 1: 0}, default=1) == 1  # unknown prefix: the least loaded (own first)
+    r.record(ka, 1)
+    assert r.choose(ka, {0: 0, 1: 1}, default=0) == 1  # within slack: where its prefix is
+    assert r.choose(ka, {0: 0, 1: 2}, default=0) == 0  # too busy: the least loaded
+    assert r.choose(ka, {0: 3}, default=0) == 0  # its engine is gone
+    assert r.choose(kb, {0: 2, 1: 0}, default=0) == 1
