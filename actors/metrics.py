@@ -35,7 +35,23 @@ METRICS: Dict[str, Tuple[str, str]] = {
     "blockray_token_budget_utilization": ("gauge", "Last batch cost / token_budget (0..1)"),
     "blockray_padding_fraction": ("gauge", "Padded cells / computed cells since the engine started"),
     "blockray_request_latency_seconds": ("histogram", "Seconds from add_request to finish, per request"),
+    "blockray_prefix_cache_query_blocks": ("counter", "Complete prompt blocks of rows joining a batch, looked up in "
+                                           "the prefix cache"),
+    "blockray_prefix_cache_hit_blocks": ("counter", "Prompt blocks whose K/V came from the prefix cache"),
+    "blockray_prefix_cache_query_tokens": ("counter", "Prompt tokens of rows joining a batch"),
+    "blockray_prefix_cache_hit_tokens": ("counter", "Prompt tokens whose K/V came from the prefix cache"),
+    "blockray_prefix_cache_evictions": ("counter", "Cached prompt blocks evicted to make room"),
+    "blockray_prefix_cache_blocks": ("gauge", "Prompt blocks the prefix cache holds"),
+    "blockray_prefix_cache_hit_rate": ("gauge", "Hit blocks / looked-up blocks since the engine started (0..1)"),
 }
+# Served only by engines with enable_prefix_caching (engine.prefix_cache), and from their first lookup
+PREFIX_METRICS = frozenset(n for n in METRICS if n.startswith("blockray_prefix_cache_"))
+# EngineStats counter -> its metric
+PREFIX_COUNTERS = {"prefix_query_blocks": "blockray_prefix_cache_query_blocks",
+                   "prefix_hit_blocks": "blockray_prefix_cache_hit_blocks",
+                   "prefix_query_tokens": "blockray_prefix_cache_query_tokens",
+                   "prefix_hit_tokens": "blockray_prefix_cache_hit_tokens",
+                   "prefix_evictions": "blockray_prefix_cache_evictions"}
 
 
 def new_run_id() -> str:
@@ -53,6 +69,7 @@ class _Seen:
     padded_cells: int = 0
     forward_s: float = 0.0
     finished: Dict[str, int] = field(default_factory=dict)
+    prefix: Dict[str, int] = field(default_factory=dict)
 
 
 class EngineMetrics:
@@ -89,6 +106,8 @@ class EngineMetrics:
         self.latency = Histogram("blockray_request_latency_seconds", description=METRICS[
             "blockray_request_latency_seconds"][1], boundaries=LATENCY_BUCKETS_S, tag_keys=keys)
         self.latency.set_default_tags(tags)
+        self._counter, self._gauge = counter, gauge
+        self._prefix: Dict[str, object] = {}  # created at the engine's first prefix-cache lookup
         self._seen = _Seen()
 
     def record_step(self, stats, latencies_s: Iterable[float]) -> None:
@@ -117,6 +136,22 @@ class EngineMetrics:
             self.padding_fraction.set(stats.padded_cells / stats.computed_cells)
         for s in latencies_s:
             self.latency.observe(max(float(s), 1e-9))
+        if getattr(stats, "prefix_query_blocks", 0):
+            self._record_prefix(stats, seen)
+
+    def _record_prefix(self, stats, seen: _Seen) -> None:
+        """The prefix cache's counters and gauges (engines with enable_prefix_caching)."""
+        if not self._prefix:
+            self._prefix = {name: self._counter(name) for name in PREFIX_COUNTERS.values()}
+            for name in ("blockray_prefix_cache_blocks", "blockray_prefix_cache_hit_rate"):
+                self._prefix[name] = self._gauge(name)
+        for attr, name in PREFIX_COUNTERS.items():
+            delta = getattr(stats, attr) - seen.prefix.get(attr, 0)
+            if delta > 0:
+                self._prefix[name].inc(delta)
+                seen.prefix[attr] = getattr(stats, attr)
+        self._prefix["blockray_prefix_cache_blocks"].set(stats.prefix_cached_blocks)
+        self._prefix["blockray_prefix_cache_hit_rate"].set(stats.prefix_hit_blocks / stats.prefix_query_blocks)
 
     def set_batches_in_flight(self, n: int) -> None:
         self.batches_in_flight.set(n)

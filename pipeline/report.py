@@ -161,6 +161,19 @@ def budget_text(engine: Dict[str, Any]) -> Optional[str]:
     return f"{n}{source}"
 
 
+def prefix_section(engines: Dict[str, Dict[str, Any]]) -> List[str]:
+    """The prefix cache of each engine that ran with it (--enable-prefix-caching): hit rate
+    in blocks and in prompt tokens, blocks cached at the end, evictions; nothing otherwise."""
+    rows = [(r, e["prefix_hit_blocks"] / e["prefix_query_blocks"],
+             e["prefix_hit_tokens"] / e["prefix_query_tokens"] if e.get("prefix_query_tokens") else None,
+             e.get("prefix_cached_blocks"), e.get("prefix_evictions"))
+            for r, e in engines.items() if e.get("prefix_query_blocks")]
+    if not rows:
+        return []
+    return ["<h2>Prefix cache</h2>",
+            table(rows, ["rank", "hit rate (blocks)", "hit rate (prompt tokens)", "cached blocks", "evictions"])]
+
+
 def render_report(summary: Dict[str, Any]) -> str:
     """The report page of a run's summary (summarize's dict plus run_offline's fields)."""
     s = summary
@@ -194,6 +207,7 @@ def render_report(summary: Dict[str, Any]) -> str:
         table(engine_rows, ["rank", "rows", "token budget", "busy s", "forward s", "steps", "generated tokens",
                             "padding"])
         if engine_rows else '<p class="empty">no engine stats</p>',
+        *prefix_section(engines),
         "<h2>Padding and retries</h2>",
         table([("padded / computed cells, all engines", padded / computed if computed else None),
                ("rows run again after an engine was lost", s.get("engine_retried_rows"))]),

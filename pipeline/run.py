@@ -242,7 +242,8 @@ def engine_figures(processor: Any) -> Dict[str, Dict[str, Any]]:
     planned one)} as the engines last posted them (config.collect_engine_stats); {} when
     none did."""
     keep = ("busy_s", "forward_s", "cycles", "steps", "generated_tokens", "padded_cells", "computed_cells",
-            "token_budget", "kv_peak_bytes", "budget")
+            "token_budget", "kv_peak_bytes", "budget", "prefix_query_blocks", "prefix_hit_blocks",
+            "prefix_query_tokens", "prefix_hit_tokens", "prefix_cached_blocks", "prefix_evictions")
     try:
         posted = getattr(processor, "engine_stats", dict)()
     except Exception as e:  # noqa: BLE001 - the report then says "no engine stats"; the run stands

@@ -135,3 +135,44 @@ def test_prefix_affinity_routes_to_the_engine_holding_the_prefix():
     assert r.choose(ka, {0: 0, 1: 2}, default=0) == 0  # too busy: the least loaded
     assert r.choose(ka, {0: 3}, default=0) == 0  # its engine is gone
     assert r.choose(kb, {0: 2, 1: 0}, default=0) == 1
+
+
+def test_metrics_and_report_show_the_prefix_cache(model):
+    """The engine's prefix counters reach the Ray metrics (as deltas) and the report."""
+    from actors.metrics import PREFIX_METRICS, EngineMetrics
+    from pipeline.report import render_report
+
+    prompts, jobs = shared_prefix_workload()
+    _, eng = generate(model, prompts, jobs, cache="persistent", token_budget=48, max_batch_size=4,
+                      enable_prefix_caching=True)
+    st = eng.stats
+
+    class Recorder:
+        def __init__(self):
+            self.value = 0.0
+
+        def inc(self, v):
+            self.value += v
+
+        def set(self, v):
+            self.value = v
+
+    m = EngineMetrics(0, "tiny", "r")
+    m.record_step(type(st)(), [])  # no lookups yet: no prefix series
+    assert m._prefix == {}
+    m.record_step(st, [])
+    assert set(m._prefix) == PREFIX_METRICS
+    m._prefix = {k: Recorder() for k in m._prefix}
+    more = type(st)(**{**st.__dict__, "prefix_hit_blocks": st.prefix_hit_blocks + 3,
+                       "prefix_query_blocks": st.prefix_query_blocks + 5})
+    m.record_step(more, [])
+    assert m._prefix["blockray_prefix_cache_hit_blocks"].value == 3
+    assert m._prefix["blockray_prefix_cache_query_blocks"].value == 5
+    assert m._prefix["blockray_prefix_cache_evictions"].value == 0
+    assert m._prefix["blockray_prefix_cache_blocks"].value == st.prefix_cached_blocks
+    assert m._prefix["blockray_prefix_cache_hit_rate"].value == more.prefix_hit_rate
+    figures = {k: getattr(st, k) for k in ("prefix_query_blocks", "prefix_hit_blocks", "prefix_query_tokens",
+                                           "prefix_hit_tokens", "prefix_cached_blocks", "prefix_evictions")}
+    page = render_report({"engines": {"0": figures, "1": {"prefix_query_blocks": 0}}})
+    assert "Prefix cache" in page and f"{st.prefix_hit_rate:.3g}"[:4] in page
+    assert "Prefix cache" not in render_report({"engines": {"0": {"steps": 3}}})

@@ -188,7 +188,7 @@ def scraped(watched):
 def test_every_grafana_panel_query_has_the_runs_series(scraped):
     url, dashboard, chosen, tags, start, end = scraped
     queries = [t for p in dashboard["panels"] for t in p["targets"]]
-    assert len(queries) == 14
+    assert len(queries) == 19
     assert empty_panel_queries(url, dashboard, chosen, tags, start, end) == []
 
 
@@ -202,7 +202,7 @@ def test_a_renamed_metric_empties_its_panel(scraped):
     assert len(empty) == 1 and "ray_blockray_tokens_generated_total" in empty[0], empty
     # another run chosen in the run variable: none of this run's series shows
     other = {**chosen, "run": ["not-" + tags["run"]]}
-    assert len(empty_panel_queries(url, dashboard, other, tags, start, end)) == 14
+    assert len(empty_panel_queries(url, dashboard, other, tags, start, end)) == 19
 
 
 # --- (b) report.html in the browser --------------------------------------------------------
