@@ -42,6 +42,13 @@ whose constructor raised: `EngineStartError`, with its cause). With
 live engines until its own answers. The engine likewise asks the group for its rank in its
 constructor and awaits it at its first call.
 
+Prefix affinity (engines with `enable_prefix_caching`, issue 40): a dispatcher whose engine
+is up asks the group where a batch should run (`route`: the engine that served the batch's
+prefix last, where the prefix cache still holds its K/V, unless that engine has more than
+one batch more in flight than the least loaded; else the least loaded, its own among
+equals; actors/prefix_affinity.py), on the first try only: a batch sent again after a loss
+goes where the failover above sends it.
+
 The engine gets only the columns it reads (token ids, the tokenizer's error, sampling
 params, seed, id) and each row's index; the dispatcher puts the engine's columns back on the
 whole batch, so pass-through columns never travel to an engine.
@@ -59,6 +66,7 @@ import ray
 
 from common.schema import ENGINE_RETRIES, OUTPUT_SCHEMA, STOP_TEXT, as_table
 
+from .prefix_affinity import prefix_key
 from .spec import EngineSpec
 
 logger = logging.getLogger(__name__)
@@ -115,6 +123,9 @@ class EngineDispatcher:
         self._wait_s = wait_for_engines_s if not ctx.was_current_actor_reconstructed else 0.0
         self._deadline = time.monotonic() + self._wait_s
         self._first_start: Optional[asyncio.Future] = None
+        # engines that cache prompt prefixes: a batch goes to the engine that served its prefix last
+        self._affinity = spec.engine.enable_prefix_caching
+        self._token_ids, self._block_length = spec.token_ids_column, spec.engine.block_length
 
     async def __call__(self, batch: Union[pa.Table, Dict[str, Any]]):
         yield await self.run_batch(batch)
@@ -123,11 +134,13 @@ class EngineDispatcher:
         table = as_table(batch)
         send = table.select([c for c in self._columns if c in table.column_names]).append_column(
             _ROW, pa.array(range(table.num_rows), pa.int64()))
-        retries = 0
+        retries, routed = 0, None
         self._group.track.remote(self._key, +1)  # an engine whose dispatcher is gone waits for these
         try:
             while True:
                 engine = await self._pick()
+                if self._affinity and not retries and engine is self._engine:  # the first try: by its prefix
+                    engine, routed = await self._route(send, engine)
                 try:
                     out = await engine.run_batch.remote(send)
                     break
@@ -141,7 +154,19 @@ class EngineDispatcher:
                                    table.num_rows, type(e).__name__, (str(e).splitlines() or [""])[0])
         finally:
             self._group.track.remote(self._key, -1)
+            if routed is not None:
+                self._group.routed_done.remote(routed)
         return self._merge(table, out, retries)
+
+    async def _route(self, send: pa.Table, own: "ray.actor.ActorHandle") -> Tuple["ray.actor.ActorHandle", str]:
+        """(engine, its dispatcher key) for a batch by prefix affinity (the group decides:
+        actors/prefix_affinity.py); its own engine when the chosen one is not known."""
+        col = send.column(self._token_ids).slice(0, 1).to_pylist() if self._token_ids in send.column_names else []
+        target = await self._group.route.remote(prefix_key(col, self._block_length), self._key)
+        if target == self._key:
+            return own, target
+        handle = (await self._group.engines.remote()).get(target)
+        return (handle, target) if handle is not None else (own, target)
 
     # --- routing ----------------------------------------------------------------------
     async def _own(self) -> "ray.actor.ActorHandle":

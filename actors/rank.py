@@ -13,6 +13,8 @@ builds holds it, so it lives as long as either):
   would go with it while another dispatcher may still need it;
 - keeps the stats each engine posts after a batch (EngineSpec.post_stats: tests, benches,
   the report);
+- routes batches by prefix affinity when the engines cache prefixes (`route`:
+  actors/prefix_affinity.py);
 - counts the batches each dispatcher has in flight, and stops an engine once its
   dispatcher is gone and no dispatcher of the run has a batch in flight (the engine asks,
   every couple of seconds, once it sees its dispatcher gone).
@@ -23,6 +25,8 @@ from typing import Any, Dict, Optional
 
 import ray
 
+from .prefix_affinity import PrefixAffinity
+
 
 @ray.remote(num_cpus=0)
 class _EngineGroup:
@@ -31,6 +35,8 @@ class _EngineGroup:
         self._engines: Dict[str, Any] = {}  # dispatcher key -> its engine (a DLLMEngineActor handle)
         self._busy: Dict[str, int] = {}  # dispatcher key -> batches it has in flight
         self._stats: Dict[int, Dict[str, Any]] = {}  # rank -> its engine's stats as last posted
+        self._affinity = PrefixAffinity()  # prefix key -> the dispatcher key whose engine served it last
+        self._routed: Dict[str, int] = {}  # dispatcher key -> batches routed to its engine, in flight
 
     def next(self) -> int:
         rank, self._next = self._next, self._next + 1
@@ -59,6 +65,20 @@ class _EngineGroup:
 
     def stats(self) -> Dict[int, Dict[str, Any]]:
         return dict(self._stats)
+
+    def route(self, prefix: Optional[int], own: str) -> str:
+        """The dispatcher key whose engine should run a batch of prefix key `prefix`
+        (actors/prefix_affinity.py: the engine that served it last, unless busier than the
+        least loaded by more than a batch; else the least loaded, `own` among equals);
+        counted in flight there until `routed_done`."""
+        loads = {k: self._routed.get(k, 0) for k in self._engines}
+        target = self._affinity.choose(prefix, loads, own) if loads else own
+        self._affinity.record(prefix, target)
+        self._routed[target] = self._routed.get(target, 0) + 1
+        return target
+
+    def routed_done(self, key: str) -> None:
+        self._routed[key] = max(0, self._routed.get(key, 0) - 1)
 
     def track(self, key: str, delta: int) -> None:
         self._busy[key] = self._busy.get(key, 0) + delta

@@ -138,13 +138,55 @@ def routing(model, s: Dict) -> Dict:
     return res
 
 
+def sorter(s: Dict) -> Dict:
+    """The sorter's prefix locality knob (DLLMProcessorConfig.sort_prefix_locality) on a
+    window of several tasks' rows with budgets of 64..512 tokens: per locality, the
+    preambles the engines compute (one per prefix per batch of `batch_size` rows, what a
+    prefix cache that starts each batch cold computes; fewer is better) and the balance
+    of two engines taking the ordered batches as they free up (makespan over its lower
+    bound, from the ordering's own cost model; 1 is perfect)."""
+    import numpy as np
+    import pyarrow as pa
+
+    from common.schema import TOKEN_IDS
+    from pipeline.sorting.cost import CostModel
+    from pipeline.sorting.order import SortWindowUDF
+
+    rng = random.Random(2)
+    pre = [[rng.randrange(3, 999) for _ in range(s["preamble"])] for _ in range(s["tasks"])]
+    rows = [(p + [rng.randrange(3, 999) for _ in range(rng.randint(*s["question"]))], rng.randint(64, 512))
+            for p in pre for _ in range(4 * s["task_rows"])]
+    rng.shuffle(rows)
+    table = pa.table({TOKEN_IDS: [r[0] for r in rows], "sampling_params": [{"max_new_tokens": r[1]} for r in rows],
+                      "task": [next(i for i, p in enumerate(pre) if r[0][:len(p)] == p) for r in rows]})
+    cost = CostModel(a=0.0, b=1.0, block_length=L, steps_per_block=8)
+    batch = 2 * s["batch"]
+    out = {}
+    for loc in (0.0, 0.5, 0.75, 1.0):
+        udf = SortWindowUDF(cost, SamplingParams(), "sampling_params", 2, None, loc)
+        t = udf(table)
+        lens = np.array([len(p) for p in t.column(TOKEN_IDS).to_pylist()])
+        gens = np.array([o["max_new_tokens"] for o in t.column("sampling_params").to_pylist()], dtype=np.float64)
+        secs = cost.times(lens, gens)
+        tasks = t.column("task").to_pylist()
+        preambles = sum(len(set(tasks[i:i + batch])) for i in range(0, len(tasks), batch))
+        loads, work = [0.0, 0.0], [float(secs[i:i + batch].sum()) for i in range(0, len(tasks), batch)]
+        for w in work:  # each batch to the engine that frees first
+            loads[loads.index(min(loads))] += w
+        bound = max(sum(work) / 2, max(work))
+        out[str(loc)] = {"preambles_computed": preambles, "batches": len(work), "makespan_over_bound": max(loads) / bound}
+        print(f"sorter locality {loc}: {preambles} preambles over {len(work)} batches, "
+              f"makespan / bound {max(loads) / bound:.3f}", flush=True)
+    return out
+
+
 def plot(res: Dict, path: str) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (a, b) = plt.subplots(1, 2, figsize=(9, 3.5))
+    fig, (a, b, c) = plt.subplots(1, 3, figsize=(13, 3.5))
     modes = list(res["single"])
     x = range(len(modes))
     a.bar([i - 0.2 for i in x], [res["single"][m]["off"]["tokens_per_cpu_s"] for m in modes], 0.4, label="no cache")
@@ -157,6 +199,14 @@ def plot(res: Dict, path: str) -> None:
     b.bar(pol, [res["routing"][p]["prefix_hit_rate"] for p in pol])
     b.set_ylabel("prefix hit rate (blocks)")
     b.set_title("2 engines: routing")
+    locs = list(res["sorter"])
+    c.plot([float(x) for x in locs], [res["sorter"][x]["preambles_computed"] for x in locs], "o-", label="preambles computed")
+    c.set_xlabel("sort_prefix_locality")
+    c.set_ylabel("preambles computed")
+    c2 = c.twinx()
+    c2.plot([float(x) for x in locs], [res["sorter"][x]["makespan_over_bound"] for x in locs], "s--", color="C1")
+    c2.set_ylabel("2-engine makespan / bound (dashed)")
+    c.set_title("sorter: prefix locality vs balance")
     fig.tight_layout()
     fig.savefig(path, dpi=100)
 
@@ -169,7 +219,7 @@ def main(argv=None) -> Dict:
     torch.set_num_threads(1)
     s = SMOKE if args.smoke else FULL
     model = build_model(tiny_llada2(), dtype=torch.float32, seed=0)
-    res = {"settings": s, "block_length": L, "single": single(model, s), "routing": routing(model, s)}
+    res = {"settings": s, "block_length": L, "sorter": sorter(s), "single": single(model, s), "routing": routing(model, s)}
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump(res, f, indent=1)

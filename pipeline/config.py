@@ -135,6 +135,12 @@ class DLLMProcessorConfig:
     # few-shot preamble is batched together. 0: no prefix grouping.
     sort_min_prefix: int = field(default=32, metadata={"bounds": at_least(0, integer=True), "help": (
         "blendserve: prompts sharing this many leading tokens sit together (0: off)")})
+    # sort="blendserve" only: how far rows of one prefix group are kept together against the
+    # cost order (pipeline/sorting/order.py grouped_buckets): 0 sorts by cost first, 1 puts a
+    # group's rows side by side at its costliest row's place; for --enable-prefix-caching.
+    sort_prefix_locality: float = field(default=0.0, metadata={"bounds": within(0, 1), "help": (
+        "blendserve: 0..1, how far rows sharing a prompt prefix are kept together against the cost order "
+        "(0: cost first; 1: a prefix group's rows side by side; pairs with --enable-prefix-caching)")})
     # Engines post their stats (busy_s, padded_cells, ...) per rank after every batch;
     # read them with `processor.engine_stats()` (tests, benches).
     collect_engine_stats: bool = field(default=False, metadata={"cli": False, "help": "tests and benches"})

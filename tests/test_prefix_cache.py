@@ -176,3 +176,29 @@ def test_metrics_and_report_show_the_prefix_cache(model):
     page = render_report({"engines": {"0": figures, "1": {"prefix_query_blocks": 0}}})
     assert "Prefix cache" in page and f"{st.prefix_hit_rate:.3g}"[:4] in page
     assert "Prefix cache" not in render_report({"engines": {"0": {"steps": 3}}})
+
+
+def test_the_sorters_prefix_locality_knob():
+    """sort_prefix_locality 0: the order by cost (prefix groups only within a bucket); 1:
+    every prefix group's rows side by side at its costliest row's place."""
+    import pyarrow as pa
+
+    from common.schema import TOKEN_IDS
+    from pipeline.sorting.cost import CostModel
+    from pipeline.sorting.order import SortWindowUDF
+
+    rng = random.Random(0)
+    pre = {t: [rng.randrange(3, 999) for _ in range(40)] for t in "ab"}
+    rows = [(t, pre[t] + [rng.randrange(3, 999) for _ in range(rng.randint(1, 9))], rng.randint(8, 512))
+            for t in "abababababab"]
+    table = pa.table({TOKEN_IDS: [r[1] for r in rows], "sampling_params": [{"max_new_tokens": r[2]} for r in rows],
+                      "task": [r[0] for r in rows]})
+    cost = CostModel(a=0.0, b=1.0, block_length=4, steps_per_block=4)
+
+    def order(loc):
+        return SortWindowUDF(cost, SamplingParams(), "sampling_params", 2, None, loc)(table).column("task").to_pylist()
+
+    runs = lambda seq: 1 + sum(x != y for x, y in zip(seq, seq[1:]))  # noqa: E731
+    assert runs(order(0.0)) > 2
+    assert runs(order(1.0)) == 2
+    assert runs(order(0.0)) >= runs(order(0.75)) >= runs(order(1.0))

@@ -21,7 +21,10 @@ The key, in order:
      canvas (`cost.Roofline`);
   2. prefix group: a hash of the prompt's first `sort_min_prefix` tokens (in
      PREFIX_CHUNK pieces), so prompts sharing a preamble sit next to each other within
-     their bucket; 0 for prompts shorter than that;
+     their bucket; 0 for prompts shorter than that. `sort_prefix_locality` (0..1) trades
+     cost order for prefix locality: a group's rows within 1 / (1 - locality) buckets
+     take its costliest row's bucket (`grouped_buckets`), so they are batched together
+     for the engines' prefix cache;
   3. prompt length, descending.
 """
 from __future__ import annotations
@@ -74,9 +77,10 @@ class SortWindowUDF:
     """Orders a window of rows by the key (see the module docstring)."""
 
     def __init__(self, cost: Union[CostModel, Roofline], sampling: SamplingParams, sampling_column: str,
-                 min_chunks: int, max_width: Optional[int] = None):
+                 min_chunks: int, max_width: Optional[int] = None, prefix_locality: float = 0.0):
         self.cost, self.sampling = cost, sampling
         self.sampling_column, self.min_chunks, self.max_width = sampling_column, min_chunks, max_width
+        self.prefix_locality = prefix_locality
 
     def budgets(self, batch: pa.Table, lens: np.ndarray) -> Tuple[np.ndarray, np.ndarray]:
         """(max_new_tokens, refused) per row: a row whose override does not parse, or whose
@@ -109,11 +113,34 @@ class SortWindowUDF:
             heads = pc.list_slice(ids, 0, self.min_chunks * PREFIX_CHUNK).to_pylist()
             prefix = np.array([k[self.min_chunks - 1] if len(k) >= self.min_chunks else 0
                                for k in (prefix_key(h or ()) for h in heads)], dtype=np.int64)
+        if self.prefix_locality > 0:
+            bucket = grouped_buckets(bucket, prefix, refused, self.prefix_locality)
         return bucket, prefix, lens
 
     def __call__(self, batch: pa.Table) -> pa.Table:
         bucket, prefix, lens = self.keys(batch)
         return batch.take(pa.array(np.lexsort((-lens, prefix, -bucket)), pa.int64()))  # the last key is the primary one
+
+
+def grouped_buckets(bucket: np.ndarray, prefix: np.ndarray, refused: np.ndarray, locality: float) -> np.ndarray:
+    """Cost buckets with rows of one prefix group brought together (sort_prefix_locality):
+    within each range of 1 / (1 - locality) buckets (every bucket at locality 1), a
+    group's rows take the bucket of its costliest row, so they sit side by side there
+    (an engine's prefix cache computes their preamble once) at the price of LPT's order
+    among them. 0 keeps the order by cost alone; rows without a group are unchanged."""
+    out = bucket.copy()
+    shared = np.nonzero((prefix != 0) & ~refused)[0]
+    if not len(shared):
+        return out
+    span = 1.0 / (1.0 - locality) if locality < 1 else math.inf
+    coarse = np.zeros(len(shared), np.int64) if span == math.inf else np.floor(bucket[shared] / span).astype(np.int64)
+    top: Dict[Tuple[int, int], int] = {}
+    for i, c in zip(shared.tolist(), coarse.tolist()):
+        k = (int(prefix[i]), c)
+        top[k] = max(top.get(k, int(bucket[i])), int(bucket[i]))
+    for i, c in zip(shared.tolist(), coarse.tolist()):
+        out[i] = top[(int(prefix[i]), c)]
+    return out
 
 
 def max_width(cfg: DLLMProcessorConfig, checkpoint: Any) -> int:
@@ -170,7 +197,7 @@ def order_dataset(ds: ray.data.Dataset, cfg: DLLMProcessorConfig, ray_remote_arg
     # A task stage (the UDF is stateless): no actor of its own to start before the first
     # window, which on a small machine delays the engines by seconds.
     ordered = ds.map_batches(SortWindowUDF(cost, cfg.sampling, cfg.sampling_column, min_chunks,
-                                           max_width(cfg, checkpoint)),
+                                           max_width(cfg, checkpoint), cfg.sort_prefix_locality),
                              batch_format="pyarrow", batch_size=cfg.sort_window_rows, udf_modifying_row_count=False,
                              **remote)
     # Ray Data joins a stage's yields into one block; engines pull whole blocks, so cut the
