@@ -48,7 +48,7 @@ CHECKPOINT = os.path.join(os.path.dirname(__file__), "..", "..", "shared", "chec
 SHRINK = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
               intermediate_size=128, moe_intermediate_size=32, num_experts=16, num_experts_per_tok=4, n_group=4,
               topk_group=2, vocab_size=1024, pad_token_id=1000, max_position_embeddings=4096)
-FULL = dict(rows=8, preamble=900, question=(60, 120), new=256, tasks=4, task_rows=6, batch=3)
+FULL = dict(rows=8, preamble=900, question=(60, 120), new=256, tasks=4, task_rows=12, batch=3)
 SMOKE = dict(rows=3, preamble=120, question=(20, 40), new=64, tasks=3, task_rows=2, batch=2)
 L = 32
 
