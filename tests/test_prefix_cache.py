@@ -219,7 +219,7 @@ def test_a_processor_run_with_two_engines(ray_local, tmp_path):
     rng = random.Random(7)
     pre = [[rng.randrange(13, 60) for _ in range(20)] for _ in range(3)]
     rows = [{"id": f"r{i:02d}", "prompt_token_ids": pre[i % 3] + [rng.randrange(13, 60) for _ in range(i % 5)]}
-            for i in range(18)]
+            for i in range(12)]
     engine = EngineConfig(block_length=L, steps_per_block=2, cache="persistent", token_budget=512, max_batch_size=8)
     sampling = SamplingParams(max_new_tokens=8, policy="threshold", threshold=0.2, stop_token_ids=[EOS])
     cfg = DLLMProcessorConfig(model=folder, num_engines=2, batch_size=3, max_concurrent_batches=2, dtype="float64",
@@ -227,7 +227,7 @@ def test_a_processor_run_with_two_engines(ray_local, tmp_path):
                               engine=EngineConfig(**{**engine.__dict__, "enable_prefix_caching": True}),
                               sampling=sampling, collect_engine_stats=True)
     proc = build_processor(cfg)
-    out = proc(ray.data.from_items(rows, override_num_blocks=6)).take_all()
+    out = proc(ray.data.from_items(rows, override_num_blocks=4)).take_all()
     assert sorted(r["id"] for r in out) == [r["id"] for r in rows]
     stats = proc.engine_stats()
     assert sum(s["prefix_hit_blocks"] for s in stats.values()) > 0
