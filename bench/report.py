@@ -154,6 +154,30 @@ OTHER = [
     ("cpu_diffusion_gemma.json", "DiffusionGemma on the CPU (`bench/diffusion_gemma_bench.py`)",
      "The canvas engine against transformers' batched generate.",
      lambda d: {"median_tokens_per_s": d["median_tokens_per_s"], "ratios": d["ratios"]}),
+    ("prefix_cpu.json", "Prefix caching (`bench/prefix_bench.py`)",
+     "Issue 40's 8-shot GSM8K-shaped workload on a tiny LLaDA2-layout model (LLaDA2.0-mini's published config.json "
+     "shrunk: hidden 64, 2 layers, 16 experts; random weights, float32, one thread): 8 rows of a shared 900-token "
+     "preamble and a 60-120-token question, 256 new tokens, block_length 32, LLaDA2's threshold policy (0.95) over "
+     "steps_per_block 8 (at least 4 tokens per step by its schedule floor). `single`: tokens per CPU-second of the "
+     "engine's thread without and with `enable_prefix_caching`, under the default cache mode (refresh) and under "
+     "persistent (and both at steps_per_block=2, at least 16 tokens per step: decoding-light), the tokens checked "
+     "equal; `computed_cells` are the query cells forwarded. `routing`: two "
+     "in-process engines, each with room for a batch and about 2.2 preambles of cached blocks, fed 16 batches of "
+     "3 rows of 4 tasks (a preamble each) through the dispatcher's logic (`actors.prefix_affinity`, not a Ray "
+     "cluster): `affinity` routes a batch to the engine that served its prefix last, `pool` alternates as Ray "
+     "Data hands blocks to free dispatchers; the hit rate is the engines' own. `sorter`: the sorter's "
+     "`sort_prefix_locality` on one window of 4 tasks x 48 rows with budgets of 64-512 tokens, batches of 6: "
+     "preambles computed (one per task per batch) and the makespan of two engines taking the ordered batches as "
+     "they free up, over its lower bound (the ordering's cost model).",
+     lambda d: {"single": {m: {"tokens_per_cpu_s": [v["off"]["tokens_per_cpu_s"], v["on"]["tokens_per_cpu_s"]],
+                               "with_over_without": v["speedup_tokens_per_cpu_s"],
+                               "computed_cells": [v["off"]["computed_cells"], v["on"]["computed_cells"]],
+                               "prefix_hit_rate": v["on"]["prefix_hit_rate"],
+                               "kv_peak_over_budget": [v["off"]["kv_peak_over_budget"], v["on"]["kv_peak_over_budget"]]}
+                           for m, v in d["single"].items()},
+                "routing": {p: {"prefix_hit_rate": v["prefix_hit_rate"], "evictions": v["evictions"]}
+                            for p, v in d["routing"].items()},
+                "sorter": {loc: [v["preambles_computed"], v["makespan_over_bound"]] for loc, v in d["sorter"].items()}}),
     ("sorter_scale.json", "Sorter at scale (`bench/sorter_bench.py --scale`)",
      "The job on 2 CPU engines, blendserve ordering against none, 1k to 16k rows.",
      lambda d: {k: d["summary"][k] for k in ("blendserve_over_none_1k", "r2")}),

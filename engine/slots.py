@@ -22,10 +22,11 @@ the box is right-aligned to the buffer's end), so:
 
 Memory: rows_cap * cols_cap * kv_bytes_per_token <= SLACK * token_budget * kv_bytes_per_token
 (the scheduler keeps B x W <= token_budget), plus, while rows are copied (a new shape, a
-move, a shift), one layer's K or V of those rows. With prefix caching (engine.prefix_cache)
-cached prompt blocks live at the storage's end, beyond the view: a new view leaves them the
-budget the batch does not use (`reserve`) and moves them out of its way (`before_view`). Catch-up sub-batches attend to their
-rows' slots in place (one attention per run of consecutive slots)."""
+move, a shift), one layer's K or V of those rows. Catch-up sub-batches attend to their
+rows' slots in place (one attention per run of consecutive slots). With prefix caching
+(engine.prefix_cache) cached prompt blocks live at the storage's end, beyond the view: a new
+view leaves them the budget the batch does not use (`reserve`) and moves them out of its
+way (`before_view`)."""
 from __future__ import annotations
 
 import math
