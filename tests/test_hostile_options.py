@@ -170,6 +170,9 @@ CASES = [
      ["every row would be refused", "edit_threshold (LLaDA2.1 token editing) is not part of LLaDA's decoding"]),
     ("a D2F option without D2F", ["--decoded-token-threshold", "0.5"], "good",
      ["decoded_token_threshold", "not read by this row's decoding (block)"]),
+    ("prefix caching on a bidirectional prompt", ["--enable-prefix-caching"], "good",
+     ["enable_prefix_caching: LLaDA attends over the whole prompt at once", "cannot be reused exactly",
+      "--enable-prefix-caching"]),
 ]
 
 
