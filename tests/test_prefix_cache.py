@@ -59,7 +59,10 @@ def test_the_cache_gives_the_same_tokens(model, scheduler, cache, budget, advanc
     """Every row's tokens equal with and without the cache; the cache was used (hits),
     and under the small budgets it evicted and (blockserve) rows were preempted."""
     prompts, jobs = shared_prefix_workload()
+    # prefixes ending mid-block, the whole preamble (14 tokens: mid-block), prompts that are
+    # all shared prefix (rows 0, 4, 8, ...: no tokens of their own), some of whole blocks only
     assert any(len(p) % L for p in prompts) and any(len(p) == 14 for p in prompts)
+    assert any(len(p) % L == 0 for i, p in enumerate(prompts) if i % 4 == 0)
     cfg = dict(scheduler=scheduler, cache=cache, token_budget=budget, max_batch_size=4, advance=advance)
     off, _ = generate(model, prompts, jobs, **cfg)
     on, eng = generate(model, prompts, jobs, **cfg, enable_prefix_caching=True)
