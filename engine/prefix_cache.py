@@ -196,7 +196,10 @@ class PrefixCache:
                 return
             prefill(leaders)
             self.insert(b, cost, rows=leaders)
+            before = b.cached[followers].clone()
             self.apply(b, followers, count=False, hits=True)
+            if bool((b.cached[followers] == before).all()):  # the cache had no room: they compute their own
+                return
 
     def _shared(self, b: "Batch", rows: List[int]) -> Tuple[List[int], List[int]]:
         """(leaders, followers) among `rows`: rows whose first uncached prompt block another
