@@ -21,6 +21,7 @@ from .models import DLLM, ModelConfig, checkpoint_names
 from .models.families import Serving
 from .models.families.base import ConfigRefused
 from .models.lora import read_adapter
+from .parallel import TensorParallel
 from common.tokenizer import load_tokenizer
 
 
@@ -31,14 +32,16 @@ def read_config(path: Union[str, os.PathLike], attention: str = "auto") -> Model
 
 def load_model(source: Union[str, os.PathLike, Checkpoint], dtype: torch.dtype = torch.bfloat16, device="cpu",
                tokenizer: bool = True, adapter: Optional[Union[str, os.PathLike]] = None,
-               attention: str = "auto", weights_dir: Optional[str] = None) -> Tuple[DLLM, Optional[object]]:
+               attention: str = "auto", weights_dir: Optional[str] = None,
+               tp: Optional[TensorParallel] = None) -> Tuple[DLLM, Optional[object]]:
     """(model, tokenizer) of a checkpoint: a local HF-style directory (opened as a
     Checkpoint here, with `adapter` and `attention`), or a Checkpoint the job's preflight
     opened (its adapter and attention already in it), whose weights are in `weights_dir`
     (default: Checkpoint.weights_dir(), a remote model's node-local copy). tokenizer is None
     when the model has no tokenizer files. A config key or tensor the engine would not
     honour, a missing or misshaped weight, or an adapter that does not fit is refused
-    (ValueError; KeyError for a missing weight) naming it."""
+    (ValueError; KeyError for a missing weight) naming it. `tp` (engine.parallel): this
+    rank's shard only (engine.models.sharding), each tensor read by its shard's byte ranges."""
     ckpt = source if isinstance(source, Checkpoint) else Checkpoint.open(
         str(source), adapter=None if adapter is None else str(adapter), attention=attention)
     if ckpt.serving != Serving.MASKED:
@@ -46,6 +49,8 @@ def load_model(source: Union[str, os.PathLike, Checkpoint], dtype: torch.dtype =
                             "(engine.canvas.load_diffusion_gemma), not by blockray's transformer")
     root = weights_dir or ckpt.weights_dir()
     cfg = ckpt.config
+    if tp is not None and tp.size > 1:
+        raise NotImplementedError("sharded loading: being built on branch tp-engine")
     with torch.device("meta"):
         model = DLLM(cfg)
     shapes = {n: tuple(p.shape) for n, p in model.named_parameters()}

@@ -78,7 +78,7 @@ def budget_refusal(prompt_len: int, max_tokens: int, canvas_length: int, token_b
 
 
 def load_diffusion_gemma(source: Any, dtype: torch.dtype = torch.bfloat16, device: str = "cpu",
-                         weights_dir: Optional[str] = None):
+                         weights_dir: Optional[str] = None, tp: Any = None):
     """transformers' DiffusionGemmaForBlockDiffusion (the class ships with transformers: no
     remote code) of a checkpoint folder or a Checkpoint (engine.checkpoint), from local
     files only, built from the Checkpoint's config.json rather than a second read of it.
@@ -90,6 +90,8 @@ def load_diffusion_gemma(source: Any, dtype: torch.dtype = torch.bfloat16, devic
     from ..models.families import Serving
 
     ckpt = source if isinstance(source, Checkpoint) else Checkpoint.open(str(source))
+    if tp is not None and tp.size > 1:
+        raise NotImplementedError("DiffusionGemma sharded loading: being built on branch tp-engine")
     if ckpt.serving != Serving.CANVAS:
         raise ValueError(f"{ckpt.model}: model_type {ckpt.hf.get('model_type')!r} is not diffusion_gemma")
     experts = "eager" if dtype == torch.float64 else None
