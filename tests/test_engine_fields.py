@@ -98,6 +98,11 @@ def test_every_engine_field_has_an_effect_or_is_refused(ckpt):
     checkpoint = Checkpoint.open(ckpt)
     for name, value in ENGINE.items():
         cfg = EngineConfig(**{name: value})
+        if name == "tensor_parallel_size":  # read: it must match the model's shards (a model loaded whole here)
+            with pytest.raises(ValueError, match="tensor_parallel_size=2, but the model was loaded whole"):
+                serve(cfg)
+            assert name in CANVAS.engine  # its effect, tokens of N ranks: tests/test_tensor_parallel.py
+            continue
         try:
             got = serve(cfg)
         except ValueError as e:
