@@ -77,3 +77,14 @@ def test_the_preflight_refuses_flash_on_one_h200_naming_the_size_that_fits():
     assert "tensor_parallel_size" in e.value.options
     check_gpu_memory(DLLMProcessorConfig(model=FLASH, engine=EngineConfig(tensor_parallel_size=2)), ckpt, cluster)
     assert smallest_tensor_parallel_size(ckpt.config, torch.bfloat16, EngineConfig(), H200) == 2
+
+
+def test_a_size_that_does_not_divide_the_heads_is_refused_naming_it(capsys):
+    ckpt = Checkpoint.open(FLASH, weights=False)
+    node = {"CPU": 64.0, "GPU": 8.0, "accelerator_type:H200": 8.0}
+    cluster = Cluster(dict(node), [node], what="an 8 x H200 node", gpu_memory=H200, gpu_type="H200")
+    with pytest.raises(JobError, match=r"tensor_parallel_size=3: 32 attention heads do not divide into 3 ranks") as e:
+        check_gpu_memory(DLLMProcessorConfig(model=FLASH, engine=EngineConfig(tensor_parallel_size=3)), ckpt, cluster)
+    assert e.value.options == ("tensor_parallel_size",)
+    assert main(["plan", "--model", FLASH, "--gpu", "141", "--tensor-parallel-size", "3"]) == 2
+    assert "no: tensor_parallel_size=3: 32 attention heads do not divide" in capsys.readouterr().out
