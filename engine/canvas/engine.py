@@ -146,10 +146,7 @@ class CanvasEngine:
 
     def prefix_figures(self) -> dict:
         """The prefix cache's counters under the engine stats' names (zeros without it)."""
-        if self.prefix is None:
-            return dict(prefix_hit_blocks=0, prefix_hit_tokens=0, prefix_queried_tokens=0, prefix_cached_blocks=0,
-                        prefix_evictions=0)
-        return self.prefix.figures()
+        return (self.prefix or PrefixCache(self.L)).figures()
 
     # ------------------------------------------------------------------ the loop
     def _area(self, rows: Sequence[_Row]) -> int:
@@ -403,6 +400,7 @@ class CanvasEngine:
             for i, (k, v) in enumerate(blk.kv):
                 self.kv.keys[i][row.slot, :, a:a + pc.block] = k
                 self.kv.values[i][row.slot, :, a:a + pc.block] = v
+                pc.stats.copied_bytes += 2 * k.numel() * k.element_size()
         return len(chain) * pc.block
 
     def _keep(self, row: _Row) -> None:
@@ -423,6 +421,7 @@ class CanvasEngine:
                 kv = [(self.kv.keys[i][row.slot, :, a:a + pc.block].clone(),
                        self.kv.values[i][row.slot, :, a:a + pc.block].clone()) for i in range(self.kv.n_layers)]
                 blk = pc.insert(keys[j], parent, kv)
+                pc.stats.copied_bytes += sum(2 * k.numel() * k.element_size() for k, _ in kv)
             pc.hold([blk])
             row.chain.append(blk)
             parent = blk

@@ -28,11 +28,15 @@ class Block:
 
 @dataclass
 class PrefixStats:
+    """The engine stats' prefix_* counters (engine.stats.EngineStats, the masked engine's names)."""
+
+    query_blocks: int = 0  # complete prompt blocks of the rows that joined
     hit_blocks: int = 0
+    query_tokens: int = 0  # prompt tokens of the rows that joined
     hit_tokens: int = 0
-    queried_tokens: int = 0  # prompt tokens looked up (the hit rate's denominator)
-    evictions: int = 0
     inserted_blocks: int = 0
+    evictions: int = 0
+    copied_bytes: int = 0  # K/V copied between the cache and the rows' slots
 
 
 class PrefixCache:
@@ -66,7 +70,8 @@ class PrefixCache:
         return got
 
     def count_lookup(self, prompt_len: int, hits: int) -> None:
-        self.stats.queried_tokens += prompt_len
+        self.stats.query_tokens += prompt_len
+        self.stats.query_blocks += prompt_len // self.block
         self.stats.hit_blocks += hits
         self.stats.hit_tokens += hits * self.block
 
@@ -104,9 +109,10 @@ class PrefixCache:
     def figures(self) -> Dict[str, int]:
         """The engine stats' names (the masked engine's prefix cache uses the same)."""
         s = self.stats
-        return dict(prefix_hit_blocks=s.hit_blocks, prefix_hit_tokens=s.hit_tokens,
-                    prefix_queried_tokens=s.queried_tokens, prefix_cached_blocks=len(self.blocks),
-                    prefix_evictions=s.evictions)
+        return dict(prefix_query_blocks=s.query_blocks, prefix_hit_blocks=s.hit_blocks,
+                    prefix_query_tokens=s.query_tokens, prefix_hit_tokens=s.hit_tokens,
+                    prefix_cached_blocks=len(self.blocks), prefix_inserted_blocks=s.inserted_blocks,
+                    prefix_evictions=s.evictions, prefix_copied_bytes=s.copied_bytes)
 
 
 __all__ = ["Block", "PrefixCache", "PrefixStats"]
