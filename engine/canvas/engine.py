@@ -102,6 +102,8 @@ class CanvasEngine:
         self._state = {k: None for k in _STATE}
         self.sc: Optional[torch.Tensor] = None  # (B, L, V) previous step's processed logits
         self._fresh: set = set()  # rows without self-conditioning logits (a canvas just started)
+        self._to_commit: List[_Row] = []  # rows whose finished canvas the next encoder pass writes
+        self._to_prefill: List[_Row] = []  # rows joining: the next encoder pass prefills them
         self._layout = None  # the decoder's cache view, masks and positions while no row joins, leaves or commits
         self.outputs: List[CanvasOutput] = []
         self.decoder_forwards = 0  # batched decoder calls
@@ -201,6 +203,7 @@ class CanvasEngine:
         caller (engine.canvas.serve, an EngineCore) fails the active rows (`fail`)."""
         self._preempt()
         self._admit()
+        self._flush()
         if not self.rows:
             return self.outputs
         logits = self._decode()
@@ -224,6 +227,7 @@ class CanvasEngine:
             r.chain = []
         self.rows, self._state, self.sc, self._layout = [], {k: None for k in _STATE}, None, None
         self._fresh.clear()
+        self._to_commit, self._to_prefill = [], []
 
     # ------------------------------------------------------------------ joins and leaves
     def _row_state(self, row: _Row) -> dict:
@@ -254,8 +258,8 @@ class CanvasEngine:
 
     def _join(self, rows: List[_Row]) -> None:
         """Rows take slots B.. (the active list first: a failing prefill fails them with the
-        others), their prompt + committed canvases are encoded in one forward, their state
-        appended."""
+        others) and their state is appended; their prompt + committed canvases are encoded
+        by the step's encoder pass (`_flush`)."""
         B = len(self.rows)
         for i, r in enumerate(rows):
             r.slot = B + i
@@ -263,7 +267,7 @@ class CanvasEngine:
         self.rows += rows
         self._layout = None
         states = [self._row_state(r) for r in rows]
-        self._prefill(rows, B)
+        self._to_prefill += rows
         for k in _STATE:
             parts = ([self._state[k]] if self._state[k] is not None else []) + [s[k] for s in states]
             self._state[k] = torch.cat(parts)
@@ -280,6 +284,8 @@ class CanvasEngine:
         """Rows give back their slots: the rows in the last slots move into the holes (their
         K/V and state copied once), so slots stay 0..B-1 in batch order."""
         gone = {r.slot for r in rows}
+        left = set(rows)
+        self._to_commit = [r for r in self._to_commit if r not in left]  # a preempted row re-encodes them all
         B = len(self.rows)
         n = B - len(gone)
         holes = sorted(s for s in gone if s < n)
@@ -358,32 +364,41 @@ class CanvasEngine:
         lo = self._lo(min(starts))
         masks = self._masks(st, None, t, lo, hi, causal=True)
         cache = Pass(self.kv, self.layer_types, slots, lo, hi, cols=cols, valid=valid)
-        m.model.encoder(input_ids=ids, attention_mask=masks, cache=cache, position_ids=cols.to(torch.int32))
+        text = getattr(m.model.encoder, "language_model", m.model.encoder)  # text only: its text model direct
+        text(input_ids=ids, attention_mask=masks, cache=cache, position_ids=cols.to(torch.int32))
         self.encoder_forwards += 1
         self.cells += sum(counts)
 
-    def _prefill(self, rows: List[_Row], first: int) -> None:
-        """transformers' prefill (as `generate` runs it at batch size 1) for the joining rows
-        at slots first.., in one forward: prompt + committed canvases (a preempted row's
-        recompute), after the leading prompt blocks the prefix cache holds."""
-        seqs, starts = [], []
-        for r in rows:
+    def _flush(self) -> None:
+        """The step's ONE encoder forward, before its decoder forward: the canvases the last
+        step committed (at positions cur_len - L..) and the joining rows' prefill (as
+        `generate` runs it at batch size 1: prompt + committed canvases, a preempted row's
+        recompute, after the leading prompt blocks the prefix cache holds), each row at its
+        own positions, right padded. Rows are independent in it (causal masks by absolute
+        position), so one pass serves both: a row joining where others commit costs no
+        extra encoder call."""
+        commits, joins = self._to_commit, self._to_prefill
+        self._to_commit, self._to_prefill = [], []
+        work = []  # (slot, tokens, start)
+        for r in commits:
+            work.append((r.slot, r.generated[-self.L:], r.cur_len - self.L))
+        for r in joins:
             toks, start = r.prompt + r.generated, 0
             if self.prefix is not None:
                 start = self._reuse(r)
-            seqs.append(toks[start:])
-            starts.append(start)
-        todo = [j for j, s in enumerate(seqs) if s]
-        if todo:
-            t = max(len(seqs[j]) for j in todo)
-            ids = torch.tensor([seqs[j] + [0] * (t - len(seqs[j])) for j in todo], dtype=torch.long,
-                               device=self.device)
-            contiguous = todo == list(range(todo[0], todo[0] + len(todo)))
-            slots = slice(first + todo[0], first + todo[-1] + 1) if contiguous else \
-                torch.tensor([first + j for j in todo], device=self.device)
-            self._encode(slots, ids, [starts[j] for j in todo], [len(seqs[j]) for j in todo])
+            if len(toks) > start:
+                work.append((r.slot, toks[start:], start))
+        if work:
+            work.sort(key=lambda w: w[0])
+            slots = [w[0] for w in work]
+            t = max(len(w[1]) for w in work)
+            ids = torch.tensor([w[1] + [0] * (t - len(w[1])) for w in work], dtype=torch.long, device=self.device)
+            contiguous = slots == list(range(slots[0], slots[0] + len(slots)))
+            sl = slice(slots[0], slots[-1] + 1) if contiguous else torch.tensor(slots, device=self.device)
+            self._encode(sl, ids, [w[2] for w in work], [len(w[1]) for w in work])
+            self._layout = None
         if self.prefix is not None:
-            for r in rows:
+            for r in joins:
                 self._keep(r)
 
     def _reuse(self, row: _Row) -> int:
@@ -427,18 +442,14 @@ class CanvasEngine:
             parent = blk
 
     def _commit(self, rows: Sequence[_Row]) -> None:
-        """ONE encoder forward writes the last canvas of every row in `rows` (appended to
-        `generated`, at positions cur_len - L..) into the rows' slots, then each starts its
-        next canvas (drawn from its generator)."""
+        """The rows' finished canvases (appended to `generated`) are encoded by the next
+        step's encoder pass (`_flush`, with the rows joining then); each starts its next
+        canvas now (drawn from its generator)."""
         if not rows:
             return
         L, dev = self.L, self.device
-        slots = [r.slot for r in rows]
-        ids = torch.tensor([r.generated[-L:] for r in rows], dtype=torch.long, device=dev)
-        contiguous = slots == list(range(slots[0], slots[0] + len(slots)))
-        sl = slice(slots[0], slots[-1] + 1) if contiguous else torch.tensor(slots, device=dev)
-        self._encode(sl, ids, [r.cur_len - L for r in rows], [L] * len(rows))
-        idx = torch.tensor(slots, dtype=torch.long, device=dev)
+        self._to_commit += rows
+        idx = torch.tensor([r.slot for r in rows], dtype=torch.long, device=dev)
         canvas = torch.cat([torch.randint(0, self.V, (1, L), generator=r.gen) for r in rows]).to(dev)
         s = self._state
         s["canvas"][idx] = canvas
@@ -466,6 +477,7 @@ class CanvasEngine:
     def decoder_inputs(self):
         """What the next decoder forward is given: (cache, masks, positions, canvas,
         self-conditioning logits or None) (bench/diffusion_gemma_backbone_bench.py)."""
+        self._flush()
         cache, masks, pos = self._decoder_layout()
         return cache, masks, pos, self._state["canvas"], self.sc if len(self._fresh) < len(self.rows) else None
 
@@ -478,12 +490,18 @@ class CanvasEngine:
             sc = self.sc
             if self._fresh:
                 sc_mask = self._state["has_sc"]
-        out = self.model(decoder_input_ids=self._state["canvas"], cache=cache, self_conditioning_logits=sc,
-                         self_conditioning_mask=sc_mask, decoder_attention_mask=masks, decoder_position_ids=pos)
+        m = self.model
+        # transformers' decoder module, then its LM head and logit softcap as
+        # DiffusionGemmaForBlockDiffusion.forward applies them (its two wrappers skipped: per-call overhead)
+        hidden = m.model.decoder(decoder_input_ids=self._state["canvas"], cache=cache, self_conditioning_logits=sc,
+                                 self_conditioning_mask=sc_mask, decoder_attention_mask=masks,
+                                 decoder_position_ids=pos).last_hidden_state
+        logits = m.lm_head(hidden).to(torch.float32)
+        logits = torch.tanh(logits / m.final_logit_softcapping) * m.final_logit_softcapping
         self.decoder_forwards += 1
         self.row_forwards += B
         self.cells += B * self.L
-        return out.logits
+        return logits
 
     def _denoise(self, raw: torch.Tensor):
         """transformers' `_denoising_step` for every row at once (each as at batch size 1:
