@@ -4,10 +4,10 @@ A row is its prompt plus committed canvases (their K/V written by transformers' 
 into the row's slot of the engine's K/V buffers, engine.canvas.kv) plus the canvas being
 denoised. Every step forwards the canvases of all active rows in ONE decoder call, over
 a view of the buffers (no per-step copy of any row's K/V) with a boolean mask per layer
-type and positions per row; the rows whose canvas stops in a step (stable and confident,
-or out of steps) commit theirs in ONE encoder forward and start their next canvas at the
-next step; the rows admitted in a step are prefilled in ONE encoder forward (right
-padded, each at its own positions). A row leaves at EOS or max_tokens; new rows are
+type and positions per row. The rows whose canvas stops in a step (stable and confident,
+or out of steps) start their next canvas at once; ONE encoder forward at the start of the
+next step writes their canvases and prefills the rows joining then (right padded, each
+row at its own positions: rows are independent in it). A row leaves at EOS or max_tokens; new rows are
 admitted under the token budget at any step (`blockserve`), only into an empty batch
 (`static`), or one at a time (`sequential`).
 
@@ -198,7 +198,8 @@ class CanvasEngine:
 
     @torch.no_grad()
     def step(self) -> List[CanvasOutput]:
-        """Admit, one decoder forward over every active row, commit the canvases that stopped.
+        """Admit, one encoder forward (the last step's commits, the joining rows' prefill), one
+        decoder forward over every active row, then the canvases that stopped are committed.
         Returns every output so far (`outputs`). A forward that raises propagates: the
         caller (engine.canvas.serve, an EngineCore) fails the active rows (`fail`)."""
         self._preempt()

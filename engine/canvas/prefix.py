@@ -11,7 +11,7 @@ attends them (the float64 tests check the tokens against transformers' `generate
 from __future__ import annotations
 
 from collections import OrderedDict
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
