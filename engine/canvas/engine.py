@@ -196,7 +196,7 @@ class CanvasEngine:
         if leaving:
             self._leave(leaving)
 
-    @torch.no_grad()
+    @torch.inference_mode()  # not no_grad: no version counters or view tracking on the step path
     def step(self) -> List[CanvasOutput]:
         """Admit, one encoder forward (the last step's commits, the joining rows' prefill), one
         decoder forward over every active row, then the canvases that stopped are committed.
@@ -475,6 +475,7 @@ class CanvasEngine:
             self._layout = (Pass(self.kv, self.layer_types, slice(0, len(self.rows)), lo, hi), masks, pos)
         return self._layout
 
+    @torch.inference_mode()
     def decoder_inputs(self):
         """What the next decoder forward is given: (cache, masks, positions, canvas,
         self-conditioning logits or None) (bench/diffusion_gemma_backbone_bench.py)."""
