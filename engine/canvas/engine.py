@@ -73,6 +73,15 @@ class _Row:
         return len(self.prompt) + len(self.generated)
 
 
+def _entropy(logits: torch.Tensor) -> torch.Tensor:
+    """torch.distributions.Categorical(logits=logits).entropy(), the same operations in the
+    same order (what transformers' sampler and stopping criteria compute), without building
+    the distribution object on every step."""
+    logits = logits - logits.logsumexp(dim=-1, keepdim=True)
+    probs = torch.softmax(logits, dim=-1)
+    return -(torch.clamp(logits, min=torch.finfo(logits.dtype).min) * probs).sum(-1)
+
+
 class CanvasEngine:
     """Serves DiffusionGemma requests; `model` is transformers' DiffusionGemmaForBlockDiffusion."""
 
@@ -521,7 +530,7 @@ class CanvasEngine:
         probs = torch.softmax(processed, dim=-1, dtype=torch.float32)
         denoiser = torch.argmax(probs / q, dim=-1)  # torch.multinomial(probs, 1) with these exponentials
         new_argmax = torch.argmax(processed, dim=-1)
-        entropy = torch.distributions.Categorical(logits=processed, validate_args=False).entropy()  # (B, L)
+        entropy = _entropy(processed)  # (B, L)
         # EntropyBoundSampler: accept the lowest-entropy tokens within the bound, renoise the rest
         sorted_e, order = torch.sort(entropy, dim=-1, descending=False)
         chosen = torch.cumsum(sorted_e, dim=-1) - sorted_e <= s["bound"].view(-1, 1)
