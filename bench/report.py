@@ -161,6 +161,8 @@ OTHER = [
      "tokens per CPU-second and per wall second, and blockserve's float64 tokens against transformers' generate of "
      "each prompt alone.",
      lambda d: {"median_tokens_per_cpu_s": d["median_tokens_per_cpu_s"], "ratios_cpu_time": d["ratios_cpu_time"],
+                "ratios_cpu_time_per_round_median": d.get("ratios_cpu_time_per_round_median"),
+                "ratios_cpu_time_best_round": d.get("ratios_cpu_time_best_round"),
                 "ratios": d["ratios"], "exact_float64": d["exact_float64"]}),
     ("sorter_scale.json", "Sorter at scale (`bench/sorter_bench.py --scale`)",
      "The job on 2 CPU engines, blendserve ordering against none, 1k to 16k rows.",
