@@ -31,10 +31,11 @@ class TensorParallel:
     size: int
     group: Any  # the torch.distributed group of the engine's ranks (the device backend's)
     cpu_group: Any = None  # a gloo group over the same ranks, for python objects (None: `group` is gloo)
+    backend: Optional[str] = None  # the group's (read once: the forward must not query it per call)
 
-    @property
-    def backend(self) -> str:
-        return dist.get_backend(self.group)
+    def __post_init__(self) -> None:
+        if self.backend is None:
+            self.backend = dist.get_backend(self.group) if self.size > 1 else "gloo"
 
     def _reduce_dtype(self, t: torch.Tensor) -> torch.dtype:
         if self.backend == "gloo":
@@ -64,7 +65,8 @@ class TensorParallel:
         if self.size == 1:
             return obj
         box = [obj]
-        dist.broadcast_object_list(box, src=src, group=self.cpu_group or self.group)
+        group = self.cpu_group or self.group
+        dist.broadcast_object_list(box, src=dist.get_global_rank(group, src), group=group)
         return box[0]
 
     def agree(self, value: Any) -> Any:
