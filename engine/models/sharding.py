@@ -128,6 +128,15 @@ class ShardPlan:
             return Piece(0, (q, (qn + kv[0], qn + kv[1]), (qn + kvn + kv[0], qn + kvn + kv[1])))
         return whole
 
+    def replicated_elements(self, name: str, shape: Tuple[int, ...]) -> int:
+        """Elements of `name` every rank holds a copy of: all of a replicated tensor, and the
+        K/V head of a rank when there are fewer K/V heads than ranks (fused or not)."""
+        kind, hd = self.cfg.family.shard_of(name), self.cfg.head_dim
+        rest = math.prod(shape[1:])
+        if self.cfg.n_kv_heads < self.size and kind in (Shard.KV, Shard.QKV):
+            return (2 if kind == Shard.QKV else 1) * hd * rest
+        return math.prod(shape) if self.replicated(name) else 0
+
     def replicated(self, name: str) -> bool:
         """Whether every rank holds all of `name` (norms, routers, row-parallel biases, and
         K/V heads when there are fewer than ranks)."""
@@ -202,12 +211,11 @@ def resident_bytes(model: nn.Module) -> int:
     return sum(p.numel() * p.element_size() for p in model.parameters())
 
 
-def replicated_bytes(plan: ShardPlan, dtype_bytes: Dict[str, int]) -> int:
-    """Bytes every rank holds whole (`dtype_bytes`: per internal name, the bytes of one
-    element as loaded)."""
+def replicated_elements(plan: ShardPlan) -> Dict[str, int]:
+    """Per internal parameter, the elements every rank holds a copy of."""
     shapes = plan.cfg.family.param_shapes(plan.cfg)
-    return sum(math.prod(s) * dtype_bytes[n] for n, s in shapes.items() if plan.replicated(n))
+    return {n: plan.replicated_elements(n, s) for n, s in shapes.items()}
 
 
 __all__ = ["ShardPlan", "Piece", "ShardingRefused", "RowParallelLinear", "VocabParallelEmbedding", "shard_model",
-           "tensor_parallel_of", "resident_bytes", "replicated_bytes"]
+           "tensor_parallel_of", "resident_bytes", "replicated_elements"]
