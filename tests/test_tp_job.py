@@ -2,8 +2,9 @@
 bundles, gloo), through the real job.
 
 2. The job CLI with `--tensor-parallel-size 2 --num-engines 1` writes every row exactly
-   once, with the tokens of `--tensor-parallel-size 1` (float64, sampled with row seeds:
-   the seeds reach the other rank), and summary.json records tensor_parallel_size.
+   once, with the tokens of tensor_parallel_size 1 (the engine on one device, float64,
+   sampled with the seeds the job derives per row: they reach the other rank), and
+   summary.json records tensor_parallel_size.
 5. A follower rank (`ray::TensorParallelFollower`) SIGKILLed while its engine runs a batch:
    rank 0 sees it lost and exits, Ray restarts the engine on its placement group, and the
    batches in flight are sent again; every row is written exactly once, with no error row.
@@ -39,23 +40,35 @@ def cli(*args: str, address: str) -> subprocess.CompletedProcess:
 
 
 def test_cli_job_with_two_ranks_gives_the_tokens_of_one(tmp_path, tiny_model_dir, ray_address):
-    inp = str(tmp_path / "in.parquet")
-    write_prompts(inp, "t{:02d}", N)
-    tokens = {}
-    for tp in (2, 1):
-        out = str(tmp_path / f"out-tp{tp}")
-        res = cli("--model", tiny_model_dir, "--input", inp, "--output", out, "--tensor-parallel-size", str(tp),
-                  address=ray_address)
-        assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
-        rows = read_parts(out).to_pylist()
-        assert sorted(r["id"] for r in rows) == [f"t{i:02d}" for i in range(N)]  # every row exactly once
-        assert [r["error"] for r in rows] == [None] * N
-        with open(os.path.join(out, "summary.json")) as f:
-            summary = json.load(f)
-        assert summary["tensor_parallel_size"] == tp and summary["rows"] == N and summary["errors"] == 0
-        tokens[tp] = {r["id"]: r["generated_token_ids"] for r in rows}
-    assert tokens[2] == tokens[1]
-    assert len({tuple(t) for t in tokens[1].values()}) > N // 2  # rows differ: the comparison means something
+    """The tokens of tensor_parallel_size 1: the engine on one device, in-process, with the
+    seeds the job gives each row (derived from --seed and the row's id)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    import torch
+
+    from actors.engine_actor import derive_seed
+    from engine import Engine, load_model
+
+    ids = [f"t{i:02d}" for i in range(N)]
+    prompts = [[5 + (i * 7 + j) % 30 for j in range(2 + i % 6)] for i in range(N)]
+    inp, out = str(tmp_path / "in.parquet"), str(tmp_path / "out")
+    pq.write_table(pa.table({"id": ids, "prompt_token_ids": prompts}), inp)
+    res = cli("--model", tiny_model_dir, "--input", inp, "--output", out, "--tensor-parallel-size", "2",
+              address=ray_address)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    rows = read_parts(out).to_pylist()
+    assert sorted(r["id"] for r in rows) == ids  # every row exactly once
+    assert [r["error"] for r in rows] == [None] * N
+    with open(os.path.join(out, "summary.json")) as f:
+        summary = json.load(f)
+    assert summary["tensor_parallel_size"] == 2 and summary["rows"] == N and summary["errors"] == 0
+
+    model, _ = load_model(tiny_model_dir, dtype=torch.float64, tokenizer=False)
+    engine = Engine(model, EngineConfig(block_length=4, steps_per_block=4, token_budget=1024))
+    ref = engine.generate(prompts, [SamplingParams(max_new_tokens=12, temperature=0.7, seed=derive_seed(11, i))
+                                    for i in ids])
+    assert {r["id"]: r["generated_token_ids"] for r in rows} == {i: o.token_ids for i, o in zip(ids, ref)}
+    assert len({tuple(o.token_ids) for o in ref}) > N // 2  # rows differ: the comparison means something
 
 
 def _ranks():
