@@ -23,7 +23,7 @@ Who does what:
   has diverged: it raises (`GroupDiverged`), which is a lost rank.
 - Failover: a lost rank fails its whole engine. Rank 0 watches its followers' `run` calls
   (their Ray futures, from a thread: no collective can hide a loss); when one ends while
-  the engine runs, rank 0's process exits. Its followers, its children, go with it (Ray's
+  the engine runs, or a collective of rank 0's own loop fails, rank 0's process exits. Its followers, its children, go with it (Ray's
   owner fate sharing); Ray restarts rank 0 (max_restarts=-1) on bundle 0 of the engine's
   placement group, which then starts its ranks again on the bundles freed; meanwhile the
   calls in flight to it fail and its dispatcher sends those batches to a live engine, exactly
@@ -128,7 +128,8 @@ class RankGroup:
 
     def lockstep(self, factory: Callable[[], Any], on_step: Any = None) -> "LockstepLoop":
         """Rank 0's engine loop (built as the other ranks build their first engine)."""
-        self.loop = LockstepLoop(factory, self.tp, on_step=on_step, on_shutdown=self._stopping.set)
+        self.loop = LockstepLoop(factory, self.tp, on_step=on_step, on_shutdown=self._stopping.set,
+                                 on_lost=lambda e: self._lost(0, e))
         return self.loop
 
     def _watch(self) -> None:
@@ -140,10 +141,17 @@ class RankGroup:
         if self._stopping.is_set():
             return
         fut = next(iter(done))
-        why = fut.exception() or "its loop ended while the engine runs"
+        self._lost(futures[fut], fut.exception() or RuntimeError("its loop ended while the engine runs"))
+
+    def _lost(self, rank: int, why: BaseException) -> None:
+        """Rank `rank` is lost (0: this rank's collectives failed): unless the engine is
+        stopping, exit this process; Ray restarts the engine, and its other ranks, children
+        of this process, go with it."""
+        if self._stopping.is_set():
+            return
         logger.error("tensor-parallel rank %d of this engine is lost (%s: %s): stopping every rank; Ray restarts the "
-                     "engine on its placement group and its batches go to a live engine", futures[fut],
-                     type(why).__name__, str(why).splitlines()[0] if str(why) else "")
+                     "engine on its placement group and its batches go to a live engine", rank,
+                     type(why).__name__, (str(why).splitlines() or [""])[0])
         logging.shutdown()
         os._exit(1)
 
@@ -154,8 +162,9 @@ class LockstepLoop(EngineLoop):
     adds them and steps, as every other rank does (`follow`)."""
 
     def __init__(self, engine_factory: Callable[[], Any], tp: Any, on_step: Any = None, idle_wait_s: float = 0.5,
-                 on_shutdown: Optional[Callable[[], None]] = None):
+                 on_shutdown: Optional[Callable[[], None]] = None, on_lost: Optional[Callable[[Any], None]] = None):
         self.tp = tp
+        self._on_lost = on_lost
         self._queue: List[Add] = []
         self._epoch = 0  # raised by a failed step: every rank then builds a fresh engine
         self._on_shutdown = on_shutdown
@@ -206,9 +215,11 @@ class LockstepLoop(EngineLoop):
                         self._on_step(engine, outs)
                     except Exception:  # noqa: BLE001 - metrics must never stop generation
                         logger.exception("engine step hook failed")
-        except Exception as e:  # noqa: BLE001 - a collective failed: a rank is gone (its watcher stops us)
+        except Exception as e:  # noqa: BLE001 - a collective failed (a rank gone, or timed out): the group is lost
             logger.exception("tensor-parallel engine loop failed")
             self._break(f"tensor-parallel group failed: {type(e).__name__}: {e}")
+            if self._on_lost is not None:
+                self._on_lost(e)  # rank 0's process exits: Ray restarts the whole group
 
     def _fail_in_flight(self, error: Exception) -> None:
         """A step raised: the requests in flight (and those queued for it) get the error, and

@@ -123,3 +123,52 @@ def test_a_killed_follower_rank_fails_its_engine_and_every_row_is_written_once(t
     assert summary["engine_retried_rows"] == len(resent)
     # the engine came back (a new rank 0, numbered anew by the run's group) and took them
     assert {r["engine_rank"] for r in resent} == {1}, resent
+
+
+def test_tensor_parallel_size_is_one_placement_group_per_engine():
+    """The option's plumbing, no Ray: the engine's placement group (one bundle per rank,
+    PACK; rank 0, the engine actor, asks for bundle 0), the pool check's totals, the engine
+    config's field kept in step, and what cannot be placed refused naming the option."""
+    import pytest
+
+    from pipeline.processor import DLLMProcessor
+    from pipeline.resources import Cluster, check_resources
+    from pipeline.errors import JobError
+
+    cpu = DLLMProcessorConfig(model="m", tensor_parallel_size=2)
+    assert cpu.engine.tensor_parallel_size == 2
+    assert cpu.engine_resources(0) == {"num_gpus": 0.0, "num_cpus": 0.5, "resources": {}, "device": "cpu",
+                                       "placement": {"bundles": [{"CPU": 0.25}, {"CPU": 0.25}], "strategy": "PACK"}}
+    gpu = DLLMProcessorConfig(model="m", tensor_parallel_size=4, num_engines=2, accelerator_type="H200",
+                              resources_per_engine={"engine_slot": 1})
+    res = gpu.engine_resources(8)
+    assert (res["num_gpus"], res["num_cpus"], res["device"]) == (4.0, 4.0, "cuda")
+    h200 = {"accelerator_type:H200": 0.001}
+    assert res["placement"] == {"bundles": [{"CPU": 1.0, "GPU": 1.0, "engine_slot": 1, **h200}] +
+                                [{"CPU": 1.0, "GPU": 1.0, **h200}] * 3, "strategy": "PACK"}
+    assert DLLMProcessor(gpu).engine_options() == {"num_cpus": 1.0, "num_gpus": 1.0, "placement": res["placement"],
+                                                   "resources": {"engine_slot": 1, **h200}}
+    node = {"CPU": 16.0, "GPU": 4.0, "accelerator_type:H200": 1.0}
+    check_resources(gpu, Cluster({"CPU": 32.0, "GPU": 8.0, "accelerator_type:H200": 2.0}, [node, node]))
+    with pytest.raises(JobError, match=r"needs 8 GPU \(2 engine\(s\) x 4\)"):  # GPUs = engines x ranks
+        check_resources(gpu, Cluster(node, [node]))
+    pg = DLLMProcessorConfig(model="m", tensor_parallel_size=2,
+                             placement_group_config={"bundle_per_worker": {"GPU": 1, "CPU": 2}})
+    assert pg.engine_resources(2)["placement"]["bundles"] == [{"GPU": 1, "CPU": 2}] * 2
+    assert (pg.engine_resources(2)["num_gpus"], pg.engine_resources(2)["num_cpus"]) == (2.0, 4.0)
+
+    from engine import EngineConfig as EC
+    assert DLLMProcessorConfig(model="m", engine=EC(tensor_parallel_size=2)).tensor_parallel_size == 2
+    refusals = {
+        "tensor_parallel_size 2, but the engine config says 4": dict(engine=EC(tensor_parallel_size=4)),
+        "num_gpus_per_engine 1 with tensor_parallel_size 2": dict(num_gpus_per_engine=1),
+        "1 bundle(s) for tensor_parallel_size 2": dict(placement_group_config={"bundles": [{"GPU": 1}]}),
+        "strategy SPREAD for tensor_parallel_size 2": dict(placement_group_config={"bundles": [{"GPU": 1}] * 2,
+                                                                                  "strategy": "SPREAD"}),
+        "at most 1 GPU per bundle": dict(placement_group_config={"bundles": [{"GPU": 2}] * 2}),
+        "tensor_parallel_size must be an integer >= 1": dict(tensor_parallel_size=0),
+    }
+    for words, kw in refusals.items():
+        with pytest.raises(ValueError) as info:
+            DLLMProcessorConfig(model="m", tensor_parallel_size=kw.pop("tensor_parallel_size", 2), **kw)
+        assert words in str(info.value), (words, str(info.value))
