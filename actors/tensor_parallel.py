@@ -233,12 +233,16 @@ class LockstepLoop(EngineLoop):
                 fut.set_result(error_output(rid, [], f"engine step failed: {type(error).__name__}: {error}"))
 
     def _rebuild(self) -> bool:
+        """A fresh engine, built on every rank at once (its budget is agreed collectively).
+        Should it raise here, the other ranks' state is unknown: the group is lost."""
         try:
             self.engine = self._factory()
             return True
         except Exception as e:  # noqa: BLE001 - no engine to serve any request: fail them all
-            logger.exception("rebuilding the engine failed; every request fails from now on")
+            logger.exception("rebuilding the engine failed")
             self._break(f"rebuilding the engine failed: {type(e).__name__}: {e}")
+            if self._on_lost is not None:
+                self._on_lost(e)
             return False
 
     def _break(self, message: str) -> None:
