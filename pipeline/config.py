@@ -214,6 +214,9 @@ class DLLMProcessorConfig:
         tp = self.tensor_parallel_size = max(tp, eng)
         if eng != tp:
             self.engine = replace(self.engine, tensor_parallel_size=tp)
+        if tp > 1 and self.num_cpus_per_engine == 0:  # Ray refuses a bundle of nothing
+            raise ValueError(f"num_cpus_per_engine 0 with tensor_parallel_size {tp}: each rank's bundle of the "
+                             "engine's placement group needs some CPU; give more than 0, or leave it unset")
         gpus = self.num_gpus_per_engine
         if tp > 1 and gpus is not None and gpus not in (0, tp):
             raise ValueError(f"num_gpus_per_engine {gpus:g} with tensor_parallel_size {tp}: each rank of an engine "
@@ -334,6 +337,9 @@ def rank_bundles(pg: Any, n: int) -> List[Dict[str, float]]:
         raise ValueError(f"{where}: {len(bundles)} bundle(s) for tensor_parallel_size {n}: give one bundle per rank "
                          "(or 'bundle_per_worker', repeated for each)")
     for i, b in enumerate(bundles):
+        if n > 1 and not any(v > 0 for v in b.values()):
+            raise ValueError(f"{where}: bundles[{i}] asks for nothing, and Ray places no empty bundle: give each rank "
+                             "some CPU or a GPU")
         if n > 1 and b.get("GPU", 0) > 1:
             raise ValueError(f"{where}: bundles[{i}] asks for {b['GPU']:g} GPUs, and a rank of a tensor-parallel engine "
                              "is one device: at most 1 GPU per bundle")

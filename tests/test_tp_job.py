@@ -166,6 +166,8 @@ def test_tensor_parallel_size_is_one_placement_group_per_engine():
         "strategy SPREAD for tensor_parallel_size 2": dict(placement_group_config={"bundles": [{"GPU": 1}] * 2,
                                                                                   "strategy": "SPREAD"}),
         "at most 1 GPU per bundle": dict(placement_group_config={"bundles": [{"GPU": 2}] * 2}),
+        "bundles[1] asks for nothing": dict(placement_group_config={"bundles": [{"CPU": 1}, {"CPU": 0}]}),
+        "num_cpus_per_engine 0 with tensor_parallel_size 2": dict(num_cpus_per_engine=0),
         "tensor_parallel_size must be an integer >= 1": dict(tensor_parallel_size=0),
     }
     for words, kw in refusals.items():
