@@ -23,12 +23,16 @@ Who does what:
   has diverged: it raises (`GroupDiverged`), which is a lost rank.
 - Failover: a lost rank fails its whole engine. Rank 0 watches its followers' `run` calls
   (their Ray futures, from a thread: no collective can hide a loss); when one ends while
-  the engine runs, or a collective of rank 0's own loop fails, rank 0's process exits. Its followers, its children, go with it (Ray's
-  owner fate sharing); Ray restarts rank 0 (max_restarts=-1) on bundle 0 of the engine's
-  placement group, which then starts its ranks again on the bundles freed; meanwhile the
-  calls in flight to it fail and its dispatcher sends those batches to a live engine, exactly
-  once (actors/engine_router.py). Rank 0 lost: the same, seen by Ray directly. A node lost:
-  Ray reschedules the placement group's bundles, and the engine restarts there.
+  the engine runs, or a collective of rank 0's own loop fails, rank 0's process exits. Its
+  followers, its children, go with it (Ray's owner fate sharing); Ray restarts rank 0
+  (max_restarts=-1) on bundle 0 of the engine's placement group, which then starts its
+  ranks again on the bundles freed; meanwhile the calls in flight to it fail and its
+  dispatcher sends those batches to a live engine, exactly once (actors/engine_router.py).
+  Rank 0 lost: the same, seen by Ray directly. A node lost: Ray reschedules the placement
+  group's bundles, and the engine restarts there. The placement group itself is kept
+  (reserved by the group actor) across restarts and removed with the engine.
+- Collectives that hang rather than fail (a peer alive but stuck) wait for the backend's
+  own timeout (engine.parallel's init_process_group default), then fail as above.
 
 Ray here, torch only inside the rank processes (imported when they run).
 """
