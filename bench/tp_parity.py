@@ -108,6 +108,12 @@ CASES = [
          [dict(sub_block_length=2, threshold=0.5), dict(threshold=0.4)], 6),
 ]
 TP4 = "llada2-editing"  # the case also run on four ranks
+# cases the CPU test leaves out (their compile costs more CPU time than its budget): the
+# block-only step through torch.compile (EngineConfig.compile_decode) with the collectives inside
+EXTRA_CASES = [
+    Case("llada-dual-compiled", _llada, dict(cache="dual", advance="step", compile_decode=True),
+         [dict(threshold=0.3), dict(policy="fixed"), NOISY], 7),
+]
 
 
 def engine_config(case: Case, size: int) -> EngineConfig:
@@ -115,9 +121,14 @@ def engine_config(case: Case, size: int) -> EngineConfig:
                            "tensor_parallel_size": size})
 
 
-def run_case(case: Case, model, size: int) -> List[Tuple[List[int], str]]:
+def run_case(case: Case, model, size: int, stats: Optional[Dict[str, Any]] = None) -> List[Tuple[List[int], str]]:
+    """[token ids, finish reason, error] per row; `stats` gets the engine's counters."""
     prompts, params = case.workload()
-    outs = Engine(model, engine_config(case, size)).generate(prompts, params)
+    engine = Engine(model, engine_config(case, size))
+    outs = engine.generate(prompts, params)
+    if stats is not None:
+        stats.update(forwards=engine.stats.forwards, compiled_forwards=engine.stats.compiled_forwards,
+                     compile_fallbacks=engine.stats.compile_fallbacks, cycles=engine.stats.cycles)
     return [[list(o.token_ids), str(o.finish_reason), o.error] for o in outs]
 
 
@@ -145,7 +156,7 @@ def _worker(rank: int, world: int, root: str, dtype_name: str, backend: str, cas
     dtype = getattr(torch, dtype_name)
     world_tp = init_tensor_parallel(rank, world, f"file://{os.path.join(root, 'rendezvous')}", backend)
     device = f"cuda:{torch.cuda.current_device()}" if backend == "nccl" else "cpu"
-    by_name = {c.name: c for c in CASES}
+    by_name = {c.name: c for c in CASES + EXTRA_CASES}
     pairs = [list(range(i, min(i + 2, world))) for i in range(0, world, 2)]
     groups = [(ranks, dist.new_group(ranks), dist.new_group(ranks, backend="gloo") if backend == "nccl" else None)
               for ranks in pairs]  # every rank creates every group, in the same order
@@ -158,8 +169,9 @@ def _worker(rank: int, world: int, root: str, dtype_name: str, backend: str, cas
             for name in names:
                 t0 = time.perf_counter()
                 model, _ = load_model(os.path.join(root, name), dtype=dtype, device=device, tokenizer=False, tp=tp)
-                got = run_case(by_name[name], model, tp.size)
-                record = dict(tokens=got, seconds=time.perf_counter() - t0, resident_bytes=resident_bytes(model),
+                stats: Dict[str, Any] = {}
+                got = run_case(by_name[name], model, tp.size, stats)
+                record = dict(tokens=got, stats=stats, seconds=time.perf_counter() - t0, resident_bytes=resident_bytes(model),
                               read_bytes=model.shard_reads.bytes,
                               reads={k: [d, [list(r) for r in rs]] for k, (d, rs) in model.shard_reads.ranges.items()})
                 with open(os.path.join(root, "out", f"{name}.tp{tp.size}.rank{tp.rank}.json"), "w") as f:
@@ -190,4 +202,4 @@ def run_sharded(root: str, world: int = 4, dtype: torch.dtype = torch.float64, b
     return mine, records
 
 
-__all__ = ["CASES", "TP4", "Case", "write_checkpoints", "baseline", "run_sharded", "run_case", "engine_config"]
+__all__ = ["CASES", "EXTRA_CASES", "TP4", "Case", "write_checkpoints", "baseline", "run_sharded", "run_case", "engine_config"]

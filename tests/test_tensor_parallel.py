@@ -122,3 +122,34 @@ def test_an_engine_refuses_a_size_its_model_was_not_loaded_at():
     model = build_model(ModelConfig.tiny("llada"), dtype=torch.float64)
     with pytest.raises(ValueError, match="tensor_parallel_size=2"):
         Engine(model, EngineConfig(tensor_parallel_size=2, token_budget=64))
+
+
+def test_a_lora_adapter_merges_per_shard(tmp_path):
+    """Each rank's shard of a LoRA-merged model is the shard of the model merged whole:
+    the adapter's B rows (column-parallel q, k, v, gate, up; K/V heads replicated on four
+    ranks) or A columns (row-parallel o, down) of the shard only. Loading a shard runs no
+    collective, so the ranks are loaded here one after the other."""
+    from checkpoints import write_lora
+
+    from engine import load_model, save_model
+    from engine.parallel import TensorParallel
+
+    cfg = ModelConfig.tiny("Dream")  # 4 heads, 2 K/V heads, q/k/v biases
+    save_model(build_model(cfg, dtype=torch.float64, seed=3), tmp_path / "base")
+    lora = write_lora(str(tmp_path / "lora"), cfg, targets=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
+                                                            "up_proj", "down_proj"])
+    whole, _ = load_model(tmp_path / "base", dtype=torch.float64, tokenizer=False, adapter=lora)
+    plain, _ = load_model(tmp_path / "base", dtype=torch.float64, tokenizer=False)
+    full = dict(whole.named_parameters())
+    assert not torch.equal(full["layers.0.o.weight"], dict(plain.named_parameters())["layers.0.o.weight"])
+    for size in (2, 4):
+        for rank in range(size):
+            shard, _ = load_model(tmp_path / "base", dtype=torch.float64, tokenizer=False, adapter=lora,
+                                  tp=TensorParallel(rank, size, None, backend="gloo"))
+            plan = ShardPlan(whole.config, rank, size)
+            for name, p in shard.named_parameters():
+                piece = plan.piece(name, tuple(full[name].shape))
+                parts = [full[name].narrow(piece.dim, a, b - a) for a, b in piece.ranges]
+                if piece.pad:
+                    parts.append(parts[0].new_zeros((piece.pad, *parts[0].shape[1:])))
+                assert torch.equal(p, torch.cat(parts, piece.dim)), name
