@@ -104,6 +104,9 @@ def fill_seed(params: SamplingParams) -> SamplingParams:
     return params if params.seed is not None else dataclasses.replace(params, seed=random.getrandbits(62))
 
 
+START_GRACE_S = 10.0  # a follower failing while rank 0 still starts: how long rank 0 may take to fail alike
+
+
 class RankGroup:
     """Rank 0's side of one engine's group: starts the other ranks on the other bundles of
     the placement group it runs on, joins them (`tp`), and stops this process when one of
@@ -145,6 +148,10 @@ class RankGroup:
         if self._stopping.is_set():
             return
         fut = next(iter(done))
+        if self.loop is None:  # still starting: a failure every rank meets (a model that cannot be
+            # sharded N ways) raises in rank 0's constructor too, which Ray reports as the
+            # engine's start failure (not restarted): give it that chance before exiting
+            self._stopping.wait(START_GRACE_S)
         self._lost(futures[fut], fut.exception() or RuntimeError("its loop ended while the engine runs"))
 
     def _lost(self, rank: int, why: BaseException) -> None:
