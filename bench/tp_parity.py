@@ -87,11 +87,11 @@ class Case:
         return _mix(self.kinds, n, self.seed, cfg.vocab_size, cfg.eos_token_id)
 
 
-# 12 prompts each, one mixed batch per case (blockserve unless named), persistent and dual caches
+# 12 prompts each, one mixed batch per case (blockserve unless named); every cache mode, both advances
 CASES = [
     Case("llada-dual", _llada, dict(cache="dual", advance="step"),
          [dict(threshold=0.3), dict(policy="fixed"), NOISY, RANDOM, dict(top_k=3, temperature=0.9, seed=3)]),
-    Case("d2f", lambda: _llada(dllm_attention="block_causal"), dict(cache="persistent"),
+    Case("d2f-refresh", lambda: _llada(dllm_attention="block_causal"), dict(cache="refresh"),
          [dict(block_add_threshold=0.1, decoded_token_threshold=0.25, threshold=0.6), dict(policy="fixed"),
           dict(block_add_threshold=0.5, decoded_token_threshold=0.75, threshold=0.5, temperature=0.7, seed=5)], 1),
     Case("dream-dual", lambda: ModelConfig.tiny("Dream", tie_word_embeddings=True), dict(cache="dual"),
@@ -104,7 +104,7 @@ CASES = [
                                                                              max_post_steps=1)], 4),
     Case("sdar-moe-step", _sdar_moe, dict(cache="persistent", advance="step"),
          [dict(threshold=0.3), dict(policy="entropy_bound", entropy_bound=0.5), NOISY], 5),
-    Case("fast-dllm-v2", _v2, dict(cache="persistent", scheduler="sequential"),
+    Case("fast-dllm-v2-nocache", _v2, dict(cache="none", scheduler="sequential"),
          [dict(sub_block_length=2, threshold=0.5), dict(threshold=0.4)], 6),
 ]
 TP4 = "llada2-editing"  # the case also run on four ranks
@@ -171,7 +171,9 @@ def _worker(rank: int, world: int, root: str, dtype_name: str, backend: str, cas
                 model, _ = load_model(os.path.join(root, name), dtype=dtype, device=device, tokenizer=False, tp=tp)
                 stats: Dict[str, Any] = {}
                 got = run_case(by_name[name], model, tp.size, stats)
-                record = dict(tokens=got, stats=stats, seconds=time.perf_counter() - t0, resident_bytes=resident_bytes(model),
+                seedless = Engine(model, engine_config(by_name[name], tp.size)).generate(
+                    [[5, 6, 7]], SamplingParams(max_new_tokens=L, temperature=0.7))[0]  # no seed: refused, not drawn
+                record = dict(tokens=got, stats=stats, seedless=[seedless.finish_reason, seedless.error], seconds=time.perf_counter() - t0, resident_bytes=resident_bytes(model),
                               read_bytes=model.shard_reads.bytes,
                               reads={k: [d, [list(r) for r in rs]] for k, (d, rs) in model.shard_reads.ranges.items()})
                 with open(os.path.join(root, "out", f"{name}.tp{tp.size}.rank{tp.rank}.json"), "w") as f:

@@ -59,7 +59,9 @@ class Engine(EngineCore):
                  record_batches: bool = False):
         self.tp = tensor_parallel_of(model, config)  # None on one device
         # resolved once, here (engine.budget): everything below reads the resolved number
-        self.budget = resolve_token_budget(config, model.config, model.dtype, model.device)
+        # a shard's config is already its rank's (engine.models.sharding): planned as it stands
+        plan_as = config if self.tp is None else replace(config, tensor_parallel_size=1)
+        self.budget = resolve_token_budget(plan_as, model.config, model.dtype, model.device)
         if self.tp is not None:  # each rank planned from its own free memory: run with what fits on all
             self.budget = replace(self.budget, token_budget=self.tp.min_int(self.budget.token_budget))
         config = replace(config, token_budget=self.budget.token_budget)

@@ -77,3 +77,29 @@ def test_the_preflight_refuses_flash_on_one_h200_naming_the_size_that_fits():
     assert "tensor_parallel_size" in e.value.options
     check_gpu_memory(DLLMProcessorConfig(model=FLASH, engine=EngineConfig(tensor_parallel_size=2)), ckpt, cluster)
     assert smallest_tensor_parallel_size(ckpt.config, torch.bfloat16, EngineConfig(), H200) == 2
+
+
+def test_a_size_that_does_not_divide_the_heads_is_refused_naming_it(capsys):
+    ckpt = Checkpoint.open(FLASH, weights=False)
+    node = {"CPU": 64.0, "GPU": 8.0, "accelerator_type:H200": 8.0}
+    cluster = Cluster(dict(node), [node], what="an 8 x H200 node", gpu_memory=H200, gpu_type="H200")
+    with pytest.raises(JobError, match=r"tensor_parallel_size=3: 32 attention heads do not divide into 3 ranks") as e:
+        check_gpu_memory(DLLMProcessorConfig(model=FLASH, engine=EngineConfig(tensor_parallel_size=3)), ckpt, cluster)
+    assert e.value.options == ("tensor_parallel_size",)
+    assert main(["plan", "--model", FLASH, "--gpu", "141", "--tensor-parallel-size", "3"]) == 2
+    assert "no: tensor_parallel_size=3: 32 attention heads do not divide" in capsys.readouterr().out
+
+
+def test_a_rank_plans_its_budget_from_its_own_config():
+    """An engine on a shard (engine.Engine) plans from its model's config, already the
+    rank's, as one device: the same K/V and activations per token as the preflight's
+    plan of the whole model at that size."""
+    from engine.budget import engine_plan
+
+    cfg = Checkpoint.open(FLASH, weights=False).config
+    for n in (2, 4, 8):
+        whole = engine_plan(cfg, torch.bfloat16, EngineConfig(tensor_parallel_size=n), H200, H200)
+        local = engine_plan(ShardBytes.of(cfg, torch.bfloat16, n).local, torch.bfloat16, EngineConfig(), H200, H200)
+        assert (whole.kv_per_token, whole.activations_per_token, whole.logits_per_row) == \
+            (local.kv_per_token, local.activations_per_token, local.logits_per_row)
+        assert whole.token_budget == local.token_budget  # weights loaded: the same free memory

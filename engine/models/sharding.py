@@ -64,24 +64,29 @@ class Piece:
         return sum(b - a for a, b in self.ranges) + self.pad
 
 
+def head_ranges(H: int, Hkv: int, rank: int, size: int) -> Tuple[Tuple[int, int], Tuple[int, int]]:
+    """(query heads, K/V heads) rank `rank` of `size` holds: H/N query heads, and their
+    K/V heads (Hkv/N of them, or the one they use when Hkv < N, a copy on each rank)."""
+    N = size
+    if H % N:
+        raise ShardingRefused(f"tensor_parallel_size={N}: {H} attention heads do not divide into {N} ranks")
+    if (Hkv >= N and Hkv % N) or (Hkv < N and N % Hkv):
+        raise ShardingRefused(f"tensor_parallel_size={N}: {Hkv} K/V heads neither divide into {N} ranks nor "
+                              f"replicate evenly over them")
+    heads = (rank * H // N, (rank + 1) * H // N)
+    if Hkv >= N:
+        return heads, (rank * Hkv // N, (rank + 1) * Hkv // N)
+    first = heads[0] // (H // Hkv)  # fewer K/V heads than ranks: the one this rank's query heads use
+    return heads, (first, first + 1)
+
+
 class ShardPlan:
     """Rank `rank` of `size`'s share of a model `cfg` (the whole model's ModelConfig)."""
 
     def __init__(self, cfg: ModelConfig, rank: int, size: int):
         self.cfg, self.rank, self.size = cfg, rank, size
-        H, Hkv, N = cfg.n_heads, cfg.n_kv_heads, size
-        if H % N:
-            raise ShardingRefused(f"tensor_parallel_size={N}: {H} attention heads do not divide into {N} ranks")
-        if (Hkv >= N and Hkv % N) or (Hkv < N and N % Hkv):
-            raise ShardingRefused(f"tensor_parallel_size={N}: {Hkv} K/V heads neither divide into {N} ranks nor "
-                                  f"replicate evenly over them")
-        self.heads = (rank * H // N, (rank + 1) * H // N)
-        group = H // Hkv  # query heads per K/V head
-        if Hkv >= N:
-            self.kv_heads = (rank * Hkv // N, (rank + 1) * Hkv // N)
-        else:  # fewer K/V heads than ranks: each rank holds (a copy of) the one its query heads use
-            first = self.heads[0] // group
-            self.kv_heads = (first, first + 1)
+        N = size
+        self.heads, self.kv_heads = head_ranges(cfg.n_heads, cfg.n_kv_heads, rank, size)
         self.vocab_rows = math.ceil(cfg.embedding_size / N)
         m = cfg.moe
         self.experts = range(0) if m is None else range(rank * m.num_experts // N, (rank + 1) * m.num_experts // N)
@@ -217,5 +222,5 @@ def replicated_elements(plan: ShardPlan) -> Dict[str, int]:
     return {n: plan.replicated_elements(n, s) for n, s in shapes.items()}
 
 
-__all__ = ["ShardPlan", "Piece", "ShardingRefused", "RowParallelLinear", "VocabParallelEmbedding", "shard_model",
+__all__ = ["head_ranges", "ShardPlan", "Piece", "ShardingRefused", "RowParallelLinear", "VocabParallelEmbedding", "shard_model",
            "tensor_parallel_of", "resident_bytes", "replicated_elements"]
