@@ -120,8 +120,10 @@ def load_engine(spec: EngineSpec, ckpt: Any, device: Any, weights_dir: str, toke
     from engine.budget import resolve_token_budget
 
     model, _ = load_model(ckpt, dtype=dtype, device=device, tokenizer=False, weights_dir=weights_dir, **shard)
-    # once, with the weights loaded and before any engine (warm-up and restarts alike)
-    budget = resolve_token_budget(config, model.config, model.dtype, device)
+    # once, with the weights loaded and before any engine (warm-up and restarts alike); a
+    # shard's model config is already its rank's: planned as one device (as Engine does)
+    budget = resolve_token_budget(config if tp is None else dataclasses.replace(config, tensor_parallel_size=1),
+                                  model.config, model.dtype, device)
     config = dataclasses.replace(config, token_budget=budget.token_budget)
     return model, budget, config, lambda: Engine(model, config, tokenizer=tokenizer(),
                                                  record_batches=spec.record_batches)
