@@ -1,0 +1,257 @@
+"""Structured outputs in the engine's step: for the batch's constrained rows, which tokens
+each masked position of the window may take so that the whole answer can still be
+completed into a string of the row's language (additive infilling), and the step's
+commits re-checked jointly.
+
+The answer of a constrained row is a chain of positions: committed ones (their automaton
+states are advanced once, as they commit: RowConstraint), the window's (fixed tokens,
+masks, or positions outside the answer: the prompt's tail under absolute blocks, blocks
+already committed, past max_new_tokens), and after it the still-masked rest of the answer
+up to max_new_tokens (Automaton.free). Over the window, a forward pass gives the states
+reachable at each position and a backward pass those from which the rest can still be
+completed; a masked position may take token t exactly when some state reachable there and
+co-reachable goes on t to a state co-reachable at the next position. For a regular
+language that is exact: every allowed token extends to a full answer in the language, and
+every answer in it stays allowed. All rows run in one pass over the window: the batch's
+distinct automata are laid side by side (block-diagonal), so the state sets are [R, S]
+tensors whatever each row's constraint."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+import torch
+
+from .automaton import DEAD, Automaton, Compiler
+
+SKIP, FIXED, MASKED = 0, 1, 2
+
+
+@dataclass
+class RowConstraint:
+    """A request's automaton and the states after its committed answer tokens."""
+
+    automaton: Automaton
+    states: List[int]
+    consumed: int = 0  # answer tokens already advanced over
+
+    def catch_up(self, req: Any) -> None:
+        """Advance over the answer tokens committed since the last step."""
+        n = min(len(req.generated) - len(req.lead), req.params.max_new_tokens)
+        if n > self.consumed:
+            out = req.generated[len(req.lead):]
+            self.states = self.automaton.advance(self.states, out[self.consumed:n])
+            self.consumed = n
+
+
+class Layout:
+    """The batch's distinct automata side by side: one state space of S states (the
+    last, DEAD, never reachable), joint token classes, and the stacked tables."""
+
+    def __init__(self, automata: Sequence[Automaton], device: torch.device):
+        distinct: Dict[int, Automaton] = {}
+        for a in automata:
+            distinct.setdefault(id(a), a)
+        self.automata = list(distinct.values())
+        self.offset: Dict[int, int] = {}
+        o = 0
+        for a in self.automata:
+            self.offset[id(a)] = o
+            o += a.n_states
+        self.S, self.dead = o + 1, o
+        V = max(len(a.cls) for a in self.automata)
+        stacked = torch.stack([a.cls for a in self.automata])  # [n, V]
+        joint, self.jcls = torch.unique(stacked, dim=1, return_inverse=True)  # joint [n, C]
+        C = joint.shape[1]
+        table = torch.full((self.S, C), self.dead, dtype=torch.long)
+        any_next = torch.zeros(self.S, self.S)
+        for k, a in enumerate(self.automata):
+            off, Q = self.offset[id(a)], a.n_states
+            t = a.table[:, joint[k]]
+            table[off:off + Q] = torch.where(t == DEAD, self.dead, t + off)
+            any_next[off:off + Q, off:off + Q] = a.any_next.float()
+        self.table, self.any_next = table.to(device), any_next.to(device)
+        self.jcls = self.jcls.to(device)
+        self.V, self.C, self.device = V, C, device
+        self._free: Dict[int, torch.Tensor] = {}
+
+    def free(self, k: int) -> torch.Tensor:
+        """[S] bool: every automaton's Automaton.free(k), side by side."""
+        if k not in self._free:
+            parts = [a.free(k) for a in self.automata] + [torch.zeros(1, dtype=torch.bool)]
+            self._free[k] = torch.cat(parts).to(self.device)
+        return self._free[k]
+
+    def start(self, rc: RowConstraint) -> torch.Tensor:
+        s = torch.zeros(self.S, dtype=torch.bool)
+        s[[self.offset[id(rc.automaton)] + q for q in rc.states]] = True
+        return s
+
+
+class Guide:
+    """One step's constrained rows: their chains over the window, the allowed tokens of
+    each masked position, and the joint re-check of the step's commits."""
+
+    def __init__(self, layout: Layout, rows: List[int], rcs: List[RowConstraint], tokens: torch.Tensor,
+                 kind: torch.Tensor, rest: List[int]):
+        self.layout, self.rows, self.rcs = layout, rows, rcs
+        self.tokens, self.kind = tokens, kind  # [R, W] window tokens and position kinds (device)
+        self.start = torch.stack([layout.start(rc) for rc in rcs]).to(layout.device)  # [R, S]
+        self.end = torch.stack([layout.free(k) for k in rest])  # [R, S]
+
+    def _next(self, tokens: torch.Tensor) -> torch.Tensor:
+        """[R, S] next state of every state on each row's token (tokens [R])."""
+        lay = self.layout
+        return lay.table[:, lay.jcls[tokens.clamp(0, lay.V - 1)]].T
+
+    def forward(self, tokens: torch.Tensor, kind: torch.Tensor) -> List[torch.Tensor]:
+        """F[p] [R, S] float: states reachable before position p (p = 0..W)."""
+        F = [self.start.float()]
+        lay = self.layout
+        for p in range(kind.shape[1]):
+            f = F[-1]
+            masked = (f @ lay.any_next) > 0
+            fixed = torch.zeros_like(f).scatter_add_(1, self._next(tokens[:, p]), f) > 0
+            k = kind[:, p, None]
+            nxt = torch.where(k == MASKED, masked, torch.where(k == FIXED, fixed, f > 0)).float()
+            nxt[:, lay.dead] = 0
+            F.append(nxt)
+        return F
+
+    def backward(self, tokens: torch.Tensor, kind: torch.Tensor) -> List[torch.Tensor]:
+        """B[p] [R, S] float: states before position p from which the rest is completable."""
+        B = [self.end.float()]
+        lay = self.layout
+        for p in range(kind.shape[1] - 1, -1, -1):
+            b = B[-1]
+            masked = (b @ lay.any_next.T) > 0
+            fixed = b.gather(1, self._next(tokens[:, p])) > 0
+            k = kind[:, p, None]
+            B.append(torch.where(k == MASKED, masked, torch.where(k == FIXED, fixed, b > 0)).float())
+        return B[::-1]
+
+    def allowed(self, tokens: Optional[torch.Tensor] = None, kind: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """[R, W, C] bool: the token classes each masked position may take (False elsewhere)."""
+        tokens = self.tokens if tokens is None else tokens
+        kind = self.kind if kind is None else kind
+        R, W = kind.shape
+        F, B = self.forward(tokens, kind), self.backward(tokens, kind)
+        live = torch.stack(F[:-1], 1) * torch.stack(B[:-1], 1) * (kind == MASKED)[..., None]  # [R, W, S]
+        nxt_ok = torch.stack(B[1:], 1)  # [R, W, S]
+        r, p, q = live.nonzero(as_tuple=True)
+        lay = self.layout
+        vals = nxt_ok[r, p][torch.arange(len(r), device=lay.device)[:, None], lay.table[q]].float()  # [K, C]
+        out = torch.zeros(R * W, lay.C, device=lay.device).index_add_(0, r * W + p, vals)
+        return (out > 0).reshape(R, W, lay.C)
+
+    def token_mask(self, allowed: torch.Tensor) -> torch.Tensor:
+        """[.., V] bool from [.., C]."""
+        return allowed[..., self.layout.jcls]
+
+    def completable(self, tokens: torch.Tensor, kind: torch.Tensor) -> torch.Tensor:
+        """[R] bool: the chain can still reach an accepting end."""
+        return ((self.forward(tokens, kind)[-1] * self.end.float()).sum(1)) > 0
+
+    def mask_logits(self, logits: torch.Tensor) -> None:
+        """-inf at the tokens a masked position of a constrained row may not take (in place)."""
+        allowed = self.token_mask(self.allowed())  # [R, W, V]
+        V = logits.shape[-1]
+        if allowed.shape[-1] < V:
+            allowed = torch.cat([allowed, allowed.new_zeros(*allowed.shape[:2], V - allowed.shape[-1])], -1)
+        refuse = ~allowed[..., :V] & (self.kind == MASKED)[..., None]
+        idx = torch.tensor(self.rows, device=logits.device)
+        with torch.inference_mode():
+            logits[idx] = logits[idx].masked_fill(refuse, -torch.inf)
+
+    def settle(self, sel: torch.Tensor, x0: torch.Tensor, conf: torch.Tensor, logits: torch.Tensor
+               ) -> Tuple[torch.Tensor, torch.Tensor]:
+        """The step's selection `sel` and proposals `x0` ([B, W]) once every constrained
+        row's commits are jointly completable: when committing all of a row's selected
+        positions together could break it, they are committed one at a time in
+        confidence order, each taking its proposal if still allowed, else its most likely
+        allowed token."""
+        idx = torch.tensor(self.rows, device=sel.device)
+        s, x = sel[idx], x0[idx]
+        many = s.sum(1) > 1
+        if not bool(many.any()):
+            return sel, x0
+        kind = torch.where(s, FIXED, self.kind)
+        tokens = torch.where(s, x, self.tokens)
+        bad = (many & ~self.completable(tokens, kind)).nonzero().flatten().tolist()
+        if not bad:
+            return sel, x0
+        x0 = x0.clone()
+        for j in bad:
+            i = self.rows[j]
+            sub = Guide.__new__(Guide)
+            sub.layout, sub.rows, sub.rcs = self.layout, [i], [self.rcs[j]]
+            sub.start, sub.end = self.start[j:j + 1], self.end[j:j + 1]
+            tok, kd = self.tokens[j:j + 1].clone(), self.kind[j:j + 1].clone()
+            order = sorted(s[j].nonzero().flatten().tolist(), key=lambda p: -float(conf[i, p]))
+            for p in order:
+                ok = sub.token_mask(sub.allowed(tok, kd)[0, p])
+                t = int(x0[i, p])
+                if not (t < len(ok) and bool(ok[t])):
+                    lg = logits[i, p, :len(ok)].masked_fill(~ok, -torch.inf)
+                    t = int(lg.argmax())
+                    x0[i, p] = t
+                tok[0, p], kd[0, p] = t, FIXED
+        return sel, x0
+
+
+class StructuredOutputs:
+    """The engine's structured outputs: the compiler (one per engine), each admitted
+    row's RowConstraint, and the step's Guide."""
+
+    def __init__(self, tokenizer: Any, vocab_size: int, device: torch.device):
+        self.compiler = Compiler(tokenizer, vocab_size) if tokenizer is not None else None
+        self.device = device
+        self._layout: Optional[Tuple[Tuple[int, ...], Layout]] = None
+
+    def admit(self, req: Any, constraint: Any, stop_ids: Sequence[int]) -> Optional[str]:
+        """Compile the row's constraint; why it cannot be served, or None."""
+        if self.compiler is None:
+            return "structured_outputs need the model's tokenizer (this engine has none)"
+        try:
+            a = self.compiler.get(constraint, stop_ids)
+        except Exception as e:  # noqa: BLE001 - the library's refusal of this constraint is the row's error
+            return f"structured_outputs {constraint.describe()} cannot be compiled: {e}"
+        n = req.params.max_new_tokens
+        if not bool(a.free(n)[a.init]):
+            return (f"structured_outputs {constraint.describe()}: no answer of the language fits in "
+                    f"max_new_tokens={n} tokens" + ("" if stop_ids else " exactly (the row has no stop id)"))
+        req.constraint = RowConstraint(a, [a.init])
+        return None
+
+    def layout(self, automata: List[Automaton]) -> Layout:
+        key = tuple(sorted({id(a) for a in automata}))
+        if self._layout is None or self._layout[0] != key:
+            self._layout = (key, Layout(automata, self.device))
+        return self._layout[1]
+
+    def guide(self, b: Any, window: torch.Tensor, is_mask: torch.Tensor) -> Optional[Guide]:
+        """The step's Guide for the batch's live constrained rows (None: there are none).
+        `window` [B, W] the window's tokens, `is_mask` [B, W] its masked positions."""
+        frozen = b.frozen.tolist()
+        rows = [i for i, r in enumerate(b.rows) if getattr(r, "constraint", None) is not None and not frozen[i]]
+        if not rows:
+            return None
+        from ..logprobs import answer_index
+
+        W = window.shape[1]
+        rcs, rest, kinds = [], [], []
+        col = torch.arange(W)
+        for i in rows:
+            r = b.rows[i]
+            rc = r.constraint
+            rc.catch_up(r)
+            rcs.append(rc)
+            first, base, N = answer_index(b, i), len(r.generated) - len(r.lead), r.params.max_new_tokens
+            pos = first + col
+            kinds.append(torch.where((pos >= base) & (pos < N), FIXED, SKIP))
+            rest.append(max(0, N - (first + W)))
+        lay = self.layout([rc.automaton for rc in rcs])
+        idx = torch.tensor(rows, device=window.device)
+        kind = torch.stack(kinds).to(window.device)
+        kind = torch.where((kind == FIXED) & is_mask[idx], MASKED, kind)
+        return Guide(lay, rows, rcs, window[idx], kind, rest)
