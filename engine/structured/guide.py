@@ -153,15 +153,17 @@ class Guide:
         return ((self.forward(tokens, kind)[-1] * self.end.float()).sum(1)) > 0
 
     def mask_logits(self, logits: torch.Tensor) -> None:
-        """-inf at the tokens a masked position of a constrained row may not take (in place)."""
-        allowed = self.token_mask(self.allowed())  # [R, W, V]
+        """-inf at the tokens a masked position of a constrained row may not take (in place,
+        row by row: two vocabulary-sized passes over the constrained rows' window)."""
+        R, W = self.kind.shape
         V = logits.shape[-1]
-        if allowed.shape[-1] < V:
-            allowed = torch.cat([allowed, allowed.new_zeros(*allowed.shape[:2], V - allowed.shape[-1])], -1)
-        refuse = ~allowed[..., :V] & (self.kind == MASKED)[..., None]
-        idx = torch.tensor(self.rows, device=logits.device)
+        refuse = ~self.allowed() & (self.kind == MASKED)[..., None]  # [R, W, C]
+        refuse = torch.index_select(refuse.reshape(R * W, -1), 1, self.layout.jcls[:V]).reshape(R, W, -1)
         with torch.inference_mode():
-            logits[idx] = logits[idx].masked_fill(refuse, -torch.inf)
+            for j, i in enumerate(self.rows):
+                logits[i, :, :refuse.shape[2]].masked_fill_(refuse[j], -torch.inf)
+                if refuse.shape[2] < V:  # model ids past the tokenizer's: never allowed at a masked position
+                    logits[i, :, refuse.shape[2]:].masked_fill_((self.kind[j] == MASKED)[:, None], -torch.inf)
 
     def settle(self, sel: torch.Tensor, x0: torch.Tensor, conf: torch.Tensor, logits: torch.Tensor
                ) -> Tuple[torch.Tensor, torch.Tensor]:

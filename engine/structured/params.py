@@ -91,10 +91,37 @@ def parse(value: Any) -> Optional[Constraint]:
                 raise ValueError(f"structured_outputs.json is not JSON ({e})") from None
         if not isinstance(schema, Mapping):
             raise ValueError(f"structured_outputs.json must be a JSON schema (an object), got {schema!r:.80}")
-        return Constraint("json", json.dumps(schema, sort_keys=True))
+        return Constraint("json", json.dumps(bounded_integers(schema), sort_keys=True))
     if spec is not True:
         raise ValueError(f"structured_outputs.json_object must be true, got {spec!r:.80}")
     return Constraint("json_object", "true")
+
+
+ENUM_MAX = 1000  # an integer's bounds become an enum of at most this many values
+
+
+def bounded_integers(schema: Any) -> Any:
+    """`schema` with every integer's minimum / maximum as the enum of its values:
+    outlines-core's JSON schema regex ignores integer bounds, an enum it enforces. Bounds
+    it cannot enforce so (one-sided, exclusive, wider than ENUM_MAX values, on numbers)
+    are refused rather than ignored."""
+    if isinstance(schema, list):
+        return [bounded_integers(x) for x in schema]
+    if not isinstance(schema, Mapping):
+        return schema
+    out = {k: bounded_integers(v) for k, v in schema.items()}
+    keys = {"minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "multipleOf"} & set(out)
+    if keys and out.get("type") == "integer" and keys <= {"minimum", "maximum"} and len(keys) == 2:
+        lo, hi = out.pop("minimum"), out.pop("maximum")
+        if not (isinstance(lo, int) and isinstance(hi, int) and 0 <= hi - lo < ENUM_MAX):
+            raise ValueError(f"structured_outputs.json: integer bounds [{lo!r}, {hi!r}] are enforced for at most "
+                             f"{ENUM_MAX} integer values")
+        out.pop("type")
+        out["enum"] = list(range(lo, hi + 1))
+    elif keys and out.get("type") in ("integer", "number"):
+        raise ValueError(f"structured_outputs.json: {', '.join(sorted(keys))} on a {out['type']} is not enforced "
+                         "(integers: give both minimum and maximum)")
+    return out
 
 
 def from_response_format(value: Any) -> Optional[dict]:

@@ -1,0 +1,126 @@
+"""Issue 43: structured outputs for diffusion decoding. Every constrained answer is a string
+of its row's language whatever order the positions were unmasked in (regexes drawn by
+Hypothesis over the embedded tiny model's alphabet, in mixed batches under every scheduler
+and both canvases), the rows without a constraint keep their tokens exactly (float64),
+`choice` answers one of its choices on every row (D2F rows among them), and a JSON schema
+on a byte-level BPE vocabulary (Dream's published tokenizer layout, tiny random weights)
+gives answers that parse and validate, 50 rows."""
+from __future__ import annotations
+
+import json
+import os
+import re
+import sys
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings, strategies as st
+
+from engine import Engine, EngineConfig, SamplingParams, load_model
+from engine.structured.params import from_response_format, parse
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import published  # noqa: E402
+
+torch.set_num_threads(1)
+TINY = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "engine", "assets", "tiny-dllm")
+PROMPTS = ["copy: abc", "rev: cab", "what is 2+3?", "q: hello", "count to 5", "spell dog"]
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return load_model(TINY, dtype=torch.float64, device="cpu")
+
+
+def atoms():
+    chars = st.sampled_from(list("abcde0123 :"))
+    cls = st.sampled_from(["[a-c]", "[0-9]", "[a-z]", "[x-z0-2]"])
+    return st.one_of(chars.map(re.escape), cls)
+
+
+def regexes():
+    """Regular expressions over the tiny model's characters, whose shortest answer fits."""
+    return st.recursive(atoms(), lambda inner: st.one_of(
+        st.lists(inner, min_size=2, max_size=3).map("".join),
+        st.lists(inner, min_size=2, max_size=3).map(lambda xs: "(" + "|".join(xs) + ")"),
+        st.tuples(inner, st.integers(0, 2), st.integers(0, 2)).map(lambda t: f"({t[0]}){{{t[1]},{t[1] + t[2]}}}"),
+        inner.map(lambda x: f"({x})?"), inner.map(lambda x: f"({x})*")), max_leaves=6)
+
+
+def run(model, tok, prompts, params, **cfg):
+    return Engine(model, EngineConfig(**cfg), tokenizer=tok).generate(prompts, params)
+
+
+@settings(max_examples=6, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))
+@given(st.lists(regexes(), min_size=2, max_size=3))
+def test_every_constrained_answer_matches_its_regex_and_other_rows_keep_their_tokens(tiny, patterns):
+    model, tok = tiny
+    free = [SamplingParams(max_new_tokens=20, policy="fixed"), SamplingParams(max_new_tokens=12, temperature=0.7, seed=3)]
+    constrained = [SamplingParams(max_new_tokens=20, policy=pol, temperature=t, seed=5,
+                                  structured_outputs={"regex": r})
+                   for r, (pol, t) in zip(patterns, [("threshold", 0.0), ("fixed", 0.8), ("factor", 0.0)])]
+    prompts = PROMPTS[:len(constrained) + len(free)]
+    for canvas in ("block", "full"):
+        base = dict(block_length=4, steps_per_block=4, canvas=canvas, max_batch_size=8, token_budget=1024)
+        alone = run(model, tok, prompts[len(constrained):], free, **base)
+        for sched in ("blockserve", "static", "sequential"):
+            outs = run(model, tok, prompts, constrained + free, scheduler=sched, **base)
+            for o, r in zip(outs, patterns):
+                assert o.error is None and re.fullmatch(r, o.text), (canvas, sched, r, o.text, o.error)
+            assert [o.token_ids for o in outs[len(constrained):]] == [o.token_ids for o in alone], (canvas, sched)
+
+
+def test_choice_answers_one_of_the_choices_on_every_row(tiny):
+    model, tok = tiny
+    choices = ["yes", "no", "maybe 2", "n0"]
+    params = [SamplingParams(max_new_tokens=8, policy=p, structured_outputs={"choice": choices}, **kw)
+              for p, kw in [("threshold", {}), ("fixed", {}), ("timestep", {}), ("threshold", {"block_add_threshold": 0.5,
+                                                                                             "threshold": 0.5})] * 3]
+    outs = run(model, tok, PROMPTS * 2, params, block_length=4, steps_per_block=4, canvas="block")
+    assert all(o.error is None and o.text in choices for o in outs), [(o.text, o.error) for o in outs]
+
+
+def test_refusals_name_what_is_wrong(tiny):
+    model, tok = tiny
+    bad = {"grammar": ("root ::= 'a'", "context-free grammar is not supported"),
+           "two": ({"regex": "a", "choice": ["a"]}, "exactly one of"),
+           "re": ({"regex": "("}, "is not a regular expression"),
+           "fits": ({"regex": "a{30}"}, "no answer of the language fits in max_new_tokens=8"),
+           "json": ({"json": "{nope"}, "structured_outputs.json is not JSON")}
+    bad["grammar"] = ({"grammar": bad["grammar"][0]}, bad["grammar"][1])
+    params = [SamplingParams(max_new_tokens=8, structured_outputs=v) for v, _ in bad.values()]
+    outs = run(model, tok, ["a"] * len(params) + ["b"], params + [SamplingParams(max_new_tokens=8)], block_length=4,
+               steps_per_block=4)
+    for o, (_, why) in zip(outs, bad.values()):
+        assert o.finish_reason == "error" and why in o.error, (why, o.error)
+    assert outs[-1].finish_reason != "error"
+    assert from_response_format({"type": "json_schema", "json_schema": {"schema": {"type": "object"}}}) == {
+        "json": '{"type": "object"}'}
+    with pytest.raises(ValueError, match="min_tokens"):
+        raise ValueError(SamplingParams(max_new_tokens=8, min_tokens=2, structured_outputs={"regex": "a"}).validate())
+    assert parse({"choice": ["a"], "regex": None, "json_object": False}).kind == "choice"  # an Arrow struct's nulls
+
+
+SCHEMA = {"type": "object", "additionalProperties": False, "required": ["n", "a", "d", "t", "ok"],
+          "properties": {
+              "n": {"type": "string", "maxLength": 4},
+              "a": {"type": "integer", "minimum": 0, "maximum": 99},
+              "ok": {"type": "boolean"},
+              "t": {"type": "array", "items": {"type": "string", "maxLength": 2}, "maxItems": 2},
+              "d": {"type": "object", "additionalProperties": False, "required": ["c", "z"],
+                    "properties": {"c": {"type": "string", "maxLength": 3},
+                                   "z": {"type": "integer", "minimum": 0, "maximum": 9}}}}}
+
+
+def test_json_schema_on_a_byte_level_bpe_vocabulary_parses_and_validates(tmp_path):
+    import jsonschema
+
+    root = published.build("Dream-org__Dream-v0-Instruct-7B", str(tmp_path / "dream"))
+    model, tok = load_model(root, dtype=torch.float32, device="cpu")
+    params = [SamplingParams(max_new_tokens=64, policy="fixed", structured_outputs={"json": SCHEMA},
+                             temperature=0.0 if i % 2 else 1.0, seed=i) for i in range(50)]
+    prompts = [f"person {i}:" for i in range(50)]
+    outs = run(model, tok, prompts, params, block_length=32, steps_per_block=4, max_batch_size=25)
+    for o in outs:
+        assert o.error is None, o.error
+        jsonschema.validate(json.loads(o.text), SCHEMA)
