@@ -71,6 +71,9 @@ class Layout:
             table[off:off + Q] = torch.where(t == DEAD, self.dead, t + off)
             any_next[off:off + Q, off:off + Q] = a.any_next.float()
         self.table, self.any_next = table.to(device), any_next.to(device)
+        # the table's transitions as edges (state, class -> next state): what `allowed` sums over
+        q, c = (table[:-1] != self.dead).nonzero(as_tuple=True)
+        self.e_src, self.e_cls, self.e_dst = q.to(device), c.to(device), table[q, c].to(device)
         self.jcls = self.jcls.to(device)
         self.V, self.C, self.device = V, C, device
         self._free: Dict[int, torch.Tensor] = {}
@@ -130,19 +133,25 @@ class Guide:
             B.append(torch.where(k == MASKED, masked, torch.where(k == FIXED, fixed, b > 0)).float())
         return B[::-1]
 
-    def allowed(self, tokens: Optional[torch.Tensor] = None, kind: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """[R, W, C] bool: the token classes each masked position may take (False elsewhere)."""
+    def allowed(self, tokens: Optional[torch.Tensor] = None, kind: Optional[torch.Tensor] = None,
+                at: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """[R, W, C] bool: the token classes each masked position may take (False elsewhere);
+        with `at` [R] only position at[r] of each row: [R, C]."""
         tokens = self.tokens if tokens is None else tokens
         kind = self.kind if kind is None else kind
         R, W = kind.shape
-        F, B = self.forward(tokens, kind), self.backward(tokens, kind)
-        live = torch.stack(F[:-1], 1) * torch.stack(B[:-1], 1) * (kind == MASKED)[..., None]  # [R, W, S]
-        nxt_ok = torch.stack(B[1:], 1)  # [R, W, S]
-        r, p, q = live.nonzero(as_tuple=True)
         lay = self.layout
-        vals = nxt_ok[r, p][torch.arange(len(r), device=lay.device)[:, None], lay.table[q]].float()  # [K, C]
-        out = torch.zeros(R * W, lay.C, device=lay.device).index_add_(0, r * W + p, vals)
-        return (out > 0).reshape(R, W, lay.C)
+        F, B = torch.stack(self.forward(tokens, kind), 1), torch.stack(self.backward(tokens, kind), 1)  # [R, W+1, S]
+        if at is not None:
+            ar = torch.arange(R, device=lay.device)
+            live, nxt = F[ar, at] * B[ar, at], B[ar, at + 1]  # [R, S]
+        else:
+            live = (F[:, :-1] * B[:, :-1] * (kind == MASKED)[..., None]).reshape(R * W, -1)
+            nxt = B[:, 1:].reshape(R * W, -1)
+        # a class is allowed when one of its edges leaves a live state for a co-reachable one
+        prod = live[:, lay.e_src] * nxt[:, lay.e_dst]  # [N, E]
+        out = torch.zeros(prod.shape[0], lay.C, device=lay.device).index_add_(1, lay.e_cls, prod) > 0
+        return out if at is not None else out.reshape(R, W, lay.C)
 
     def token_mask(self, allowed: torch.Tensor) -> torch.Tensor:
         """[.., V] bool from [.., C]."""
@@ -179,25 +188,33 @@ class Guide:
             return sel, x0
         kind = torch.where(s, FIXED, self.kind)
         tokens = torch.where(s, x, self.tokens)
-        bad = (many & ~self.completable(tokens, kind)).nonzero().flatten().tolist()
-        if not bad:
+        bad = (many & ~self.completable(tokens, kind)).nonzero().flatten()
+        if not len(bad):
             return sel, x0
+        # the rows whose joint commit would break: position by position in confidence order,
+        # all such rows at once (one pass over the window per rank)
+        sub = Guide.__new__(Guide)
+        sub.layout, sub.rows = self.layout, [self.rows[j] for j in bad.tolist()]
+        sub.start, sub.end = self.start[bad], self.end[bad]
+        rows = idx[bad]
+        tok, kd, sb = self.tokens[bad].clone(), self.kind[bad].clone(), s[bad]
+        order = torch.where(sb, conf[rows], -torch.inf).argsort(dim=1, descending=True, stable=True)
+        count = sb.sum(1)
         x0 = x0.clone()
-        for j in bad:
-            i = self.rows[j]
-            sub = Guide.__new__(Guide)
-            sub.layout, sub.rows, sub.rcs = self.layout, [i], [self.rcs[j]]
-            sub.start, sub.end = self.start[j:j + 1], self.end[j:j + 1]
-            tok, kd = self.tokens[j:j + 1].clone(), self.kind[j:j + 1].clone()
-            order = sorted(s[j].nonzero().flatten().tolist(), key=lambda p: -float(conf[i, p]))
-            for p in order:
-                ok = sub.token_mask(sub.allowed(tok, kd)[0, p])
-                t = int(x0[i, p])
-                if not (t < len(ok) and bool(ok[t])):
-                    lg = logits[i, p, :len(ok)].masked_fill(~ok, -torch.inf)
-                    t = int(lg.argmax())
-                    x0[i, p] = t
-                tok[0, p], kd[0, p] = t, FIXED
+        ar = torch.arange(len(bad), device=sel.device)
+        jcls = self.layout.jcls
+        V = min(logits.shape[-1], len(jcls))
+        for j in range(int(count.max())):
+            p = order[:, j]
+            ok = sub.allowed(tok, kd, at=p)  # [Rb, C]
+            t = x0[rows, p]
+            keep = ok[ar, jcls[t.clamp(max=len(jcls) - 1)]] & (t < len(jcls))
+            best = logits[rows, p, :V].masked_fill(~ok[:, jcls[:V]], -torch.inf).argmax(-1)
+            t = torch.where(keep, t, best)
+            on = j < count
+            x0[rows[on], p[on]] = t[on]
+            tok[ar[on], p[on]] = t[on]
+            kd[ar[on], p[on]] = FIXED
         return sel, x0
 
 
