@@ -99,7 +99,11 @@ class Guide:
                  kind: torch.Tensor, rest: List[int]):
         self.layout, self.rows, self.rcs = layout, rows, rcs
         self.tokens, self.kind = tokens, kind  # [R, W] window tokens and position kinds (device)
-        self.start = torch.stack([layout.start(rc) for rc in rcs]).to(layout.device)  # [R, S]
+        rr = [j for j, rc in enumerate(rcs) for _ in rc.states]
+        ss = [layout.offset[id(rc.automaton)] + q for rc in rcs for q in rc.states]
+        self.start = torch.zeros(len(rcs), layout.S)
+        self.start[rr, ss] = 1.0
+        self.start = self.start.to(layout.device)  # [R, S]
         self.end = torch.stack([layout.free(k) for k in rest])  # [R, S]
 
     def _next(self, tokens: torch.Tensor) -> torch.Tensor:
@@ -258,19 +262,19 @@ class StructuredOutputs:
         from ..logprobs import answer_index
 
         W = window.shape[1]
-        rcs, rest, kinds = [], [], []
-        col = torch.arange(W)
+        rcs, rest, firsts, bases, ends = [], [], [], [], []
         for i in rows:
             r = b.rows[i]
             rc = r.constraint
             rc.catch_up(r)
             rcs.append(rc)
-            first, base, N = answer_index(b, i), len(r.generated) - len(r.lead), r.params.max_new_tokens
-            pos = first + col
-            kinds.append(torch.where((pos >= base) & (pos < N), FIXED, SKIP))
+            first, N = answer_index(b, i), r.params.max_new_tokens
+            firsts.append(first), bases.append(len(r.generated) - len(r.lead)), ends.append(N)
             rest.append(max(0, N - (first + W)))
+        pos = torch.tensor(firsts)[:, None] + torch.arange(W)[None]
+        kinds = torch.where((pos >= torch.tensor(bases)[:, None]) & (pos < torch.tensor(ends)[:, None]), FIXED, SKIP)
         lay = self.layout([rc.automaton for rc in rcs])
         idx = torch.tensor(rows, device=window.device)
-        kind = torch.stack(kinds).to(window.device)
+        kind = kinds.to(window.device)
         kind = torch.where((kind == FIXED) & is_mask[idx], MASKED, kind)
         return Guide(lay, rows, rcs, window[idx], kind, rest)
