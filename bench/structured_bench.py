@@ -57,7 +57,7 @@ def decode(model, tok, prompts: List[str], params: List[SamplingParams], batch: 
     assert not [o.error for o in outs if o.error], [o.error for o in outs if o.error][:3]
     tokens = sum(len(o.token_ids) for o in outs)
     return {"tokens": tokens, "cpu_s": cpu, "wall_s": wall, "tokens_per_cpu_s": tokens / cpu,
-            "steps": eng.stats.steps, "compiles": eng.structured.compiler.compiles}
+            "steps": eng.stats.steps, "compiles": eng.structured.compiler.compiles if eng.structured.compiler else 0}
 
 
 def compile_times(model_tok) -> Dict[str, float]:

@@ -77,7 +77,7 @@ class Engine(EngineCore):
         self.batch: Optional[Batch] = None
         self._grown: set = set()  # rows that committed a block and start their next one (or added one)
         self._relayout = False  # rows changed their blocks in flight: lay the batch out again
-        self.structured = StructuredOutputs(tokenizer, model.config.vocab_size, self.device)  # engine.structured
+        self.structured = StructuredOutputs(model.config.vocab_size, self.device)  # engine.structured
 
     # --- requests -----------------------------------------------------------------
     def stop_ids(self, params) -> List[int]:
@@ -100,7 +100,8 @@ class Engine(EngineCore):
         if err:
             return err
         if req.params.structured_outputs is not None:
-            err = self.structured.admit(req, parse_constraint(req.params.structured_outputs), req.stop_ids)
+            err = self.structured.admit(req, parse_constraint(req.params.structured_outputs), req.stop_ids,
+                                        self.tokenizer)
             if err:
                 return err
         req.state = req.rule.start(req, self.traits)

@@ -226,15 +226,18 @@ class StructuredOutputs:
     """The engine's structured outputs: the compiler (one per engine), each admitted
     row's RowConstraint, and the step's Guide."""
 
-    def __init__(self, tokenizer: Any, vocab_size: int, device: torch.device):
-        self.compiler = Compiler(tokenizer, vocab_size) if tokenizer is not None else None
-        self.device = device
+    def __init__(self, vocab_size: int, device: torch.device):
+        self.compiler: Optional[Compiler] = None  # for the engine's tokenizer, given at the first constrained row
+        self.vocab_size, self.device = vocab_size, device
         self._layout: Optional[Tuple[Tuple[int, ...], Layout]] = None
 
-    def admit(self, req: Any, constraint: Any, stop_ids: Sequence[int]) -> Optional[str]:
-        """Compile the row's constraint; why it cannot be served, or None."""
-        if self.compiler is None:
+    def admit(self, req: Any, constraint: Any, stop_ids: Sequence[int], tokenizer: Any) -> Optional[str]:
+        """Compile the row's constraint over `tokenizer`'s vocabulary (the engine's: an
+        actor gives it one once a row needs it); why it cannot be served, or None."""
+        if tokenizer is None:
             return "structured_outputs need the model's tokenizer (this engine has none)"
+        if self.compiler is None or self.compiler.tokenizer is not tokenizer:
+            self.compiler = Compiler(tokenizer, self.vocab_size)
         try:
             a = self.compiler.get(constraint, stop_ids)
         except Exception as e:  # noqa: BLE001 - the library's refusal of this constraint is the row's error
