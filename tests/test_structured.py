@@ -166,3 +166,14 @@ def test_through_the_cli_parquet_rows_and_openai_response_format(tmp_path, tiny_
     for r in results:
         assert r["error"] is None, r
         jsonschema.validate(json.loads(r["response"]["body"]["choices"][0]["text"]), schema)
+
+
+@pytest.mark.parametrize("folder", ["inclusionAI__LLaDA2.0-mini", "JetLM__SDAR-1.7B-Chat"])
+def test_families_with_blocks_at_absolute_positions(tmp_path, folder):
+    """LLaDA2 and SDAR (the prompt's tail opens the first block: not part of the answer),
+    on their published tokenizer layouts with tiny random weights."""
+    model, tok = load_model(published.build(folder, str(tmp_path / "m")), dtype=torch.float32, device="cpu")
+    params = [SamplingParams(max_new_tokens=12, structured_outputs={"choice": ["yes", "no way"]}),
+              SamplingParams(max_new_tokens=12, structured_outputs={"regex": "[a-c]{3}x"})]
+    outs = run(model, tok, ["hello there", "abc de"], params, block_length=4, steps_per_block=4)
+    assert outs[0].text in ("yes", "no way") and re.fullmatch("[a-c]{3}x", outs[1].text), [o.text for o in outs]

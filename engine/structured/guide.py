@@ -272,7 +272,7 @@ class StructuredOutputs:
             rc.catch_up(r)
             rcs.append(rc)
             first, N = answer_index(b, i), r.params.max_new_tokens
-            firsts.append(first), bases.append(len(r.generated) - len(r.lead)), ends.append(N)
+            firsts.append(first), bases.append(max(0, len(r.generated) - len(r.lead))), ends.append(N)
             rest.append(max(0, N - (first + W)))
         pos = torch.tensor(firsts)[:, None] + torch.arange(W)[None]
         kinds = torch.where((pos >= torch.tensor(bases)[:, None]) & (pos < torch.tensor(ends)[:, None]), FIXED, SKIP)
