@@ -120,7 +120,7 @@ def test_json_schema_on_a_byte_level_bpe_vocabulary_parses_and_validates(tmp_pat
     params = [SamplingParams(max_new_tokens=64, policy="fixed", structured_outputs={"json": SCHEMA},
                              temperature=1.0 if i % 10 == 0 else 0.0, seed=i) for i in range(50)]
     prompts = [f"person {i}:" for i in range(50)]
-    outs = run(model, tok, prompts, params, block_length=32, steps_per_block=4, max_batch_size=25)
+    outs = run(model, tok, prompts, params, block_length=32, steps_per_block=2, max_batch_size=25)
     for o in outs:
         assert o.error is None, o.error
         jsonschema.validate(json.loads(o.text), SCHEMA)
