@@ -33,6 +33,8 @@ per CPU-second of the benchmark's process (tokens per CPU-second), which co-tena
 does not move, rather than wall-clock rates. Ratios are between runs of the same
 requests in the same invocation (rounds interleaved, median of the per-round ratios).
 No GPU run has been made yet: `bash bench/gpu/run.sh` on one H200 writes `gpu_bench.json`.
+Tensor parallel: `VARIANT=tp bash bench/gpu/run.sh` on a machine with >= 2 GPUs runs `bench/gpu/tp_bench.py` (the
+engine-level comparison of tests/test_tensor_parallel.py over NCCL) and writes `tp_bench.json`; not run yet.
 """
 
 # engine_bench results: (file, title, what it measures)
@@ -154,6 +156,16 @@ OTHER = [
     ("cpu_diffusion_gemma.json", "DiffusionGemma on the CPU (`bench/diffusion_gemma_bench.py`)",
      "The canvas engine against transformers' batched generate.",
      lambda d: {"median_tokens_per_s": d["median_tokens_per_s"], "ratios": d["ratios"]}),
+    ("cpu_diffusion_gemma_overhead.json", "DiffusionGemma, overhead-bound size (`bench/diffusion_gemma_bench.py "
+     "--size overhead`)",
+     "Issue 41, acceptance 3: hidden 32, 2 layers, vocabulary 128, canvas 16, 24 prompts of 3-40 tokens, 48 new "
+     "tokens, float32, batch bound 8: the canvas engine against transformers' batched generate (target 1.3x), "
+     "tokens per CPU-second and per wall second, and blockserve's float64 tokens against transformers' generate of "
+     "each prompt alone.",
+     lambda d: {"median_tokens_per_cpu_s": d["median_tokens_per_cpu_s"], "ratios_cpu_time": d["ratios_cpu_time"],
+                "ratios_cpu_time_per_round_median": d.get("ratios_cpu_time_per_round_median"),
+                "ratios_cpu_time_best_round": d.get("ratios_cpu_time_best_round"),
+                "ratios": d["ratios"], "exact_float64": d["exact_float64"]}),
     ("structured_cpu.json", "Structured outputs on the CPU (`bench/structured_bench.py`)",
      "The tiny model at B=32, 128 rows: every row under a regex or choice against none, generated tokens per "
      "CPU-second (ratio constrained / unconstrained; `fixed`: the same tokens per step, the guide's own overhead; "
