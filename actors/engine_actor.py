@@ -304,11 +304,14 @@ class DLLMEngineActor:
             return None, str(e)
         if params.stop and self.checkpoint.serving == Serving.MASKED and not self._ensure_tokenizer():
             return None, "stop strings need the model's tokenizer, and the model has none; use stop_token_ids"
+        if params.structured_outputs is not None and self.checkpoint.serving == Serving.MASKED \
+                and not self._ensure_tokenizer():
+            return None, "structured_outputs need the model's tokenizer, and the model has none"
         return params, ""
 
     def _ensure_tokenizer(self) -> bool:
-        """Give the engine the model's tokenizer (stop strings are decided on the text);
-        loaded once, at the first row that has stop strings."""
+        """Give the engine the model's tokenizer (stop strings are decided on the text, structured
+        outputs compiled over its vocabulary); loaded once, at the first row that needs it."""
         if self._tokenizer is None:
             from common.tokenizer import load_tokenizer
 
