@@ -44,6 +44,8 @@ from .runner import ModelRunner
 from .scheduler import make_scheduler
 from .sequence import FinishReason, Request, RequestOutput, RowShape
 from .slots import KVSlots, place
+from .structured.guide import StructuredOutputs
+from .structured.params import parse as parse_constraint
 
 
 @dataclass
@@ -88,6 +90,7 @@ class Engine(EngineCore):
         self.batch: Optional[Batch] = None
         self._grown: set = set()  # rows that committed a block and start their next one (or added one)
         self._relayout = False  # rows changed their blocks in flight: lay the batch out again
+        self.structured = StructuredOutputs(model.config.vocab_size, self.device)  # engine.structured
 
     # --- requests -----------------------------------------------------------------
     def stop_ids(self, params) -> List[int]:
@@ -109,6 +112,11 @@ class Engine(EngineCore):
         err = row_refusal(req, self.traits)
         if err:
             return err
+        if req.params.structured_outputs is not None:
+            err = self.structured.admit(req, parse_constraint(req.params.structured_outputs), req.stop_ids,
+                                        self.tokenizer)
+            if err:
+                return err
         req.state = req.rule.start(req, self.traits)
         params = req.params
         if (params.temperature and params.temperature > 0) or params.remasking == "random" \
@@ -212,6 +220,9 @@ class Engine(EngineCore):
         unmask_stops = mask_stop_ids(b, [i for i in b.min_token_rows if i in live_rows], logits)  # min_tokens
         rp = b.unit_params
         units = lambda t: t.reshape(B * NB, L, *t.shape[2:])  # noqa: E731
+        guide = self.structured.guide(b, window, is_mask)  # structured outputs: only allowed tokens are proposed
+        if guide is not None:
+            guide.mask_logits(logits)
         need_idx = [t.to(self.device) for t in units(b.masked).nonzero(as_tuple=True)]
         x0, conf = propose(units(logits), rp, self._noise_keys(b), units(is_mask), need_idx)
         step = b.step.repeat_interleave(NB) if NB > 1 else b.step
@@ -221,6 +232,9 @@ class Engine(EngineCore):
         sel = select(conf, chosen, step.to(self.device), rp, L, S)
         for rule, rows in live:  # each rule's rows: its own selection
             sel = rule.select(b, rows, sel, conf=conf, is_mask=units(is_mask), x0=x0, window=window, logits=logits)
+        if guide is not None:  # the step's commits of a constrained row, jointly completable
+            sel, x0 = (t.reshape(B * NB, L) for t in guide.settle(sel.reshape(B, NB * L), x0.reshape(B, NB * L),
+                                                                     conf.reshape(B, NB * L), logits))
         if unmask_stops is not None:
             unmask_stops()  # the logprobs are the model's own
         record(b, [i for i in b.logprob_rows if i in live_rows], sel, x0, logits, self._fetch)
