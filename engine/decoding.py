@@ -207,7 +207,7 @@ def dream_logits(logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.T
 
 
 def propose(logits: torch.Tensor, rp: RowParams, noise_keys: Optional[Sequence[Optional[int]]],
-            need: torch.Tensor, need_idx: Optional[Sequence[torch.Tensor]] = None):
+            need: torch.Tensor, need_idx: Optional[Sequence[torch.Tensor]] = None, full_x0: bool = True):
     """Candidate tokens x0 [B, L] and their float64 confidence [B, L] (0 where `need`
     is False: only masked positions are ever selected, and the float64 softmax over
     the vocabulary is the biggest host cost of a step). Rows at temperature > 0 take
@@ -218,10 +218,17 @@ def propose(logits: torch.Tensor, rp: RowParams, noise_keys: Optional[Sequence[O
     all from a generator seeded per row and step (`noise_keys`, None when no row draws
     noise), so a request's tokens do not depend on its batch. Under
     Confidence.SAMPLED (`rp.sampled`) the proposals at `need` are drawn from, and the
-    confidence read off, Dream's sample_tokens distribution (dream_logits)."""
-    x0 = logits.argmax(-1)  # float -> float64 is exact, so this is the float64 argmax
+    confidence read off, Dream's sample_tokens distribution (dream_logits). `full_x0`
+    False: x0 is only meaningful at `need` (the argmax over the vocabulary at every other
+    position of the window is the step's largest host cost after the softmax, and only a
+    rule that rewrites decoded tokens, LLaDA2.1's editing, reads it there)."""
     idx = tuple(need_idx) if need_idx is not None else need.nonzero(as_tuple=True)
     lg = logits[idx].to(torch.float64)
+    if full_x0:
+        x0 = logits.argmax(-1)  # float -> float64 is exact, so this is the float64 argmax
+    else:  # the same index: argmax of the float64 copy (exact) at the needed positions only
+        x0 = torch.zeros(logits.shape[:-1], dtype=torch.long, device=logits.device)
+        x0[idx] = lg.argmax(-1)
     if rp.sampled and bool(((rp.real[2] > 0) | (rp.real[3] < 1) | (rp.ints[3] > 0)).any()):  # host values
         lg = dream_logits(lg, rp.dev.temperature[idx[0]], rp.dev.top_p[idx[0]], rp.dev.top_k[idx[0]])
     drawn, gumbel = {}, {}

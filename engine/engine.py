@@ -127,10 +127,15 @@ class Engine(EngineCore):
         """Admit/preempt; when membership or widths changed, lay the batch out again in
         slot order and move in the K/V slots only the rows that must move."""
         old = self.batch
-        mid_block = set()
-        if old is not None:
-            mid_block = {r for r, s in zip(old.rows, old.step.tolist()) if s > 0 and r not in self._grown}
-        rows = self.scheduler.schedule(can_preempt=lambda r: r not in mid_block)
+        mid_block: Optional[set] = None
+
+        def can_preempt(r: Request) -> bool:  # the rows mid-block, found once the scheduler asks (it rarely does)
+            nonlocal mid_block
+            if mid_block is None:
+                mid_block = set() if old is None else {
+                    r for r, s in zip(old.rows, old.step.tolist()) if s > 0 and r not in self._grown}
+            return r not in mid_block
+        rows = self.scheduler.schedule(can_preempt=can_preempt)
         self.stats.active = len(rows)
         if not rows:
             self.batch = None
@@ -189,7 +194,7 @@ class Engine(EngineCore):
         rp = b.unit_params
         units = lambda t: t.reshape(B * NB, L, *t.shape[2:])  # noqa: E731
         need_idx = [t.to(self.device) for t in units(b.masked).nonzero(as_tuple=True)]
-        x0, conf = propose(units(logits), rp, self._noise_keys(b), units(is_mask), need_idx)
+        x0, conf = propose(units(logits), rp, self._noise_keys(b), units(is_mask), need_idx, full_x0=b.full_x0)
         step = b.step.repeat_interleave(NB) if NB > 1 else b.step
         chosen = units(is_mask)
         for rule, rows in live:  # each rule's rows: the positions their step may unmask
@@ -214,9 +219,12 @@ class Engine(EngineCore):
 
     @staticmethod
     def _live(b: Batch) -> List[Tuple[Any, List[int]]]:
-        """(rule, its rows that are not frozen) for every rule in the batch."""
-        frozen = b.frozen.tolist()
-        return [(rule, [i for i in rows if not frozen[i]]) for rule, rows in b.groups.items()]
+        """(rule, its rows that are not frozen) for every rule in the batch: found again only
+        once a row froze (Engine.commit), not at every step."""
+        if b.live is None:
+            frozen = b.frozen.tolist()
+            b.live = [(rule, [i for i in rows if not frozen[i]]) for rule, rows in b.groups.items()]
+        return b.live
 
     def _noise_keys(self, b: Batch) -> Optional[List[Optional[int]]]:
         """Per unit, the seed of its noise at this step (None: no row draws noise), from
@@ -252,6 +260,7 @@ class Engine(EngineCore):
         if not self._committed(r, tokens):
             return False
         b.frozen[i] = self.scheduler.is_frozen(r)
+        b.live = None  # the rules' live rows change with it
         return True
 
     def grow(self, r: Request) -> None:

@@ -218,6 +218,8 @@ class ModelRunner:
         after = mode.later_step_columns(b.nact * L + self.shift, b.tail, None)
         overhead = self.overhead_cells()
         self.stats.forward_overhead_cells = overhead
+        if not bool(((q1 - q0) > after).any()):  # no row has more to compute than its step: no catch-up
+            return []
         groups = catch_up_groups((q1 - q0).tolist(), L + self.shift, after.tolist(), overhead, rejoin)
         return [(group, self.forward(b, group, catch_up=True)) for group in groups]
 
@@ -262,10 +264,16 @@ class ModelRunner:
         # the compiled block-only step (dual cache, mid-block) attends whole boxes: one shape per layout
         compiled = self.compiles and not contiguous and group is None
         slots = list(range(len(b.rows))) if group is None else group
-        runs = key_runs(slots, start.tolist(), W, self.attention_overhead) if cached and not compiled else None
+        runs = None
+        if cached and not compiled:  # a function of the layout's row starts: planned once per layout and group
+            key = None if group is None else tuple(group)
+            if key not in b.runs_cache:
+                got = key_runs(slots, start.tolist(), W, self.attention_overhead)
+                ks = torch.cat([torch.full((hi - lo,), k) for lo, hi, k in got]) if got else None
+                b.runs_cache[key] = (got, 0 if ks is None else int((start - ks).sum()))
+            runs, pad_per_query = b.runs_cache[key]
         if runs:  # pad keys attended: before each row's first real column, from its run's first key
-            ks = torch.cat([torch.full((hi - lo,), k) for lo, hi, k in runs])
-            pad_keys = T * int((start - ks).sum())
+            pad_keys = T * pad_per_query
         elif cached:
             pad_keys = T * int(start.sum())
         else:  # without a cache the keys are the query's own columns
