@@ -97,6 +97,7 @@ class RunResult:
     peak_kv_over_budget: Optional[float] = None  # most K/V bytes alive / token_budget's K/V bytes
     kv_bytes_copied_per_token: Optional[float] = None  # K/V moved by slot moves, growth, shifts, catch-up reads
     host_ms_per_step: Optional[float] = None  # step() wall time outside forwards, per denoising step
+    host_cpu_ms_per_step: Optional[float] = None  # the same in the stepping thread's CPU time (co-tenants' load aside)
     syncs_per_step: Optional[float] = None  # device -> host reads of the loop per denoising step
     kv_copied_by_per_token: Optional[Dict[str, float]] = None  # the K/V copies by cause (EngineStats.kv_copied_by)
     forward_overhead_cells: Optional[float] = None  # what the catch-up planner charged per extra forward, last

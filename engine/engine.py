@@ -75,6 +75,9 @@ class Engine(EngineCore):
         self.batch: Optional[Batch] = None
         self._grown: set = set()  # rows that committed a block and start their next one (or added one)
         self._relayout = False  # rows changed their blocks in flight: lay the batch out again
+        # plan and upload the next forward before the step's device read (engine.runner.prepare): on an
+        # accelerator that host work runs while the device computes; on a CPU it would only move it
+        self.overlap = self.device.type == "cuda"
 
     # --- requests -----------------------------------------------------------------
     def stop_ids(self, params) -> List[int]:
@@ -210,6 +213,8 @@ class Engine(EngineCore):
         b.busy_steps += b.masked.any(1).long()
         b.step += 1
         self.stats.steps += 1
+        if self.overlap:  # the next forward's plan and upload, while the device runs this step
+            self.runner.prepare(b)
         blocks = self._fetch(window)
         b.masked = (blocks == mask_id) & b.valid
         done = ~b.masked[:, -L:].any(1) | (b.step >= b.row_params.caps(L, S))

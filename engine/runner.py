@@ -132,6 +132,8 @@ class ModelRunner:
         self._decode = None  # the compiled block-only step (EngineConfig.compile_decode); False: given up
         # the compiled block-only step runs under the dual cache only (its later steps are block-only)
         self.compiles = cfg.compile_decode and cfg.mode.caches_suffix
+        self._ahead = None  # (batch, cached, step, plan, uploaded inputs) made by `prepare`
+        self.prepared_hits = 0  # forwards that ran a plan `prepare` made
 
     def decode_model(self):
         """The model compiled for the dual cache's block-only step: (rows, L) queries over a
@@ -229,10 +231,26 @@ class ModelRunner:
         several in flight (positions outside a row's blocks are clamped into its query and
         ignored); read for Dream from the column before each position. Planned on the host
         (`plan`), run with one upload of its index tensors (`run`), counted (`account`)."""
-        p = self.plan(b, group)
-        logits, seconds = self.run(b, p)
+        ahead, self._ahead = self._ahead, None
+        if group is None and ahead is not None and ahead[0] is b and torch.equal(ahead[1], b.cached) \
+                and torch.equal(ahead[2], b.step):  # planned and uploaded while the last step ran (`prepare`)
+            p, inputs = ahead[3], ahead[4]
+            self.prepared_hits += 1
+        else:
+            p = self.plan(b, group)
+            inputs = None
+        logits, seconds = self.run(b, p, inputs)
         self.account(b, p, seconds, catch_up)
         return logits
+
+    def prepare(self, b: Batch) -> None:
+        """Plan the batch's next whole-batch forward and queue its index upload now, while the
+        device still runs this step (called before the step's one device read): the next
+        step uses them if the batch is the same one (no row joined, left or started a block)
+        with the same cached columns and steps, else plans again. Work, not a guess: the plan
+        is a function of host values the step's tokens do not change."""
+        p = self.plan(b)
+        self._ahead = (b, b.cached.clone(), b.step.clone(), p, self.upload(p))
 
     def plan(self, b: Batch, group: Optional[List[int]] = None) -> ForwardPlan:
         """The forward's columns, from host values only. With a cache only the columns
@@ -289,19 +307,23 @@ class ModelRunner:
             prompt_fwd=(torch.minimum(q1, start + plen) - torch.maximum(lo, start)).clamp(min=0),
             cached_after=rows(b.block_start) - start)
 
-    def run(self, b: Batch, p: ForwardPlan) -> Tuple[torch.Tensor, float]:
-        """(logits, seconds): the index tensors go to the device in one copy (pinned and
-        non-blocking on CUDA), then the model runs."""
-        W, dev, T = b.width, self.device, p.T
+    def upload(self, p: ForwardPlan) -> List[torch.Tensor]:
+        """The plan's index tensors on the device, in one copy (pinned and non-blocking on CUDA)."""
         parts = [p.qc, p.pos, p.at, p.real.long()] + ([] if p.write is None else [p.write.long()])
         if p.group is not None:
             parts.append(p.pick[:, None])
         host = torch.cat(parts, 1)
-        if dev.type == "cuda":
-            up = host.pin_memory().to(dev, non_blocking=True)
+        if self.device.type == "cuda":
+            up = host.pin_memory().to(self.device, non_blocking=True)
         else:
-            up = host.to(dev)
-        got = list(up.split([t.shape[1] for t in parts], 1))
+            up = host.to(self.device)
+        return list(up.split([t.shape[1] for t in parts], 1))
+
+    def run(self, b: Batch, p: ForwardPlan, inputs: Optional[List[torch.Tensor]] = None) -> Tuple[torch.Tensor, float]:
+        """(logits, seconds): the index tensors go to the device (`upload`, unless `prepare`
+        did), then the model runs."""
+        W, T = b.width, p.T
+        got = inputs if inputs is not None else self.upload(p)
         qc_d, pos_d, at_d, real_d = got[0], got[1], got[2], got[3].bool()
         write_d = None if p.write is None else got[4].bool()
         ids, mask = b.ids, b.mask
@@ -311,7 +333,7 @@ class ModelRunner:
         tokens = torch.where(real_d, ids.gather(1, qc_d), self.mcfg.pad_token_id)
         qmask = mask if mask.shape[2] == 1 else mask.gather(2, qc_d[:, None, :, None].expand(-1, 1, -1, W))
         timer = self.timer.start(p.cells)
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.thread_time()
         with torch.inference_mode():
             if b.cache is None:
                 logits = self.model(tokens, pos_d, qmask[..., W - T:], logits_at=at_d)
@@ -327,6 +349,7 @@ class ModelRunner:
             if self.cfg.profile and dev.type == "cuda":  # exact forward_s, at the cost of a stall
                 torch.cuda.synchronize()
         seconds = time.perf_counter() - t0
+        self.stats.forward_cpu_s += time.thread_time() - c0
         timer.stop(seconds)
         return logits, seconds
 

@@ -18,6 +18,7 @@ class EngineStats:
     padded_cells: int = 0  # pad query columns forwarded
     computed_cells: int = 0
     forward_s: float = 0.0
+    forward_cpu_s: float = 0.0  # CPU time of the stepping thread inside forwards (on a CPU with one torch thread: all of it)
     busy_s: float = 0.0  # wall time inside step()
     busy_cpu_s: float = 0.0  # CPU time of the stepping thread inside step(): unaffected by co-tenants' load
     active: int = 0
@@ -67,6 +68,8 @@ class EngineStats:
                 "kv_copied_by_per_token": {k: v / self.generated_tokens for k, v in self.kv_copied_by.items()}
                 if self.generated_tokens else None,
                 "host_ms_per_step": 1e3 * self.host_s / self.steps if self.steps else None,
+                "host_cpu_ms_per_step": 1e3 * (self.busy_cpu_s - self.forward_cpu_s) / self.steps
+                if self.steps else None,
                 "syncs_per_step": self.syncs / self.steps if self.steps else None,
                 "catch_up": {"forward_share": self.catch_up["seconds"] / self.forward_s if self.forward_s else None,
                              "cell_share": self.catch_up["cells"] / self.computed_cells if self.computed_cells else None,
