@@ -132,8 +132,8 @@ class ModelRunner:
         self._decode = None  # the compiled block-only step (EngineConfig.compile_decode); False: given up
         # the compiled block-only step runs under the dual cache only (its later steps are block-only)
         self.compiles = cfg.compile_decode and cfg.mode.caches_suffix
-        self._ahead = None  # (batch, cached, step, plan, uploaded inputs) made by `prepare`
-        self.prepared_hits = 0  # forwards that ran a plan `prepare` made
+        self._ahead = None  # (batch, key, plan, uploaded inputs) of the last whole-batch plan
+        self.prepared_hits = 0  # whole-batch forwards that ran a plan made before them (a step before, or `prepare`)
 
     def decode_model(self):
         """The model compiled for the dual cache's block-only step: (rows, L) queries over a
@@ -231,11 +231,9 @@ class ModelRunner:
         several in flight (positions outside a row's blocks are clamped into its query and
         ignored); read for Dream from the column before each position. Planned on the host
         (`plan`), run with one upload of its index tensors (`run`), counted (`account`)."""
-        ahead, self._ahead = self._ahead, None
-        if group is None and ahead is not None and ahead[0] is b and torch.equal(ahead[1], b.cached) \
-                and torch.equal(ahead[2], b.step):  # planned and uploaded while the last step ran (`prepare`)
-            p, inputs = ahead[3], ahead[4]
-            self.prepared_hits += 1
+        if group is None:
+            p, inputs, reused = self.whole_batch_plan(b)
+            self.prepared_hits += reused
         else:
             p = self.plan(b, group)
             inputs = None
@@ -243,14 +241,30 @@ class ModelRunner:
         self.account(b, p, seconds, catch_up)
         return logits
 
+    def _plan_key(self, b: Batch) -> torch.Tensor:
+        """What a whole-batch plan of layout `b` depends on besides the layout: each row's
+        cached columns, and whether it is past its block's first step (Dream's read)."""
+        return torch.stack([b.cached, (b.step > 0).long()])
+
+    def whole_batch_plan(self, b: Batch) -> Tuple[ForwardPlan, List[torch.Tensor], bool]:
+        """The plan of the forward over every row of `b` and its uploaded indices: the last
+        one again while the layout and its key are the same (a block's later steps forward
+        the same columns), else planned anew; and whether it was made before."""
+        key = self._plan_key(b)
+        last = self._ahead
+        if last is not None and last[0] is b and torch.equal(last[1], key):
+            return last[2], last[3], True
+        p = self.plan(b)
+        self._ahead = (b, key, p, self.upload(p))
+        return p, self._ahead[3], False
+
     def prepare(self, b: Batch) -> None:
         """Plan the batch's next whole-batch forward and queue its index upload now, while the
         device still runs this step (called before the step's one device read): the next
         step uses them if the batch is the same one (no row joined, left or started a block)
-        with the same cached columns and steps, else plans again. Work, not a guess: the plan
-        is a function of host values the step's tokens do not change."""
-        p = self.plan(b)
-        self._ahead = (b, b.cached.clone(), b.step.clone(), p, self.upload(p))
+        with the same key, else plans again. Work, not a guess: the plan is a function of
+        host values the step's tokens do not change."""
+        self.whole_batch_plan(b)
 
     def plan(self, b: Batch, group: Optional[List[int]] = None) -> ForwardPlan:
         """The forward's columns, from host values only. With a cache only the columns
@@ -346,7 +360,7 @@ class ModelRunner:
                                                          for k, v in kw.items()})
                 if logits is None:
                     logits = self.model(*args, **kw)
-            if self.cfg.profile and dev.type == "cuda":  # exact forward_s, at the cost of a stall
+            if self.cfg.profile and self.device.type == "cuda":  # exact forward_s, at the cost of a stall
                 torch.cuda.synchronize()
         seconds = time.perf_counter() - t0
         self.stats.forward_cpu_s += time.thread_time() - c0
