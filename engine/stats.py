@@ -129,6 +129,18 @@ class ForwardTimer:
         self.fit, self.events = fit, device.type == "cuda" and not exact
         self.pending: List[Tuple[int, Any, Any]] = []
         self._cells, self._start = 0, None
+        self.device_s = 0.0  # forward seconds on the device (CUDA events) read so far; run time elsewhere
+
+    def drain(self) -> float:
+        """Wait for the forwards still in flight and read their events; the device's forward
+        seconds so far (what the GPU bench divides by wall time: the device's busy share)."""
+        if self.events:
+            for n, e0, e1 in self.pending:
+                e1.synchronize()
+                self.fit.add(n, e0.elapsed_time(e1) / 1e3)
+                self.device_s += e0.elapsed_time(e1) / 1e3
+            self.pending = []
+        return self.device_s
 
     def start(self, cells: int) -> "ForwardTimer":
         self._cells = cells
@@ -138,6 +150,7 @@ class ForwardTimer:
             while self.pending and self.pending[0][2].query():
                 n, e0, e1 = self.pending.pop(0)
                 self.fit.add(n, e0.elapsed_time(e1) / 1e3)
+                self.device_s += e0.elapsed_time(e1) / 1e3
             self._start = torch.cuda.Event(enable_timing=True)
             self._start.record()
         return self
@@ -145,6 +158,7 @@ class ForwardTimer:
     def stop(self, seconds: float) -> None:
         if not self.events:
             self.fit.add(self._cells, seconds)
+            self.device_s += seconds
             return
         import torch
 
