@@ -241,7 +241,9 @@ def propose(logits: torch.Tensor, rp: RowParams, noise_keys: Optional[Sequence[O
         x0 = logits.argmax(-1)  # float -> float64 is exact, so this is the float64 argmax
     else:  # the same index: argmax of the float64 copy (exact) at the needed positions only
         x0 = torch.zeros(logits.shape[:-1], dtype=torch.long, device=logits.device)
-        x0[idx] = lg.argmax(-1)
+        x0_at = lg.argmax(-1)
+        x0[idx] = x0_at
+    drew = False  # a row's x0 was drawn (temperature > 0): read x0 at idx again below
     if rp.sampled and bool(((rp.real[2] > 0) | (rp.real[3] < 1) | (rp.ints[3] > 0)).any()):  # host values
         lg = dream_logits(lg, rp.dev.temperature[idx[0]], rp.dev.top_p[idx[0]], rp.dev.top_k[idx[0]])
     drawn, gumbel = {}, {}
@@ -251,6 +253,7 @@ def propose(logits: torch.Tensor, rp: RowParams, noise_keys: Optional[Sequence[O
         gen = torch.Generator(device=logits.device).manual_seed(key)
         p = rp.params[i]
         if p.temperature > 0:
+            drew = True
             noise = torch.rand(logits.shape[1:], generator=gen, dtype=torch.float64, device=logits.device)
             if rp.sampled:  # the processed logits are already tempered and restricted
                 at = idx[0] == i
@@ -264,8 +267,8 @@ def propose(logits: torch.Tensor, rp: RowParams, noise_keys: Optional[Sequence[O
             gumbel[i] = -torch.log(-torch.log(torch.rand(x0.shape[1], generator=gen, dtype=torch.float64,
                                                          device=x0.device)))
     probs = torch.softmax(lg, dim=-1)
-    rem = rp.dev.remasking[idx[0]]
-    c = probs.gather(-1, x0[idx][:, None]).squeeze(-1)
+    rem = rp.dev.remasking[idx[0]] if rp.any_entropy or rp.any_margin or rp.any_sequential else None
+    c = probs.gather(-1, (x0[idx] if drew or full_x0 else x0_at)[:, None]).squeeze(-1)
     if rp.any_entropy:  # Dream's neg_entropy
         c = torch.where(rem == ENTROPY, (probs * torch.log(probs + 1e-10)).sum(-1), c)
     if rp.any_margin:  # Dream's topk_margin
@@ -273,7 +276,7 @@ def propose(logits: torch.Tensor, rp: RowParams, noise_keys: Optional[Sequence[O
         c = torch.where(rem == MARGIN, top2[:, 0] - top2[:, 1], c)
     if rp.any_sequential:  # SDAR's sequential: the leftmost masks rank first
         c = torch.where(rem == SEQUENTIAL, -idx[1].to(c.dtype), c)
-    if bool((rp.policy == ENTROPY_BOUND).any()):  # host values
+    if ENTROPY_BOUND in rp.policies:  # host values
         # JetEngine's entropy: of the softmax at the row's temperature (the model's own at 0),
         # probabilities clamped at 1e-12; minus it is the confidence (the lowest entropy first)
         t = rp.dev.temperature[idx[0]]
