@@ -176,11 +176,18 @@ def main(argv=None) -> int:
                     "run for the budget: e.g. 34208,68416, what static-B32 and B64 used in cpu_skewed.json)")
     ap.add_argument("--no-static", action="store_true", help="blockserve runs only (needs --budgets)")
     ap.add_argument("--before", default=None, help="a JSON this script wrote on an older checkout: kept as before")
+    ap.add_argument("--runs-from", default=None, help="take the runs from a JSON this script wrote (no measuring): "
+                    "pair an after with a before measured at the same time")
     ap.add_argument("--n-requests", type=int, default=None)
     ap.add_argument("--smoke", action="store_true")
     ap.add_argument("--threads", type=int, default=1)
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
+    if args.runs_from:
+        with open(args.runs_from) as f:
+            report = json.load(f)
+        report["command"] += f" (runs; paired with --before {args.before} by: python {' '.join(sys.argv)})"
+        return write(args, report)
     spec = SMOKE_SKEWED if args.smoke else SkewedSpec()
     if args.n_requests:
         import dataclasses
@@ -209,6 +216,11 @@ def main(argv=None) -> int:
               "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"), "git": git_state(),
               "machine": machine_info(args.threads), "workload": {"name": "skewed", "n_requests": len(w.prompts)},
               "runs": runs}
+    return write(args, report)
+
+
+def write(args, report: Dict[str, Any]) -> int:
+    runs = report["runs"]
     if args.before:
         with open(args.before) as f:
             before = json.load(f)
