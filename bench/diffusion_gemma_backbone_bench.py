@@ -36,15 +36,10 @@ def engine_batch(model, ckpt, B, steps=3):
         eng.add_request(i, [2] + [5 + (7 * i + j) % 50 for j in range(3 + 5 * i)], 10_000, 100 + i)
     for n in range(100):
         eng.step()
-        rows = list(eng.active)
-        if n + 1 >= steps and all(r.sc_logits is not None for r in rows):
-            break
-    else:
-        raise RuntimeError("no step found where every row has self-conditioning logits")
-    cache, masks, pos = eng._gather(rows, causal=False)
-    canvas = torch.cat([r.canvas for r in rows])
-    sc = torch.cat([r.sc_logits for r in rows])
-    return cache, masks, pos, canvas, sc
+        cache, masks, pos, canvas, sc = eng.decoder_inputs()
+        if n + 1 >= steps and sc is not None and eng.has_unfinished() and not eng._fresh:
+            return cache, masks, pos, canvas, sc
+    raise RuntimeError("no step found where every row has self-conditioning logits")
 
 
 def transformers_forward(model, cache, masks, pos, canvas, sc):

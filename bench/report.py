@@ -154,6 +154,16 @@ OTHER = [
     ("cpu_diffusion_gemma.json", "DiffusionGemma on the CPU (`bench/diffusion_gemma_bench.py`)",
      "The canvas engine against transformers' batched generate.",
      lambda d: {"median_tokens_per_s": d["median_tokens_per_s"], "ratios": d["ratios"]}),
+    ("cpu_diffusion_gemma_overhead.json", "DiffusionGemma, overhead-bound size (`bench/diffusion_gemma_bench.py "
+     "--size overhead`)",
+     "Issue 41, acceptance 3: hidden 32, 2 layers, vocabulary 128, canvas 16, 24 prompts of 3-40 tokens, 48 new "
+     "tokens, float32, batch bound 8: the canvas engine against transformers' batched generate (target 1.3x), "
+     "tokens per CPU-second and per wall second, and blockserve's float64 tokens against transformers' generate of "
+     "each prompt alone.",
+     lambda d: {"median_tokens_per_cpu_s": d["median_tokens_per_cpu_s"], "ratios_cpu_time": d["ratios_cpu_time"],
+                "ratios_cpu_time_per_round_median": d.get("ratios_cpu_time_per_round_median"),
+                "ratios_cpu_time_best_round": d.get("ratios_cpu_time_best_round"),
+                "ratios": d["ratios"], "exact_float64": d["exact_float64"]}),
     ("sorter_scale.json", "Sorter at scale (`bench/sorter_bench.py --scale`)",
      "The job on 2 CPU engines, blendserve ordering against none, 1k to 16k rows.",
      lambda d: {k: d["summary"][k] for k in ("blendserve_over_none_1k", "r2")}),

@@ -463,6 +463,10 @@ class EngineConfig:
     profile: bool = field(default=False, metadata={"help": (
         "synchronize the device after every forward so forward_s is exact (costs throughput on a GPU; "
         "off, the host runs ahead of the device)")})
+    enable_prefix_caching: bool = field(default=False, metadata={"help": (
+        "share the K/V of prompt blocks between rows whose prompts start with the same complete blocks "
+        "(vLLM's name; exact only for block-causal families with blocks at absolute positions: LLaDA2.x, SDAR, "
+        "Fast-dLLM v2 on the masked-diffusion engine; refused elsewhere, and with cache none or the full canvas)")})
 
     def __post_init__(self) -> None:
         err = out_of_bounds(self)

@@ -45,6 +45,27 @@ class EngineStats:
     compiled_forwards: int = 0
     compile_fallbacks: int = 0
     step_failures: int = 0  # steps that raised (their rows failed; engine.core logs them)
+    # prefix caching (engine.prefix_cache): complete prompt blocks (and prompt tokens) of the
+    # rows that joined a batch, those taken from the cache, blocks cached now, added, evicted,
+    # and the K/V bytes copied between the cache and the rows' slots
+    prefix_query_blocks: int = 0
+    prefix_hit_blocks: int = 0
+    prefix_query_tokens: int = 0
+    prefix_hit_tokens: int = 0
+    prefix_cached_blocks: int = 0
+    prefix_inserted_blocks: int = 0
+    prefix_evictions: int = 0
+    prefix_copied_bytes: int = 0
+
+    @property
+    def prefix_hit_rate(self) -> Optional[float]:
+        """Complete prompt blocks of joining rows found in the prefix cache (None: none looked up)."""
+        return self.prefix_hit_blocks / self.prefix_query_blocks if self.prefix_query_blocks else None
+
+    @property
+    def prefix_token_hit_rate(self) -> Optional[float]:
+        """Prompt tokens of joining rows whose K/V came from the prefix cache."""
+        return self.prefix_hit_tokens / self.prefix_query_tokens if self.prefix_query_tokens else None
 
     @property
     def kv_bytes_copied(self) -> int:

@@ -31,7 +31,7 @@ SAMPLING = {"max_new_tokens": 8, "policy": "fixed", "threshold": 0.5, "factor": 
             "alg_temp": 0.5, "min_tokens": 3, "ignore_eos": True, "include_stop_str_in_output": True, "logprobs": 2}
 ENGINE = {"block_length": 8, "steps_per_block": 8, "cache": "none", "token_budget": 40, "scheduler": "sequential",
           "max_batch_size": 1, "advance": "step", "canvas": "block", "forward_overhead_cells": 10.0,
-          "compile_decode": True, "profile": True, "gpu_memory_utilization": 0.5}
+          "compile_decode": True, "profile": True, "gpu_memory_utilization": 0.5, "enable_prefix_caching": True}
 BASE = SamplingParams(max_new_tokens=24, seed=7)
 PROMPTS = [[2, 11, 12, 13], [2, 21, 22], [2] + list(range(5, 40))]
 
@@ -91,7 +91,9 @@ def test_every_engine_field_has_an_effect_or_is_refused(ckpt):
     def serve(cfg: EngineConfig):
         eng = CanvasServe(model, defaults, cfg)
         outs = eng.generate(PROMPTS, BASE)
-        return [(o.token_ids, o.finish_reason, o.error) for o in outs], eng.canvas.decoder_forwards
+        # a prefix cache changes no token (tests/test_diffusion_gemma_prefix.py): its effect is what it holds
+        return ([(o.token_ids, o.finish_reason, o.error) for o in outs], eng.canvas.decoder_forwards,
+                eng.stats.prefix_cached_blocks)
 
     base = serve(EngineConfig())
     checkpoint = Checkpoint.open(ckpt)

@@ -22,18 +22,20 @@ CHAT_TEMPLATE = ("{{ bos_token }}{% for m in messages %}<start_of_turn>{{ m['rol
                  "<end_of_turn>{% endfor %}{% if add_generation_prompt %}<start_of_turn>model {% endif %}")
 
 
-def build(path: str, scale: float = 20.0, hidden: int = 32, layers: int = 3, **generation) -> str:
-    """`generation`: generation_config.json entries replacing GENERATION's."""
+def build(path: str, scale: float = 20.0, hidden: int = 32, layers: int = 3, vocab: int = VOCAB,
+          canvas: int = CANVAS, **generation) -> str:
+    """`generation`: generation_config.json entries replacing GENERATION's; `vocab` (> IMAGE)
+    and `canvas` (canvas_length) size the overhead-bound bench model."""
     from transformers import DiffusionGemmaConfig, DiffusionGemmaForBlockDiffusion
     from transformers.models.diffusion_gemma.generation_diffusion_gemma import DiffusionGemmaGenerationConfig
 
     types = (["sliding_attention", "sliding_attention", "full_attention"] * layers)[:layers - 1] + ["full_attention"]
-    tc = dict(vocab_size=VOCAB, hidden_size=hidden, intermediate_size=hidden * 3 // 2, num_hidden_layers=layers,
+    tc = dict(vocab_size=vocab, hidden_size=hidden, intermediate_size=hidden * 3 // 2, num_hidden_layers=layers,
               num_attention_heads=4, num_key_value_heads=2, head_dim=8, global_head_dim=16,
               num_global_key_value_heads=1, sliding_window=12, layer_types=types, enable_moe_block=True,
               num_experts=4, top_k_experts=2, moe_intermediate_size=hidden // 2, eos_token_id=1, pad_token_id=0,
               bos_token_id=2)
-    cfg = DiffusionGemmaConfig(text_config=tc, canvas_length=CANVAS, vision_config=VISION, image_token_id=IMAGE,
+    cfg = DiffusionGemmaConfig(text_config=tc, canvas_length=canvas, vision_config=VISION, image_token_id=IMAGE,
                                boi_token_id=IMAGE - 1, eoi_token_id=IMAGE - 2)
     torch.manual_seed(0)
     model = DiffusionGemmaForBlockDiffusion(cfg).eval()
@@ -42,16 +44,16 @@ def build(path: str, scale: float = 20.0, hidden: int = 32, layers: int = 3, **g
     # a deep copy: the config pops sampler_config's "_cls_name" from the dict it is given
     model.generation_config = DiffusionGemmaGenerationConfig(**copy.deepcopy({**GENERATION, **generation}))
     model.save_pretrained(path)
-    _tokenizer(path)
+    _tokenizer(path, vocab)
     return path
 
 
-def _tokenizer(path: str) -> None:
+def _tokenizer(path: str, vocab: int = VOCAB) -> None:
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
     specials = ["<pad>", "<eos>", "<bos>", "<start_of_turn>", "<end_of_turn>"]
-    words = specials + [f"w{i}" for i in range(VOCAB - len(specials) - 2)] + ["user", "model"]
+    words = specials + [f"w{i}" for i in range(vocab - len(specials) - 2)] + ["user", "model"]
     tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="w0"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>", bos_token="<bos>",

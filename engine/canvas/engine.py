@@ -1,14 +1,21 @@
 """Canvas-grained continuous batching for DiffusionGemma.
 
 A row is its prompt plus committed canvases (their K/V written by transformers' encoder
-into the row's own DynamicCache, whose sliding layers keep only the window) plus the
-canvas being denoised. Every step forwards the canvases of all active rows in ONE
-decoder call: the rows' caches are left-padded into one read-only batch cache with a
-boolean mask per layer type, positions per row. The rows whose canvas stops in a step
-(stable and confident, or out of steps) commit theirs in ONE encoder forward (the same
-batch view, written through) and start their next canvas at the next step; a row leaves
-at EOS or max_tokens; new rows are admitted under the token budget at any step
-(`blockserve`), only into an empty batch (`static`), or one at a time (`sequential`).
+into the row's slot of the engine's K/V buffers, engine.canvas.kv) plus the canvas being
+denoised. Every step forwards the canvases of all active rows in ONE decoder call, over
+a view of the buffers (no per-step copy of any row's K/V) with a boolean mask per layer
+type and positions per row. The rows whose canvas stops in a step (stable and confident,
+or out of steps) start their next canvas at once; ONE encoder forward at the start of the
+next step writes their canvases and prefills the rows joining then (right padded, each
+row at its own positions: rows are independent in it). A row leaves at EOS or max_tokens; new rows are
+admitted under the token budget at any step (`blockserve`), only into an empty batch
+(`static`), or one at a time (`sequential`).
+
+The per-step bookkeeping (temperature, sampling, entropy-bound acceptance, renoise,
+stability and confidence, self-conditioning) runs on tensors over the batch; Python runs
+per row only for each row's own random draws (its generator), when its canvas ends, and
+when it joins or leaves. One device -> host read per step: which canvases ended, and
+their tokens.
 
 Rows grow by a canvas per commit, so the admitted rows can outgrow the token budget.
 Then, like vLLM's recompute preemption, the most recently admitted rows are preempted
@@ -16,10 +23,16 @@ Then, like vLLM's recompute preemption, the most recently admitted rows are pree
 waiting queue, and re-admitted by one encoder pass over prompt + committed canvases
 when they fit again. No row is ever dropped or mixed; the oldest row always stays.
 
+With `enable_prefix_caching`, complete prompt blocks (canvas_length tokens) are kept in
+a prefix cache (engine.canvas.prefix) counted in the token budget: a row whose leading
+blocks are cached copies their K/V and encodes only the rest of its prompt.
+
 Random draws come from a per-request torch.Generator seeded with the request's seed, in
 transformers' order (initial canvas; per step the multinomial sample, then the renoise),
 so a row's tokens equal `torch.manual_seed(S); model.generate(prompt alone)` whatever
-batch it is served in."""
+batch it is served in. The multinomial sample is drawn as torch draws it for one sample
+(an exponential per entry, argmax of probs / exponential: the same draws, the same
+token), so the rows' draws come from their generators and the rest runs batched."""
 from __future__ import annotations
 
 import math
@@ -30,10 +43,15 @@ import torch
 
 from ..config import SchedulerKind, enum_value
 from ..sequence import FinishReason, RequestOutput
+from .kv import Pass, RowKV
 from .params import CanvasParams, budget_refusal
+from .prefix import PrefixCache
 
 # What a request gets back: the engine's RequestOutput (num_blocks counts canvases).
 CanvasOutput = RequestOutput
+
+# the per-row state tensors, in slot order (engine._state)
+_STATE = ("canvas", "argmax", "has_sc", "cur", "run", "n_steps", "t_min", "t_span", "bound", "conf", "stab")
 
 
 @dataclass(eq=False)
@@ -43,50 +61,33 @@ class _Row:
     max_tokens: int
     params: CanvasParams
     gen: torch.Generator
-    cache: Any = None  # transformers DynamicCache: prompt + committed canvases
     generated: List[int] = field(default_factory=list)
-    canvas: Optional[torch.Tensor] = None  # (1, L) current (noisy) canvas
-    argmax: Optional[torch.Tensor] = None
-    sc_logits: Optional[torch.Tensor] = None  # previous step's processed logits (self-conditioning)
-    cur_step: int = 0  # steps remaining (transformers counts N..1)
-    stopper: Any = None
-    num_steps: int = 0
+    num_steps: int = 0  # decoder steps before its current stay in the batch
+    joined_at: int = 0  # decoder_forwards when it (re)joined
+    slot: Optional[int] = None  # its place in the batch while active
+    saved: Optional[dict] = None  # a preempted row's canvas in progress (its state tensors' rows)
+    chain: list = field(default_factory=list)  # the prefix-cache blocks it holds
 
     @property
     def cur_len(self) -> int:
         return len(self.prompt) + len(self.generated)
 
 
-class _BatchCache:
-    """The batch view of the rows' caches: per layer, their K/V left-padded to one length.
-    transformers' decoder only reads `layers[i].keys/values` and `is_compileable`; its
-    encoder calls `update`, which here returns cached + new K/V and keeps the new ones
-    (`written`) for the rows' own caches."""
-
-    is_compileable = False
-
-    class _Layer:
-        def __init__(self, keys: torch.Tensor, values: torch.Tensor):
-            self.keys, self.values = keys, values
-
-    def __init__(self, layers: List["_BatchCache._Layer"]):
-        self.layers = layers
-        self.written: dict = {}
-
-    def update(self, keys: torch.Tensor, values: torch.Tensor, layer_idx: int, *args, **kwargs):
-        self.written[layer_idx] = (keys, values)
-        old = self.layers[layer_idx]
-        return torch.cat([old.keys, keys], dim=-2), torch.cat([old.values, values], dim=-2)
+def _entropy(logits: torch.Tensor) -> torch.Tensor:
+    """torch.distributions.Categorical(logits=logits).entropy(), the same operations in the
+    same order (what transformers' sampler and stopping criteria compute), without building
+    the distribution object on every step."""
+    logits = logits - logits.logsumexp(dim=-1, keepdim=True)
+    probs = torch.softmax(logits, dim=-1)
+    return -(torch.clamp(logits, min=torch.finfo(logits.dtype).min) * probs).sum(-1)
 
 
 class CanvasEngine:
     """Serves DiffusionGemma requests; `model` is transformers' DiffusionGemmaForBlockDiffusion."""
 
     def __init__(self, model, defaults: CanvasParams, scheduler: SchedulerKind = SchedulerKind.BLOCKSERVE,
-                 max_batch_size: int = 64, token_budget: int = 65536, stop_token_ids: Optional[Sequence[int]] = None):
-        from transformers.models.diffusion_gemma import generation_diffusion_gemma as g
-
-        self._g = g
+                 max_batch_size: int = 64, token_budget: int = 65536, stop_token_ids: Optional[Sequence[int]] = None,
+                 enable_prefix_caching: bool = False, prefix_block: Optional[int] = None):
         self.model, self.defaults = model, defaults
         self.scheduler = enum_value("scheduler", scheduler, SchedulerKind)
         self.max_batch_size = 1 if self.scheduler == SchedulerKind.SEQUENTIAL else max_batch_size
@@ -96,18 +97,30 @@ class CanvasEngine:
         self.image_token_id = getattr(cfg, "image_token_id", None)
         self.layer_types = list(cfg.text_config.layer_types)
         self.sliding_window = cfg.text_config.sliding_window
+        self.device = model.device
+        self.sc_dtype = model.model.decoder.embed_tokens.weight.dtype
         eos = model.generation_config.eos_token_id if stop_token_ids is None else list(stop_token_ids)
         if eos is None:
             eos = cfg.text_config.eos_token_id
         self.eos = set(eos if isinstance(eos, (list, tuple)) else [eos])
+        self.prefix = PrefixCache(prefix_block or self.L) if enable_prefix_caching else None
+        self.kv = RowKV(len(self.layer_types), self.device)
         self.waiting: List[_Row] = []
-        self.active: List[_Row] = []
+        self.active: List[_Row] = []  # admission order (the newest is preempted first)
+        self.rows: List[_Row] = []  # slot order (the batch's)
+        self._state = {k: None for k in _STATE}
+        self.sc: Optional[torch.Tensor] = None  # (B, L, V) previous step's processed logits
+        self._fresh: set = set()  # rows without self-conditioning logits (a canvas just started)
+        self._to_commit: List[_Row] = []  # rows whose finished canvas the next encoder pass writes
+        self._to_prefill: List[_Row] = []  # rows joining: the next encoder pass prefills them
+        self._layout = None  # the decoder's cache view, masks and positions while no row joins, leaves or commits
         self.outputs: List[CanvasOutput] = []
         self.decoder_forwards = 0  # batched decoder calls
         self.row_forwards = 0  # sum over calls of rows in the call
         self.encoder_forwards = 0
         self.cells = 0  # tokens forwarded: encoder tokens + L per decoder row (the sorter's `cells`)
         self.preemptions = 0
+        self.syncs = 0  # device -> host reads by the loop
 
     # ------------------------------------------------------------------ requests
     def add_request(self, request_id: Any, prompt_ids: Sequence[int], max_tokens: int, seed: int,
@@ -142,156 +155,406 @@ class CanvasEngine:
         out, self.outputs = sorted(self.outputs, key=lambda o: o.request_id), []
         return out
 
+    def prefix_figures(self) -> dict:
+        """The prefix cache's counters under the engine stats' names (zeros without it)."""
+        return (self.prefix or PrefixCache(self.L)).figures()
+
     # ------------------------------------------------------------------ the loop
     def _area(self, rows: Sequence[_Row]) -> int:
         return sum(r.cur_len + self.L for r in rows)
 
+    def _cached(self) -> int:
+        return self.prefix.tokens if self.prefix is not None else 0
+
     def _admit(self) -> None:
         if self.scheduler == SchedulerKind.STATIC and self.active:
             return
-        while self.waiting and len(self.active) < self.max_batch_size:
+        joining: List[_Row] = []
+        area = self._area(self.active)
+        while self.waiting and len(self.active) + len(joining) < self.max_batch_size:
             row = self.waiting[0]
-            if self.active and self._area(self.active + [row]) > self.token_budget:
-                break
+            need = area + row.cur_len + self.L
+            if self.active or joining:
+                while need + self._cached() > self.token_budget and self.prefix is not None and self.prefix.evict():
+                    pass
+                if need + self._cached() > self.token_budget:
+                    break
             self.waiting.pop(0)
-            self.active.append(row)  # before its prefill: a failing forward fails it with the others
-            self._prefill(row)
-            if row.canvas is None:  # else a preempted row resumes its canvas
-                self._start_canvas(row)
+            joining.append(row)
+            area = need
+        if joining:
+            self._join(joining)
 
     def _preempt(self) -> None:
-        """Recompute preemption (vLLM's policy): while the admitted rows outgrow the token
-        budget, the newest one gives back its K/V and waits at the front of the queue.
-        The oldest row always stays: it fits alone (add_request checked its full width)."""
-        while len(self.active) > 1 and self._area(self.active) > self.token_budget:
-            row = self.active.pop()
-            row.cache = None
-            self.preemptions += 1
-            self.waiting.insert(0, row)
+        """Recompute preemption (vLLM's policy): while the admitted rows (and the prefix
+        cache) outgrow the token budget, unheld cached blocks go first, then the newest row
+        gives back its K/V and waits at the front of the queue. The oldest row always
+        stays: it fits alone (add_request checked its full width)."""
+        leaving = []
+        while self._area(self.active) + self._cached() > self.token_budget:
+            if self.prefix is not None and self.prefix.evict():
+                continue
+            if len(self.active) > 1:
+                row = self.active.pop()
+                self._save(row)
+                leaving.append(row)
+                self.preemptions += 1
+                self.waiting.insert(0, row)
+            elif not (self.prefix is not None and self.prefix.evict(held=True)):
+                break
+        if leaving:
+            self._leave(leaving)
 
-    @torch.no_grad()
+    @torch.inference_mode()  # not no_grad: no version counters or view tracking on the step path
     def step(self) -> List[CanvasOutput]:
-        """Admit, one decoder forward over every active row, commit the canvases that stopped.
+        """Admit, one encoder forward (the last step's commits, the joining rows' prefill), one
+        decoder forward over every active row, then the canvases that stopped are committed.
         Returns every output so far (`outputs`). A forward that raises propagates: the
         caller (engine.canvas.serve, an EngineCore) fails the active rows (`fail`)."""
         self._preempt()
         self._admit()
-        if not self.active:
+        self._flush()
+        if not self.rows:
             return self.outputs
-        rows = list(self.active)
-        logits = self._decode(rows)
-        done = [r for b, r in enumerate(rows) if self._denoise_row(r, logits[b:b + 1])]
-        self._commit([r for r in done if not self._ends(r)])
+        logits = self._decode()
+        done, canvases = self._denoise(logits)
+        ends, commits = [], []
+        for b, toks in zip(done, canvases):
+            row = self.rows[b]
+            (ends if self._ends(row, toks) else commits).append(row)
+        self._commit(commits)
+        if ends:
+            self._leave(ends)
         return self.outputs
 
     def fail(self, message: str) -> None:
         """Every active row finishes with `message` (a step raised); waiting rows go on."""
         for r in list(self.active):
             self._finish(r, FinishReason.ERROR, error=message)
+            r.slot, r.saved = None, None
+            if self.prefix is not None:
+                self.prefix.release(r.chain)
+            r.chain = []
+        self.rows, self._state, self.sc, self._layout = [], {k: None for k in _STATE}, None, None
+        self._fresh.clear()
+        self._to_commit, self._to_prefill = [], []
 
-    # ------------------------------------------------------------------ per row
-    def _prefill(self, row: _Row) -> None:
-        """transformers' prefill encoder pass (as `generate` calls it at batch size 1):
-        writes prompt + committed canvases (a preempted row's recompute) into a new cache."""
-        from transformers import DynamicCache
+    # ------------------------------------------------------------------ joins and leaves
+    def _row_state(self, row: _Row) -> dict:
+        """A new row's state tensors (one row each); its first canvas drawn from its generator."""
+        p, dev = row.params, self.device
+        if row.saved is not None:
+            st, row.saved = row.saved, None
+            return st
+        canvas = torch.randint(0, self.V, (1, self.L), generator=row.gen).to(dev)
+        f32 = dict(dtype=torch.float32, device=dev)
+        return dict(canvas=canvas, argmax=canvas, has_sc=torch.zeros(1, dtype=torch.bool, device=dev),
+                    cur=torch.full((1,), p.max_denoising_steps, dtype=torch.int32, device=dev),
+                    run=torch.zeros(1, dtype=torch.long, device=dev),
+                    n_steps=torch.full((1,), p.max_denoising_steps, dtype=torch.int32, device=dev),
+                    t_min=torch.tensor([p.t_min], **f32), t_span=torch.tensor([p.t_max - p.t_min], **f32),
+                    bound=torch.tensor([float(p.entropy_bound)], **f32),
+                    conf=torch.tensor([float(p.confidence_threshold)], **f32),
+                    stab=torch.full((1,), int(p.stability_threshold), dtype=torch.long, device=dev),
+                    sc=None)
 
-        m = self.model
-        row.cache = DynamicCache(config=m.config.get_text_config(decoder=True))
-        ids = torch.tensor([row.prompt + row.generated], dtype=torch.long, device=m.device)
-        n = ids.shape[1]
-        pos = torch.arange(n, dtype=torch.int32, device=m.device).unsqueeze(0)
-        attn = torch.ones((1, n), dtype=torch.bool, device=m.device)
-        unprocessed, masks = m._prepare_encoder_inputs(input_ids=ids, attention_mask=attn, encoder_position_ids=pos,
-                                                       cache=row.cache, is_prefill=True, canvas_length=n,
-                                                       batch_size=1)
-        m.model.encoder(input_ids=unprocessed, attention_mask=masks, cache=row.cache, position_ids=pos)
-        self.encoder_forwards += 1
-        self.cells += n
+    def _save(self, row: _Row) -> None:
+        """A preempted row keeps its canvas in progress (K/V dropped)."""
+        s = row.slot
+        st = {k: self._state[k][s:s + 1].clone() for k in _STATE}
+        st["sc"] = self.sc[s:s + 1].clone() if self.sc is not None and row not in self._fresh else None
+        row.saved = st
+        row.num_steps += self.decoder_forwards - row.joined_at
 
-    def _start_canvas(self, row: _Row) -> None:
-        p = row.params
-        row.canvas = torch.randint(0, self.V, (1, self.L), generator=row.gen).to(self.model.device)
-        row.argmax, row.sc_logits, row.cur_step = row.canvas, None, p.max_denoising_steps
-        row.stopper = self._g.StableAndConfidentStoppingCriteria(p.stability_threshold, p.confidence_threshold)
+    def _join(self, rows: List[_Row]) -> None:
+        """Rows take slots B.. (the active list first: a failing prefill fails them with the
+        others) and their state is appended; their prompt + committed canvases are encoded
+        by the step's encoder pass (`_flush`)."""
+        B = len(self.rows)
+        for i, r in enumerate(rows):
+            r.slot = B + i
+        self.active += rows
+        self.rows += rows
+        self._layout = None
+        states = [self._row_state(r) for r in rows]
+        self._to_prefill += rows
+        for k in _STATE:
+            parts = ([self._state[k]] if self._state[k] is not None else []) + [s[k] for s in states]
+            self._state[k] = torch.cat(parts)
+        sc_new = [s["sc"] for s in states]
+        if self.sc is not None or any(x is not None for x in sc_new):
+            zeros = lambda: torch.zeros((1, self.L, self.V), dtype=self.sc_dtype, device=self.device)  # noqa: E731
+            old = [self.sc] if self.sc is not None else [zeros() for _ in range(B)]
+            self.sc = torch.cat(old + [x if x is not None else zeros() for x in sc_new])
+        self._fresh.update(r for r, x in zip(rows, sc_new) if x is None)
+        for r in rows:
+            r.joined_at = self.decoder_forwards
 
-    def _gather(self, rows: Sequence[_Row], causal: bool) -> tuple:
-        """The rows' caches as one left-padded _BatchCache, and per layer type the boolean
-        (B, 1, L, n + L) mask of L new tokens of each row (at positions cur_len.., or, for
-        `causal`, the canvas just appended to `generated`, at cur_len - L..) over
-        [its cached K/V | the L new]. `causal` (the encoder's commit): key position <= query
-        position, and within the sliding window on sliding layers, as transformers' own
-        masks at batch size 1; else (the denoiser) every real key."""
-        L, dev = self.L, self.model.device
-        B = len(rows)
-        layers, masks = [], {}
-        q = torch.arange(L, device=dev).view(1, L, 1)
-        for i, kind in enumerate(self.layer_types):
-            ks = [r.cache.layers[i].keys for r in rows]
-            vs = [r.cache.layers[i].values for r in rows]
-            n = max(k.shape[-2] for k in ks)
-            pad = lambda t: torch.nn.functional.pad(t, (0, 0, n - t.shape[-2], 0))
-            layers.append(_BatchCache._Layer(torch.cat([pad(k) for k in ks]), torch.cat([pad(v) for v in vs])))
-            if kind in masks:
-                continue
-            held = torch.tensor([k.shape[-2] for k in ks], device=dev).view(B, 1, 1)
-            col = torch.arange(n + L, device=dev).view(1, 1, n + L)
-            mk = col >= n - held  # a real key: cached (not padding) or new
+    def _leave(self, rows: List[_Row]) -> None:
+        """Rows give back their slots: the rows in the last slots move into the holes (their
+        K/V and state copied once), so slots stay 0..B-1 in batch order."""
+        gone = {r.slot for r in rows}
+        left = set(rows)
+        self._to_commit = [r for r in self._to_commit if r not in left]  # a preempted row re-encodes them all
+        B = len(self.rows)
+        n = B - len(gone)
+        holes = sorted(s for s in gone if s < n)
+        movers = [s for s in range(n, B) if s not in gone]
+        for r in rows:
+            r.slot = None
+            self._fresh.discard(r)
+            if self.prefix is not None and r.chain:
+                self.prefix.release(r.chain)
+                r.chain = []
+        self.kv.move(holes, movers)
+        order = list(range(n))
+        for h, m in zip(holes, movers):
+            order[h] = m
+        idx = torch.tensor(order, dtype=torch.long, device=self.device)
+        for k in _STATE:
+            self._state[k] = self._state[k].index_select(0, idx)
+        if self.sc is not None:
+            self.sc = self.sc.index_select(0, idx) if n else None
+        rows_by_slot = self.rows
+        self.rows = [rows_by_slot[s] for s in order]
+        for s, r in enumerate(self.rows):
+            r.slot = s
+        if not n:
+            self._state = {k: None for k in _STATE}
+        self._layout = None
+
+    # ------------------------------------------------------------------ encoder passes
+    def _masks(self, starts: torch.Tensor, lens: torch.Tensor, q: int, lo: dict, hi: int, causal: bool,
+               extra: int = 0) -> dict:
+        """Per layer type the boolean (B, 1, q, hi - lo + extra) mask. Columns are absolute
+        positions lo..hi-1 of the rows' K/V, then `extra` new columns (the decoder's canvas).
+        `causal` (the encoder; query j of row b at position starts[b] + j): key position <=
+        query position, and within the sliding window on sliding layers, as transformers'
+        own masks; else (the denoiser) every key below the row's length `lens`, on sliding
+        layers only the last sliding_window - 1 (what its sliding cache keeps), and the canvas."""
+        dev, out = self.device, {}
+        for kind in set(self.layer_types):
+            col = torch.arange(lo[kind], hi, device=dev).view(1, 1, -1)
+            sliding = kind == "sliding_attention" and self.sliding_window
             if causal:
-                rel = col - n - q  # key position minus query position
-                mk = mk & (rel <= 0)
-                if kind == "sliding_attention" and self.sliding_window:
-                    mk = mk & (rel > -self.sliding_window)
-            masks[kind] = mk.expand(B, L, n + L).unsqueeze(1).contiguous()
-        start = [r.cur_len - (L if causal else 0) for r in rows]
-        pos = torch.stack([torch.arange(s, s + L, dtype=torch.int32) for s in start]).to(dev)
-        return _BatchCache(layers), masks, pos
+                qpos = starts.view(-1, 1, 1) + torch.arange(q, device=dev).view(1, q, 1)
+                m = col <= qpos
+                if sliding:
+                    m = m & (col > qpos - self.sliding_window)
+            else:
+                n = lens.view(-1, 1, 1)
+                m = col < n
+                if sliding:
+                    m = m & (col >= n - (self.sliding_window - 1))
+                m = m.expand(-1, q, -1)
+                if extra:
+                    m = torch.cat([m, torch.ones((m.shape[0], q, extra), dtype=torch.bool, device=dev)], dim=-1)
+            out[kind] = m.unsqueeze(1)
+        return out
 
-    def _decode(self, rows: Sequence[_Row]) -> torch.Tensor:
+    def _lo(self, first: int) -> dict:
+        """The first column each layer type reads: 0, or on sliding layers the window's start
+        of the row that starts lowest (`first`)."""
+        lo = {k: 0 for k in set(self.layer_types)}
+        if "sliding_attention" in lo and self.sliding_window:
+            lo["sliding_attention"] = max(0, first - self.sliding_window + 1)
+        return lo
+
+    def _encode(self, slots, ids: torch.Tensor, starts: Sequence[int], counts: Sequence[int]) -> None:
+        """ONE encoder forward: row j's ids[j, :counts[j]] at positions starts[j].. (right
+        padded), its K/V written into its slot."""
+        m, dev = self.model, self.device
+        J, t = ids.shape
+        st = torch.tensor(list(starts), dtype=torch.long, device=dev)
+        ar = torch.arange(t, device=dev).view(1, t)
+        cols = st.view(J, 1) + ar
+        valid = None if all(c == t for c in counts) else ar < torch.tensor(list(counts), device=dev).view(J, 1)
+        hi = max(starts) + t  # the padding's columns too (never read by a real token)
+        self.kv.reserve(len(self.rows), hi)
+        lo = self._lo(min(starts))
+        masks = self._masks(st, None, t, lo, hi, causal=True)
+        cache = Pass(self.kv, self.layer_types, slots, lo, hi, cols=cols, valid=valid)
+        text = getattr(m.model.encoder, "language_model", m.model.encoder)  # text only: its text model direct
+        text(input_ids=ids, attention_mask=masks, cache=cache, position_ids=cols.to(torch.int32))
+        self.encoder_forwards += 1
+        self.cells += sum(counts)
+
+    def _flush(self) -> None:
+        """The step's ONE encoder forward, before its decoder forward: the canvases the last
+        step committed (at positions cur_len - L..) and the joining rows' prefill (as
+        `generate` runs it at batch size 1: prompt + committed canvases, a preempted row's
+        recompute, after the leading prompt blocks the prefix cache holds), each row at its
+        own positions, right padded. Rows are independent in it (causal masks by absolute
+        position), so one pass serves both: a row joining where others commit costs no
+        extra encoder call."""
+        commits, joins = self._to_commit, self._to_prefill
+        self._to_commit, self._to_prefill = [], []
+        work = []  # (slot, tokens, start)
+        for r in commits:
+            work.append((r.slot, r.generated[-self.L:], r.cur_len - self.L))
+        for r in joins:
+            toks, start = r.prompt + r.generated, 0
+            if self.prefix is not None:
+                start = self._reuse(r)
+            if len(toks) > start:
+                work.append((r.slot, toks[start:], start))
+        if work:
+            work.sort(key=lambda w: w[0])
+            slots = [w[0] for w in work]
+            t = max(len(w[1]) for w in work)
+            ids = torch.tensor([w[1] + [0] * (t - len(w[1])) for w in work], dtype=torch.long, device=self.device)
+            contiguous = slots == list(range(slots[0], slots[0] + len(slots)))
+            sl = slice(slots[0], slots[-1] + 1) if contiguous else torch.tensor(slots, device=self.device)
+            self._encode(sl, ids, [w[2] for w in work], [len(w[1]) for w in work])
+            self._layout = None
+        if self.prefix is not None:
+            for r in joins:
+                self._keep(r)
+
+    def _reuse(self, row: _Row) -> int:
+        """Copies the row's cached leading prompt blocks into its slot; the tokens they cover."""
+        pc = self.prefix
+        chain = pc.match(pc.keys(row.prompt))
+        pc.count_lookup(len(row.prompt), len(chain))
+        pc.hold(chain)
+        row.chain = list(chain)
+        if chain:
+            self.kv.reserve(len(self.rows), len(chain) * pc.block)
+        for j, blk in enumerate(chain):
+            a = j * pc.block
+            for i, (k, v) in enumerate(blk.kv):
+                self.kv.keys[i][row.slot, :, a:a + pc.block] = k
+                self.kv.values[i][row.slot, :, a:a + pc.block] = v
+                pc.stats.copied_bytes += 2 * k.numel() * k.element_size()
+        return len(chain) * pc.block
+
+    def _keep(self, row: _Row) -> None:
+        """Caches the row's complete prompt blocks not cached yet, as the budget allows."""
+        pc = self.prefix
+        keys = pc.keys(row.prompt)
+        parent = row.chain[-1] if row.chain else None
+        for j in range(len(row.chain), len(keys)):
+            blk = pc.blocks.get(keys[j])
+            if blk is None:
+                while self._area(self.active) + self._cached() + pc.block > self.token_budget and pc.evict():
+                    pass
+                if self._area(self.active) + self._cached() + pc.block > self.token_budget:
+                    break
+                if parent is not None and parent.key not in pc.blocks:
+                    break  # its parent was evicted: the chain is broken
+                a = j * pc.block
+                kv = [(self.kv.keys[i][row.slot, :, a:a + pc.block].clone(),
+                       self.kv.values[i][row.slot, :, a:a + pc.block].clone()) for i in range(self.kv.n_layers)]
+                blk = pc.insert(keys[j], parent, kv)
+                pc.stats.copied_bytes += sum(2 * k.numel() * k.element_size() for k, _ in kv)
+            pc.hold([blk])
+            row.chain.append(blk)
+            parent = blk
+
+    def _commit(self, rows: Sequence[_Row]) -> None:
+        """The rows' finished canvases (appended to `generated`) are encoded by the next
+        step's encoder pass (`_flush`, with the rows joining then); each starts its next
+        canvas now (drawn from its generator)."""
+        if not rows:
+            return
+        L, dev = self.L, self.device
+        self._to_commit += rows
+        idx = torch.tensor([r.slot for r in rows], dtype=torch.long, device=dev)
+        canvas = torch.cat([torch.randint(0, self.V, (1, L), generator=r.gen) for r in rows]).to(dev)
+        s = self._state
+        s["canvas"][idx] = canvas
+        s["argmax"][idx] = canvas
+        s["has_sc"][idx] = False
+        s["cur"][idx] = s["n_steps"][idx]
+        s["run"][idx] = 0
+        self._fresh.update(rows)
+        self._layout = None
+
+    # ------------------------------------------------------------------ the denoiser
+    def _decoder_layout(self):
+        """The decoder's cache view, masks and positions (kept while no row joins, leaves
+        or commits: its inputs change only then)."""
+        if self._layout is None:
+            dev = self.device
+            lens = torch.tensor([r.cur_len for r in self.rows], dtype=torch.long, device=dev)
+            hi = max(r.cur_len for r in self.rows)
+            lo = self._lo(min(r.cur_len for r in self.rows))
+            masks = self._masks(None, lens, self.L, lo, hi, causal=False, extra=self.L)
+            pos = (lens.view(-1, 1) + torch.arange(self.L, device=dev).view(1, -1)).to(torch.int32)
+            self._layout = (Pass(self.kv, self.layer_types, slice(0, len(self.rows)), lo, hi), masks, pos)
+        return self._layout
+
+    @torch.inference_mode()
+    def decoder_inputs(self):
+        """What the next decoder forward is given: (cache, masks, positions, canvas,
+        self-conditioning logits or None) (bench/diffusion_gemma_backbone_bench.py)."""
+        self._flush()
+        cache, masks, pos = self._decoder_layout()
+        return cache, masks, pos, self._state["canvas"], self.sc if len(self._fresh) < len(self.rows) else None
+
+    def _decode(self) -> torch.Tensor:
         """One decoder forward over every row's canvas; (B, L, V) float32 logits."""
-        m, L, dev = self.model, self.L, self.model.device
-        B = len(rows)
-        cache, masks, pos = self._gather(rows, causal=False)
-        canvas = torch.cat([r.canvas for r in rows])
-        sc_mask = torch.tensor([r.sc_logits is not None for r in rows], device=dev)
-        sc = None
-        if sc_mask.any():
-            dt = m.model.decoder.embed_tokens.weight.dtype
-            sc = torch.cat([r.sc_logits if r.sc_logits is not None else torch.zeros((1, L, self.V), dtype=dt,
-                                                                                     device=dev) for r in rows])
-        out = m(decoder_input_ids=canvas, cache=cache, self_conditioning_logits=sc,
-                self_conditioning_mask=None if sc is None or bool(sc_mask.all()) else sc_mask,
-                decoder_attention_mask=masks, decoder_position_ids=pos)
+        B = len(self.rows)
+        cache, masks, pos = self._decoder_layout()
+        sc, sc_mask = None, None
+        if len(self._fresh) < B:
+            sc = self.sc
+            if self._fresh:
+                sc_mask = self._state["has_sc"]
+        m = self.model
+        # transformers' decoder module, then its LM head and logit softcap as
+        # DiffusionGemmaForBlockDiffusion.forward applies them (its two wrappers skipped: per-call overhead)
+        hidden = m.model.decoder(decoder_input_ids=self._state["canvas"], cache=cache, self_conditioning_logits=sc,
+                                 self_conditioning_mask=sc_mask, decoder_attention_mask=masks,
+                                 decoder_position_ids=pos).last_hidden_state
+        logits = m.lm_head(hidden).to(torch.float32)
+        logits = torch.tanh(logits / m.final_logit_softcapping) * m.final_logit_softcapping
         self.decoder_forwards += 1
         self.row_forwards += B
-        self.cells += B * L
-        return out.logits
+        self.cells += B * self.L
+        return logits
 
-    def _denoise_row(self, row: _Row, raw_logits: torch.Tensor) -> bool:
-        """transformers' `_denoising_step` for one row at batch size 1, draws from the row's
-        generator. True when the canvas is done (stopped, or out of steps)."""
-        p, g = row.params, self._g
-        cur = torch.tensor(row.cur_step, dtype=torch.int32)
-        processed = g.LinearTemperatureScheduleLogitsProcessor(p.t_min, p.t_max, p.max_denoising_steps)(
-            None, raw_logits, cur_step=cur)
+    def _denoise(self, raw: torch.Tensor):
+        """transformers' `_denoising_step` for every row at once (each as at batch size 1:
+        its own temperature schedule, entropy bound and stopping thresholds). Returns the
+        slots whose canvas is done (stopped, or out of steps) and those canvases' tokens."""
+        s, L, V, dev = self._state, self.L, self.V, self.device
+        # the rows' draws, in transformers' order per row: the sample's exponentials, then the renoise
+        q, noise = [], []
+        for r in self.rows:
+            q.append(torch.empty((L, V), dtype=torch.float32).exponential_(generator=r.gen))
+            noise.append(torch.randint(0, V, (L,), generator=r.gen))
+        q, noise = torch.stack(q).to(dev), torch.stack(noise).to(dev)
+        temp = s["t_min"] + s["t_span"] * (s["cur"] / s["n_steps"])  # LinearTemperatureScheduleLogitsProcessor
+        processed = raw / temp.view(-1, 1, 1)
         probs = torch.softmax(processed, dim=-1, dtype=torch.float32)
-        denoiser = torch.multinomial(probs.view(-1, self.V), num_samples=1, generator=row.gen).view(1, self.L)
+        denoiser = torch.argmax(probs / q, dim=-1)  # torch.multinomial(probs, 1) with these exponentials
         new_argmax = torch.argmax(processed, dim=-1)
-        sampler = g.EntropyBoundSampler(g.EntropyBoundSamplerConfig(entropy_bound=float(p.entropy_bound)), self.L,
-                                        self.V, p.max_denoising_steps)
-        accepted = sampler.accept_canvas(row.canvas, denoiser, processed, cur)
-        noise = torch.randint(0, self.V, (1, self.L), generator=row.gen).to(accepted.device)
-        row.canvas = torch.where(~sampler.accepted_token_mask, noise, accepted)
-        stop = bool(row.stopper(new_argmax, processed)[0])
-        row.argmax = new_argmax
-        row.sc_logits = processed.to(self.model.model.decoder.embed_tokens.weight.dtype)
-        row.num_steps += 1
-        row.cur_step -= 1
-        return stop or row.cur_step == 0
+        entropy = _entropy(processed)  # (B, L)
+        # EntropyBoundSampler: accept the lowest-entropy tokens within the bound, renoise the rest
+        sorted_e, order = torch.sort(entropy, dim=-1, descending=False)
+        chosen = torch.cumsum(sorted_e, dim=-1) - sorted_e <= s["bound"].view(-1, 1)
+        accepted = torch.scatter(torch.zeros_like(chosen), -1, order, chosen)
+        s["canvas"] = torch.where(accepted, denoiser, noise)
+        # StableAndConfidentStoppingCriteria: the argmax unchanged over the last `stab` steps, and confident
+        same = (new_argmax == s["argmax"]).all(dim=-1) & (s["run"] > 0)
+        s["run"] = torch.where(same, s["run"] + 1, torch.ones_like(s["run"]))
+        stop = (s["run"] - 1 >= s["stab"]) & (entropy.mean(dim=-1) < s["conf"])
+        s["argmax"] = new_argmax
+        self.sc = processed.to(self.sc_dtype)
+        s["has_sc"] = torch.ones_like(s["has_sc"])
+        self._fresh.clear()
+        s["cur"] = s["cur"] - 1
+        done = stop | (s["cur"] == 0)
+        host = torch.cat([done.view(-1, 1).long(), new_argmax], dim=1).cpu()  # the step's one read
+        self.syncs += 1
+        slots = host[:, 0].nonzero().view(-1).tolist()
+        return slots, host[slots, 1:].tolist()
 
-    def _ends(self, row: _Row) -> bool:
+    # ------------------------------------------------------------------ per row
+    def _ends(self, row: _Row, canvas: List[int]) -> bool:
         """Appends the finished canvas to the row; True (and the row finished) when it ends
         the row: EOS in it, or max_tokens reached. Such a canvas is never encoded."""
-        canvas = row.argmax[0].tolist()
         row.generated += canvas
         if any(t in self.eos for t in canvas):
             cut = len(row.generated) - self.L + next(i for i, t in enumerate(canvas) if t in self.eos) + 1
@@ -306,31 +569,13 @@ class CanvasEngine:
             return True
         return False
 
-    def _commit(self, rows: Sequence[_Row]) -> None:
-        """ONE encoder forward writes the last canvas of every row in `rows` (appended to
-        `generated`, at positions cur_len - L..) into the rows' caches, then each starts
-        its next canvas."""
-        if not rows:
-            return
-        m, L = self.model, self.L
-        cache, masks, pos = self._gather(rows, causal=True)
-        ids = torch.tensor([r.generated[-L:] for r in rows], dtype=torch.long, device=m.device)
-        m.model.encoder(input_ids=ids, attention_mask=masks, cache=cache, position_ids=pos)
-        self.encoder_forwards += 1
-        self.cells += len(rows) * L
-        for i, (k, v) in sorted(cache.written.items()):
-            for b, r in enumerate(rows):
-                r.cache.layers[i].update(k[b:b + 1], v[b:b + 1])
-        for r in rows:
-            self._start_canvas(r)
-
     def _finish(self, row: _Row, reason: FinishReason, tokens: Optional[List[int]] = None,
                 error: Optional[str] = None) -> None:
+        """The row's output; it leaves the batch with the step's other finished rows (`_leave`)."""
         self.active.remove(row)
         self.outputs.append(RequestOutput(row.request_id, row.prompt, tokens or [], reason, error=error,
                                           num_blocks=math.ceil(len(row.generated) / self.L),
-                                          num_steps=row.num_steps))
-        row.cache = None
+                                          num_steps=row.num_steps + self.decoder_forwards - row.joined_at))
 
 
 __all__ = ["CanvasEngine", "CanvasOutput"]

@@ -24,7 +24,8 @@ class CanvasServe(EngineCore):
         config = replace(config, token_budget=config.fixed_token_budget())  # it plans no budget (engine.budget)
         super().__init__(config, tokenizer=None, vocab_size=model.config.text_config.vocab_size)
         self.canvas = CanvasEngine(model, defaults, scheduler=config.scheduler, max_batch_size=config.max_batch_size,
-                                   token_budget=config.token_budget)
+                                   token_budget=config.token_budget,
+                                   enable_prefix_caching=config.enable_prefix_caching)
         self._arrival: Dict[Any, float] = {}
 
     def admit(self, req: Request) -> None:
@@ -44,6 +45,9 @@ class CanvasServe(EngineCore):
             st.steps += c.decoder_forwards - forwards
             st.cycles = st.forwards = c.decoder_forwards
             st.active = len(c.active)
+            st.syncs = c.syncs
+            for k, v in c.prefix_figures().items():  # the masked engine's names (engine.stats)
+                setattr(st, k, v)
             self._collect()
 
     def fail_active(self, message: str) -> None:

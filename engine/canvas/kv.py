@@ -1,0 +1,115 @@
+"""The canvas engine's K/V: per layer one buffer (slots, kv heads, positions, head dim)
+holding each active row's encoder K/V at its absolute positions (column p = position p),
+right-padded, the rows compacted into slots 0..B-1 in batch order. So a decoder step's
+cache is a view of the first B slots (no per-step copy of any row's K/V), and one mask
+per layer type says which columns a query sees: positions below the row's length, and on
+sliding layers only the last sliding_window - 1 of them (what transformers' own
+DynamicSlidingWindowLayer keeps: the same keys, hence the same attention).
+
+`Pass` is what transformers' encoder and decoder are handed as their `cache`: the
+decoder reads `layers[i].keys/values` (and `is_compileable`), the encoder calls `update`,
+which writes the new K/V into the rows' slots and returns the keys the new tokens attend."""
+from __future__ import annotations
+
+from typing import List, Optional, Sequence
+
+import torch
+
+
+class RowKV:
+    """The K/V of the active rows, one buffer per layer, grown (never per step) when a
+    row or a position does not fit; `lens[s]` tokens held by slot s."""
+
+    def __init__(self, n_layers: int, device: torch.device):
+        self.n_layers, self.device = n_layers, device
+        self.keys: List[Optional[torch.Tensor]] = [None] * n_layers
+        self.values: List[Optional[torch.Tensor]] = [None] * n_layers
+        self.rows_cap = 0
+        self.len_cap = 0
+        self.regrows = 0
+
+    def reserve(self, rows: int, length: int) -> None:
+        """Room for `rows` slots of `length` positions (buffers grow by half again)."""
+        if rows <= self.rows_cap and length <= self.len_cap:
+            return
+        r = max(rows, self.rows_cap + self.rows_cap // 2) if rows > self.rows_cap else self.rows_cap
+        n = max(length, self.len_cap + self.len_cap // 2) if length > self.len_cap else self.len_cap
+        n = -(-n // 16) * 16
+        for i in range(self.n_layers):
+            for bufs in (self.keys, self.values):
+                old = bufs[i]
+                if old is None:
+                    continue
+                new = old.new_zeros((r, old.shape[1], n, old.shape[3]))
+                new[:old.shape[0], :, :old.shape[2]] = old
+                bufs[i] = new
+        self.rows_cap, self.len_cap = r, n
+        self.regrows += 1
+
+    def _alloc(self, i: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        if self.keys[i] is None:
+            self.keys[i] = k.new_zeros((self.rows_cap, k.shape[1], self.len_cap, k.shape[3]))
+            self.values[i] = v.new_zeros((self.rows_cap, v.shape[1], self.len_cap, v.shape[3]))
+
+    def write(self, i: int, slots: torch.Tensor, cols: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+              valid: Optional[torch.Tensor] = None) -> None:
+        """k, v (J, H, t, D) of slots (J,) at columns cols (J, t); `valid` (J, t): the
+        tokens written (the others are padding of a right-padded pass)."""
+        self._alloc(i, k, v)
+        rows = slots.view(-1, 1).expand_as(cols)
+        kt, vt = k.transpose(1, 2), v.transpose(1, 2)  # (J, t, H, D)
+        if valid is not None:
+            rows, cols, kt, vt = rows[valid], cols[valid], kt[valid], vt[valid]
+        self.keys[i].transpose(1, 2)[rows, cols] = kt
+        self.values[i].transpose(1, 2)[rows, cols] = vt
+
+    def move(self, dst: Sequence[int], src: Sequence[int]) -> None:
+        """Slots `src` into slots `dst` (compaction when rows leave)."""
+        if not dst:
+            return
+        d = torch.tensor(list(dst), device=self.device)
+        s = torch.tensor(list(src), device=self.device)
+        for bufs in (self.keys, self.values):
+            for i, b in enumerate(bufs):
+                if b is not None:
+                    b[d] = b[s]
+
+    def bytes(self) -> int:
+        return sum(b.numel() * b.element_size() for bufs in (self.keys, self.values) for b in bufs if b is not None)
+
+
+class Pass:
+    """One forward's cache over rows `slots` (a range start..stop when contiguous, else an
+    index tensor): columns lo[kind]..hi of each layer, and for the encoder the columns the
+    new tokens are written at (`cols`, `valid`)."""
+
+    is_compileable = False
+
+    class _Layer:
+        def __init__(self, keys: Optional[torch.Tensor], values: Optional[torch.Tensor]):
+            self.keys, self.values = keys, values
+
+    def __init__(self, kv: RowKV, layer_types: Sequence[str], slots, lo: dict, hi: int,
+                 cols: Optional[torch.Tensor] = None, valid: Optional[torch.Tensor] = None):
+        self.kv, self.types, self.slots, self.lo, self.hi = kv, list(layer_types), slots, lo, hi
+        self.cols, self.valid = cols, valid
+        self.layers = [Pass._Layer(*self._view(i)) for i in range(kv.n_layers)] if cols is None else []
+
+    def _view(self, i: int):
+        k, v = self.kv.keys[i], self.kv.values[i]
+        if k is None:
+            return None, None
+        lo = self.lo[self.types[i]]
+        if isinstance(self.slots, slice):
+            return k[self.slots, :, lo:self.hi], v[self.slots, :, lo:self.hi]
+        return k[:, :, lo:self.hi].index_select(0, self.slots), v[:, :, lo:self.hi].index_select(0, self.slots)
+
+    def update(self, keys: torch.Tensor, values: torch.Tensor, layer_idx: int, *args, **kwargs):
+        """The encoder's write: the new K/V into the rows' slots, then the keys they attend."""
+        slots = self.slots
+        idx = torch.arange(slots.start, slots.stop, device=keys.device) if isinstance(slots, slice) else slots
+        self.kv.write(layer_idx, idx, self.cols, keys, values, self.valid)
+        return self._view(layer_idx)
+
+
+__all__ = ["Pass", "RowKV"]
