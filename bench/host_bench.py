@@ -161,7 +161,7 @@ def plot(path: str, report: Dict[str, Any]) -> None:
     ax.set_xticks(range(len(bars)))
     ax.set_xticklabels([b[0] for b in bars], fontsize=7)
     ax.set_ylabel("host CPU ms per denoising step (thread time)")
-    ax.set_title("host time of one denoising step, by phase (skewed workload, 1 thread)")
+    ax.set_title("host time of one denoising step, by phase (skewed workload, 1 thread)", fontsize=9)
     ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
     fig.tight_layout()
     fig.savefig(path, dpi=120)

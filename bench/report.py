@@ -185,7 +185,10 @@ def host_section(d: Dict[str, Any]) -> List[str]:
            "The skewed workload (block canvas, refresh cache, block advance) served by static-B and by blockserve at "
            "a static-B budget, the step path's phases timed exclusive of what they call, in the stepping thread's "
            "CPU time per denoising step (co-tenants' load aside; wall time is in the JSON). `forward` is the model "
-           "call; on a CPU the proposal's float64 softmax and the selection are host time too.", "",
+           "call; on a CPU the proposal's float64 softmax and the selection are host time too. Measured on the "
+           "workload's first requests (see the command) while the machine ran other jobs: the acceptance figure of "
+           "issue 41 (`bench/engine_bench.py --workload skewed --threads 1 --static-batch-sizes 32 --no-sequential`, "
+           "~110 rows) is to be measured on a quiet machine.", "",
            f"`{d['command']}` ({d['created']}, commit `{commit}`)" + (
                f"; before: commit `{bcommit}` (`{d['before']['command']}`); same tokens as before: "
                f"{d.get('tokens_identical_to_before')}" if before else "") + ".", ""]
