@@ -33,6 +33,8 @@ per CPU-second of the benchmark's process (tokens per CPU-second), which co-tena
 does not move, rather than wall-clock rates. Ratios are between runs of the same
 requests in the same invocation (rounds interleaved, median of the per-round ratios).
 No GPU run has been made yet: `bash bench/gpu/run.sh` on one H200 writes `gpu_bench.json`.
+Tensor parallel: `VARIANT=tp bash bench/gpu/run.sh` on a machine with >= 2 GPUs runs `bench/gpu/tp_bench.py` (the
+engine-level comparison of tests/test_tensor_parallel.py over NCCL) and writes `tp_bench.json`; not run yet.
 """
 
 # engine_bench results: (file, title, what it measures)

@@ -122,16 +122,19 @@ def plan_token_budget(free_bytes: int, cfg: ModelConfig, dtype: torch.dtype = to
                       cache: str = "refresh", block_length: int = 32, *, weights_loaded: bool = False,
                       min_prompt_len: int = 1, max_batch_size: Optional[int] = None,
                       max_width: Optional[int] = None, margin_frac: float = 0.10,
-                      reserve_bytes: int = 512 << 20, max_area: Optional[int] = None) -> MemoryPlan:
+                      reserve_bytes: int = 512 << 20, max_area: Optional[int] = None,
+                      weights_bytes: Optional[int] = None) -> MemoryPlan:
     """The largest token budget A with `bytes_for(A) <= free_bytes`, at most `max_area`
     (the largest box the engine can form: more is memory it never fills).
 
     `free_bytes` is what the device reports free (torch.cuda.mem_get_info()[0]); pass
     `weights_loaded=True` when the model is already resident (then weights are not
-    subtracted again). Returns budget 0 when not even one block fits."""
+    subtracted again); `weights_bytes`: what the weights take when they are not
+    weight_bytes(cfg) (a tensor-parallel rank's shard). Returns budget 0 when not even one
+    block fits."""
     if free_bytes < 0 or block_length < 1 or min_prompt_len < 1:
         raise ValueError("free_bytes must be >= 0, block_length and min_prompt_len >= 1")
-    weights = 0 if weights_loaded else weight_bytes(cfg, dtype)
+    weights = 0 if weights_loaded else (weight_bytes(cfg, dtype) if weights_bytes is None else weights_bytes)
     margin = max(int(reserve_bytes), int(margin_frac * free_bytes))
     plan = MemoryPlan(token_budget=0, free_bytes=free_bytes, weights_bytes=weights, margin_bytes=margin,
                       kv_per_token=kv_peak_bytes_per_token(cfg, dtype, cache),
@@ -175,11 +178,87 @@ def engine_plan(mcfg: ModelConfig, dtype: torch.dtype, config: EngineConfig, fre
     """The budget an engine of `config` plans with `free_bytes` of its device's `total_bytes`
     free: what gpu_memory_utilization of the device leaves after what is held already,
     capped at max_batch_size rows of the model's context. The preflight asks the same of a
-    whole GPU (free = total, weights not loaded)."""
+    whole GPU (free = total, weights not loaded). `mcfg` is the whole model's: under
+    config.tensor_parallel_size = N > 1 the plan is one rank's (`ShardBytes`)."""
     usable = max(0, free_bytes - math.ceil((1 - config.gpu_memory_utilization) * total_bytes))
-    return plan_token_budget(usable, mcfg, dtype, config.cache, config.block_length, weights_loaded=weights_loaded,
+    weights, local = None, mcfg
+    if config.tensor_parallel_size > 1:
+        shard = ShardBytes.of(mcfg, dtype, config.tensor_parallel_size)
+        weights, local = shard.weights, shard.local
+    return plan_token_budget(usable, local, dtype, config.cache, config.block_length, weights_loaded=weights_loaded,
                              max_batch_size=config.max_batch_size, margin_frac=0.0,
-                             max_area=config.max_batch_size * mcfg.max_seq_len)
+                             max_area=config.max_batch_size * mcfg.max_seq_len, weights_bytes=weights)
+
+
+# --- tensor parallel: one rank's memory ---------------------------------------------------
+@dataclass(frozen=True)
+class ShardBytes:
+    """What one of N tensor-parallel ranks holds (engine.models.sharding): its weights
+    (each split tensor's shard, the replicated parts whole: norms, routers, row-parallel
+    biases, K/V heads when there are fewer than N), of which `replicated` are copies every
+    rank holds; `local` the rank's layer config (its heads, K/V heads and MLP widths), from
+    which K/V and activations are planned; the logits are planned as gathered (the whole
+    vocabulary on every rank)."""
+
+    size: int
+    weights: int
+    replicated: int
+    local: ModelConfig
+
+    @classmethod
+    def of(cls, cfg: ModelConfig, dtype: torch.dtype, size: int) -> "ShardBytes":
+        """Rank 0's (experts split as evenly as they divide: no rank holds more)."""
+        from .models.sharding import ShardPlan
+
+        plan = ShardPlan(cfg, 0, size)
+        weights = replicated = 0
+        for name, shape in cfg.family.param_shapes(cfg).items():
+            item = 4 if cfg.family.keeps_float32(name) and dtype.itemsize < 4 else dtype.itemsize
+            piece = plan.piece(name, shape)
+            if piece is None:
+                continue
+            weights += piece.length() * math.prod(s for i, s in enumerate(shape) if i != piece.dim) * item
+            replicated += plan.replicated_elements(name, shape) * item
+        return cls(size, weights, replicated, plan.local_config())
+
+
+@dataclass(frozen=True)
+class ParallelPlan:
+    """One row of `blockray plan`: a model on N devices of `device_bytes` each."""
+
+    size: int
+    fits: bool
+    why: Optional[str]  # why N cannot serve it (a size that does not divide the heads), else None
+    weights_bytes: int  # per device
+    replicated_bytes: int  # per device: the copies every rank holds
+    kv_bytes_per_token: int  # per device, at the cache mode's peak
+    logits_bytes_per_row: int  # gathered: every rank holds the whole vocabulary's
+    token_budget: int  # the budget one engine would plan (0: not even one row of one block fits)
+
+    def as_dict(self) -> Dict[str, Any]:
+        return asdict(self)
+
+
+def parallel_plan(mcfg: ModelConfig, dtype: torch.dtype, config: EngineConfig, device_bytes: int,
+                  size: int) -> ParallelPlan:
+    """The per-device plan of `mcfg` (the whole model's config) on `size` devices of
+    `device_bytes`, nothing held yet (the preflight's question)."""
+    from .models.sharding import ShardingRefused
+
+    cfg = replace(config, tensor_parallel_size=size, token_budget=None)
+    try:
+        shard = ShardBytes.of(mcfg, dtype, size) if size > 1 else ShardBytes(1, weight_bytes(mcfg, dtype), 0, mcfg)
+    except ShardingRefused as e:
+        return ParallelPlan(size, False, str(e), 0, 0, 0, 0, 0)
+    plan = engine_plan(mcfg, dtype, cfg, device_bytes, device_bytes, weights_loaded=False)
+    return ParallelPlan(size, plan.token_budget > 0, None, shard.weights, shard.replicated, plan.kv_per_token,
+                        plan.logits_per_row, plan.token_budget)
+
+
+def smallest_tensor_parallel_size(mcfg: ModelConfig, dtype: torch.dtype, config: EngineConfig, device_bytes: int,
+                                  sizes=(1, 2, 4, 8)) -> Optional[int]:
+    """The smallest of `sizes` at which one row of one block fits on each device (None: none)."""
+    return next((n for n in sizes if parallel_plan(mcfg, dtype, config, device_bytes, n).fits), None)
 
 
 @dataclass(frozen=True)

@@ -467,6 +467,9 @@ class EngineConfig:
         "share the K/V of prompt blocks between rows whose prompts start with the same complete blocks "
         "(vLLM's name; exact only for block-causal families with blocks at absolute positions: LLaDA2.x, SDAR, "
         "Fast-dLLM v2 on the masked-diffusion engine; refused elsewhere, and with cache none or the full canvas)")})
+    tensor_parallel_size: int = field(default=1, metadata={"bounds": at_least(1, integer=True), "help": (
+        "devices one engine spans (vLLM's name): each holds its shard of the weights (engine.parallel, "
+        "engine.models.sharding) and every rank runs the same engine loop in lock step")})
 
     def __post_init__(self) -> None:
         err = out_of_bounds(self)

@@ -36,6 +36,7 @@ from .decoders import rule_for
 from .decoding import propose, select
 from .logprobs import collect, mask_stop_ids, record
 from .models import DLLM
+from .models.sharding import tensor_parallel_of
 from .reads import MASKED
 from .rules import Traits, row_refusal
 from .runner import ModelRunner
@@ -56,8 +57,13 @@ class Engine(EngineCore):
 
     def __init__(self, model: DLLM, config: EngineConfig = EngineConfig(), tokenizer=None,
                  record_batches: bool = False):
+        self.tp = tensor_parallel_of(model, config)  # None on one device
         # resolved once, here (engine.budget): everything below reads the resolved number
-        self.budget = resolve_token_budget(config, model.config, model.dtype, model.device)
+        # a shard's config is already its rank's (engine.models.sharding): planned as it stands
+        plan_as = config if self.tp is None else replace(config, tensor_parallel_size=1)
+        self.budget = resolve_token_budget(plan_as, model.config, model.dtype, model.device)
+        if self.tp is not None:  # each rank planned from its own free memory: run with what fits on all
+            self.budget = replace(self.budget, token_budget=self.tp.min_int(self.budget.token_budget))
         config = replace(config, token_budget=self.budget.token_budget)
         super().__init__(config, tokenizer, model.config.vocab_size)
         self.model = model
@@ -103,6 +109,9 @@ class Engine(EngineCore):
         params = req.params
         if (params.temperature and params.temperature > 0) or params.remasking == "random" \
                 or params.policy == "origin" or params.alg_temp > 0:
+            if params.seed is None and self.tp is not None:  # a rank's own draw would differ from the others'
+                return ("seed is required under tensor_parallel_size > 1 (every rank must draw the same noise; "
+                        "the Ray side fills each row's seed on rank 0 before it broadcasts the requests)")
             req.noise_seed = params.seed if params.seed is not None else random.getrandbits(62)
         return None
 

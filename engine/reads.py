@@ -22,7 +22,8 @@ SUB_BLOCK_SAMPLING = frozenset({"sub_block_length"})  # engine.subblocks
 CANVAS_SAMPLING = frozenset({"max_new_tokens", "seed", "max_denoising_steps", "entropy_bound", "t_min", "t_max",
                              "stability_threshold", "confidence_threshold"})
 MASKED_ENGINE = frozenset(f.name for f in fields(EngineConfig))
-CANVAS_ENGINE = frozenset({"token_budget", "scheduler", "max_batch_size", "enable_prefix_caching"})
+CANVAS_ENGINE = frozenset({"token_budget", "scheduler", "max_batch_size", "enable_prefix_caching",
+                           "tensor_parallel_size"})
 
 
 # who reads a field, for the refusal's message

@@ -168,7 +168,11 @@ class ModelRunner:
         """What one more forward costs the planner: EngineConfig.forward_overhead_cells when
         set (plans are then a function of the requests alone), else the online fit."""
         fixed = self.cfg.forward_overhead_cells
-        return float(fixed) if fixed is not None else self.fit.overhead_cells(FORWARD_OVERHEAD_CELLS)
+        if fixed is not None:
+            return float(fixed)
+        fitted = self.fit.overhead_cells(FORWARD_OVERHEAD_CELLS)
+        tp = getattr(self.model, "tp", None)  # each rank times its own forwards: plan from rank 0's fit
+        return fitted if tp is None else tp.agree(fitted)
 
     def windows(self, b: Batch):
         """Per row (host tensors), the query columns [q0, q1) a forward must compute now

@@ -308,6 +308,11 @@ def main(argv: Optional[Sequence[str]] = None, runner: Optional[Callable[[argpar
     """Exit 0: every row generated (or fewer failed than --max-error-fraction); 2: the job
     could not run or failed, one line on stderr says why; 1: an internal error (a bug),
     whose traceback goes to a log file named on stderr. `runner`: run_job by default."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["plan"]:  # `blockray plan`: the memory plan per GPU count (pipeline.plan), no job
+        from .plan import main as plan
+
+        return plan(argv[1:])
     args = parse_args(argv)
     try:
         return (runner or run_job)(args)

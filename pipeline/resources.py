@@ -216,21 +216,32 @@ def check_gpu_memory(config: DLLMProcessorConfig, checkpoint: Any, cluster: Clus
     import torch  # a GPU job's driver only
 
     from actors.engine_actor import resolve_dtype
-    from engine.budget import engine_plan, weight_bytes
+    from engine.budget import ShardBytes, engine_plan, smallest_tensor_parallel_size, weight_bytes
+    from engine.models.sharding import ShardingRefused
 
     memory, mcfg = cluster.gpu_memory, checkpoint.config
     dtype = resolve_dtype(config.dtype, torch.device("cuda"))
-    plan = engine_plan(mcfg, dtype, config.engine, memory, memory, weights_loaded=False)
+    tp = config.engine.tensor_parallel_size
+    try:  # under tensor parallelism, one rank's plan (engine.budget.ShardBytes)
+        plan = engine_plan(mcfg, dtype, config.engine, memory, memory, weights_loaded=False)
+    except ShardingRefused as e:
+        raise JobError(f"model {config.model}: {e}; --tensor-parallel-size must divide its attention heads (and "
+                       "MLP widths)", "tensor_parallel_size") from e
     if plan.token_budget:
         return
-    weights, need = weight_bytes(mcfg, dtype), plan.bytes_for(config.engine.block_length + 1)
+    weights = weight_bytes(mcfg, dtype) if tp == 1 else ShardBytes.of(mcfg, dtype, tp).weights
+    need = plan.bytes_for(config.engine.block_length + 1)
     gpu = _size(memory) + (f" ({cluster.gpu_type})" if cluster.gpu_type else "")
+    smallest = smallest_tensor_parallel_size(mcfg, dtype, config.engine, memory)
+    where = "its weights take" if tp == 1 else f"at --tensor-parallel-size {tp} each GPU's share of its weights takes"
+    fix = (f"Use --tensor-parallel-size {smallest} (the smallest of 1, 2, 4, 8 whose per-GPU share fits: "
+           f"`blockray plan --model ... --gpu ...` prints the plan), " if smallest and smallest > tp else "Use ")
     raise JobError(
-        f"model {config.model} cannot fit on the GPUs of {cluster.what}: its weights take {_size(weights)} "
+        f"model {config.model} cannot fit on the GPUs of {cluster.what}: {where} {_size(weights)} "
         f"({mcfg.num_params():,} parameters in {str(dtype).removeprefix('torch.')}), with one row of one block and "
         f"the reserve {_size(need)}, more than gpu_memory_utilization {util:g} x the largest GPU's {gpu} = "
-        f"{_size(util * memory)}. Use GPUs with more memory, a higher --gpu-memory-utilization or a smaller --dtype",
-        "gpu_memory_utilization", "model", "dtype")
+        f"{_size(util * memory)}. {fix}GPUs with more memory, a higher --gpu-memory-utilization or a smaller --dtype",
+        "gpu_memory_utilization", "model", "dtype", *(("tensor_parallel_size",) if smallest and smallest > tp else ()))
 
 
 def _size(n: float) -> str:

@@ -31,7 +31,8 @@ SAMPLING = {"max_new_tokens": 8, "policy": "fixed", "threshold": 0.5, "factor": 
             "alg_temp": 0.5, "min_tokens": 3, "ignore_eos": True, "include_stop_str_in_output": True, "logprobs": 2}
 ENGINE = {"block_length": 8, "steps_per_block": 8, "cache": "none", "token_budget": 40, "scheduler": "sequential",
           "max_batch_size": 1, "advance": "step", "canvas": "block", "forward_overhead_cells": 10.0,
-          "compile_decode": True, "profile": True, "gpu_memory_utilization": 0.5, "enable_prefix_caching": True}
+          "compile_decode": True, "profile": True, "gpu_memory_utilization": 0.5, "enable_prefix_caching": True,
+          "tensor_parallel_size": 2}
 BASE = SamplingParams(max_new_tokens=24, seed=7)
 PROMPTS = [[2, 11, 12, 13], [2, 21, 22], [2] + list(range(5, 40))]
 
@@ -99,6 +100,11 @@ def test_every_engine_field_has_an_effect_or_is_refused(ckpt):
     checkpoint = Checkpoint.open(ckpt)
     for name, value in ENGINE.items():
         cfg = EngineConfig(**{name: value})
+        if name == "tensor_parallel_size":  # read: it must match the model's shards (a model loaded whole here)
+            with pytest.raises(ValueError, match="tensor_parallel_size=2, but the model was loaded whole"):
+                serve(cfg)
+            assert name in CANVAS.engine  # its effect, tokens of N ranks: tests/test_tensor_parallel.py
+            continue
         try:
             got = serve(cfg)
         except ValueError as e:

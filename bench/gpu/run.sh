@@ -7,6 +7,7 @@
 #     bash bench/gpu/run.sh --shape llada-moe-7b   # LLaDA-MoE-7B-A1B-shaped (64 experts, top-8), random bf16
 #     VARIANT=llada2 bash bench/gpu/run.sh         # LLaDA2.0-mini-shaped (256 experts, top-8), random bf16,
 #                                                  # persistent cache on the block canvas; JSON in $OUT/llada2/
+#     VARIANT=tp bash bench/gpu/run.sh             # tensor parallel vs one device, >= 2 GPUs (bench/gpu/tp_bench.py)
 # Under the dual cache it also runs blockserve+step+compile (the block-only step through
 # torch.compile mode="reduce-overhead": CUDA graphs) against blockserve+step (eager).
 # The script keeps itself under ~7.5 minutes (priority-ordered runs under one deadline,
@@ -23,6 +24,11 @@ fi
 # VARIANT=llada or VARIANT=diffusion_gemma runs one of the two; the default runs both.
 # VARIANT=llada2 runs only the LLaDA2.0-mini-shaped one (its own ~7.5-minute slot).
 VARIANT="${VARIANT:-all}"
+# VARIANT=tp: tensor parallel against one device (bench/gpu/tp_bench.py; needs >= 2 GPUs,
+# writes $OUT/tp_bench.json saying it was skipped otherwise)
+if [ "$VARIANT" = tp ]; then
+  exec timeout 475 "$PY" bench/gpu/tp_bench.py --out "$OUT" "$@"
+fi
 if [ "$VARIANT" = llada2 ]; then
   mkdir -p "$OUT/llada2"
   exec timeout 475 "$PY" bench/gpu/gpu_bench.py --out "$OUT/llada2" --shape llada2-mini --canvas block \

@@ -78,12 +78,13 @@ def budget_refusal(prompt_len: int, max_tokens: int, canvas_length: int, token_b
 
 
 def load_diffusion_gemma(source: Any, dtype: torch.dtype = torch.bfloat16, device: str = "cpu",
-                         weights_dir: Optional[str] = None):
+                         weights_dir: Optional[str] = None, tp: Any = None):
     """transformers' DiffusionGemmaForBlockDiffusion (the class ships with transformers: no
     remote code) of a checkpoint folder or a Checkpoint (engine.checkpoint), from local
     files only, built from the Checkpoint's config.json rather than a second read of it.
     Experts run grouped: transformers' grouped_mm where the dtype has it, else its eager
-    path, which loops over experts (never tokens)."""
+    path, which loops over experts (never tokens). `tp` (engine.parallel): this rank's
+    shard (engine.canvas.sharding; the checkpoint is read whole, then cut)."""
     from transformers import DiffusionGemmaConfig, DiffusionGemmaForBlockDiffusion
 
     from ..checkpoint import Checkpoint
@@ -92,11 +93,16 @@ def load_diffusion_gemma(source: Any, dtype: torch.dtype = torch.bfloat16, devic
     ckpt = source if isinstance(source, Checkpoint) else Checkpoint.open(str(source))
     if ckpt.serving != Serving.CANVAS:
         raise ValueError(f"{ckpt.model}: model_type {ckpt.hf.get('model_type')!r} is not diffusion_gemma")
-    experts = "eager" if dtype == torch.float64 else None
+    sharded = tp is not None and tp.size > 1
+    experts = "eager" if dtype == torch.float64 or sharded else None  # sharded: the loop that skips others' experts
     kw = {"experts_implementation": experts} if experts else {}
     model = DiffusionGemmaForBlockDiffusion.from_pretrained(
         weights_dir or ckpt.weights_dir(), config=DiffusionGemmaConfig.from_dict(ckpt.hf), dtype=dtype,
         local_files_only=True, trust_remote_code=False, **kw)
+    if sharded:  # rank tp.rank's shard, cut in place (engine.canvas.sharding)
+        from .sharding import shard_diffusion_gemma
+
+        model = shard_diffusion_gemma(model, ckpt.family, tp)
     return model.to(device).eval()
 
 

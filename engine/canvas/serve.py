@@ -7,10 +7,11 @@ from __future__ import annotations
 import random
 import time
 from dataclasses import replace
-from typing import Any, Dict
+from typing import Any, Dict, Optional
 
 from ..config import EngineConfig
 from ..core import EngineCore
+from ..models.sharding import tensor_parallel_of
 from ..reads import CANVAS
 from ..sequence import Request
 from .engine import CanvasEngine
@@ -22,11 +23,18 @@ class CanvasServe(EngineCore):
 
     def __init__(self, model: Any, defaults: CanvasParams, config: EngineConfig = EngineConfig()):
         config = replace(config, token_budget=config.fixed_token_budget())  # it plans no budget (engine.budget)
+        self.tp = tensor_parallel_of(model, config)  # a shard (engine.canvas.sharding) under tensor_parallel_size > 1
         super().__init__(config, tokenizer=None, vocab_size=model.config.text_config.vocab_size)
         self.canvas = CanvasEngine(model, defaults, scheduler=config.scheduler, max_batch_size=config.max_batch_size,
                                    token_budget=config.token_budget,
                                    enable_prefix_caching=config.enable_prefix_caching)
         self._arrival: Dict[Any, float] = {}
+
+    def check(self, req: Request) -> Optional[str]:
+        if req.params.seed is None and self.tp is not None:  # a rank's own draw would differ from the others'
+            return ("seed is required under tensor_parallel_size > 1 (every rank must draw the same noise; "
+                    "the Ray side fills each row's seed on rank 0 before it broadcasts the requests)")
+        return None
 
     def admit(self, req: Request) -> None:
         """Hand a valid request to the canvas engine (its own checks: image tokens, the

@@ -112,6 +112,22 @@ class Adapter:
         cd = torch.float64 if dtype == torch.float64 else torch.float32
         return weight.to(cd) + self.delta(name, cd)
 
+    def merge_shard(self, name: str, weight: "torch.Tensor", dtype: "torch.dtype", piece: Any) -> "torch.Tensor":
+        """`merge` for a tensor-parallel rank's shard `weight` (engine.models.sharding.Piece:
+        the rows or columns it holds): the rows of B (a split output) or the columns of A
+        (a split input) of the shard only, never the whole delta."""
+        import torch
+
+        if name not in self.pairs:
+            return weight
+        cd = torch.float64 if dtype == torch.float64 else torch.float32
+        a, b = (t.to(cd) for t in self.pairs[name])
+        if piece.dim == 0:
+            b = torch.cat([b[lo:hi] for lo, hi in piece.ranges] + [b.new_zeros(piece.pad, b.shape[1])])
+        else:
+            a = torch.cat([a[:, lo:hi] for lo, hi in piece.ranges], 1)
+        return weight.to(cd) + self.config.scale * (b @ a)
+
 
 @dataclass(frozen=True)
 class AdapterPlan:

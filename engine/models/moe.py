@@ -5,7 +5,7 @@ expert does one matmul over its tokens, and the weighted outputs are scattered b
 one index_add. No Python loop over tokens."""
 from __future__ import annotations
 
-from typing import Tuple
+from typing import Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -46,16 +46,25 @@ def route(scores_logits: torch.Tensor, spec: MoESpec, bias) -> Tuple[torch.Tenso
     return experts, weights * spec.scaling
 
 
-def experts_forward(x: torch.Tensor, router: torch.Tensor, bias, experts: nn.ModuleList, spec: MoESpec):
+def experts_forward(x: torch.Tensor, router: torch.Tensor, bias, experts: nn.ModuleList, spec: MoESpec,
+                    owned: Optional[range] = None):
     """The routed experts' mixture for x [..., d]: route every token at once, sort the
-    (token, expert) pairs by expert, one matmul per expert over its tokens, one index_add."""
+    (token, expert) pairs by expert, one matmul per expert over its tokens, one index_add.
+    `owned` (expert parallel, engine.models.sharding): only the pairs of these experts, the
+    rank's partial mixture."""
     shape, flat = x.shape, x.reshape(-1, x.shape[-1])
     rd = compute_dtype(x.dtype)
     chosen, weights = route(F.linear(flat.to(rd), router.to(rd)), spec, bias)
     k = chosen.shape[1]
     order = chosen.reshape(-1).argsort(stable=True)
+    if owned is not None:  # the pairs of this rank's experts, still sorted by expert
+        e = chosen.reshape(-1)[order]
+        order = order[(e >= owned.start) & (e < owned.stop)]
+        if not len(order):
+            return torch.zeros_like(x)
     tokens = order // k
-    counts = torch.bincount(chosen.reshape(-1), minlength=spec.num_experts).tolist()
+    counts = torch.bincount(chosen.reshape(-1) if owned is None else chosen.reshape(-1)[order],
+                            minlength=spec.num_experts).tolist()
     xs, outs, o = flat[tokens], [], 0
     for e, n in enumerate(counts):  # one matmul per expert that has tokens
         if n:

@@ -83,7 +83,11 @@ class KVCache:
 
 class Layer(nn.Module):
     """One pre-norm block: what its family declares (fused or separate q/k/v) and its config
-    says (head_dim, QK norm, biases, a dense or MoE MLP)."""
+    says (head_dim, QK norm, biases, a dense or MoE MLP). Under tensor parallelism
+    (engine.models.sharding) `tp` is the rank's group and `owned` its experts."""
+
+    tp = None
+    owned = None
 
     def __init__(self, cfg: ModelConfig, index: int):
         super().__init__()
@@ -169,8 +173,9 @@ class Layer(nn.Module):
             return self.down(F.silu(self.gate(x)) * self.up(x))
         if not self.routed:
             return self.dense(x)
-        out = experts_forward(x, self.router.weight, self.expert_bias, self.experts, self.cfg.moe)
-        return out if self.shared is None else out + self.shared(x)
+        out = experts_forward(x, self.router.weight, self.expert_bias, self.experts, self.cfg.moe, self.owned)
+        out = out if self.shared is None else out + self.shared(x)
+        return out if self.tp is None else self.tp.all_reduce(out)  # the ranks' experts and shared partials
 
 
 def _embedding(num: int, dim: int) -> nn.Embedding:
@@ -183,7 +188,10 @@ def _embedding(num: int, dim: int) -> nn.Embedding:
 
 class DLLM(nn.Module):
     """Internal parameter names are layout-neutral; engine.models.weights maps them to
-    each checkpoint format's real names."""
+    each checkpoint format's real names. `tp`: the rank's group when the model is a
+    tensor-parallel shard (engine.models.sharding), whose logits are all-gathered."""
+
+    tp = None
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -226,6 +234,8 @@ class DLLM(nn.Module):
             h = layer(h, cos, sin, mask, cache, i, offset, write, runs, cols, keep=keep if i == last else None)
         h = self.norm(h)
         logits = F.linear(h, self.embed.weight) if self.lm_head is None else self.lm_head(h)
+        if self.tp is not None:  # vocab-parallel LM head: every rank gets every logit
+            logits = self.tp.all_gather(logits, -1)
         return logits[..., : self.config.vocab_size]
 
 

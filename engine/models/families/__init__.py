@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Any, Dict, Mapping
 
-from .base import BlockLayout, ConfigRefused, Confidence, Family, FamilyNotSupported, Serving, ThresholdRule
+from .base import BlockLayout, ConfigRefused, Confidence, Family, FamilyNotSupported, Serving, Shard, ThresholdRule
 from .diffusion_gemma import DIFFUSION_GEMMA
 from .dream import DREAM
 from .fast_dllm_v2 import FAST_DLLM_V2
@@ -63,4 +63,4 @@ def family_named(model_type: str) -> Family:
 
 
 __all__ = ["FAMILIES", "Family", "ConfigRefused", "FamilyNotSupported", "BlockLayout", "ThresholdRule", "Confidence",
-           "Serving", "register", "family_for", "family_named", "supported"]
+           "Serving", "Shard", "register", "family_for", "family_named", "supported"]

@@ -74,6 +74,33 @@ class Confidence(enum.StrEnum):
     SAMPLED = "sampled"
 
 
+class Shard(enum.StrEnum):
+    """How tensor parallelism splits a module's weights over N ranks (engine.models.
+    sharding). COLUMN: output rows split evenly (q, gate, up; their biases with them). KV:
+    k and v rows split by K/V head, each rank holding the head its query heads use when
+    there are fewer K/V heads than ranks (replicated). QKV: a fused q|k|v projection, each
+    part split by head as q, k and v are. ROW: input columns split, the partial outputs
+    all-reduced, the bias added once after (o, down). VOCAB: rows split by vocabulary
+    (the embedding, whose lookups are all-reduced, and the LM head, whose logits are
+    all-gathered). EXPERT: whole experts, rank r owning experts [r E/N, (r+1) E/N) (expert
+    parallel; docs/engine.md says why). REPLICATE: every rank holds it (norms, routers)."""
+
+    COLUMN = "column"
+    KV = "kv"
+    QKV = "qkv"
+    ROW = "row"
+    VOCAB = "vocab"
+    EXPERT = "expert"
+    REPLICATE = "replicate"
+
+
+# blockray's transformer (engine.models.transformer), by internal module name: what every
+# masked-diffusion family declares unless it says otherwise (Family.sharding)
+TRANSFORMER_SHARDING = {"q": Shard.COLUMN, "k": Shard.KV, "v": Shard.KV, "qkv_proj": Shard.QKV, "o": Shard.ROW,
+                        "gate": Shard.COLUMN, "up": Shard.COLUMN, "down": Shard.ROW, "embed": Shard.VOCAB,
+                        "lm_head": Shard.VOCAB, "experts": Shard.EXPERT}
+
+
 class Serving(enum.StrEnum):
     """Which engine serves a family: MASKED (engine.engine.Engine: masked diffusion over
     blockray's own transformer) or CANVAS (engine.canvas: DiffusionGemma through
@@ -168,6 +195,8 @@ class Family:
     serving: Serving = Serving.MASKED
     defaults: Mapping[str, Any] = field(default_factory=dict)  # ids published loops default to
     mask_token: Optional[str] = None  # the added token that is the mask where config.json names no mask id
+    # tensor parallelism: internal module name -> Shard (anything unnamed is replicated)
+    sharding: Mapping[str, Shard] = field(default_factory=lambda: dict(TRANSFORMER_SHARDING))
 
     # --- config.json --------------------------------------------------------------------
     def matches(self, hf: Mapping[str, Any]) -> bool:
@@ -296,6 +325,17 @@ class Family:
             if cfg.linear_bias:
                 out["lm_head.bias"] = (E,)
         return out
+
+    def shard_of(self, internal: str) -> Shard:
+        """How tensor parallelism splits parameter `internal` (`sharding`, by the innermost
+        module named there; an expert's whole MLP goes with its expert)."""
+        parts = internal.split(".")[:-1]
+        if "experts" in parts:
+            return self.sharding.get("experts", Shard.REPLICATE)
+        for part in reversed(parts):
+            if part in self.sharding:
+                return self.sharding[part]
+        return Shard.REPLICATE
 
     @staticmethod
     def keeps_float32(internal: str) -> bool:

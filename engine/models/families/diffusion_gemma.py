@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import Any, Dict, Mapping, Optional
 
-from .base import ConfigRefused, Family, Serving
+from .base import ConfigRefused, Family, Serving, Shard
 
 # transformers' DiffusionGemmaGenerationConfig default (checked by tests/test_diffusion_gemma.py):
 # read here without importing transformers, since the sorter runs in data-side workers.
@@ -60,4 +60,7 @@ class DiffusionGemmaFamily(Family):
 
 DIFFUSION_GEMMA = DiffusionGemmaFamily(
     name="DiffusionGemma", model_type="diffusion_gemma", examples="google/diffusiongemma-26B-A4B-it",
-    honoured=frozenset(), fixed={}, top_weights={}, layer_prefix="", layer_weights={}, serving=Serving.CANVAS)
+    honoured=frozenset(), fixed={}, top_weights={}, layer_prefix="", layer_weights={}, serving=Serving.CANVAS,
+    # tensor parallel (engine.canvas.sharding), by transformers' module names; embedding and LM head replicated
+    sharding={"q_proj": Shard.COLUMN, "k_proj": Shard.KV, "v_proj": Shard.KV, "o_proj": Shard.ROW,
+              "gate_proj": Shard.COLUMN, "up_proj": Shard.COLUMN, "down_proj": Shard.ROW, "experts": Shard.EXPERT})
