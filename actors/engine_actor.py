@@ -32,7 +32,7 @@ import hashlib
 import itertools
 import logging
 import time
-from typing import Any, Dict, List, Optional, Sequence, Union
+from typing import Any, Callable, Dict, List, Optional, Sequence, Union
 
 import pyarrow as pa
 import ray
@@ -45,6 +45,7 @@ from engine.models.families import Serving  # torch-free
 from .engine_loop import EngineLoop, error_output
 from .metrics import EngineMetrics
 from .spec import EngineSpec
+from .tensor_parallel import RankGroup
 
 logger = logging.getLogger(__name__)
 
@@ -97,6 +98,51 @@ def sample_seeds(seed: Optional[int], n: int) -> List[Optional[int]]:
     return [seed] + [derive_seed(seed, k) for k in range(1, n)]
 
 
+def load_engine(spec: EngineSpec, ckpt: Any, device: Any, weights_dir: str, tokenizer: Callable[[], Any],
+                tp: Any = None) -> "tuple[Any, Any, Any, Callable[[], Any]]":
+    """(model, its Budget, the engine config with its token budget, a factory of engines)
+    of `ckpt` on `device`: what an engine actor (and each other rank of a tensor-parallel
+    engine, given its `tp`: engine.parallel) loads. `tokenizer`: the tokenizer an engine is
+    built with, read when one is built (loaded at the first row with stop strings)."""
+    from engine import Engine, load_model
+
+    dtype = resolve_dtype(spec.dtype, device)
+    shard = {} if tp is None else {"tp": tp}  # one device: load_model's call as it always was
+    config = spec.engine
+    if ckpt.serving == Serving.CANVAS:  # DiffusionGemma: transformers' own class, served by engine.canvas
+        from engine.budget import fixed_budget
+        from engine.canvas import CanvasParams, CanvasServe, load_diffusion_gemma
+
+        budget = fixed_budget(config)  # the canvas engine plans none
+        defaults = CanvasParams.from_generation(ckpt.generation)
+        model = load_diffusion_gemma(ckpt, dtype, str(device), weights_dir=weights_dir, **shard)
+        return model, budget, config, lambda: CanvasServe(model, defaults, config)
+    from engine.budget import resolve_token_budget
+
+    model, _ = load_model(ckpt, dtype=dtype, device=device, tokenizer=False, weights_dir=weights_dir, **shard)
+    # once, with the weights loaded and before any engine (warm-up and restarts alike); a
+    # shard's model config is already its rank's: planned as one device (as Engine does)
+    budget = resolve_token_budget(config if tp is None else dataclasses.replace(config, tensor_parallel_size=1),
+                                  model.config, model.dtype, device)
+    config = dataclasses.replace(config, token_budget=budget.token_budget)
+    return model, budget, config, lambda: Engine(model, config, tokenizer=tokenizer(),
+                                                 record_batches=spec.record_batches)
+
+
+def warm_up(model: Any, engine_config: Any) -> None:
+    """One throwaway request on a throwaway engine: the first forwards of a process are slow
+    (lazy kernel setup), which would otherwise land in the first batch's latencies and
+    metrics (every rank of a tensor-parallel engine makes the same one)."""
+    from engine import Engine, SamplingParams
+
+    try:
+        cfg = model.config
+        token = next(t for t in range(cfg.vocab_size) if t not in (cfg.mask_token_id, *cfg.stop_token_ids))
+        Engine(model, engine_config).generate([[token]], SamplingParams(max_new_tokens=engine_config.block_length))
+    except Exception:  # noqa: BLE001 - warm-up is best effort
+        logger.warning("engine warm-up failed", exc_info=True)
+
+
 class DLLMEngineActor:
     """One engine on this actor's device; see the module docstring. `group`, `key`,
     `dispatcher`: the run's group actor, which numbers the engines and started this one
@@ -104,8 +150,6 @@ class DLLMEngineActor:
 
     def __init__(self, spec: EngineSpec, group: Any = None, key: str = "", dispatcher: Any = None):
         import torch
-
-        from engine import Engine, load_model
 
         if spec.torch_threads:
             torch.set_num_threads(spec.torch_threads)
@@ -123,47 +167,23 @@ class DLLMEngineActor:
         self.model_name = model_name(ckpt.model)
         # s3://… or a hub id: downloaded once per node (under a lock), then loaded from disk
         self.model_dir = ckpt.weights_dir()  # also where stop strings' tokenizer is
-        dtype = resolve_dtype(spec.dtype, self.device)
-        if ckpt.serving == Serving.CANVAS:  # DiffusionGemma: transformers' own class, served by engine.canvas
-            from engine.budget import fixed_budget
-            from engine.canvas import CanvasParams, CanvasServe, load_diffusion_gemma
-
-            self.budget = fixed_budget(self.engine_config)  # the canvas engine plans none
-            defaults = CanvasParams.from_generation(ckpt.generation)
-            self.model = load_diffusion_gemma(ckpt, dtype, str(self.device), weights_dir=self.model_dir)
-            factory = lambda: CanvasServe(self.model, defaults, self.engine_config)  # noqa: E731
-        else:
-            from engine.budget import resolve_token_budget
-
-            self.model, _ = load_model(ckpt, dtype=dtype, device=self.device, tokenizer=False,
-                                       weights_dir=self.model_dir)
-            # once, with the weights loaded and before any engine (warm-up and restarts alike)
-            self.budget = resolve_token_budget(self.engine_config, self.model.config, self.model.dtype, self.device)
-            self.engine_config = dataclasses.replace(self.engine_config, token_budget=self.budget.token_budget)
-            factory = lambda: Engine(self.model, self.engine_config, tokenizer=self._tokenizer,  # noqa: E731
-                                     record_batches=spec.record_batches)
-            if spec.warmup:
-                self._warmup()
+        # tensor_parallel_size > 1: rank 0 of a placement group; it starts the other ranks,
+        # which load their shards and step in lock step with it (actors/tensor_parallel.py)
+        self.ranks = RankGroup(spec) if spec.tensor_parallel_size > 1 else None
+        self.model, self.budget, self.engine_config, factory = load_engine(
+            spec, ckpt, self.device, self.model_dir, lambda: self._tokenizer, tp=self.ranks and self.ranks.tp)
+        if spec.warmup and ckpt.serving != Serving.CANVAS:
+            self._warmup()
         self._batch_seq = itertools.count()
         self._in_flight = 0
-        self.loop = EngineLoop(factory, on_step=self._on_step)
+        self.loop = EngineLoop(factory, on_step=self._on_step) if self.ranks is None else \
+            self.ranks.lockstep(factory, on_step=self._on_step)
         if self.rank is not None:
             self._numbered_as(self.rank)
 
     # --- setup ----------------------------------------------------------------------
     def _warmup(self) -> None:
-        """One throwaway request on a throwaway engine: the first forwards of a process
-        are slow (lazy kernel setup), which would otherwise land in the first batch's
-        latencies and metrics."""
-        from engine import Engine, SamplingParams
-
-        try:
-            cfg = self.model.config
-            token = next(t for t in range(cfg.vocab_size) if t not in (cfg.mask_token_id, *cfg.stop_token_ids))
-            Engine(self.model, self.engine_config).generate(
-                [[token]], SamplingParams(max_new_tokens=self.engine_config.block_length))
-        except Exception:  # noqa: BLE001 - warm-up is best effort
-            logger.warning("engine warm-up failed", exc_info=True)
+        warm_up(self.model, self.engine_config)
 
     def _numbered_as(self, rank: int) -> None:
         """Take `rank` and start the metrics, which are tagged by it."""
@@ -284,11 +304,14 @@ class DLLMEngineActor:
             return None, str(e)
         if params.stop and self.checkpoint.serving == Serving.MASKED and not self._ensure_tokenizer():
             return None, "stop strings need the model's tokenizer, and the model has none; use stop_token_ids"
+        if params.structured_outputs is not None and self.checkpoint.serving == Serving.MASKED \
+                and not self._ensure_tokenizer():
+            return None, "structured_outputs need the model's tokenizer, and the model has none"
         return params, ""
 
     def _ensure_tokenizer(self) -> bool:
-        """Give the engine the model's tokenizer (stop strings are decided on the text);
-        loaded once, at the first row that has stop strings."""
+        """Give the engine the model's tokenizer (stop strings are decided on the text, structured
+        outputs compiled over its vocabulary); loaded once, at the first row that needs it."""
         if self._tokenizer is None:
             from common.tokenizer import load_tokenizer
 

@@ -199,6 +199,9 @@ class EngineDispatcher:
         (an engine that asks for what no node has stays pending: Ray raises nothing)."""
         keys = ("num_cpus", "num_gpus", "resources")
         asks = ", ".join(f"{k}={self._options[k]}" for k in keys if self._options.get(k)) or "no resources"
+        if self._options.get("placement"):  # tensor parallel: its ranks' placement group
+            pg = self._options["placement"]
+            asks = f"a placement group of {len(pg['bundles'])} bundles {pg['bundles']}, {pg['strategy']}"
         return EnginesNotReady(
             f"an engine did not load its model within {self._wait_s:g} s (wait_for_engines_s, --wait-for-engines-s): "
             f"the cluster may lack what it asks for ({asks}), or the model loads slowly; free or add resources, or "

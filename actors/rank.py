@@ -15,7 +15,13 @@ builds holds it, so it lives as long as either):
   the report);
 - counts the batches each dispatcher has in flight, and stops an engine once its
   dispatcher is gone and no dispatcher of the run has a batch in flight (the engine asks,
-  every couple of seconds, once it sees its dispatcher gone).
+  every couple of seconds, once it sees its dispatcher gone);
+- reserves the placement group of a tensor-parallel engine (its options' "placement": one
+  bundle per rank, PACK, as ray.data.llm does for a vLLM engine of tensor_parallel_size > 1)
+  and starts the engine actor, rank 0, on bundle 0; rank 0 starts the other ranks on the
+  other bundles (actors/tensor_parallel.py). The group holds the placement group while the
+  engine lives (a restarted rank 0 comes back on bundle 0 and starts its ranks again; Ray
+  reschedules the bundles of a lost node) and removes it when it stops the engine.
 """
 from __future__ import annotations
 
@@ -31,6 +37,7 @@ class _EngineGroup:
         self._engines: Dict[str, Any] = {}  # dispatcher key -> its engine (a DLLMEngineActor handle)
         self._busy: Dict[str, int] = {}  # dispatcher key -> batches it has in flight
         self._stats: Dict[int, Dict[str, Any]] = {}  # rank -> its engine's stats as last posted
+        self._groups: Dict[str, Any] = {}  # dispatcher key -> its tensor-parallel engine's placement group
 
     def next(self) -> int:
         rank, self._next = self._next, self._next + 1
@@ -44,6 +51,13 @@ class _EngineGroup:
         if key not in self._engines:
             from .engine_actor import DLLMEngineActor  # torch-free to import: torch loads in the engine
 
+            options = dict(options)
+            placement = options.pop("placement", None)
+            if placement is not None:  # tensor parallel: rank 0 on bundle 0 of the engine's own group
+                from .tensor_parallel import on_bundle
+
+                self._groups[key] = pg = ray.util.placement_group(**placement)
+                options.update(on_bundle(pg, 0))
             self._engines[key] = ray.remote(DLLMEngineActor).options(
                 max_restarts=-1, max_task_retries=0, **options).remote(
                 spec, ray.get_runtime_context().current_actor, key, dispatcher)
@@ -69,7 +83,9 @@ class _EngineGroup:
         self._busy.pop(key, None)  # a gone dispatcher has nothing in flight
         if any(self._busy.values()) or key not in self._engines:
             return False
-        ray.kill(self._engines.pop(key), no_restart=True)
+        ray.kill(self._engines.pop(key), no_restart=True)  # its other ranks, its children, go with it
+        if key in self._groups:
+            ray.util.remove_placement_group(self._groups.pop(key))
         return True
 
 

@@ -33,6 +33,12 @@ class EngineSpec:
     seed_column: Optional[str] = None
     id_column: Optional[str] = "id"
 
+    @property
+    def tensor_parallel_size(self) -> int:
+        """Ranks of this engine (EngineConfig's, one value for both): > 1, the engine actor is
+        rank 0 of a placement group and starts the others (actors/tensor_parallel.py)."""
+        return int(getattr(self.engine, "tensor_parallel_size", 1))
+
     def checkpoint(self) -> Any:
         """The model's Checkpoint: as given, or opened from its path or URL."""
         from engine.checkpoint import Checkpoint

@@ -166,6 +166,11 @@ OTHER = [
                 "ratios_cpu_time_per_round_median": d.get("ratios_cpu_time_per_round_median"),
                 "ratios_cpu_time_best_round": d.get("ratios_cpu_time_best_round"),
                 "ratios": d["ratios"], "exact_float64": d["exact_float64"]}),
+    ("structured_cpu.json", "Structured outputs on the CPU (`bench/structured_bench.py`)",
+     "The tiny model at B=32, 128 rows: every row under a regex or choice against none, generated tokens per "
+     "CPU-second (ratio constrained / unconstrained; `fixed`: the same tokens per step, the guide's own overhead; "
+     "`threshold`: the constraint also changes the model's confidence), and each constraint's compile CPU-s.",
+     lambda d: {**d["summary"], "compile_cpu_s": d["compile_cpu_s"]}),
     ("sorter_scale.json", "Sorter at scale (`bench/sorter_bench.py --scale`)",
      "The job on 2 CPU engines, blendserve ordering against none, 1k to 16k rows.",
      lambda d: {k: d["summary"][k] for k in ("blendserve_over_none_1k", "r2")}),

@@ -282,6 +282,10 @@ class SamplingParams:
         "bounds": within(0, MAX_LOGPROBS, integer=True), "help": (
             "per generated token, the log-probability the model gave it at the step that wrote it "
             "(generated_logprobs), and this many most likely alternatives (top_logprobs); true: 0; none: off")})
+    # vLLM's StructuredOutputsParams (engine.structured): the answer is a string of a regular language
+    structured_outputs: Optional[Dict[str, Any]] = field(default=None, metadata={"json": True, "help": (
+        "constrain every answer to a language: {\"regex\": ...}, {\"choice\": [...]}, {\"json\": schema} or "
+        "{\"json_object\": true} (vLLM's StructuredOutputsParams; masked-diffusion models; none: off)")})
     # vLLM's other names, as keyword arguments (from_dict maps them): not fields
     max_tokens: InitVar[Optional[int]] = None
     max_completion_tokens: InitVar[Optional[int]] = None
@@ -383,6 +387,18 @@ class SamplingParams:
         for name in ("ignore_eos", "include_stop_str_in_output"):
             if not isinstance(getattr(self, name), bool):
                 return f"{name} must be true or false, got {getattr(self, name)!r}"
+        if self.structured_outputs is not None:
+            from .structured.params import parse  # torch-free
+
+            try:
+                parse(self.structured_outputs)
+            except ValueError as e:
+                return str(e)
+            if self.min_tokens:
+                return "structured_outputs with min_tokens is not supported: the language decides where the answer ends"
+            if self.edit_threshold is not None:
+                return ("structured_outputs with edit_threshold (token editing) is not supported: editing rewrites "
+                        "tokens the constraint already checked")
         if self.d2f and ((self.policy, self.remasking) != ("threshold", "low_confidence") or self.first_position):
             return ("block_add_threshold (D2F) decodes with policy 'threshold', remasking 'low_confidence' "
                     f"and no first_position, got {self.policy!r}, {self.remasking!r}, {self.first_position!r}")

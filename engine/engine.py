@@ -43,6 +43,8 @@ from .runner import ModelRunner
 from .scheduler import make_scheduler
 from .sequence import FinishReason, Request, RequestOutput, RowShape
 from .slots import KVSlots, place
+from .structured.guide import StructuredOutputs
+from .structured.params import parse as parse_constraint
 
 
 @dataclass
@@ -84,6 +86,7 @@ class Engine(EngineCore):
         # plan and upload the next forward before the step's device read (engine.runner.prepare): on an
         # accelerator that host work runs while the device computes; on a CPU it would only move it
         self.overlap = self.device.type == "cuda"
+        self.structured = StructuredOutputs(model.config.vocab_size, self.device)  # engine.structured
 
     # --- requests -----------------------------------------------------------------
     def stop_ids(self, params) -> List[int]:
@@ -105,6 +108,11 @@ class Engine(EngineCore):
         err = row_refusal(req, self.traits)
         if err:
             return err
+        if req.params.structured_outputs is not None:
+            err = self.structured.admit(req, parse_constraint(req.params.structured_outputs), req.stop_ids,
+                                        self.tokenizer)
+            if err:
+                return err
         req.state = req.rule.start(req, self.traits)
         params = req.params
         if (params.temperature and params.temperature > 0) or params.remasking == "random" \
@@ -205,6 +213,9 @@ class Engine(EngineCore):
         unmask_stops = mask_stop_ids(b, [i for i in b.min_token_rows if i in live_rows], logits)  # min_tokens
         rp = b.unit_params
         units = lambda t: t.reshape(B * NB, L, *t.shape[2:])  # noqa: E731
+        guide = self.structured.guide(b, window, is_mask)  # structured outputs: only allowed tokens are proposed
+        if guide is not None:
+            guide.mask_logits(logits)
         need_idx = [t.to(self.device) for t in units(b.masked).nonzero(as_tuple=True)]
         x0, conf = propose(units(logits), rp, self._noise_keys(b), units(is_mask), need_idx, full_x0=b.full_x0)
         step = b.step.repeat_interleave(NB) if NB > 1 else b.step
@@ -214,6 +225,9 @@ class Engine(EngineCore):
         sel = select(conf, chosen, step.to(self.device), rp, L, S)
         for rule, rows in live:  # each rule's rows: its own selection
             sel = rule.select(b, rows, sel, conf=conf, is_mask=units(is_mask), x0=x0, window=window, logits=logits)
+        if guide is not None:  # the step's commits of a constrained row, jointly completable
+            sel, x0 = (t.reshape(B * NB, L) for t in guide.settle(sel.reshape(B, NB * L), x0.reshape(B, NB * L),
+                                                                     conf.reshape(B, NB * L), logits))
         if unmask_stops is not None:
             unmask_stops()  # the logprobs are the model's own
         record(b, [i for i in b.logprob_rows if i in live_rows], sel, x0, logits, self._fetch)

@@ -14,7 +14,8 @@ from .config import EngineConfig, SamplingParams
 # Read by every masked-diffusion decoding rule (engine.rules)
 MASKED_SAMPLING = frozenset({"max_new_tokens", "policy", "threshold", "factor", "temperature", "stop_token_ids",
                              "seed", "remasking", "first_position", "top_p", "top_k", "stop", "entropy_bound",
-                             "alg_temp", "min_tokens", "ignore_eos", "include_stop_str_in_output", "logprobs"})
+                             "alg_temp", "min_tokens", "ignore_eos", "include_stop_str_in_output", "logprobs",
+                             "structured_outputs"})
 EDITING_SAMPLING = frozenset({"edit_threshold", "max_post_steps"})  # engine.editing
 D2F_SAMPLING = frozenset({"block_add_threshold", "decoded_token_threshold"})  # engine.d2f
 SUB_BLOCK_SAMPLING = frozenset({"sub_block_length"})  # engine.subblocks

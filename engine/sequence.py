@@ -58,6 +58,7 @@ class Request:
     prompt_forwarded: int = 0  # prompt tokens forwarded over the request's life (cache accounting)
     rule: Any = None  # its decoding rule (engine.rules): how its blocks are decoded and committed
     state: Any = None  # the rule's state of the row (D2F's blocks in flight, the editing state)
+    constraint: Any = None  # its structured_outputs (engine.structured.guide.RowConstraint)
     # blocks at absolute positions (BlockLayout.ABSOLUTE, engine.rules.split_prompt): the
     # prompt's tail after its last whole block, which opens the first decoded block;
     # `prompt` is then the whole blocks only

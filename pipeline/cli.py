@@ -40,6 +40,8 @@ _NOT_FLAGS = {"engine", "sampling", "resources_per_engine"}
 _CLI_DEFAULTS: Dict[str, Tuple[Any, str]] = {
     "model": (DEFAULT_MODEL, "the embedded tiny model, engine/assets/tiny-dllm"),
     "num_engines": (None, "GPUs in the cluster, else 2"),
+    # unset: the model's blockray.json may give it (an engine field too), else 1
+    "tensor_parallel_size": (None, "the model's blockray.json, else 1"),
 }
 
 
@@ -282,6 +284,8 @@ def build_config(args: argparse.Namespace, num_gpus_in_cluster: float, storage: 
                 kw[f.name] = getattr(args, f.name)
     proc = {f.name: getattr(args, f.name) for f in dataclasses.fields(DLLMProcessorConfig)
             if f.name not in _NOT_FLAGS and hasattr(args, f.name)}
+    if proc.get("tensor_parallel_size") is None:  # unset: EngineConfig's (blockray.json's, else 1) decides
+        proc.pop("tensor_parallel_size", None)
     if args.num_engines is None:  # unset (never 0: refused as it is parsed)
         proc["num_engines"] = int(num_gpus_in_cluster) if num_gpus_in_cluster >= 1 else 2
     return DLLMProcessorConfig(**proc, engine=EngineConfig(**eng_kw), sampling=SamplingParams(**smp_kw),

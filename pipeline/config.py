@@ -11,7 +11,7 @@ import difflib
 import json
 import os
 import posixpath
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from typing import Any, Dict, List, Optional
 
 from common.model_source import check_revision
@@ -61,6 +61,11 @@ class DLLMProcessorConfig:
         "bidirectional; block_causal for D2F adapters (prompt bidirectional, block j sees the prompt and blocks <= j)")})
     num_engines: int = field(default=1, metadata={"bounds": at_least(1, integer=True),
         "help": "engine actors; one GPU each when the cluster has GPUs"})
+    # vLLM's and ray.data.llm's name. > 1: each engine is a placement group of this many
+    # bundles (one device each; PACK), one rank actor per bundle (actors/tensor_parallel.py).
+    tensor_parallel_size: int = field(default=1, metadata={"bounds": at_least(1, integer=True), "help": (
+        "devices one engine spans (vLLM's name): a placement group of that many bundles per engine (one GPU "
+        "each on GPUs, CPU bundles on CPU), one rank actor per bundle, each holding its shard of the weights")})
     batch_size: int = field(default=16, metadata={"bounds": at_least(1, integer=True),
         "help": "rows per map_batches call into an engine actor"})
     engine: EngineConfig = field(default_factory=EngineConfig)
@@ -185,8 +190,9 @@ class DLLMProcessorConfig:
         if self.accelerator_type is not None and (not isinstance(self.accelerator_type, str)
                                                   or not self.accelerator_type.strip()):
             raise ValueError(f"accelerator_type must name a GPU type (e.g. H200), got {self.accelerator_type!r}")
+        self._sync_tensor_parallel()
         if self.placement_group_config is not None:
-            bundle_of(self.placement_group_config)  # refuses what an engine cannot be placed as
+            rank_bundles(self.placement_group_config, self.tensor_parallel_size)  # refuses what cannot be placed
             given = [f"--{k.replace('_', '-')}" for k in ("num_gpus_per_engine", "num_cpus_per_engine")
                      if getattr(self, k) is not None] + (["--engine-resource"] if self.resources_per_engine else [])
             if given:
@@ -196,6 +202,26 @@ class DLLMProcessorConfig:
             raise ValueError(f"accelerator_type {self.accelerator_type!r} is a GPU type, and each engine asks for no "
                              "GPU (num_gpus_per_engine 0, or no GPU in placement_group_config): engines on CPU would "
                              "not use it; drop one of them")
+
+    def _sync_tensor_parallel(self) -> None:
+        """One tensor_parallel_size for the processor and its engines: this field, or the
+        engine's (EngineConfig.tensor_parallel_size, e.g. from a model's blockray.json) when
+        only that one is set; both set and different is refused. Under it, a rank is one
+        device: num_gpus_per_engine is the engine's N GPUs (or 0, on CPU)."""
+        tp, eng = self.tensor_parallel_size, getattr(self.engine, "tensor_parallel_size", 1)
+        if tp != eng and tp != 1 and eng != 1:
+            raise ValueError(f"tensor_parallel_size {tp}, but the engine config says {eng}: give one")
+        tp = self.tensor_parallel_size = max(tp, eng)
+        if eng != tp:
+            self.engine = replace(self.engine, tensor_parallel_size=tp)
+        if tp > 1 and self.num_cpus_per_engine == 0:  # Ray refuses a bundle of nothing
+            raise ValueError(f"num_cpus_per_engine 0 with tensor_parallel_size {tp}: each rank's bundle of the "
+                             "engine's placement group needs some CPU; give more than 0, or leave it unset")
+        gpus = self.num_gpus_per_engine
+        if tp > 1 and gpus is not None and gpus not in (0, tp):
+            raise ValueError(f"num_gpus_per_engine {gpus:g} with tensor_parallel_size {tp}: each rank of an engine "
+                             f"is one device, so an engine takes {tp} GPUs (or 0, on CPU); leave "
+                             "--num-gpus-per-engine unset")
 
     def served_name(self) -> str:
         """served_model_name, else the adapter's (with one merged, the base alone is not
@@ -215,16 +241,41 @@ class DLLMProcessorConfig:
         machines: an actor holding every CPU starves the pipeline). accelerator_type: Ray's
         resource `accelerator_type:<type>` (0.001 per engine, as Ray's option asks)."""
         resources = dict(self.resources_per_engine or {})
-        if self.placement_group_config is not None:
-            resources = bundle_of(self.placement_group_config)
+        n = self.tensor_parallel_size
+        if self.placement_group_config is not None:  # one bundle per rank under tensor parallelism
+            resources = bundle_of({"bundles": rank_bundles(self.placement_group_config, n)} if n > 1
+                                  else self.placement_group_config)
             gpus, cpus = resources.pop("GPU", 0.0), resources.pop("CPU", 0.0)
         else:
             gpus = self.num_gpus_per_engine if self.num_gpus_per_engine is not None else (
-                1.0 if cluster_gpus > 0 or self.accelerator_type else 0.0)
-            cpus = self.num_cpus_per_engine if self.num_cpus_per_engine is not None else (1.0 if gpus else 0.5)
+                float(n) if cluster_gpus > 0 or self.accelerator_type else 0.0)
+            cpus = self.num_cpus_per_engine if self.num_cpus_per_engine is not None else (float(n) if gpus else 0.5)
         if self.accelerator_type:
             resources[ACCELERATOR_PREFIX + self.accelerator_type] = ACCELERATOR_AMOUNT
-        return {"num_gpus": gpus, "num_cpus": cpus, "resources": resources, "device": "cuda" if gpus else "cpu"}
+        out = {"num_gpus": gpus, "num_cpus": cpus, "resources": resources, "device": "cuda" if gpus else "cpu"}
+        if n > 1:  # totals above (the pool check's); each rank's bundle here
+            out["placement"] = self.placement(gpus, cpus, resources)
+        return out
+
+    def placement(self, gpus: float, cpus: float, resources: Dict[str, float]) -> Dict[str, Any]:
+        """The placement group of one engine of tensor_parallel_size N > 1: N bundles, one
+        per rank (rank 0, the engine actor, on bundle 0), as ray.data.llm reserves one for a
+        tensor-parallel vLLM engine ({"GPU": 1, "CPU": …} each, PACK): placement_group_config's
+        own bundles when given, else the engine's GPUs and CPUs split evenly (on CPU, the
+        engine's 0.5 CPU: a quarter each at N=2), accelerator_type's resource on each, a
+        custom resource (--engine-resource) on bundle 0."""
+        n = self.tensor_parallel_size
+        if self.placement_group_config is not None:
+            bundles = rank_bundles(self.placement_group_config, n)
+            strategy = self.placement_group_config.get("strategy", "PACK")
+        else:
+            bundles = [{"CPU": cpus / n, **({"GPU": gpus / n} if gpus else {})} for _ in range(n)]
+            bundles[0].update({k: v for k, v in resources.items() if not k.startswith(ACCELERATOR_PREFIX)})
+            strategy = "PACK"
+        if self.accelerator_type:
+            for b in bundles:
+                b[ACCELERATOR_PREFIX + self.accelerator_type] = ACCELERATOR_AMOUNT
+        return {"bundles": bundles, "strategy": strategy}
 
 
 # Ray's accelerator_type option is this resource, of this amount, on the task or actor
@@ -236,8 +287,10 @@ def bundle_of(pg: Any) -> Dict[str, float]:
     """The resources of one engine from ray.data.llm's `placement_group_config` ({"bundles":
     [...], "strategy": ...}, or its {"bundle_per_worker": {...}}), summed over its bundles, as
     ray.data.llm sums them for an engine of one device. Why summed, not a placement group:
-    an engine is one actor on one node (no tensor parallelism), so its bundles are placed
-    together; a SPREAD strategy over several bundles cannot be honoured and is refused."""
+    an engine is one actor on one node (at tensor_parallel_size 1), so its bundles are placed
+    together; a SPREAD strategy over several bundles cannot be honoured and is refused.
+    With tensor_parallel_size > 1 the bundles are the engine's placement group, one per
+    rank (rank_bundles), and their sum is the engine's total (the pool check's)."""
     where = "placement_group_config"
     if not isinstance(pg, dict):
         raise ValueError(f"{where} must be a dict with 'bundles' and 'strategy', got {pg!r:.80}")
@@ -255,7 +308,7 @@ def bundle_of(pg: Any) -> Dict[str, float]:
         raise ValueError(f"{where}: bundles must be a non-empty list of resource dicts, got {bundles!r:.80}")
     if len(bundles) > 1 and strategy not in ("PACK", "STRICT_PACK"):
         raise ValueError(f"{where}: strategy {strategy} over {len(bundles)} bundles, but an engine is one actor on "
-                         "one node (no tensor parallelism): its bundles are placed together; use PACK or "
+                         "one node (at tensor_parallel_size 1): its bundles are placed together; use PACK or "
                          "STRICT_PACK, or one bundle")
     total: Dict[str, float] = {}
     for i, bundle in enumerate(bundles):
@@ -267,6 +320,30 @@ def bundle_of(pg: Any) -> Dict[str, float]:
                 raise ValueError(f"{where}: bundles[{i}][{name!r}] must be a finite amount >= 0, got {amount!r}")
             total[name] = total.get(name, 0.0) + float(amount)
     return total
+
+
+def rank_bundles(pg: Any, n: int) -> List[Dict[str, float]]:
+    """The bundles of placement_group_config, checked (bundle_of), one per rank of an
+    engine of tensor_parallel_size `n` ("bundle_per_worker": n copies, as ray.data.llm
+    expands it): with n > 1 there must be n, each with at most one GPU (a rank is one
+    device), packed on one node (PACK / STRICT_PACK)."""
+    where = "placement_group_config"
+    if n > 1 and isinstance(pg, dict) and pg.get("strategy", "PACK") not in ("PACK", "STRICT_PACK"):
+        raise ValueError(f"{where}: strategy {pg['strategy']} for tensor_parallel_size {n}: an engine's ranks are "
+                         "devices of one node; use PACK or STRICT_PACK")
+    bundle_of(pg)
+    bundles = [dict(b) for b in pg["bundles"]] if "bundles" in pg else [dict(pg["bundle_per_worker"]) for _ in range(n)]
+    if n > 1 and len(bundles) != n:
+        raise ValueError(f"{where}: {len(bundles)} bundle(s) for tensor_parallel_size {n}: give one bundle per rank "
+                         "(or 'bundle_per_worker', repeated for each)")
+    for i, b in enumerate(bundles):
+        if n > 1 and not any(v > 0 for v in b.values()):
+            raise ValueError(f"{where}: bundles[{i}] asks for nothing, and Ray places no empty bundle: give each rank "
+                             "some CPU or a GPU")
+        if n > 1 and b.get("GPU", 0) > 1:
+            raise ValueError(f"{where}: bundles[{i}] asks for {b['GPU']:g} GPUs, and a rank of a tensor-parallel engine "
+                             "is one device: at most 1 GPU per bundle")
+    return bundles
 
 
 MODEL_SETTINGS_FILE = "blockray.json"

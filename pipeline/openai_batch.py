@@ -29,6 +29,7 @@ import pyarrow as pa
 from actors.row_values import RowValueError, coerce
 from common.schema import PRE_ERROR
 from engine.config import SamplingParams
+from engine.structured.params import from_response_format
 
 CHAT, COMPLETIONS = "/v1/chat/completions", "/v1/completions"
 ID_COLUMN, URL_COLUMN, MODEL_COLUMN = "custom_id", "url", "model"
@@ -41,8 +42,11 @@ LINE_KEYS = ("custom_id", "method", "url", "body")
 # (false only), what a body may hold. Anything else is the line's error, naming the key.
 SAMPLING_KEYS = {"max_tokens": "max_new_tokens", "max_completion_tokens": "max_new_tokens", "n": "n",
                  "temperature": "temperature", "top_p": "top_p", "stop": "stop", "seed": "seed"}
+# response_format -> structured_outputs (engine.structured.params.from_response_format): a schema as its JSON text
+STRUCTURED_TYPE = pa.struct([("json", pa.string()), ("json_object", pa.bool_())])
 SAMPLING_TYPE = pa.struct([("max_new_tokens", pa.int64()), ("n", pa.int64()), ("temperature", pa.float64()),
-                           ("top_p", pa.float64()), ("stop", pa.list_(pa.string())), ("seed", pa.int64())])
+                           ("top_p", pa.float64()), ("stop", pa.list_(pa.string())), ("seed", pa.int64()),
+                           ("structured_outputs", STRUCTURED_TYPE)])
 MESSAGES_TYPE = pa.list_(pa.struct([("role", pa.string()), ("content", pa.string())]))
 
 
@@ -118,6 +122,13 @@ def _request(row: Dict[str, Any], line: Dict[str, Any]) -> None:
         elif key == "stream":
             if value is not False:
                 raise RowValueError(f"body.stream {value!r} is not supported (a batch line is answered whole)")
+        elif key == "response_format":
+            try:
+                structured = from_response_format(value)
+            except ValueError as e:
+                raise RowValueError(f"body.{e}") from None
+            if structured is not None:
+                sampling["structured_outputs"] = structured
         elif key in SAMPLING_KEYS:
             name = SAMPLING_KEYS[key]
             value = coerce(value, _hints()[name], f"body.{key}")
@@ -126,7 +137,7 @@ def _request(row: Dict[str, Any], line: Dict[str, Any]) -> None:
             sampling[name] = value
         else:
             raise RowValueError(f"body key {key!r} is not supported by blockray on {url} (supported: "
-                                f"{', '.join(sorted({prompt_key, 'model', 'stream', *SAMPLING_KEYS}))})")
+                                f"{', '.join(sorted({prompt_key, 'model', 'stream', 'response_format', *SAMPLING_KEYS}))})")
     if row[prompt_key] is None:
         raise RowValueError(f"body has no {prompt_key!r}")
     row[SAMPLING_COLUMN] = sampling or None

@@ -138,8 +138,16 @@ class DLLMProcessor:
     def engine_options(self) -> Dict[str, Any]:
         """Each engine actor's Ray options: its CPUs, GPUs and custom resources (those of
         placement_group_config's bundles, and accelerator_type's resource, the one Ray's
-        option of that name asks for), spread over the cluster's nodes."""
+        option of that name asks for), spread over the cluster's nodes. With
+        tensor_parallel_size N > 1, the engine's placement group instead ("placement": N
+        bundles, one per rank, which the group actor reserves: actors/rank.py), and the
+        engine actor, rank 0, asks for bundle 0's resources."""
         res = self.engine_resources()
+        if "placement" in res:
+            first = dict(res["placement"]["bundles"][0])
+            cpus, gpus = first.pop("CPU", 0.0), first.pop("GPU", 0.0)
+            return dict(num_cpus=cpus, num_gpus=gpus, placement=res["placement"],
+                        **({"resources": first} if first else {}))
         return dict(num_cpus=res["num_cpus"], num_gpus=res["num_gpus"], scheduling_strategy="SPREAD",
                     **({"resources": res["resources"]} if res["resources"] else {}))
 

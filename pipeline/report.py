@@ -177,6 +177,7 @@ def render_report(summary: Dict[str, Any]) -> str:
         ("generated tokens", s.get("generated_tokens")), ("tokens / s (whole job)", s.get("tokens_per_s")),
         ("tokens / s (generation phase)", s.get("generation_tokens_per_s")), ("wall time, s", s.get("wall_s")),
         ("generation phase, s", s.get("generation_s")), ("engines", s.get("num_engines")),
+        ("devices per engine (tensor_parallel_size)", s.get("tensor_parallel_size")),
         ("exact match", s.get("exact_match")), ("finish reasons", json.dumps(s.get("finish_reasons") or {})),
     ]
     engine_rows = [(r, rows_by_engine.get(r), budget_text(e), e.get("busy_s"), e.get("forward_s"), e.get("steps"),

@@ -159,6 +159,7 @@ def _run(checked: Preflight, input: Union[str, List[str]], config: DLLMProcessor
         model=config.model,
         run_id=run_id,
         num_engines=config.num_engines,
+        tensor_parallel_size=config.tensor_parallel_size,  # devices (ranks) per engine
         batch_size=config.batch_size,
         output_files=sorted(r["file"] for r in write_returns),
         resumed=bool(done),

@@ -82,15 +82,16 @@ def test_lines_become_rows_and_bodies_it_cannot_honour_are_their_lines_errors():
     assert list(rows) == [i["custom_id"] for i in items]  # in order, the blank line skipped
     assert rows["c-parts"]["messages"] == chat("rev: abc") and rows["c-parts"]["prompt"] is None
     assert rows["c-parts"]["sampling_params"] == dict(max_new_tokens=8, n=None, temperature=None, top_p=None,
-                                                      stop=None, seed=None)
+                                                      stop=None, seed=None, structured_outputs=None)
     assert rows["p-copy"]["prompt"] == "copy: ab" and rows["p-copy"]["messages"] is None
     assert rows["c-n2"]["sampling_params"] == dict(max_new_tokens=None, n=2, temperature=0.7, top_p=0.9, stop=None,
-                                                   seed=7)
+                                                   seed=7, structured_outputs=None)
     assert rows["p-stop"]["sampling_params"]["stop"] == ["c"] and rows["p-stop"]["model"] is None
     assert rows["e-model"]["model"] == "gpt-4o-mini" and rows["e-model"][PRE_ERROR] is None  # the stage checks it
     assert {k: r[PRE_ERROR] for k, r in rows.items() if r[PRE_ERROR]} == {
         "e-key": ("body key 'logit_bias' is not supported by blockray on /v1/chat/completions (supported: "
-                  "max_completion_tokens, max_tokens, messages, model, n, seed, stop, stream, temperature, top_p)"),
+                  "max_completion_tokens, max_tokens, messages, model, n, response_format, seed, stop, stream, "
+                  "temperature, top_p)"),
         "e-stream": "body.stream True is not supported (a batch line is answered whole)",
         "e-url": "url '/v1/embeddings' is not served: /v1/chat/completions or /v1/completions",
         "e-image": ("body.messages[0].content[0] is not supported: only text parts ({\"type\": \"text\", \"text\": "
@@ -262,7 +263,7 @@ def test_openai_batch_file_through_the_cli_and_a_resume(tmp_path, tiny_model_dir
         "(served as 'tiny')" in errors["e-model"]["message"])
     assert errors["e-key"] == {"code": "invalid_request", "message": (
         "body key 'logit_bias' is not supported by blockray on /v1/chat/completions (supported: max_completion_tokens, "
-        "max_tokens, messages, model, n, seed, stop, stream, temperature, top_p)")}
+        "max_tokens, messages, model, n, response_format, seed, stop, stream, temperature, top_p)")}
     files = part_files(out)
 
     res = cli(*args, address=ray_address)  # a rerun: every request is there, nothing generated again
