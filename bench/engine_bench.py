@@ -188,6 +188,8 @@ def run_plan(w: Workload, plan: Plan, log=print) -> List[RunResult]:
             log(f"[round {r}] {res.label:30s} {res.tokens_per_s:8.1f} tok/s {res.tokens_per_cpu_s:8.1f} tok/cpu-s  "
                 f"wall {res.wall_s:6.1f}s  "
                 f"pad {res.padding_fraction:5.1%}  host {res.host_overhead:5.1%}  rows {res.mean_rows:5.1f}  "
+                + (f"host/step {res.host_ms_per_step:.2f} ms (cpu {res.host_cpu_ms_per_step:.2f})  "
+                   if res.host_ms_per_step is not None and res.host_cpu_ms_per_step is not None else "") +
                 f"p50 {res.latency_p50_s:6.2f}s" + (f"  acc {res.accuracy:.3f}" if res.accuracy is not None else "")
                 + (f"  ERROR {res.error}" if res.error else ""))
     return results

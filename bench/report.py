@@ -207,6 +207,39 @@ def other_section(title: str, what: str, d: Dict[str, Any], pick: Callable[[Dict
     return out + [""]
 
 
+def host_section(d: Dict[str, Any]) -> List[str]:
+    """bench/host_bench.py: one denoising step's host time by phase, before and after (issue 41)."""
+    commit = ((d.get("git") or {}).get("commit") or "?")[:10]
+    before = {r["label"]: r for r in (d.get("before") or {}).get("runs", [])}
+    bcommit = (((d.get("before") or {}).get("git") or {}).get("commit") or "?")[:10]
+    out = ["## Host time of a denoising step (`bench/host_bench.py`)", "",
+           "The skewed workload (block canvas, refresh cache, block advance) served by static-B and by blockserve at "
+           "a static-B budget, the step path's phases timed exclusive of what they call, in the stepping thread's "
+           "CPU time per denoising step (co-tenants' load aside; wall time is in the JSON). `forward` is the model "
+           "call; on a CPU the proposal's float64 softmax and the selection are host time too. Measured on the "
+           "workload's first requests (see the command) while the machine ran other jobs: the acceptance figure of "
+           "issue 41 (`bench/engine_bench.py --workload skewed --threads 1 --static-batch-sizes 32 --no-sequential`, "
+           "~110 rows) is to be measured on a quiet machine.", "",
+           f"`{d['command']}` ({d['created']}, commit `{commit}`)" + (
+               f"; before: commit `{bcommit}` (`{d['before']['command']}`); same tokens as before: "
+               f"{d.get('tokens_identical_to_before')}" if before else "") + ".", ""]
+    phases: List[str] = []
+    for r in list(before.values()) + d["runs"]:
+        phases += [k for k in r["phases"] if k not in phases]
+    cols = [(f"{r['label']} before", before[r["label"]]) for r in d["runs"] if r["label"] in before]
+    cols += [(f"{r['label']}" + (" after" if before else ""), r) for r in d["runs"]]
+    cols.sort(key=lambda c: c[0].split(" ")[0])
+    out += ["| phase (CPU ms per step) | " + " | ".join(c[0] for c in cols) + " |",
+            "|---|" + "---|" * len(cols)]
+    for ph in phases:
+        out.append(f"| {ph} | " + " | ".join(fmt(c[1]["phases"].get(ph, {}).get("cpu_ms_per_step")) for c in cols)
+                   + " |")
+    out.append("| **host, all phases** | " + " | ".join(f"**{fmt(c[1]['host_cpu_ms_per_step'])}**" for c in cols)
+               + " |")
+    out.append("| rows per layout (mean) | " + " | ".join(fmt(c[1]["mean_rows"]) for c in cols) + " |")
+    return out + [""]
+
+
 def render(results: str = RESULTS) -> str:
     lines = [HEAD]
 
@@ -221,6 +254,9 @@ def render(results: str = RESULTS) -> str:
         d = load(name)
         if d is not None:
             lines += engine_section(name, title, what, d)
+    host = load("host_skewed.json")
+    if host is not None:
+        lines += host_section(host)
     for name, title, what, pick in OTHER:
         d = load(name)
         if d is not None:

@@ -40,13 +40,14 @@ class RunSpec:
     canvas: str = "auto"
     forward_overhead_cells: Optional[float] = None  # the catch-up planner's overhead (None: fitted online)
     compile_decode: bool = False  # the dual cache's block-only step through torch.compile (CUDA graphs on CUDA)
+    profile: bool = True  # synchronize after every forward (exact forward_s); False: the loop runs ahead of the device
 
     def engine_config(self, w: Workload) -> EngineConfig:
         return EngineConfig(block_length=w.block_length, steps_per_block=w.steps_per_block, cache=self.cache,
                             token_budget=self.token_budget, scheduler=self.scheduler,
                             max_batch_size=self.max_batch_size, advance=self.advance, canvas=self.canvas,
                             forward_overhead_cells=self.forward_overhead_cells, compile_decode=self.compile_decode,
-                            profile=True)  # forward_fraction and MFU need exact forward times
+                            profile=self.profile)  # forward_fraction and MFU need exact forward times
 
 
 @dataclass
@@ -97,6 +98,8 @@ class RunResult:
     peak_kv_over_budget: Optional[float] = None  # most K/V bytes alive / token_budget's K/V bytes
     kv_bytes_copied_per_token: Optional[float] = None  # K/V moved by slot moves, growth, shifts, catch-up reads
     host_ms_per_step: Optional[float] = None  # step() wall time outside forwards, per denoising step
+    host_cpu_ms_per_step: Optional[float] = None  # the same in the stepping thread's CPU time (co-tenants' load aside)
+    device_busy_share: Optional[float] = None  # device forward seconds (CUDA events, or exact) / wall seconds
     syncs_per_step: Optional[float] = None  # device -> host reads of the loop per denoising step
     kv_copied_by_per_token: Optional[Dict[str, float]] = None  # the K/V copies by cause (EngineStats.kv_copied_by)
     forward_overhead_cells: Optional[float] = None  # what the catch-up planner charged per extra forward, last
@@ -154,6 +157,7 @@ def run(w: Workload, spec: RunSpec, deadline_s: Optional[float] = None) -> RunRe
             break
     _sync(dev)
     wall = time.perf_counter() - t0
+    device_s = eng.runner.timer.drain()
     cpu = time.process_time() - c0
     load1 = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
     done = [outs[i] for i in ids if i in outs]
@@ -193,7 +197,7 @@ def run(w: Workload, spec: RunSpec, deadline_s: Optional[float] = None) -> RunRe
         finished=dict(st.finished), accuracy=acc,
         model_flops=(m1["flops"] - m0["flops"]) if meter else None,
         max_memory_bytes=torch.cuda.max_memory_allocated() if dev.type == "cuda" else None,
-        loadavg=[load0, load1] if load0 is not None else None,
+        loadavg=[load0, load1] if load0 is not None else None, device_busy_share=device_s / wall if wall else None,
         latencies_s=lat, output_digests=[hash(tuple(o.token_ids)) for o in done], error=error,
         request_steps=[o.num_steps for o in done], request_tokens=[len(o.token_ids) for o in done])
 

@@ -81,9 +81,22 @@ class RowParams:
 
     def caps(self, block_length: int, steps: int, dev: bool = False) -> torch.Tensor:
         """[B] steps after which a row's block is committed whatever it holds: its rule's
-        cap, else its policy's (step_cap); host values, or the device's (`dev`)."""
-        policy, cap = (self.dev.policy, self.dev.cap) if dev else (self.policy, self.ints[4])
-        return torch.where(cap >= 0, cap, step_cap(policy, block_length, steps))
+        cap, else its policy's (step_cap); host values, or the device's (`dev`). Found once
+        per batch layout (the step path asks at every step)."""
+        memo = self.__dict__.setdefault("_memo", {})
+        key = ("caps", block_length, steps, dev)
+        if key not in memo:
+            policy, cap = (self.dev.policy, self.dev.cap) if dev else (self.policy, self.ints[4])
+            memo[key] = torch.where(cap >= 0, cap, step_cap(policy, block_length, steps))
+        return memo[key]
+
+    @property
+    def policies(self) -> List[int]:
+        """The policy ids the rows use, ascending (host values, found once)."""
+        memo = self.__dict__.setdefault("_memo", {})
+        if "policies" not in memo:
+            memo["policies"] = sorted(set(self.policy.tolist()))
+        return memo["policies"]
 
     @property
     def first_position(self) -> torch.Tensor:
@@ -207,7 +220,7 @@ def dream_logits(logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.T
 
 
 def propose(logits: torch.Tensor, rp: RowParams, noise_keys: Optional[Sequence[Optional[int]]],
-            need: torch.Tensor, need_idx: Optional[Sequence[torch.Tensor]] = None):
+            need: torch.Tensor, need_idx: Optional[Sequence[torch.Tensor]] = None, full_x0: bool = True):
     """Candidate tokens x0 [B, L] and their float64 confidence [B, L] (0 where `need`
     is False: only masked positions are ever selected, and the float64 softmax over
     the vocabulary is the biggest host cost of a step). Rows at temperature > 0 take
@@ -218,10 +231,19 @@ def propose(logits: torch.Tensor, rp: RowParams, noise_keys: Optional[Sequence[O
     all from a generator seeded per row and step (`noise_keys`, None when no row draws
     noise), so a request's tokens do not depend on its batch. Under
     Confidence.SAMPLED (`rp.sampled`) the proposals at `need` are drawn from, and the
-    confidence read off, Dream's sample_tokens distribution (dream_logits)."""
-    x0 = logits.argmax(-1)  # float -> float64 is exact, so this is the float64 argmax
+    confidence read off, Dream's sample_tokens distribution (dream_logits). `full_x0`
+    False: x0 is only meaningful at `need` (the argmax over the vocabulary at every other
+    position of the window is the step's largest host cost after the softmax, and only a
+    rule that rewrites decoded tokens, LLaDA2.1's editing, reads it there)."""
     idx = tuple(need_idx) if need_idx is not None else need.nonzero(as_tuple=True)
     lg = logits[idx].to(torch.float64)
+    if full_x0:
+        x0 = logits.argmax(-1)  # float -> float64 is exact, so this is the float64 argmax
+    else:  # the same index: argmax of the float64 copy (exact) at the needed positions only
+        x0 = torch.zeros(logits.shape[:-1], dtype=torch.long, device=logits.device)
+        x0_at = lg.argmax(-1)
+        x0[idx] = x0_at
+    drew = False  # a row's x0 was drawn (temperature > 0): read x0 at idx again below
     if rp.sampled and bool(((rp.real[2] > 0) | (rp.real[3] < 1) | (rp.ints[3] > 0)).any()):  # host values
         lg = dream_logits(lg, rp.dev.temperature[idx[0]], rp.dev.top_p[idx[0]], rp.dev.top_k[idx[0]])
     drawn, gumbel = {}, {}
@@ -231,6 +253,7 @@ def propose(logits: torch.Tensor, rp: RowParams, noise_keys: Optional[Sequence[O
         gen = torch.Generator(device=logits.device).manual_seed(key)
         p = rp.params[i]
         if p.temperature > 0:
+            drew = True
             noise = torch.rand(logits.shape[1:], generator=gen, dtype=torch.float64, device=logits.device)
             if rp.sampled:  # the processed logits are already tempered and restricted
                 at = idx[0] == i
@@ -244,8 +267,8 @@ def propose(logits: torch.Tensor, rp: RowParams, noise_keys: Optional[Sequence[O
             gumbel[i] = -torch.log(-torch.log(torch.rand(x0.shape[1], generator=gen, dtype=torch.float64,
                                                          device=x0.device)))
     probs = torch.softmax(lg, dim=-1)
-    rem = rp.dev.remasking[idx[0]]
-    c = probs.gather(-1, x0[idx][:, None]).squeeze(-1)
+    rem = rp.dev.remasking[idx[0]] if rp.any_entropy or rp.any_margin or rp.any_sequential else None
+    c = probs.gather(-1, (x0[idx] if drew or full_x0 else x0_at)[:, None]).squeeze(-1)
     if rp.any_entropy:  # Dream's neg_entropy
         c = torch.where(rem == ENTROPY, (probs * torch.log(probs + 1e-10)).sum(-1), c)
     if rp.any_margin:  # Dream's topk_margin
@@ -253,7 +276,7 @@ def propose(logits: torch.Tensor, rp: RowParams, noise_keys: Optional[Sequence[O
         c = torch.where(rem == MARGIN, top2[:, 0] - top2[:, 1], c)
     if rp.any_sequential:  # SDAR's sequential: the leftmost masks rank first
         c = torch.where(rem == SEQUENTIAL, -idx[1].to(c.dtype), c)
-    if bool((rp.policy == ENTROPY_BOUND).any()):  # host values
+    if ENTROPY_BOUND in rp.policies:  # host values
         # JetEngine's entropy: of the softmax at the row's temperature (the model's own at 0),
         # probabilities clamped at 1e-12; minus it is the confidence (the lowest entropy first)
         t = rp.dev.temperature[idx[0]]
@@ -273,44 +296,58 @@ def select(conf: torch.Tensor, is_mask: torch.Tensor, step: torch.Tensor, rp: Ro
            block_length: int, steps: int) -> torch.Tensor:
     """Boolean [B, L]: positions to unmask this step."""
     conf = torch.where(is_mask, conf, torch.full_like(conf, -torch.inf))
-    rank = _ranks(conf)
-    n_mask = is_mask.sum(1)
-    # fixed: the k_s most confident masked positions
-    by_fixed = rank < fixed_schedule(step, block_length, steps)[:, None]
-    # threshold: every confident position, at least the most confident one (the schedule
-    # floor, LLaDA2's generate() and SDAR's block_diffusion_generate: confidence strictly
-    # greater, at least k: the schedule over min(steps, max_new_tokens) steps in LLaDA2.0's,
-    # over steps in SDAR's, 1 in 2.1's loop, the editing rows')
-    if rp.floor:
-        s_row = rp.floor_steps.clamp(max=steps)
-        k = torch.where(rp.floor_one, 1, block_length // s_row + (step < block_length % s_row).long())
-        by_threshold = (conf > rp.dev.threshold[:, None]) | (rank < k[:, None])
-    elif rp.strict:  # Fast-dLLM v2
-        by_threshold = (conf > rp.dev.threshold[:, None]) | (rank == 0)
-    else:
-        by_threshold = (conf >= rp.dev.threshold[:, None]) | (rank == 0)
-    # factor (get_transfer_index_dynamic): k = how many leading sorted confidences pass
-    # 1 - f/(n+1) (the first always passes); the reference then takes k, but 1 when
-    # k == 0 and all n masks when k >= n - 1
-    sorted_conf = conf.sort(dim=1, descending=True).values
-    n = torch.arange(1, conf.shape[1] + 1, device=conf.device, dtype=torch.float64)
-    bar = 1.0 - rp.dev.factor[:, None] / (n + 1.0)
-    bar[:, 0] = -1.0
-    k = (sorted_conf >= bar).long().cumprod(dim=1).sum(dim=1)
-    n_take = torch.where(k == 0, 1, torch.where(k >= n_mask - 1, n_mask, k))
-    by_factor = rank < n_take[:, None]
-    # entropy_bound (JetEngine's entropy_bounded): the lowest-entropy masks (conf is minus the
-    # entropy) while the running sum of their entropies stays below the bound; at least one
-    k_bound = ((-sorted_conf).cumsum(dim=1) < rp.dev.entropy_bound[:, None]).sum(dim=1).clamp(min=1)
-    by_entropy_bound = rank < k_bound[:, None]
-    by_timestep = rank < timestep_schedule(step, n_mask, steps)[:, None]
-    # origin (Dream's alg="origin"): each mask independently, when its uniform draw (its
-    # confidence) is below 1 - t_{s+1} / t_s
-    by_origin = conf < transfer_fraction(step, steps).double()[:, None]
-    pol = rp.dev.policy[:, None]
-    sel = torch.where(pol == FIXED, by_fixed, torch.where(pol == THRESHOLD, by_threshold, torch.where(
-        pol == FACTOR, by_factor, torch.where(pol == ORIGIN, by_origin, torch.where(
-            pol == ENTROPY_BOUND, by_entropy_bound, by_timestep)))))
+    present = rp.policies  # only the policies some row uses are computed (host values)
+    rank = _ranks(conf) if present != [ORIGIN] else None
+    n_mask = is_mask.sum(1) if FACTOR in present or TIMESTEP in present else None
+    sorted_conf = conf.sort(dim=1, descending=True).values if FACTOR in present or ENTROPY_BOUND in present else None
+
+    def by_fixed():  # fixed: the k_s most confident masked positions
+        return rank < fixed_schedule(step, block_length, steps)[:, None]
+
+    def by_threshold():
+        # threshold: every confident position, at least the most confident one (the schedule
+        # floor, LLaDA2's generate() and SDAR's block_diffusion_generate: confidence strictly
+        # greater, at least k: the schedule over min(steps, max_new_tokens) steps in LLaDA2.0's,
+        # over steps in SDAR's, 1 in 2.1's loop, the editing rows')
+        if rp.floor:
+            s_row = rp.floor_steps.clamp(max=steps)
+            k = torch.where(rp.floor_one, 1, block_length // s_row + (step < block_length % s_row).long())
+            return (conf > rp.dev.threshold[:, None]) | (rank < k[:, None])
+        if rp.strict:  # Fast-dLLM v2
+            return (conf > rp.dev.threshold[:, None]) | (rank == 0)
+        return (conf >= rp.dev.threshold[:, None]) | (rank == 0)
+
+    def by_factor():
+        # factor (get_transfer_index_dynamic): k = how many leading sorted confidences pass
+        # 1 - f/(n+1) (the first always passes); the reference then takes k, but 1 when
+        # k == 0 and all n masks when k >= n - 1
+        n = torch.arange(1, conf.shape[1] + 1, device=conf.device, dtype=torch.float64)
+        bar = 1.0 - rp.dev.factor[:, None] / (n + 1.0)
+        bar[:, 0] = -1.0
+        k = (sorted_conf >= bar).long().cumprod(dim=1).sum(dim=1)
+        n_take = torch.where(k == 0, 1, torch.where(k >= n_mask - 1, n_mask, k))
+        return rank < n_take[:, None]
+
+    def by_entropy_bound():
+        # entropy_bound (JetEngine's entropy_bounded): the lowest-entropy masks (conf is minus the
+        # entropy) while the running sum of their entropies stays below the bound; at least one
+        k_bound = ((-sorted_conf).cumsum(dim=1) < rp.dev.entropy_bound[:, None]).sum(dim=1).clamp(min=1)
+        return rank < k_bound[:, None]
+
+    def by_timestep():
+        return rank < timestep_schedule(step, n_mask, steps)[:, None]
+
+    def by_origin():
+        # origin (Dream's alg="origin"): each mask independently, when its uniform draw (its
+        # confidence) is below 1 - t_{s+1} / t_s
+        return conf < transfer_fraction(step, steps).double()[:, None]
+
+    rules = {FIXED: by_fixed, THRESHOLD: by_threshold, FACTOR: by_factor, ORIGIN: by_origin,
+             ENTROPY_BOUND: by_entropy_bound, TIMESTEP: by_timestep}
+    sel = None
+    for pid in present:  # each row takes its own policy's selection
+        mine = rules[pid]()
+        sel = mine if sel is None else torch.where(rp.dev.policy[:, None] == pid, mine, sel)
     # scheduled policies fill the block by step S; threshold, factor and entropy_bound run until it is
     # full (at most L steps, one token at least per step), forced at step max(S, L) only
     # if a model keeps proposing the mask token itself

@@ -37,6 +37,7 @@ class EditingRule(BlockRule):
     name = "editing"
     reads = MASKED_SAMPLING | EDITING_SAMPLING
     floor_one = True
+    reads_all_proposals = True  # its edits are proposals at decoded positions
 
     def applies(self, params: Any) -> bool:
         return params.edit_threshold is not None

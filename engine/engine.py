@@ -90,6 +90,9 @@ class Engine(EngineCore):
         self.batch: Optional[Batch] = None
         self._grown: set = set()  # rows that committed a block and start their next one (or added one)
         self._relayout = False  # rows changed their blocks in flight: lay the batch out again
+        # plan and upload the next forward before the step's device read (engine.runner.prepare): on an
+        # accelerator that host work runs while the device computes; on a CPU it would only move it
+        self.overlap = self.device.type == "cuda"
         self.structured = StructuredOutputs(model.config.vocab_size, self.device)  # engine.structured
 
     # --- requests -----------------------------------------------------------------
@@ -153,10 +156,15 @@ class Engine(EngineCore):
         old = self.batch
         if self.prefix is not None and old is not None:  # prompt blocks the last steps made final
             self.prefix.insert(old, len(old.rows) * old.width)
-        mid_block = set()
-        if old is not None:
-            mid_block = {r for r, s in zip(old.rows, old.step.tolist()) if s > 0 and r not in self._grown}
-        rows = self.scheduler.schedule(can_preempt=lambda r: r not in mid_block)
+        mid_block: Optional[set] = None
+
+        def can_preempt(r: Request) -> bool:  # the rows mid-block, found once the scheduler asks (it rarely does)
+            nonlocal mid_block
+            if mid_block is None:
+                mid_block = set() if old is None else {
+                    r for r, s in zip(old.rows, old.step.tolist()) if s > 0 and r not in self._grown}
+            return r not in mid_block
+        rows = self.scheduler.schedule(can_preempt=can_preempt)
         self.stats.active = len(rows)
         if not rows:
             self.batch = None
@@ -224,7 +232,7 @@ class Engine(EngineCore):
         if guide is not None:
             guide.mask_logits(logits)
         need_idx = [t.to(self.device) for t in units(b.masked).nonzero(as_tuple=True)]
-        x0, conf = propose(units(logits), rp, self._noise_keys(b), units(is_mask), need_idx)
+        x0, conf = propose(units(logits), rp, self._noise_keys(b), units(is_mask), need_idx, full_x0=b.full_x0)
         step = b.step.repeat_interleave(NB) if NB > 1 else b.step
         chosen = units(is_mask)
         for rule, rows in live:  # each rule's rows: the positions their step may unmask
@@ -243,6 +251,8 @@ class Engine(EngineCore):
         b.busy_steps += b.masked.any(1).long()
         b.step += 1
         self.stats.steps += 1
+        if self.overlap:  # the next forward's plan and upload, while the device runs this step
+            self.runner.prepare(b)
         blocks = self._fetch(window)
         b.masked = (blocks == mask_id) & b.valid
         done = ~b.masked[:, -L:].any(1) | (b.step >= b.row_params.caps(L, S))
@@ -252,9 +262,12 @@ class Engine(EngineCore):
 
     @staticmethod
     def _live(b: Batch) -> List[Tuple[Any, List[int]]]:
-        """(rule, its rows that are not frozen) for every rule in the batch."""
-        frozen = b.frozen.tolist()
-        return [(rule, [i for i in rows if not frozen[i]]) for rule, rows in b.groups.items()]
+        """(rule, its rows that are not frozen) for every rule in the batch: found again only
+        once a row froze (Engine.commit), not at every step."""
+        if b.live is None:
+            frozen = b.frozen.tolist()
+            b.live = [(rule, [i for i in rows if not frozen[i]]) for rule, rows in b.groups.items()]
+        return b.live
 
     def _noise_keys(self, b: Batch) -> Optional[List[Optional[int]]]:
         """Per unit, the seed of its noise at this step (None: no row draws noise), from
@@ -292,6 +305,7 @@ class Engine(EngineCore):
         if not self._committed(r, tokens):
             return False
         b.frozen[i] = self.scheduler.is_frozen(r)
+        b.live = None  # the rules' live rows change with it
         return True
 
     def grow(self, r: Request) -> None:

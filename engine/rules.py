@@ -50,6 +50,7 @@ class BlockRule:
     reads: FrozenSet[str] = MASKED_SAMPLING
     stepwise = False  # commits at any step (the batch then advances by steps)
     floor_one = False  # the schedule floor's k is 1 (ThresholdRule.SCHEDULE_FLOOR)
+    reads_all_proposals = False  # `select` reads x0 at decoded positions too (then every position is proposed)
 
     def applies(self, params: Any) -> bool:
         """Whether SamplingParams `params` ask for this rule."""

@@ -132,6 +132,8 @@ class ModelRunner:
         self._decode = None  # the compiled block-only step (EngineConfig.compile_decode); False: given up
         # the compiled block-only step runs under the dual cache only (its later steps are block-only)
         self.compiles = cfg.compile_decode and cfg.mode.caches_suffix
+        self._ahead = None  # (batch, key, plan, uploaded inputs) of the last whole-batch plan
+        self.prepared_hits = 0  # whole-batch forwards that ran a plan made before them (a step before, or `prepare`)
 
     def decode_model(self):
         """The model compiled for the dual cache's block-only step: (rows, L) queries over a
@@ -222,6 +224,8 @@ class ModelRunner:
         after = mode.later_step_columns(b.nact * L + self.shift, b.tail, None)
         overhead = self.overhead_cells()
         self.stats.forward_overhead_cells = overhead
+        if not bool(((q1 - q0) > after).any()):  # no row has more to compute than its step: no catch-up
+            return []
         groups = catch_up_groups((q1 - q0).tolist(), L + self.shift, after.tolist(), overhead, rejoin)
         return [(group, self.forward(b, group, catch_up=True)) for group in groups]
 
@@ -231,10 +235,40 @@ class ModelRunner:
         several in flight (positions outside a row's blocks are clamped into its query and
         ignored); read for Dream from the column before each position. Planned on the host
         (`plan`), run with one upload of its index tensors (`run`), counted (`account`)."""
-        p = self.plan(b, group)
-        logits, seconds = self.run(b, p)
+        if group is None:
+            p, inputs, reused = self.whole_batch_plan(b)
+            self.prepared_hits += reused
+        else:
+            p = self.plan(b, group)
+            inputs = None
+        logits, seconds = self.run(b, p, inputs)
         self.account(b, p, seconds, catch_up)
         return logits
+
+    def _plan_key(self, b: Batch) -> torch.Tensor:
+        """What a whole-batch plan of layout `b` depends on besides the layout: each row's
+        cached columns, and whether it is past its block's first step (Dream's read)."""
+        return torch.stack([b.cached, (b.step > 0).long()])
+
+    def whole_batch_plan(self, b: Batch) -> Tuple[ForwardPlan, List[torch.Tensor], bool]:
+        """The plan of the forward over every row of `b` and its uploaded indices: the last
+        one again while the layout and its key are the same (a block's later steps forward
+        the same columns), else planned anew; and whether it was made before."""
+        key = self._plan_key(b)
+        last = self._ahead
+        if last is not None and last[0] is b and torch.equal(last[1], key):
+            return last[2], last[3], True
+        p = self.plan(b)
+        self._ahead = (b, key, p, self.upload(p))
+        return p, self._ahead[3], False
+
+    def prepare(self, b: Batch) -> None:
+        """Plan the batch's next whole-batch forward and queue its index upload now, while the
+        device still runs this step (called before the step's one device read): the next
+        step uses them if the batch is the same one (no row joined, left or started a block)
+        with the same key, else plans again. Work, not a guess: the plan is a function of
+        host values the step's tokens do not change."""
+        self.whole_batch_plan(b)
 
     def plan(self, b: Batch, group: Optional[List[int]] = None) -> ForwardPlan:
         """The forward's columns, from host values only. With a cache only the columns
@@ -266,10 +300,16 @@ class ModelRunner:
         # the compiled block-only step (dual cache, mid-block) attends whole boxes: one shape per layout
         compiled = self.compiles and not contiguous and group is None
         slots = list(range(len(b.rows))) if group is None else group
-        runs = key_runs(slots, start.tolist(), W, self.attention_overhead) if cached and not compiled else None
+        runs = None
+        if cached and not compiled:  # a function of the layout's row starts: planned once per layout and group
+            key = None if group is None else tuple(group)
+            if key not in b.runs_cache:
+                got = key_runs(slots, start.tolist(), W, self.attention_overhead)
+                ks = torch.cat([torch.full((hi - lo,), k) for lo, hi, k in got]) if got else None
+                b.runs_cache[key] = (got, 0 if ks is None else int((start - ks).sum()))
+            runs, pad_per_query = b.runs_cache[key]
         if runs:  # pad keys attended: before each row's first real column, from its run's first key
-            ks = torch.cat([torch.full((hi - lo,), k) for lo, hi, k in runs])
-            pad_keys = T * int((start - ks).sum())
+            pad_keys = T * pad_per_query
         elif cached:
             pad_keys = T * int(start.sum())
         else:  # without a cache the keys are the query's own columns
@@ -285,19 +325,23 @@ class ModelRunner:
             prompt_fwd=(torch.minimum(q1, start + plen) - torch.maximum(lo, start)).clamp(min=0),
             cached_after=rows(b.block_start) - start)
 
-    def run(self, b: Batch, p: ForwardPlan) -> Tuple[torch.Tensor, float]:
-        """(logits, seconds): the index tensors go to the device in one copy (pinned and
-        non-blocking on CUDA), then the model runs."""
-        W, dev, T = b.width, self.device, p.T
+    def upload(self, p: ForwardPlan) -> List[torch.Tensor]:
+        """The plan's index tensors on the device, in one copy (pinned and non-blocking on CUDA)."""
         parts = [p.qc, p.pos, p.at, p.real.long()] + ([] if p.write is None else [p.write.long()])
         if p.group is not None:
             parts.append(p.pick[:, None])
         host = torch.cat(parts, 1)
-        if dev.type == "cuda":
-            up = host.pin_memory().to(dev, non_blocking=True)
+        if self.device.type == "cuda":
+            up = host.pin_memory().to(self.device, non_blocking=True)
         else:
-            up = host.to(dev)
-        got = list(up.split([t.shape[1] for t in parts], 1))
+            up = host.to(self.device)
+        return list(up.split([t.shape[1] for t in parts], 1))
+
+    def run(self, b: Batch, p: ForwardPlan, inputs: Optional[List[torch.Tensor]] = None) -> Tuple[torch.Tensor, float]:
+        """(logits, seconds): the index tensors go to the device (`upload`, unless `prepare`
+        did), then the model runs."""
+        W, T = b.width, p.T
+        got = inputs if inputs is not None else self.upload(p)
         qc_d, pos_d, at_d, real_d = got[0], got[1], got[2], got[3].bool()
         write_d = None if p.write is None else got[4].bool()
         ids, mask = b.ids, b.mask
@@ -307,7 +351,7 @@ class ModelRunner:
         tokens = torch.where(real_d, ids.gather(1, qc_d), self.mcfg.pad_token_id)
         qmask = mask if mask.shape[2] == 1 else mask.gather(2, qc_d[:, None, :, None].expand(-1, 1, -1, W))
         timer = self.timer.start(p.cells)
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.thread_time()
         with torch.inference_mode():
             if b.cache is None:
                 logits = self.model(tokens, pos_d, qmask[..., W - T:], logits_at=at_d)
@@ -320,9 +364,10 @@ class ModelRunner:
                                                          for k, v in kw.items()})
                 if logits is None:
                     logits = self.model(*args, **kw)
-            if self.cfg.profile and dev.type == "cuda":  # exact forward_s, at the cost of a stall
+            if self.cfg.profile and self.device.type == "cuda":  # exact forward_s, at the cost of a stall
                 torch.cuda.synchronize()
         seconds = time.perf_counter() - t0
+        self.stats.forward_cpu_s += time.thread_time() - c0
         timer.stop(seconds)
         return logits, seconds
 

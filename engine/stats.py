@@ -18,6 +18,7 @@ class EngineStats:
     padded_cells: int = 0  # pad query columns forwarded
     computed_cells: int = 0
     forward_s: float = 0.0
+    forward_cpu_s: float = 0.0  # CPU time of the stepping thread inside forwards (on a CPU with one torch thread: all of it)
     busy_s: float = 0.0  # wall time inside step()
     busy_cpu_s: float = 0.0  # CPU time of the stepping thread inside step(): unaffected by co-tenants' load
     active: int = 0
@@ -88,6 +89,8 @@ class EngineStats:
                 "kv_copied_by_per_token": {k: v / self.generated_tokens for k, v in self.kv_copied_by.items()}
                 if self.generated_tokens else None,
                 "host_ms_per_step": 1e3 * self.host_s / self.steps if self.steps else None,
+                "host_cpu_ms_per_step": 1e3 * (self.busy_cpu_s - self.forward_cpu_s) / self.steps
+                if self.steps else None,
                 "syncs_per_step": self.syncs / self.steps if self.steps else None,
                 "catch_up": {"forward_share": self.catch_up["seconds"] / self.forward_s if self.forward_s else None,
                              "cell_share": self.catch_up["cells"] / self.computed_cells if self.computed_cells else None,
@@ -147,6 +150,18 @@ class ForwardTimer:
         self.fit, self.events = fit, device.type == "cuda" and not exact
         self.pending: List[Tuple[int, Any, Any]] = []
         self._cells, self._start = 0, None
+        self.device_s = 0.0  # forward seconds on the device (CUDA events) read so far; run time elsewhere
+
+    def drain(self) -> float:
+        """Wait for the forwards still in flight and read their events; the device's forward
+        seconds so far (what the GPU bench divides by wall time: the device's busy share)."""
+        if self.events:
+            for n, e0, e1 in self.pending:
+                e1.synchronize()
+                self.fit.add(n, e0.elapsed_time(e1) / 1e3)
+                self.device_s += e0.elapsed_time(e1) / 1e3
+            self.pending = []
+        return self.device_s
 
     def start(self, cells: int) -> "ForwardTimer":
         self._cells = cells
@@ -156,6 +171,7 @@ class ForwardTimer:
             while self.pending and self.pending[0][2].query():
                 n, e0, e1 = self.pending.pop(0)
                 self.fit.add(n, e0.elapsed_time(e1) / 1e3)
+                self.device_s += e0.elapsed_time(e1) / 1e3
             self._start = torch.cuda.Event(enable_timing=True)
             self._start.record()
         return self
@@ -163,6 +179,7 @@ class ForwardTimer:
     def stop(self, seconds: float) -> None:
         if not self.events:
             self.fit.add(self._cells, seconds)
+            self.device_s += seconds
             return
         import torch
 
