@@ -32,7 +32,7 @@ import hashlib
 import itertools
 import logging
 import time
-from typing import Any, Callable, Dict, List, Optional, Sequence, Union
+from typing import Any, Dict, List, Optional, Sequence, Union
 
 import pyarrow as pa
 import ray
@@ -42,6 +42,7 @@ from common.schema import OUTPUT_SCHEMA, STOP_TEXT, as_table
 from actors.row_values import RowValueError, parse_sampling, parse_seed
 from engine.models.families import Serving  # torch-free
 
+from .engine_build import load_engine, resolve_device, resolve_dtype, warm_up  # noqa: F401 - resolve_dtype: callers import it from here
 from .engine_loop import EngineLoop, error_output
 from .metrics import EngineMetrics
 from .spec import EngineSpec
@@ -50,24 +51,6 @@ from .tensor_parallel import RankGroup
 logger = logging.getLogger(__name__)
 
 WATCH_S = 2.0  # how often an engine asks whether its dispatcher is still there
-
-
-def resolve_device(device: str) -> Any:
-    import torch
-
-    if device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(device)
-
-
-def resolve_dtype(dtype: Any, device: Any) -> Any:
-    import torch
-
-    if isinstance(dtype, torch.dtype):
-        return dtype
-    if dtype == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    return getattr(torch, dtype)
 
 
 def derive_seed(*parts: Any) -> int:
@@ -96,51 +79,6 @@ def sample_seeds(seed: Optional[int], n: int) -> List[Optional[int]]:
     if seed is None:
         return [None] * n
     return [seed] + [derive_seed(seed, k) for k in range(1, n)]
-
-
-def load_engine(spec: EngineSpec, ckpt: Any, device: Any, weights_dir: str, tokenizer: Callable[[], Any],
-                tp: Any = None) -> "tuple[Any, Any, Any, Callable[[], Any]]":
-    """(model, its Budget, the engine config with its token budget, a factory of engines)
-    of `ckpt` on `device`: what an engine actor (and each other rank of a tensor-parallel
-    engine, given its `tp`: engine.parallel) loads. `tokenizer`: the tokenizer an engine is
-    built with, read when one is built (loaded at the first row with stop strings)."""
-    from engine import Engine, load_model
-
-    dtype = resolve_dtype(spec.dtype, device)
-    shard = {} if tp is None else {"tp": tp}  # one device: load_model's call as it always was
-    config = spec.engine
-    if ckpt.serving == Serving.CANVAS:  # DiffusionGemma: transformers' own class, served by engine.canvas
-        from engine.budget import fixed_budget
-        from engine.canvas import CanvasParams, CanvasServe, load_diffusion_gemma
-
-        budget = fixed_budget(config)  # the canvas engine plans none
-        defaults = CanvasParams.from_generation(ckpt.generation)
-        model = load_diffusion_gemma(ckpt, dtype, str(device), weights_dir=weights_dir, **shard)
-        return model, budget, config, lambda: CanvasServe(model, defaults, config)
-    from engine.budget import resolve_token_budget
-
-    model, _ = load_model(ckpt, dtype=dtype, device=device, tokenizer=False, weights_dir=weights_dir, **shard)
-    # once, with the weights loaded and before any engine (warm-up and restarts alike); a
-    # shard's model config is already its rank's: planned as one device (as Engine does)
-    budget = resolve_token_budget(config if tp is None else dataclasses.replace(config, tensor_parallel_size=1),
-                                  model.config, model.dtype, device)
-    config = dataclasses.replace(config, token_budget=budget.token_budget)
-    return model, budget, config, lambda: Engine(model, config, tokenizer=tokenizer(),
-                                                 record_batches=spec.record_batches)
-
-
-def warm_up(model: Any, engine_config: Any) -> None:
-    """One throwaway request on a throwaway engine: the first forwards of a process are slow
-    (lazy kernel setup), which would otherwise land in the first batch's latencies and
-    metrics (every rank of a tensor-parallel engine makes the same one)."""
-    from engine import Engine, SamplingParams
-
-    try:
-        cfg = model.config
-        token = next(t for t in range(cfg.vocab_size) if t not in (cfg.mask_token_id, *cfg.stop_token_ids))
-        Engine(model, engine_config).generate([[token]], SamplingParams(max_new_tokens=engine_config.block_length))
-    except Exception:  # noqa: BLE001 - warm-up is best effort
-        logger.warning("engine warm-up failed", exc_info=True)
 
 
 class DLLMEngineActor:

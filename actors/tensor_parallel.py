@@ -330,7 +330,7 @@ class TensorParallelFollower:
         from engine.models.families import Serving
         from engine.parallel import init_tensor_parallel
 
-        from .engine_actor import load_engine, resolve_device, warm_up
+        from .engine_build import load_engine, resolve_device, warm_up
 
         spec = self.spec
         tp = init_tensor_parallel(self.rank, self.size, self.init_method)

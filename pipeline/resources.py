@@ -215,7 +215,7 @@ def check_gpu_memory(config: DLLMProcessorConfig, checkpoint: Any, cluster: Clus
         return
     import torch  # a GPU job's driver only
 
-    from actors.engine_actor import resolve_dtype
+    from actors.engine_build import resolve_dtype
     from engine.budget import ShardBytes, engine_plan, smallest_tensor_parallel_size, weight_bytes
     from engine.models.sharding import ShardingRefused
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Mapping, Union
 
-# Bytes per element of the dtypes an engine may load (actors.engine_actor.resolve_dtype
+# Bytes per element of the dtypes an engine may load (actors.engine_build.resolve_dtype
 # resolves the config's name to a torch dtype: these are their itemsizes).
 DTYPE_BYTES = {"float32": 4, "float": 4, "float16": 2, "half": 2, "bfloat16": 2, "float64": 8, "double": 8}
 
@@ -35,7 +35,7 @@ def read_model_config(model: Union[str, Mapping[str, Any], Any]) -> Any:
 
 def dtype_bytes(dtype: str = "auto", device: str = "cpu") -> int:
     """Bytes per weight and K/V element as the engine actor loads them: "auto" is
-    bfloat16 on a GPU and float32 on the CPU (actors.engine_actor.resolve_dtype)."""
+    bfloat16 on a GPU and float32 on the CPU (actors.engine_build.resolve_dtype)."""
     name = str(dtype).removeprefix("torch.")
     if name == "auto":
         return 2 if str(device).startswith("cuda") else 4
