@@ -62,13 +62,17 @@ class EngineLoop:
                 fut.set_result(error_output(request_id, prompt, self.broken))
                 return fut
             self._futures[request_id] = fut
-            engine = self.engine
-        try:
-            engine.add_request(list(prompt), params, request_id=request_id)
-        except Exception as e:  # noqa: BLE001 - the contract says it never raises; be safe anyway
-            self._resolve(error_output(request_id, prompt, f"add_request failed: {type(e).__name__}: {e}"))
+        self._hand_over(request_id, prompt, params)
         self._wake.set()
         return fut
+
+    def _hand_over(self, request_id: Any, prompt: Sequence[int], params: SamplingParams) -> None:
+        """Give a registered request to the engine (the tensor-parallel loop queues it for its
+        next broadcast instead)."""
+        try:
+            self.engine.add_request(list(prompt), params, request_id=request_id)
+        except Exception as e:  # noqa: BLE001 - the contract says it never raises; be safe anyway
+            self._resolve(error_output(request_id, prompt, f"add_request failed: {type(e).__name__}: {e}"))
 
     def _resolve(self, out: RequestOutput) -> None:
         with self._lock:

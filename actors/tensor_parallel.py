@@ -181,18 +181,11 @@ class LockstepLoop(EngineLoop):
         self._on_shutdown = on_shutdown
         super().__init__(engine_factory, on_step=on_step, idle_wait_s=idle_wait_s)
 
-    def submit(self, prompt: Sequence[int], params: SamplingParams, request_id: Any) -> concurrent.futures.Future:
-        fut: concurrent.futures.Future = concurrent.futures.Future()
+    def _hand_over(self, request_id: Any, prompt: Sequence[int], params: SamplingParams) -> None:
+        """Queue the request for the next step's broadcast (every rank adds it then), its seed filled in."""
         with self._lock:
-            if request_id in self._futures:
-                raise ValueError(f"duplicate request id {request_id!r}")
-            if self.broken is not None:
-                fut.set_result(error_output(request_id, prompt, self.broken))
-                return fut
-            self._futures[request_id] = fut
-            self._queue.append((request_id, list(prompt), fill_seed(params)))
-        self._wake.set()
-        return fut
+            if request_id in self._futures:  # not failed meanwhile by a failed step (_fail_in_flight)
+                self._queue.append((request_id, list(prompt), fill_seed(params)))
 
     def _run(self) -> None:
         epoch = 0  # of the engine this rank runs

@@ -26,6 +26,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from engine import ModelConfig, build_model, save_model
+from engine.structured.vocabulary import bytes_to_unicode  # byte-level BPE's alphabet, as the engine reads it
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 VENDORED = os.path.join(HERE, "published")
@@ -258,18 +259,6 @@ def _write_weights(root: str, hf: Dict[str, Any], published_index: Optional[Dict
 
 
 # --- the tokenizer --------------------------------------------------------------------
-
-def bytes_to_unicode() -> Dict[int, str]:
-    """GPT-2's byte -> printable character table (byte-level BPE's alphabet)."""
-    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
-    cs, n = bs[:], 0
-    for b in range(256):
-        if b not in bs:
-            bs.append(b)
-            cs.append(256 + n)
-            n += 1
-    return dict(zip(bs, map(chr, cs)))
-
 
 def bpe_vocab(size: int, fixed: Optional[Dict[int, str]] = None) -> Dict[str, int]:
     """A valid byte-level BPE vocabulary of exactly `size` ids: the 256 byte symbols, the

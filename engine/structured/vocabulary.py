@@ -9,9 +9,8 @@ from functools import lru_cache
 from typing import Any, Dict, List
 
 
-@lru_cache(maxsize=1)
-def unicode_to_bytes() -> Dict[str, int]:
-    """GPT-2's byte -> printable character table, inverted."""
+def bytes_to_unicode() -> Dict[int, str]:
+    """GPT-2's byte -> printable character table (byte-level BPE's alphabet)."""
     bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
     cs, n = bs[:], 0
     for b in range(256):
@@ -19,7 +18,13 @@ def unicode_to_bytes() -> Dict[str, int]:
             bs.append(b)
             cs.append(256 + n)
             n += 1
-    return {chr(c): b for b, c in zip(bs, cs)}
+    return dict(zip(bs, map(chr, cs)))
+
+
+@lru_cache(maxsize=1)
+def unicode_to_bytes() -> Dict[str, int]:
+    """The same table, inverted: a token's characters back to its bytes."""
+    return {c: b for b, c in bytes_to_unicode().items()}
 
 
 def byte_level(tokenizer: Any) -> bool:
