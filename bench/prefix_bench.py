@@ -24,9 +24,8 @@ per row; the cache saves the shared preamble of every row after the first); and 
 at steps_per_block=2 (at least 16 tokens per step: a decoding-light workload, where the
 prompt's share of the work is larger).
 
-`ceilings`: the most any prefix cache could give here (see `ceilings`): under persistent
-the forwarded query cells without / with the cache; under refresh, persistent-with-cache
-over refresh-without in tokens per CPU-s (refresh with the cache does at least that work).
+`ceilings`: per setting, the query cells forwarded without / with the cache (about the
+most the cache can give, see `ceilings`).
 
 `routing`: two engines in this process, each with a prefix cache that holds about one
 preamble beside its batch (token_budget), fed the batches of a workload of several
@@ -122,19 +121,11 @@ def single(model, s: Dict) -> Dict:
 
 
 def ceilings(single: Dict) -> Dict:
-    """The most any prefix cache can give on this workload, per steps_per_block. Under
-    persistent the cache saves only the shared preamble's prefill, so even if every
-    CPU-second were a forwarded query cell it could not beat the cells without / with it.
-    Under refresh, the run with the cache computes at least what persistent with the cache
-    computes (the same steps, plus each block start's recompute of what is not cached), so
-    it cannot beat refresh without the cache over persistent with it, in tokens per CPU-s."""
-    out = {}
-    for name, sfx in (("steps_per_block_8", ""), ("steps_per_block_2", "_steps2")):
-        p, r = single["persistent" + sfx], single["refresh" + sfx]
-        out[name] = {"persistent_cells_without_over_with": p["off"]["computed_cells"] / p["on"]["computed_cells"],
-                     "refresh_bound_persistent_with_over_refresh_without":
-                         p["on"]["tokens_per_cpu_s"] / r["off"]["tokens_per_cpu_s"]}
-    return out
+    """Per setting, the query cells forwarded without / with the cache: what the cache
+    saves is the shared preamble's prefill (under refresh, at every block start), so this
+    is about the most it can give if a CPU-second bought the same cells either way; the
+    decode steps' cells, each attending the whole prompt, are the rest."""
+    return {name: v["off"]["computed_cells"] / v["on"]["computed_cells"] for name, v in single.items()}
 
 
 def routing(model, s: Dict) -> Dict:

@@ -190,10 +190,9 @@ OTHER = [
      "Data hands blocks to free dispatchers; the hit rate is the engines' own. `sorter`: the sorter's "
      "`sort_prefix_locality` on one window of 4 tasks x 48 rows with budgets of 64-512 tokens, batches of 6: "
      "preambles computed (one per task per batch) and the makespan of two engines taking the ordered batches as "
-     "they free up, over its lower bound (the ordering's cost model). `ceilings`: the most any prefix cache could "
-     "give on this workload: under persistent, the query cells forwarded without / with it (the cache saves only "
-     "the shared preamble's prefill; the decode steps are the rest); under refresh, persistent-with-the-cache over "
-     "refresh-without in tokens per CPU-s (refresh with the cache does at least persistent-with-the-cache's work).",
+     "they free up, over its lower bound (the ordering's cost model). `ceilings`: per setting, the query "
+     "cells forwarded without / with the cache, about the most it can give (it saves the shared preamble's "
+     "prefill; the decode steps, each attending the whole prompt, are the rest).",
      lambda d: {"single": {m: {"tokens_per_cpu_s": [v["off"]["tokens_per_cpu_s"], v["on"]["tokens_per_cpu_s"]],
                                "with_over_without": v["speedup_tokens_per_cpu_s"],
                                "computed_cells": [v["off"]["computed_cells"], v["on"]["computed_cells"]],
