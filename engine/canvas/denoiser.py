@@ -17,9 +17,10 @@ its mask, a gated MLP, RMS norms), per layer RMS-normed attention with QK norm a
 scale-free V norm, RoPE per layer type (its inv_freq buffers and attention scaling), keys
 as values on layers without v_proj, the canvas attending the read-only K/V view plus
 itself under a boolean mask, the dense MLP plus the MoE block (router: scale-free RMS
-norm, scale, softmax, top-k renormalised times per-expert scales; experts looped over,
-never tokens) summed, the layer scalar, the final norm, the LM head and the logit
-softcap. RMS norms compute in float32 as transformers' do."""
+norm, scale, softmax, top-k renormalised times per-expert scales; the experts are
+transformers' own module, so its grouped kernels run them at every width) summed, the
+layer scalar, the final norm, the LM head and the logit softcap. RMS norms compute in
+float32 as transformers' do."""
 from __future__ import annotations
 
 from typing import Dict, List, Optional, Sequence, Tuple
@@ -48,9 +49,6 @@ def refusal(model) -> Optional[str]:
             return f"rope_type {rp.get('rope_type')!r} on {kind} layers"
     if model.training:
         return "training mode"
-    for lyr in model.model.decoder.layers:
-        if type(lyr.experts).forward is not lyr.experts.forward.__func__:  # e.g. sharded experts
-            return "replaced experts forward"
     return None
 
 
@@ -97,8 +95,7 @@ class Denoiser:
                      gate=lyr.mlp.gate_proj.weight, up=lyr.mlp.up_proj.weight, down=lyr.mlp.down_proj.weight,
                      router=lyr.router.proj.weight, head_dim=a.head_dim, router_scale=lyr.router.scale,
                      root=lyr.router.scalar_root_size,
-                     expert_scale=lyr.router.per_expert_scale, gate_up=lyr.experts.gate_up_proj,
-                     expert_down=lyr.experts.down_proj, scalar=lyr.layer_scalar)
+                     expert_scale=lyr.router.per_expert_scale, experts=lyr.experts, scalar=lyr.layer_scalar)
             self.layers.append(p)
         self.norm, self.lm_head = dec.norm.weight.float(), model.lm_head.weight
 
@@ -121,13 +118,7 @@ class Denoiser:
         probs = torch.softmax(F.linear(h, p["router"]), dim=-1, dtype=torch.float32)
         w, idx = torch.topk(probs, k=self.top_k, dim=-1)
         w = w / w.sum(-1, keepdim=True) * p["expert_scale"][idx]
-        out = torch.zeros_like(x_expert)
-        for e in idx.unique().tolist():  # grouped by expert: one matmul per expert hit
-            tok, slot = torch.where(idx == e)
-            g, u = F.linear(x_expert[tok], p["gate_up"][e]).chunk(2, dim=-1)
-            y = F.linear(F.gelu(g, approximate="tanh") * u, p["expert_down"][e]) * w[tok, slot, None]
-            out.index_add_(0, tok, y.to(out.dtype))
-        return out
+        return p["experts"](x_expert, idx, w)  # transformers' experts module (its grouped kernels)
 
     def _attention(self, p, x, cos, sin, keys, values, mask):
         B, L, _ = x.shape

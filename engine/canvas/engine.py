@@ -506,8 +506,13 @@ class CanvasEngine:
     @torch.inference_mode()
     def decoder_inputs(self):
         """What the next decoder forward is given: (cache, masks, positions, canvas,
-        self-conditioning logits or None) (bench/diffusion_gemma_backbone_bench.py)."""
+        self-conditioning logits or None), the step's admissions and encoder work done
+        (bench/diffusion_gemma_backbone_bench.py); None when no row is active."""
+        self._preempt()
+        self._admit()
         self._flush()
+        if not self.rows:
+            return None
         cache, masks, pos, _ = self._decoder_layout()
         return cache, masks, pos, self._state["canvas"], self.sc if len(self._fresh) < len(self.rows) else None
 
