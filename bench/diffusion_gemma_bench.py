@@ -9,7 +9,9 @@ Two sizes. `compute` (hidden 256, canvas 8, vocabulary 64): the forward dominate
 `overhead` (hidden 32, 2 layers, vocabulary 128, canvas 16; 24 prompts of 3-40 tokens, 48
 new tokens each): a model where, as on a GPU, per-call and per-step host work dominate;
 it also checks that blockserve is exact per seed in float64 against transformers'
-`generate` of each prompt alone (`exact_float64`).
+`generate` of each prompt alone (`exact_float64`), and runs blockserve with the engine's
+step-path choices undone (`VARIANTS`: transformers' decoder module instead of the
+hand-written denoiser; then also a separate encoder call per step with encoder work).
 
 Why: transformers keeps a batch in lock step, so a row whose canvas has converged (or
 whose sequence has ended) still rides through every decoder forward until the whole
@@ -91,8 +93,16 @@ def run_transformers(model, prompts, max_tokens, seeds, B):
                 row_forwards_on_finished=rows - needed, row_forwards_per_token=rows / tokens)
 
 
+# the overhead size's ablation: blockserve with the engine's step-path choices undone
+# (transformers' decoder module instead of engine/canvas/denoiser.py; then also a separate
+# encoder call instead of encoder work riding in the denoising forward)
+VARIANTS = {"blockserve_transformers_decoder": dict(hand_denoiser=False),
+            "blockserve_transformers_decoder_unfused": dict(hand_denoiser=False, fuse_encoder=False)}
+
+
 def run_engine(model, defaults, prompts, max_tokens, seeds, scheduler, B):
-    eng = CanvasEngine(model, defaults, scheduler=scheduler, max_batch_size=B)
+    kw = VARIANTS.get(scheduler, {})
+    eng = CanvasEngine(model, defaults, scheduler="blockserve" if kw else scheduler, max_batch_size=B, **kw)
     t, c = time.perf_counter(), time.process_time()
     for i, (p, n, s) in enumerate(zip(prompts, max_tokens, seeds)):
         eng.add_request(i, p, n, s)
@@ -137,6 +147,8 @@ def main(argv=None):
     prompts, max_tokens, seeds = workload(a.requests, new_tokens=new_tokens)
     runs = []
     order = ["transformers_generate", "blockserve", "static", "sequential"]
+    if a.size == "overhead":
+        order += list(VARIANTS)
     # warm-up (not recorded): the first calls of a process pay one-off costs, whoever runs first
     run_transformers(model, prompts[:a.batch], max_tokens[:a.batch], seeds[:a.batch], a.batch)
     run_engine(model, defaults, prompts[:a.batch], max_tokens[:a.batch], seeds[:a.batch], "blockserve", a.batch)
@@ -214,7 +226,7 @@ def _plot(out, path):
 
     last = {r["scheduler"]: r for r in out["runs"]}
     names = list(last)
-    fig, ax = plt.subplots(1, 2, figsize=(10, 3.5))
+    fig, ax = plt.subplots(1, 2, figsize=(10 if len(names) <= 4 else 14, 3.5 if len(names) <= 4 else 5))
     per_cpu = out.get("median_tokens_per_cpu_s") or out["median_tokens_per_s"]
     ax[0].bar(names, [per_cpu[n] for n in names])
     ax[0].set_ylabel("tokens per CPU-second (median)" if "median_tokens_per_cpu_s" in out else "tokens/s (median)")

@@ -5,11 +5,13 @@ into the row's slot of the engine's K/V buffers, engine.canvas.kv) plus the canv
 denoised. Every step forwards the canvases of all active rows in ONE decoder call, over
 a view of the buffers (no per-step copy of any row's K/V) with a boolean mask per layer
 type and positions per row. The rows whose canvas stops in a step (stable and confident,
-or out of steps) start their next canvas at once; ONE encoder forward at the start of the
-next step writes their canvases and prefills the rows joining then (right padded, each
-row at its own positions: rows are independent in it). A row leaves at EOS or max_tokens; new rows are
-admitted under the token budget at any step (`blockserve`), only into an empty batch
-(`static`), or one at a time (`sequential`).
+or out of steps) start their next canvas at once; the next step writes their canvases and
+prefills the rows joining then (right padded, each row at its own positions: rows are
+independent in it) in the same forward that denoises every canvas (`_fused`: encoder and
+decoder share their weights), so a step is ONE model call. The decoder steps run
+engine.canvas.denoiser, bit-equal to transformers' decoder module with less overhead.
+A row leaves at EOS or max_tokens; new rows are admitted under the token budget at any
+step (`blockserve`), only into an empty batch (`static`), or one at a time (`sequential`).
 
 The per-step bookkeeping (temperature, sampling, entropy-bound acceptance, renoise,
 stability and confidence, self-conditioning) runs on tensors over the batch; Python runs
@@ -43,9 +45,9 @@ import torch
 
 from ..config import SchedulerKind, enum_value
 from ..sequence import FinishReason, RequestOutput
+from .denoiser import Denoiser, refusal
 from .kv import Pass, RowKV
 from .params import CanvasParams, budget_refusal
-from .denoiser import Denoiser, refusal
 from .prefix import PrefixCache
 
 # What a request gets back: the engine's RequestOutput (num_blocks counts canvases).
