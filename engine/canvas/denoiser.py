@@ -1,6 +1,8 @@
 """DiffusionGemma's denoiser forward written over the weights of transformers'
 DiffusionGemmaForBlockDiffusion (no copy), for the canvas engine's decoder steps.
 
+It also runs the engine's fused passes (encoder work and denoising in one forward).
+
 Why: at small widths (and on a GPU, where the matmuls are fast) a decoder step's cost is
 per-call overhead, and transformers' module stack (wrappers, output recording, kwargs and
 mask plumbing, ~70 module calls per forward) is most of it: this forward computes the
@@ -23,7 +25,7 @@ layer scalar, the final norm, the LM head and the logit softcap. RMS norms compu
 float32 as transformers' do."""
 from __future__ import annotations
 
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Dict, List, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -120,7 +122,7 @@ class Denoiser:
         w = w / w.sum(-1, keepdim=True) * p["expert_scale"][idx]
         return p["experts"](x_expert, idx, w)  # transformers' experts module (its grouped kernels)
 
-    def _attention(self, p, x, cos, sin, keys, values, mask):
+    def _attention(self, p, x, cos, sin, attend, mask):
         B, L, _ = x.shape
         hd = p["head_dim"]
         q = _rope(_rms(F.linear(x, p["q"]).view(B, L, -1, hd), p["qn"], self.eps), cos, sin).transpose(1, 2)
@@ -128,20 +130,26 @@ class Denoiser:
         v = F.linear(x, p["v"]).view(B, L, -1, hd) if p["v"] is not None else k_raw
         k = _rope(_rms(k_raw, p["kn"], self.eps), cos, sin).transpose(1, 2)
         v = _rms(v, None, self.eps).transpose(1, 2)
-        k, v = torch.cat([keys, k], dim=-2), torch.cat([values, v], dim=-2)
+        k, v = attend(k, v)
         rep = self.n_heads // k.shape[1]
         if rep > 1:
             k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=1.0)
         return F.linear(out.transpose(1, 2).reshape(B, L, -1), p["o"])
 
-    def __call__(self, canvas: torch.Tensor, kv: Sequence[Tuple[torch.Tensor, torch.Tensor]],
-                 masks: Dict[str, torch.Tensor], rope: Dict[str, Tuple[torch.Tensor, torch.Tensor]],
-                 sc_logits: Optional[torch.Tensor] = None, sc_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+    def __call__(self, canvas: torch.Tensor, kv, masks: Dict[str, torch.Tensor],
+                 rope: Dict[str, Tuple[torch.Tensor, torch.Tensor]], sc_logits: Optional[torch.Tensor] = None,
+                 sc_mask: Optional[torch.Tensor] = None, new_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
         """canvas (B, L) ids; kv[i] the cached (keys, values) of layer i, (B, KV, n, D);
         masks[type] boolean (B, 1, L, n + L); rope from `rope(positions)`; sc_logits
         (B, L, V) or None, sc_mask (B,) bool or None (a row's False: no self-conditioning).
-        Returns the softcapped float32 logits (B, L, V), as transformers' forward."""
+        Returns the softcapped float32 logits (B, L, V), as transformers' forward.
+
+        With `new_ids` (B, t): the fused pass (engine.canvas.engine `_fused`), bit-equal to
+        transformers' encoder layers over it: the new tokens before the canvas (plain scaled
+        embeddings), `kv` the kv.Pass that writes their K/V and returns the keys to attend
+        (`update`, as transformers' encoder attention calls it), masks and rope over t + L
+        queries; the logits are the canvas's."""
         dt = self.embed.dtype
         scale = self.embed_scale.to(dt)
         x = F.embedding(canvas, self.embed) * scale
@@ -153,8 +161,18 @@ class Denoiser:
             soft = torch.zeros_like(x)
         pre, gate, up, down = self.sc
         x = _rms(x + self._mlp(_rms(soft, pre, self.eps), gate, up, down), None, self.eps)
-        for p, t, (keys, values) in zip(self.layers, self.types, kv):
-            h = self._attention(p, _rms(x, p["input_layernorm"], self.eps), *rope[t], keys, values, masks[t])
+        t_new = 0
+        if new_ids is not None:
+            t_new = new_ids.shape[1]
+            x = torch.cat([F.embedding(new_ids, self.embed) * scale, x], dim=1)
+        for i, (p, t) in enumerate(zip(self.layers, self.types)):
+            if new_ids is not None:
+                def attend(k, v, i=i):
+                    return kv.update(k, v, i)
+            else:
+                def attend(k, v, i=i):
+                    return torch.cat([kv[i][0], k], dim=-2), torch.cat([kv[i][1], v], dim=-2)
+            h = self._attention(p, _rms(x, p["input_layernorm"], self.eps), *rope[t], attend, masks[t])
             x = x + _rms(h, p["post_attention_layernorm"], self.eps)
             dense = _rms(self._mlp(_rms(x, p["pre_feedforward_layernorm"], self.eps), p["gate"], p["up"], p["down"]),
                          p["post_feedforward_layernorm_1"], self.eps)
@@ -162,7 +180,7 @@ class Denoiser:
             moe = self._moe(p, flat, _rms(flat, p["pre_feedforward_layernorm_2"], self.eps)).reshape(x.shape)
             x = (x + _rms(dense + _rms(moe, p["post_feedforward_layernorm_2"], self.eps),
                           p["post_feedforward_layernorm"], self.eps)) * p["scalar"]
-        logits = F.linear(_rms(x, self.norm, self.eps), self.lm_head).to(torch.float32)
+        logits = F.linear(_rms(x[:, t_new:], self.norm, self.eps), self.lm_head).to(torch.float32)
         return torch.tanh(logits / self.softcap) * self.softcap
 
 

@@ -579,9 +579,10 @@ class CanvasEngine:
         return dec.self_conditioning(x, soft)
 
     def _fused(self, work) -> torch.Tensor:
-        """The step's encoder work and its denoising in ONE forward of transformers' encoder
-        layers (they ARE the decoder's: encoder and decoder share every weight, and their
-        layers differ only in how attention meets the cache). Row b holds t slots, its new
+        """The step's encoder work and its denoising in ONE forward of the encoder's layers
+        (they ARE the decoder's: encoder and decoder share every weight, and their layers
+        differ only in how attention meets the cache): engine.canvas.denoiser's, or
+        transformers' encoder text model without it. Row b holds t slots, its new
         tokens (right padded; none for a row without work), then its canvas. The new tokens
         attend causally by absolute position, as in `_encode`, and their K/V are written
         into the row's slot; the canvas attends the row's K/V including them, as the next
@@ -609,22 +610,25 @@ class CanvasEngine:
         masks = {k: torch.cat([torch.cat([top[k] & valid.view(B, 1, t, 1), pad], dim=-1), bottom[k]], dim=2)
                  for k in top}
         pos = torch.cat([cols, n.view(B, 1) + torch.arange(L, device=dev).view(1, L)], dim=1).to(torch.int32)
-        text = getattr(m.model.encoder, "language_model", m.model.encoder)
-        x = torch.cat([text.embed_tokens(ids), self._canvas_embeds()], dim=1)
         cache = Pass(self.kv, self.layer_types, slice(0, B), lo, hi, cols=cols, valid=valid, canvas=L)
-        hidden = text(inputs_embeds=x, attention_mask=masks, cache=cache, position_ids=pos).last_hidden_state
         self._layout = None
         self.encoder_forwards += 1
         self.fused_forwards += 1
         self.cells += sum(counts)
         self._counted(B)
+        if self.denoiser is not None:  # the same pass written by hand (bit-equal, tested)
+            sc, sc_mask = self._self_conditioning()
+            return self.denoiser(self._state["canvas"], cache, masks, self.denoiser.rope(pos), sc, sc_mask, new_ids=ids)
+        text = getattr(m.model.encoder, "language_model", m.model.encoder)
+        x = torch.cat([text.embed_tokens(ids), self._canvas_embeds()], dim=1)
+        hidden = text(inputs_embeds=x, attention_mask=masks, cache=cache, position_ids=pos).last_hidden_state
         return self._head(hidden[:, t:])
 
     def _denoise(self, raw: torch.Tensor):
         """transformers' `_denoising_step` for every row at once (each as at batch size 1:
         its own temperature schedule, entropy bound and stopping thresholds). Returns the
         slots whose canvas is done (stopped, or out of steps) and those canvases' tokens."""
-        s, L, V, dev = self._state, self.L, self.V, self.device
+        s = self._state
         # the rows' draws, in transformers' order per row: the sample's exponentials, then the renoise
         q, noise = self._draws()
         temp = s["t_min"] + s["t_span"] * (s["cur"] / s["n_steps"])  # LinearTemperatureScheduleLogitsProcessor
