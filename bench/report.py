@@ -167,9 +167,14 @@ OTHER = [
                 "ratios_cpu_time_best_round": d.get("ratios_cpu_time_best_round"),
                 "ratios": d["ratios"], "exact_float64": d["exact_float64"]}),
     ("structured_cpu.json", "Structured outputs on the CPU (`bench/structured_bench.py`)",
-     "The tiny model at B=32, 128 rows: every row under a regex or choice against none, generated tokens per "
-     "CPU-second (ratio constrained / unconstrained; `fixed`: the same tokens per step, the guide's own overhead; "
-     "`threshold`: the constraint also changes the model's confidence), and each constraint's compile CPU-s.",
+     "The embedded tiny model at B=32, 256 rows, each row unconstrained and under a constraint, interleaved "
+     "rounds (median ratio of generated tokens per CPU-second, constrained / unconstrained). `tasks` (the headline): "
+     "the model's own tasks under its own settings, each row constrained to its answer's format (`[0-9]{1,2}` for "
+     "`len`, a `choice` of the argument's letters for `first`/`last`, `[a-z]+` ...): the same tokens both ways, so "
+     "the ratio is the constraint's own cost. `off_task`: prompts outside the model's tasks, constraints it was "
+     "never trained to produce; under `threshold` the model is less confident under them and commits fewer tokens "
+     "per step (`tokens_per_step`, [unconstrained, constrained]), a cost of the model, not of the guide. And each "
+     "constraint's compile CPU-s.",
      lambda d: {**d["summary"], "compile_cpu_s": d["compile_cpu_s"]}),
     ("prefix_cpu.json", "Prefix caching (`bench/prefix_bench.py`)",
      "Issue 40's 8-shot GSM8K-shaped workload on a tiny LLaDA2-layout model (LLaDA2.0-mini's published config.json "

@@ -20,6 +20,7 @@ from engine import Engine, EngineConfig, SamplingParams, load_model
 from engine.structured.params import from_response_format, parse
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import checkpoints  # noqa: E402
 import published  # noqa: E402
 
 torch.set_num_threads(1)
@@ -177,3 +178,20 @@ def test_families_with_blocks_at_absolute_positions(tmp_path, folder):
               SamplingParams(max_new_tokens=12, structured_outputs={"regex": "[a-c]{3}x"})]
     outs = run(model, tok, ["hello there", "abc de"], params, block_length=4, steps_per_block=4)
     assert outs[0].text in ("yes", "no way") and re.fullmatch("[a-c]{3}x", outs[1].text), [o.text for o in outs]
+
+
+@pytest.mark.parametrize("folder", ["GSAI-ML__LLaDA-8B-Instruct", "LLaDA-MoE"])
+def test_bidirectional_prompt_families_on_their_published_layouts(tmp_path, folder):
+    """LLaDA and LLaDA-MoE (the prompt bidirectional), with tiny random weights: LLaDA on
+    its published file set, LLaDA-MoE on tests/checkpoints.py's (none is published in any
+    store): choice and regex hold on every row, a sampled row's too."""
+    root = str(tmp_path / "m")
+    model, tok = load_model(checkpoints.write_llada_moe(root) if folder == "LLaDA-MoE" else published.build(folder, root),
+                            dtype=torch.float32, device="cpu")
+    params = [SamplingParams(max_new_tokens=12, structured_outputs={"choice": ["yes", "no way"]}),
+              SamplingParams(max_new_tokens=12, structured_outputs={"regex": "[a-c]{3}x"}),
+              SamplingParams(max_new_tokens=12, seed=3, temperature=1.0, structured_outputs={"regex": "(ab|ba)+"})]
+    outs = run(model, tok, ["hello there", "abc de", "x"], params, block_length=4, steps_per_block=4)
+    assert [o.error for o in outs] == [None] * 3
+    assert outs[0].text in ("yes", "no way"), outs[0].text
+    assert re.fullmatch("[a-c]{3}x", outs[1].text) and re.fullmatch("(ab|ba)+", outs[2].text), [o.text for o in outs]
