@@ -24,6 +24,10 @@ per row; the cache saves the shared preamble of every row after the first); and 
 at steps_per_block=2 (at least 16 tokens per step: a decoding-light workload, where the
 prompt's share of the work is larger).
 
+`ceilings`: the most any prefix cache could give here (see `ceilings`): under persistent
+the forwarded query cells without / with the cache; under refresh, persistent-with-cache
+over refresh-without in tokens per CPU-s (refresh with the cache does at least that work).
+
 `routing`: two engines in this process, each with a prefix cache that holds about one
 preamble beside its batch (token_budget), fed the batches of a workload of several
 preambles (4 tasks, each a shared preamble; the sorter puts a task's rows together, so a
@@ -115,6 +119,22 @@ def single(model, s: Dict) -> Dict:
         print(f"single {name}: {off['tokens_per_cpu_s']:.1f} -> {on['tokens_per_cpu_s']:.1f} tokens/CPU-s "
               f"(x{res[name]['speedup_tokens_per_cpu_s']:.2f}), hit rate {on['prefix_hit_rate']}", flush=True)
     return res
+
+
+def ceilings(single: Dict) -> Dict:
+    """The most any prefix cache can give on this workload, per steps_per_block. Under
+    persistent the cache saves only the shared preamble's prefill, so even if every
+    CPU-second were a forwarded query cell it could not beat the cells without / with it.
+    Under refresh, the run with the cache computes at least what persistent with the cache
+    computes (the same steps, plus each block start's recompute of what is not cached), so
+    it cannot beat refresh without the cache over persistent with it, in tokens per CPU-s."""
+    out = {}
+    for name, sfx in (("steps_per_block_8", ""), ("steps_per_block_2", "_steps2")):
+        p, r = single["persistent" + sfx], single["refresh" + sfx]
+        out[name] = {"persistent_cells_without_over_with": p["off"]["computed_cells"] / p["on"]["computed_cells"],
+                     "refresh_bound_persistent_with_over_refresh_without":
+                         p["on"]["tokens_per_cpu_s"] / r["off"]["tokens_per_cpu_s"]}
+    return out
 
 
 def routing(model, s: Dict) -> Dict:
@@ -235,6 +255,7 @@ def main(argv=None) -> Dict:
 
     res = {"command": "python bench/prefix_bench.py " + " ".join(sys.argv[1:] if argv is None else argv),
            "settings": s, "block_length": L, "sorter": sorter(s), "single": single(model, s), "routing": routing(model, s)}
+    res["ceilings"] = ceilings(res["single"])
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump(res, f, indent=1)

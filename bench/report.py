@@ -190,7 +190,10 @@ OTHER = [
      "Data hands blocks to free dispatchers; the hit rate is the engines' own. `sorter`: the sorter's "
      "`sort_prefix_locality` on one window of 4 tasks x 48 rows with budgets of 64-512 tokens, batches of 6: "
      "preambles computed (one per task per batch) and the makespan of two engines taking the ordered batches as "
-     "they free up, over its lower bound (the ordering's cost model).",
+     "they free up, over its lower bound (the ordering's cost model). `ceilings`: the most any prefix cache could "
+     "give on this workload: under persistent, the query cells forwarded without / with it (the cache saves only "
+     "the shared preamble's prefill; the decode steps are the rest); under refresh, persistent-with-the-cache over "
+     "refresh-without in tokens per CPU-s (refresh with the cache does at least persistent-with-the-cache's work).",
      lambda d: {"single": {m: {"tokens_per_cpu_s": [v["off"]["tokens_per_cpu_s"], v["on"]["tokens_per_cpu_s"]],
                                "with_over_without": v["speedup_tokens_per_cpu_s"],
                                "computed_cells": [v["off"]["computed_cells"], v["on"]["computed_cells"]],
@@ -199,7 +202,8 @@ OTHER = [
                            for m, v in d["single"].items()},
                 "routing": {p: {"prefix_hit_rate": v["prefix_hit_rate"], "evictions": v["evictions"]}
                             for p, v in d["routing"].items()},
-                "sorter": {loc: [v["preambles_computed"], v["makespan_over_bound"]] for loc, v in d["sorter"].items()}}),
+                "sorter": {loc: [v["preambles_computed"], v["makespan_over_bound"]] for loc, v in d["sorter"].items()},
+                "ceilings": d.get("ceilings")}),
     ("sorter_scale.json", "Sorter at scale (`bench/sorter_bench.py --scale`)",
      "The job on 2 CPU engines, blendserve ordering against none, 1k to 16k rows.",
      lambda d: {k: d["summary"][k] for k in ("blendserve_over_none_1k", "r2")}),

@@ -4,13 +4,15 @@ private temp dir each Ray those tests start gets."""
 from __future__ import annotations
 
 import contextlib
+import glob
 import os
 import shutil
 import signal
 import subprocess
 import tempfile
+import threading
 import time
-from typing import Dict, Iterator, List, Optional
+from typing import Callable, Dict, Iterator, List, Optional, Tuple
 
 
 @contextlib.contextmanager
@@ -64,6 +66,33 @@ def titles(parent: int) -> Dict[int, str]:
         except OSError:
             pass
     return out
+
+
+def ray_workers(*prefixes: str) -> Dict[int, str]:
+    """{pid: process title} of the workers of this test's Ray (children of its raylets,
+    themselves children of this process) whose title starts with one of `prefixes`."""
+    return {pid: t for raylet in children(os.getpid()) for pid, t in titles(raylet).items() if t.startswith(prefixes)}
+
+
+def kill_mid_run(pick: Callable[[Dict[int, str]], Optional[int]], out: str, prefixes: Tuple[str, ...],
+                 timeout: float = 240) -> Tuple[threading.Thread, Dict[str, float]]:
+    """A thread that SIGKILLs the worker `pick` names among `ray_workers(*prefixes)` as soon
+    as it names one; `killed` gets its pid, the time and how many part files `out` held."""
+    killed: Dict[str, float] = {}
+
+    def killer():
+        deadline = time.time() + timeout
+        while time.time() < deadline:
+            pid = pick(ray_workers(*prefixes))
+            if pid is not None:
+                os.kill(pid, signal.SIGKILL)
+                killed.update(pid=pid, t=time.time(), parts_before=len(glob.glob(os.path.join(out, "part-*.parquet"))))
+                return
+            time.sleep(0.02)
+
+    t = threading.Thread(target=killer, daemon=True)
+    t.start()
+    return t, killed
 
 
 def stop_group(proc: subprocess.Popen, term_grace: float) -> None:

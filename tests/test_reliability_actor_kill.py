@@ -16,33 +16,22 @@ raylet, itself a child of this process), never by name across the machine."""
 from __future__ import annotations
 
 import os
-import signal
-import threading
-import time
 
-from conftest import blocking_gets, part_files, read_parts, write_prompts
+from conftest import blocking_gets, read_parts, write_prompts
 from engine import EngineConfig, SamplingParams
 from pipeline import DLLMProcessorConfig
 from pipeline.run import run_offline
-from procs import children
+from procs import kill_mid_run
 
 N = 24
 
 
-def _engines():
-    """{pid: process title} of the engine actors of this test's Ray: `ray::DLLMEngineActor`,
-    `ray::DLLMEngineActor.run_batch` while it runs a batch (their dispatchers,
-    `MapWorker(MapBatches(EngineDispatcher))`, hold no engine)."""
-    out = {}
-    for raylet in children(os.getpid()):
-        for w in children(raylet):
-            try:
-                title = open(f"/proc/{w}/cmdline", "rb").read().decode(errors="replace").split("\0")[0]
-            except OSError:
-                continue
-            if title.startswith("ray::DLLMEngineActor"):
-                out[w] = title
-    return out
+def _busy_engine(engines: dict):
+    """Engine actors' titles: `ray::DLLMEngineActor`, `.run_batch` appended while it runs a
+    batch (their dispatchers, `MapWorker(MapBatches(EngineDispatcher))`, hold no engine).
+    The victim: one running a batch, once both engines are up."""
+    busy = [pid for pid, title in engines.items() if title.endswith(".run_batch")]
+    return busy[0] if len(engines) >= 2 and busy else None
 
 
 def test_engine_actor_killed_mid_run(tmp_path, tiny_model_dir, ray_local):
@@ -51,21 +40,7 @@ def test_engine_actor_killed_mid_run(tmp_path, tiny_model_dir, ray_local):
     config = DLLMProcessorConfig(model=tiny_model_dir, num_engines=2, batch_size=2, max_concurrent_batches=2,
                                  engine=EngineConfig(block_length=4, steps_per_block=4, token_budget=1024),
                                  sampling=SamplingParams(max_new_tokens=16, policy="fixed"))
-    killed = {}
-
-    def killer():
-        deadline = time.time() + 240
-        while time.time() < deadline:
-            engines = _engines()
-            busy = [pid for pid, title in engines.items() if title.endswith(".run_batch")]
-            if len(engines) >= 2 and busy:  # both engines up, the victim running a batch
-                os.kill(busy[0], signal.SIGKILL)
-                killed.update(pid=busy[0], t=time.time(), parts_before=len(part_files(out)))
-                return
-            time.sleep(0.02)
-
-    t = threading.Thread(target=killer, daemon=True)
-    t.start()
+    t, killed = kill_mid_run(_busy_engine, out, ("ray::DLLMEngineActor",))
     summary = run_offline(inp, out, config, rows_per_file=None, report=True)  # as the job does: engines post stats
     t.join(5)
     assert "pid" in killed, "the run ended before an engine could be killed"

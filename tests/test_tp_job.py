@@ -16,17 +16,14 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
-import threading
-import time
 
-from conftest import ROOT, part_files, read_parts, write_prompts
+from conftest import ROOT, read_parts, write_prompts
 from engine import EngineConfig, SamplingParams
 from pipeline import DLLMProcessorConfig
 from pipeline.run import run_offline
-from procs import children
+from procs import kill_mid_run
 
 N = 24
 ARGS = ["--block-length", "4", "--steps-per-block", "4", "--max-new-tokens", "12", "--token-budget", "1024",
@@ -71,19 +68,13 @@ def test_cli_job_with_two_ranks_gives_the_tokens_of_one(tmp_path, tiny_model_dir
     assert len({tuple(o.token_ids) for o in ref}) > N // 2  # rows differ: the comparison means something
 
 
-def _ranks():
-    """{pid: process title} of this test's Ray's engine ranks: `ray::DLLMEngineActor…`
-    (rank 0) and `ray::TensorParallelFollower…` (`.run` once it follows)."""
-    out = {}
-    for raylet in children(os.getpid()):
-        for w in children(raylet):
-            try:
-                title = open(f"/proc/{w}/cmdline", "rb").read().decode(errors="replace").split("\0")[0]
-            except OSError:
-                continue
-            if title.startswith(("ray::DLLMEngineActor", "ray::TensorParallelFollower")):
-                out[w] = title
-    return out
+def _following_rank(ranks: dict):
+    """Engine ranks' titles: `ray::DLLMEngineActor…` (rank 0, `.run_batch` while it runs a
+    batch) and `ray::TensorParallelFollower…` (`.run` once it follows). The victim: a
+    follower, while its engine runs a batch."""
+    busy = any(t.startswith("ray::DLLMEngineActor.run_batch") for t in ranks.values())
+    followers = [pid for pid, t in ranks.items() if t.startswith("ray::TensorParallelFollower.run")]
+    return followers[0] if busy and followers else None
 
 
 def test_a_killed_follower_rank_fails_its_engine_and_every_row_is_written_once(tmp_path, tiny_model_dir, ray_local):
@@ -93,22 +84,7 @@ def test_a_killed_follower_rank_fails_its_engine_and_every_row_is_written_once(t
                                  max_concurrent_batches=2, enable_metrics=False,
                                  engine=EngineConfig(block_length=4, steps_per_block=4, token_budget=1024),
                                  sampling=SamplingParams(max_new_tokens=16, policy="fixed"))
-    killed = {}
-
-    def killer():
-        deadline = time.time() + 240
-        while time.time() < deadline:
-            ranks = _ranks()
-            busy = any(t.startswith("ray::DLLMEngineActor.run_batch") for t in ranks.values())
-            followers = [pid for pid, t in ranks.items() if t.startswith("ray::TensorParallelFollower.run")]
-            if busy and followers:  # the engine runs a batch, its rank 1 following
-                os.kill(followers[0], signal.SIGKILL)
-                killed.update(pid=followers[0], t=time.time(), parts_before=len(part_files(out)))
-                return
-            time.sleep(0.02)
-
-    t = threading.Thread(target=killer, daemon=True)
-    t.start()
+    t, killed = kill_mid_run(_following_rank, out, ("ray::DLLMEngineActor", "ray::TensorParallelFollower"))
     summary = run_offline(inp, out, config, rows_per_file=None, report=False)
     t.join(5)
     assert "pid" in killed, "the run ended before a rank could be killed"
