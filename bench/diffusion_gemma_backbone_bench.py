@@ -1,6 +1,6 @@
-"""DiffusionGemma's denoiser forward on the CPU: transformers' own modules (what the
-canvas engine drives) vs a hand-written forward over the same weights
-(bench/diffusion_gemma_backbone.py), on the same batch the engine builds mid-run
+"""DiffusionGemma's denoiser forward on the CPU: transformers' own modules vs the
+hand-written forward over the same weights that the canvas engine's decoder steps run
+(engine/canvas/denoiser.py), on the same batch the engine builds mid-run
 (B rows' canvases over their left-padded K/V caches, self-conditioning logits, per-row
 positions), in one run.
 
@@ -22,7 +22,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-from bench.diffusion_gemma_backbone import HandDecoder  # noqa: E402
+from engine.canvas.denoiser import Denoiser  # noqa: E402
 from engine.canvas import CanvasEngine, CanvasParams, load_diffusion_gemma  # noqa: E402
 from tiny.diffusion_gemma import build  # noqa: E402
 
@@ -48,7 +48,7 @@ def transformers_forward(model, cache, masks, pos, canvas, sc):
 
 
 def hand_forward(hand, cache, masks, pos, canvas, sc):
-    return hand(canvas, [(l.keys, l.values) for l in cache.layers], masks, pos, sc)
+    return hand(canvas, [(l.keys, l.values) for l in cache.layers], masks, hand.rope(pos), sc)
 
 
 def timed(fn, args, reps):
@@ -77,7 +77,7 @@ def main(argv=None):
         ckpt = build(tempfile.mkdtemp(prefix="dgemma_backbone_"), hidden=hidden, layers=layers, scale=1.0)
         for dtype in (torch.float64, torch.float32):
             model = load_diffusion_gemma(ckpt, dtype)
-            hand = HandDecoder(model)
+            hand = Denoiser(model)
             for B in map(int, a.batches.split(",")):
                 args = engine_batch(model, ckpt, B)
                 with torch.no_grad():

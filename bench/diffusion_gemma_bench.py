@@ -3,13 +3,15 @@ baselines) vs transformers' own batched `generate`, same prompts, same seeds, sa
 batch-size bound, in one run.
 
     python bench/diffusion_gemma_bench.py --out bench/results/cpu_diffusion_gemma.json
-    python bench/diffusion_gemma_bench.py --size overhead --rounds 5   # issue 41, acceptance 3
+    python bench/diffusion_gemma_bench.py --size overhead --rounds 9   # issue 41, acceptance 3
 
 Two sizes. `compute` (hidden 256, canvas 8, vocabulary 64): the forward dominates.
 `overhead` (hidden 32, 2 layers, vocabulary 128, canvas 16; 24 prompts of 3-40 tokens, 48
 new tokens each): a model where, as on a GPU, per-call and per-step host work dominate;
 it also checks that blockserve is exact per seed in float64 against transformers'
-`generate` of each prompt alone (`exact_float64`).
+`generate` of each prompt alone (`exact_float64`), and runs blockserve with the engine's
+step-path choices undone (`VARIANTS`: transformers' decoder module instead of the
+hand-written denoiser; then also a separate encoder call per step with encoder work).
 
 Why: transformers keeps a batch in lock step, so a row whose canvas has converged (or
 whose sequence has ended) still rides through every decoder forward until the whole
@@ -17,6 +19,14 @@ batch is done; its own `decoder_forward_passes` counts only the passes a row nee
 so batch-rows x forwards minus that sum is the work spent on finished rows. The canvas
 engine forwards only rows still denoising and refills freed places at the next step.
 Tokens counted are the useful ones (up to EOS and each request's max_tokens), for both.
+
+On a shared machine one run's CPU time swings by half with the other jobs' load, so each
+round runs every scheduler twice in mirrored order (A B C D D C B A, the next round D C B
+A A B C D): drift that is linear over a round cancels in the round's ratios (each
+scheduler's tokens over its CPU seconds, or wall seconds, summed over its two runs,
+against transformers' in the same round). The headline is the median of those per-round
+ratios (`ratios_cpu_time_per_round_median`, `ratios_wall_per_round_median`); the ratios
+of the per-run medians (`ratios_cpu_time`, `ratios`) are kept beside them.
 Writes JSON (command, workload, per-run numbers, ratios) and a PNG beside it."""
 from __future__ import annotations
 
@@ -83,8 +93,16 @@ def run_transformers(model, prompts, max_tokens, seeds, B):
                 row_forwards_on_finished=rows - needed, row_forwards_per_token=rows / tokens)
 
 
+# the overhead size's ablation: blockserve with the engine's step-path choices undone
+# (transformers' decoder module instead of engine/canvas/denoiser.py; then also a separate
+# encoder call instead of encoder work riding in the denoising forward)
+VARIANTS = {"blockserve_transformers_decoder": dict(hand_denoiser=False),
+            "blockserve_transformers_decoder_unfused": dict(hand_denoiser=False, fuse_encoder=False)}
+
+
 def run_engine(model, defaults, prompts, max_tokens, seeds, scheduler, B):
-    eng = CanvasEngine(model, defaults, scheduler=scheduler, max_batch_size=B)
+    kw = VARIANTS.get(scheduler, {})
+    eng = CanvasEngine(model, defaults, scheduler="blockserve" if kw else scheduler, max_batch_size=B, **kw)
     t, c = time.perf_counter(), time.process_time()
     for i, (p, n, s) in enumerate(zip(prompts, max_tokens, seeds)):
         eng.add_request(i, p, n, s)
@@ -92,10 +110,12 @@ def run_engine(model, defaults, prompts, max_tokens, seeds, scheduler, B):
         eng.step()
     wall, cpu = time.perf_counter() - t, time.process_time() - c
     tokens = sum(len(o.token_ids) for o in eng.outputs)
+    # encoder work in a fused pass rides in a decoder call (engine.canvas.engine `_fused`): not an encoder call
     return dict(scheduler=scheduler, wall_s=wall, cpu_s=cpu, tokens=tokens, tokens_per_s=tokens / wall,
                 tokens_per_cpu_s=tokens / cpu,
                 decoder_calls=eng.decoder_forwards, row_forwards=eng.row_forwards, row_forwards_on_finished=0,
-                encoder_calls=eng.encoder_forwards, row_forwards_per_token=eng.row_forwards / tokens)
+                encoder_calls=eng.encoder_forwards - eng.fused_forwards, encoder_passes=eng.encoder_forwards,
+                fused_calls=eng.fused_forwards, row_forwards_per_token=eng.row_forwards / tokens)
 
 
 def main(argv=None):
@@ -127,14 +147,17 @@ def main(argv=None):
     prompts, max_tokens, seeds = workload(a.requests, new_tokens=new_tokens)
     runs = []
     order = ["transformers_generate", "blockserve", "static", "sequential"]
+    if a.size == "overhead":
+        order += list(VARIANTS)
     # warm-up (not recorded): the first calls of a process pay one-off costs, whoever runs first
     run_transformers(model, prompts[:a.batch], max_tokens[:a.batch], seeds[:a.batch], a.batch)
     run_engine(model, defaults, prompts[:a.batch], max_tokens[:a.batch], seeds[:a.batch], "blockserve", a.batch)
     for r in range(a.rounds):
-        for name in (order if r % 2 == 0 else order[::-1]):
+        half = order if r % 2 == 0 else order[::-1]
+        for i, name in enumerate(half + half[::-1]):  # mirrored: A B C D D C B A
             res = (run_transformers(model, prompts, max_tokens, seeds, a.batch) if name == "transformers_generate"
                    else run_engine(model, defaults, prompts, max_tokens, seeds, name, a.batch))
-            res["round"] = r
+            res["round"], res["half"] = r, i // len(order)
             runs.append(res)
             print(json.dumps(res), flush=True)
     med, med_cpu = {}, {}
@@ -150,15 +173,22 @@ def main(argv=None):
                ratios_cpu_time={f"{k}_vs_transformers_generate": med_cpu[k] / med_cpu["transformers_generate"]
                                 for k in order[1:]},
                target={"blockserve_vs_transformers_generate": 1.3})
-    # on a loaded shared machine single rounds swing both ways: the median of the per-round
-    # ratios (each round runs every scheduler back to back) and the ratio of the best rounds
-    per_round = {}
-    for name in order[1:]:
-        rs = sorted(x["tokens_per_cpu_s"] / y["tokens_per_cpu_s"] for x in runs for y in runs
-                    if x["scheduler"] == name and y["scheduler"] == "transformers_generate" and x["round"] == y["round"])
-        per_round[f"{name}_vs_transformers_generate"] = rs[len(rs) // 2]
+    # on a loaded shared machine single runs swing both ways: per round, each scheduler's
+    # tokens over its seconds summed over its two mirrored runs against transformers' in the
+    # same round; the median over rounds of those ratios (CPU and wall), and the best runs' ratio
+    def rate(name, r, clock):
+        xs = [x for x in runs if x["scheduler"] == name and x["round"] == r]
+        return sum(x["tokens"] for x in xs) / sum(x[clock] for x in xs)
+
+    for clock, key in (("cpu_s", "ratios_cpu_time_per_round_median"), ("wall_s", "ratios_wall_per_round_median")):
+        per_round = {}
+        for name in order[1:]:
+            rs = [rate(name, r, clock) / rate("transformers_generate", r, clock) for r in range(a.rounds)]
+            per_round[f"{name}_vs_transformers_generate"] = sorted(rs)[len(rs) // 2]
+            if name == "blockserve":  # every round's, in round order
+                out[key.replace("_median", "_blockserve")] = rs
+        out[key] = per_round
     best = {name: max(x["tokens_per_cpu_s"] for x in runs if x["scheduler"] == name) for name in order}
-    out["ratios_cpu_time_per_round_median"] = per_round
     out["ratios_cpu_time_best_round"] = {f"{k}_vs_transformers_generate": best[k] / best["transformers_generate"]
                                          for k in order[1:]}
     if new_tokens:
@@ -196,7 +226,7 @@ def _plot(out, path):
 
     last = {r["scheduler"]: r for r in out["runs"]}
     names = list(last)
-    fig, ax = plt.subplots(1, 2, figsize=(10, 3.5))
+    fig, ax = plt.subplots(1, 2, figsize=(10 if len(names) <= 4 else 14, 3.5 if len(names) <= 4 else 5))
     per_cpu = out.get("median_tokens_per_cpu_s") or out["median_tokens_per_s"]
     ax[0].bar(names, [per_cpu[n] for n in names])
     ax[0].set_ylabel("tokens per CPU-second (median)" if "median_tokens_per_cpu_s" in out else "tokens/s (median)")

@@ -175,12 +175,100 @@ def test_sorter_cost_of_a_row_bounds_the_engines_work(ckpt, sequential):
 
 
 def test_hand_written_denoiser_forward_equals_transformers(ckpt, f64):
-    """bench/diffusion_gemma_backbone.py (the measured alternative to driving
-    transformers' modules) computes transformers' decoder forward, on a mid-run batch."""
-    from bench.diffusion_gemma_backbone import HandDecoder
+    """bench/diffusion_gemma_backbone_bench.py's comparison: engine/canvas/denoiser.py
+    computes transformers' decoder forward, on a mid-run batch."""
     from bench.diffusion_gemma_backbone_bench import engine_batch, hand_forward, transformers_forward
+    from engine.canvas.denoiser import Denoiser
 
     model, _ = f64
     args = engine_batch(model, ckpt, 3)
     with torch.no_grad():
-        assert torch.equal(hand_forward(HandDecoder(model), *args), transformers_forward(model, *args))
+        assert torch.equal(hand_forward(Denoiser(model), *args), transformers_forward(model, *args))
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_denoiser_is_bit_equal_to_transformers_decoder_at_every_step(ckpt, f64, dtype):
+    """At every step of a run served through transformers' own modules (joins mid-canvas,
+    canvases stopping at different steps): the hand-written denoiser the engine's decoder
+    steps run gives exactly the logits of transformers' decoder module + LM head + softcap,
+    with self-conditioning on every row, on none, and on some (a row's canvas just started)."""
+    from engine.canvas.denoiser import Denoiser, refusal
+
+    model = f64[0] if dtype == torch.float64 else load_diffusion_gemma(ckpt, dtype)
+    assert refusal(model) is None
+    prompts, _, seeds = _workload()
+    eng = CanvasEngine(model, CanvasParams.from_generation_config(ckpt), max_batch_size=3, hand_denoiser=False,
+                       fuse_encoder=False)
+    assert eng.denoiser is None
+    for i in range(5):
+        eng.add_request(i, prompts[i], 24, seeds[i])
+    hand, seen = Denoiser(model), set()
+    with torch.inference_mode():
+        while eng.has_unfinished():
+            inputs = eng.decoder_inputs()
+            if inputs is not None:
+                cache, masks, pos, canvas, _ = inputs
+                sc, sc_mask = eng._self_conditioning()
+                seen.add("none" if sc is None else "some" if sc_mask is not None else "all")
+                h = model.model.decoder(decoder_input_ids=canvas, cache=cache, self_conditioning_logits=sc,
+                                        self_conditioning_mask=sc_mask, decoder_attention_mask=masks,
+                                        decoder_position_ids=pos).last_hidden_state
+                ref = model.lm_head(h).to(torch.float32)
+                ref = torch.tanh(ref / model.final_logit_softcapping) * model.final_logit_softcapping
+                got = hand(canvas, [(x.keys, x.values) for x in cache.layers], masks, hand.rope(pos), sc, sc_mask)
+                assert torch.equal(got, ref)
+            eng.step()
+    assert seen == {"none", "some", "all"}
+
+
+def test_engine_paths_give_the_same_tokens(ckpt, f64):
+    """Fused encoder work and the hand-written denoiser on or off: the same tokens (float64),
+    the same decoder forwards; fused, encoder work makes no model call of its own."""
+    model, refs = f64
+    runs = {}
+    for fuse in (True, False):
+        for hand in (True, False):
+            outs, eng = _serve(model, ckpt, "blockserve", max_batch_size=8, token_budget=200, fuse_encoder=fuse,
+                               hand_denoiser=hand)
+            assert (eng.denoiser is not None) == hand
+            runs[fuse, hand] = ([o.token_ids for o in outs], eng.decoder_forwards, eng.encoder_forwards, eng.cells)
+            assert eng.fused_forwards == (eng.encoder_forwards if fuse else 0)
+    assert len(set(map(repr, runs.values()))) == 1
+    assert runs[True, True][0] == refs
+
+
+def test_denoiser_refuses_what_it_does_not_implement(ckpt):
+    """A model this forward would not reproduce runs through transformers' modules."""
+    from engine.canvas.denoiser import refusal
+
+    model = load_diffusion_gemma(ckpt, torch.float32)
+    model.config.text_config.hidden_activation = "gelu"
+    assert "hidden_activation" in refusal(model)
+    eng = CanvasEngine(model, CanvasParams.from_generation_config(ckpt))
+    assert eng.denoiser is None
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_hand_written_steps_are_bit_equal_to_transformers_modules_in_lock_step(ckpt, f64, dtype):
+    """Two engines over the same requests, one through the hand-written denoiser, one
+    through transformers' modules (decoder steps and fused passes: joins mid-canvas,
+    commits, rows without encoder work): after every step the same logits (their
+    self-conditioning copy) and the same K/V written, bit for bit."""
+    model = f64[0] if dtype == torch.float64 else load_diffusion_gemma(ckpt, dtype)
+    prompts, _, seeds = _workload()
+    engines = [CanvasEngine(model, CanvasParams.from_generation_config(ckpt), max_batch_size=3, hand_denoiser=h)
+               for h in (True, False)]
+    for eng in engines:
+        for i in range(6):
+            eng.add_request(i, prompts[i], 24, seeds[i])
+    a, b = engines
+    assert a.denoiser is not None and b.denoiser is None
+    steps = 0
+    while a.has_unfinished():
+        a.step(), b.step()
+        steps += 1
+        assert (a.sc is None) == (b.sc is None) and (a.sc is None or torch.equal(a.sc, b.sc))
+        for i in range(a.kv.n_layers):
+            assert torch.equal(a.kv.keys[i], b.kv.keys[i]) and torch.equal(a.kv.values[i], b.kv.values[i])
+    assert not b.has_unfinished() and a.fused_forwards == b.fused_forwards > 3
+    assert sorted(map(repr, a.outputs)) == sorted(map(repr, b.outputs))

@@ -5,11 +5,13 @@ into the row's slot of the engine's K/V buffers, engine.canvas.kv) plus the canv
 denoised. Every step forwards the canvases of all active rows in ONE decoder call, over
 a view of the buffers (no per-step copy of any row's K/V) with a boolean mask per layer
 type and positions per row. The rows whose canvas stops in a step (stable and confident,
-or out of steps) start their next canvas at once; ONE encoder forward at the start of the
-next step writes their canvases and prefills the rows joining then (right padded, each
-row at its own positions: rows are independent in it). A row leaves at EOS or max_tokens; new rows are
-admitted under the token budget at any step (`blockserve`), only into an empty batch
-(`static`), or one at a time (`sequential`).
+or out of steps) start their next canvas at once; the next step writes their canvases and
+prefills the rows joining then (right padded, each row at its own positions: rows are
+independent in it) in the same forward that denoises every canvas (`_fused`: encoder and
+decoder share their weights), so a step is ONE model call. The decoder steps run
+engine.canvas.denoiser, bit-equal to transformers' decoder module with less overhead.
+A row leaves at EOS or max_tokens; new rows are admitted under the token budget at any
+step (`blockserve`), only into an empty batch (`static`), or one at a time (`sequential`).
 
 The per-step bookkeeping (temperature, sampling, entropy-bound acceptance, renoise,
 stability and confidence, self-conditioning) runs on tensors over the batch; Python runs
@@ -43,6 +45,7 @@ import torch
 
 from ..config import SchedulerKind, enum_value
 from ..sequence import FinishReason, RequestOutput
+from .denoiser import Denoiser, refusal
 from .kv import Pass, RowKV
 from .params import CanvasParams, budget_refusal
 from .prefix import PrefixCache
@@ -87,8 +90,13 @@ class CanvasEngine:
 
     def __init__(self, model, defaults: CanvasParams, scheduler: SchedulerKind = SchedulerKind.BLOCKSERVE,
                  max_batch_size: int = 64, token_budget: int = 65536, stop_token_ids: Optional[Sequence[int]] = None,
-                 enable_prefix_caching: bool = False, prefix_block: Optional[int] = None):
+                 enable_prefix_caching: bool = False, prefix_block: Optional[int] = None, fuse_encoder: bool = True,
+                 hand_denoiser: bool = True):
         self.model, self.defaults = model, defaults
+        self.fuse_encoder = fuse_encoder  # encoder work rides in the step's denoising forward (`_fused`)
+        # decoder steps through engine.canvas.denoiser (bit-equal to transformers' decoder module, less
+        # per-call overhead) unless asked not to or the model has what it does not implement
+        self.denoiser = Denoiser(model) if hand_denoiser and refusal(model) is None else None
         self.scheduler = enum_value("scheduler", scheduler, SchedulerKind)
         self.max_batch_size = 1 if self.scheduler == SchedulerKind.SEQUENTIAL else max_batch_size
         self.token_budget = token_budget
@@ -114,10 +122,12 @@ class CanvasEngine:
         self._to_commit: List[_Row] = []  # rows whose finished canvas the next encoder pass writes
         self._to_prefill: List[_Row] = []  # rows joining: the next encoder pass prefills them
         self._layout = None  # the decoder's cache view, masks and positions while no row joins, leaves or commits
+        self._draw_bufs = None  # the step's draws (engine._draws)
         self.outputs: List[CanvasOutput] = []
         self.decoder_forwards = 0  # batched decoder calls
         self.row_forwards = 0  # sum over calls of rows in the call
-        self.encoder_forwards = 0
+        self.encoder_forwards = 0  # passes that encoded tokens: encoder calls, and fused forwards
+        self.fused_forwards = 0  # denoising forwards that also encoded (`_fused`): no encoder call of their own
         self.cells = 0  # tokens forwarded: encoder tokens + L per decoder row (the sorter's `cells`)
         self.preemptions = 0
         self.syncs = 0  # device -> host reads by the loop
@@ -213,10 +223,11 @@ class CanvasEngine:
         caller (engine.canvas.serve, an EngineCore) fails the active rows (`fail`)."""
         self._preempt()
         self._admit()
-        self._flush()
+        if not self.fuse_encoder:
+            self._flush()
         if not self.rows:
             return self.outputs
-        logits = self._decode()
+        logits = self._forward() if self.fuse_encoder else self._decode()
         done, canvases = self._denoise(logits)
         ends, commits = [], []
         for b, toks in zip(done, canvases):
@@ -379,17 +390,15 @@ class CanvasEngine:
         self.encoder_forwards += 1
         self.cells += sum(counts)
 
-    def _flush(self) -> None:
-        """The step's ONE encoder forward, before its decoder forward: the canvases the last
-        step committed (at positions cur_len - L..) and the joining rows' prefill (as
-        `generate` runs it at batch size 1: prompt + committed canvases, a preempted row's
-        recompute, after the leading prompt blocks the prefix cache holds), each row at its
-        own positions, right padded. Rows are independent in it (causal masks by absolute
-        position), so one pass serves both: a row joining where others commit costs no
-        extra encoder call."""
+    def _work(self):
+        """The encoder work the step owes, emptied: (slot, tokens, start) per row in slot
+        order (the canvases the last step committed, at positions cur_len - L..; the joining
+        rows' prefill as `generate` runs it at batch size 1: prompt + committed canvases, a
+        preempted row's recompute, after the leading prompt blocks the prefix cache holds,
+        which `_reuse` copies into the row's slot now), and the joining rows."""
         commits, joins = self._to_commit, self._to_prefill
         self._to_commit, self._to_prefill = [], []
-        work = []  # (slot, tokens, start)
+        work = []
         for r in commits:
             work.append((r.slot, r.generated[-self.L:], r.cur_len - self.L))
         for r in joins:
@@ -398,8 +407,16 @@ class CanvasEngine:
                 start = self._reuse(r)
             if len(toks) > start:
                 work.append((r.slot, toks[start:], start))
+        work.sort(key=lambda w: w[0])
+        return work, joins
+
+    def _flush(self) -> None:
+        """The step's ONE encoder forward, before its decoder forward (`fuse_encoder` off,
+        and `decoder_inputs`): the work of `_work`, each row at its own positions, right
+        padded. Rows are independent in it (causal masks by absolute position), so one pass
+        serves commits and prefills: a row joining where others commit costs no extra call."""
+        work, joins = self._work()
         if work:
-            work.sort(key=lambda w: w[0])
             slots = [w[0] for w in work]
             t = max(len(w[1]) for w in work)
             ids = torch.tensor([w[1] + [0] * (t - len(w[1])) for w in work], dtype=torch.long, device=self.device)
@@ -407,6 +424,9 @@ class CanvasEngine:
             sl = slice(slots[0], slots[-1] + 1) if contiguous else torch.tensor(slots, device=self.device)
             self._encode(sl, ids, [w[2] for w in work], [len(w[1]) for w in work])
             self._layout = None
+        self._kept(joins)
+
+    def _kept(self, joins: Sequence[_Row]) -> None:
         if self.prefix is not None:
             for r in joins:
                 self._keep(r)
@@ -481,50 +501,136 @@ class CanvasEngine:
             lo = self._lo(min(r.cur_len for r in self.rows))
             masks = self._masks(None, lens, self.L, lo, hi, causal=False, extra=self.L)
             pos = (lens.view(-1, 1) + torch.arange(self.L, device=dev).view(1, -1)).to(torch.int32)
-            self._layout = (Pass(self.kv, self.layer_types, slice(0, len(self.rows)), lo, hi), masks, pos)
+            rope = self.denoiser.rope(pos) if self.denoiser is not None else None
+            self._layout = (Pass(self.kv, self.layer_types, slice(0, len(self.rows)), lo, hi), masks, pos, rope)
         return self._layout
 
     @torch.inference_mode()
     def decoder_inputs(self):
         """What the next decoder forward is given: (cache, masks, positions, canvas,
-        self-conditioning logits or None) (bench/diffusion_gemma_backbone_bench.py)."""
+        self-conditioning logits or None), the step's admissions and encoder work done
+        (bench/diffusion_gemma_backbone_bench.py); None when no row is active."""
+        self._preempt()
+        self._admit()
         self._flush()
-        cache, masks, pos = self._decoder_layout()
+        if not self.rows:
+            return None
+        cache, masks, pos, _ = self._decoder_layout()
         return cache, masks, pos, self._state["canvas"], self.sc if len(self._fresh) < len(self.rows) else None
+
+    def _self_conditioning(self):
+        """The decoder's self-conditioning inputs: (previous logits or None, per-row mask or None)."""
+        B = len(self.rows)
+        if len(self._fresh) == B:
+            return None, None
+        return self.sc, (self._state["has_sc"] if self._fresh else None)
+
+    def _head(self, hidden: torch.Tensor) -> torch.Tensor:
+        """transformers' LM head and logit softcap, as DiffusionGemmaForBlockDiffusion.forward
+        applies them (its two wrappers skipped: per-call overhead); float32 logits."""
+        m = self.model
+        logits = m.lm_head(hidden).to(torch.float32)
+        return torch.tanh(logits / m.final_logit_softcapping) * m.final_logit_softcapping
+
+    def _counted(self, B: int) -> None:
+        self.decoder_forwards += 1
+        self.row_forwards += B
+        self.cells += B * self.L
 
     def _decode(self) -> torch.Tensor:
         """One decoder forward over every row's canvas; (B, L, V) float32 logits."""
         B = len(self.rows)
-        cache, masks, pos = self._decoder_layout()
-        sc, sc_mask = None, None
-        if len(self._fresh) < B:
-            sc = self.sc
-            if self._fresh:
-                sc_mask = self._state["has_sc"]
-        m = self.model
-        # transformers' decoder module, then its LM head and logit softcap as
-        # DiffusionGemmaForBlockDiffusion.forward applies them (its two wrappers skipped: per-call overhead)
-        hidden = m.model.decoder(decoder_input_ids=self._state["canvas"], cache=cache, self_conditioning_logits=sc,
-                                 self_conditioning_mask=sc_mask, decoder_attention_mask=masks,
-                                 decoder_position_ids=pos).last_hidden_state
-        logits = m.lm_head(hidden).to(torch.float32)
-        logits = torch.tanh(logits / m.final_logit_softcapping) * m.final_logit_softcapping
-        self.decoder_forwards += 1
-        self.row_forwards += B
-        self.cells += B * self.L
+        cache, masks, pos, rope = self._decoder_layout()
+        sc, sc_mask = self._self_conditioning()
+        if self.denoiser is not None:
+            self._counted(B)
+            return self.denoiser(self._state["canvas"], [(x.keys, x.values) for x in cache.layers], masks, rope,
+                                 sc, sc_mask)
+        # transformers' decoder module, then its LM head and logit softcap
+        hidden = self.model.model.decoder(decoder_input_ids=self._state["canvas"], cache=cache,
+                                          self_conditioning_logits=sc, self_conditioning_mask=sc_mask,
+                                          decoder_attention_mask=masks, decoder_position_ids=pos).last_hidden_state
+        self._counted(B)
+        return self._head(hidden)
+
+    def _forward(self) -> torch.Tensor:
+        """The step's ONE forward (`fuse_encoder`): the decoder's when no encoder work is
+        owed, else the fused pass that encodes it and denoises every canvas (`_fused`)."""
+        work, joins = self._work()
+        logits = self._fused(work) if work else self._decode()
+        self._kept(joins)
         return logits
+
+    def _canvas_embeds(self) -> torch.Tensor:
+        """The canvases' input embeddings as DiffusionGemmaDecoderModel.forward computes them
+        (scaled token embeddings; the previous logits' softmax through the embedding, zero
+        for a row whose canvas just started, through transformers' self-conditioning module)."""
+        dec = self.model.model.decoder
+        emb = dec.embed_tokens
+        x = emb(self._state["canvas"])
+        sc, sc_mask = self._self_conditioning()
+        if sc is not None:
+            soft = torch.matmul(sc.softmax(dim=-1, dtype=torch.float32).to(emb.weight.dtype), emb.weight) \
+                * emb.embed_scale.to(x.dtype)
+            if sc_mask is not None:
+                soft = soft * sc_mask.to(soft.dtype)[:, None, None]
+        else:
+            soft = torch.zeros_like(x)
+        return dec.self_conditioning(x, soft)
+
+    def _fused(self, work) -> torch.Tensor:
+        """The step's encoder work and its denoising in ONE forward of the encoder's layers
+        (they ARE the decoder's: encoder and decoder share every weight, and their layers
+        differ only in how attention meets the cache): engine.canvas.denoiser's, or
+        transformers' encoder text model without it. Row b holds t slots, its new
+        tokens (right padded; none for a row without work), then its canvas. The new tokens
+        attend causally by absolute position, as in `_encode`, and their K/V are written
+        into the row's slot; the canvas attends the row's K/V including them, as the next
+        decoder forward would (the decoder's mask), plus the whole canvas, whose K/V are
+        appended, never written (kv.Pass with `canvas`). A padding slot sees only its row's
+        canvas (never empty: no NaN), and nothing reads it. (B, L, V) float32 logits."""
+        m, dev, L = self.model, self.device, self.L
+        B = len(self.rows)
+        t = max(len(w[1]) for w in work)
+        lens = [r.cur_len for r in self.rows]
+        toks, starts, counts = [[0] * t for _ in range(B)], list(lens), [0] * B
+        for slot, ids, start in work:
+            toks[slot], starts[slot], counts[slot] = ids + [0] * (t - len(ids)), start, len(ids)
+        ids = torch.tensor(toks, dtype=torch.long, device=dev)
+        st = torch.tensor(starts, dtype=torch.long, device=dev)
+        n = torch.tensor(lens, dtype=torch.long, device=dev)
+        ar = torch.arange(t, device=dev).view(1, t)
+        cols = st.view(B, 1) + ar
+        valid = ar < torch.tensor(counts, device=dev).view(B, 1)
+        hi, lo = max(lens), self._lo(min(starts))
+        self.kv.reserve(B, hi)
+        top = self._masks(st, None, t, lo, hi, causal=True)
+        bottom = self._masks(None, n, L, lo, hi, causal=False, extra=L)
+        pad = (~valid).view(B, 1, t, 1).expand(B, 1, t, L)
+        masks = {k: torch.cat([torch.cat([top[k] & valid.view(B, 1, t, 1), pad], dim=-1), bottom[k]], dim=2)
+                 for k in top}
+        pos = torch.cat([cols, n.view(B, 1) + torch.arange(L, device=dev).view(1, L)], dim=1).to(torch.int32)
+        cache = Pass(self.kv, self.layer_types, slice(0, B), lo, hi, cols=cols, valid=valid, canvas=L)
+        self._layout = None
+        self.encoder_forwards += 1
+        self.fused_forwards += 1
+        self.cells += sum(counts)
+        self._counted(B)
+        if self.denoiser is not None:  # the same pass written by hand (bit-equal, tested)
+            sc, sc_mask = self._self_conditioning()
+            return self.denoiser(self._state["canvas"], cache, masks, self.denoiser.rope(pos), sc, sc_mask, new_ids=ids)
+        text = getattr(m.model.encoder, "language_model", m.model.encoder)
+        x = torch.cat([text.embed_tokens(ids), self._canvas_embeds()], dim=1)
+        hidden = text(inputs_embeds=x, attention_mask=masks, cache=cache, position_ids=pos).last_hidden_state
+        return self._head(hidden[:, t:])
 
     def _denoise(self, raw: torch.Tensor):
         """transformers' `_denoising_step` for every row at once (each as at batch size 1:
         its own temperature schedule, entropy bound and stopping thresholds). Returns the
         slots whose canvas is done (stopped, or out of steps) and those canvases' tokens."""
-        s, L, V, dev = self._state, self.L, self.V, self.device
+        s = self._state
         # the rows' draws, in transformers' order per row: the sample's exponentials, then the renoise
-        q, noise = [], []
-        for r in self.rows:
-            q.append(torch.empty((L, V), dtype=torch.float32).exponential_(generator=r.gen))
-            noise.append(torch.randint(0, V, (L,), generator=r.gen))
-        q, noise = torch.stack(q).to(dev), torch.stack(noise).to(dev)
+        q, noise = self._draws()
         temp = s["t_min"] + s["t_span"] * (s["cur"] / s["n_steps"])  # LinearTemperatureScheduleLogitsProcessor
         processed = raw / temp.view(-1, 1, 1)
         probs = torch.softmax(processed, dim=-1, dtype=torch.float32)
@@ -542,14 +648,28 @@ class CanvasEngine:
         stop = (s["run"] - 1 >= s["stab"]) & (entropy.mean(dim=-1) < s["conf"])
         s["argmax"] = new_argmax
         self.sc = processed.to(self.sc_dtype)
-        s["has_sc"] = torch.ones_like(s["has_sc"])
-        self._fresh.clear()
+        if self._fresh:
+            s["has_sc"].fill_(True)
+            self._fresh.clear()
         s["cur"] = s["cur"] - 1
         done = stop | (s["cur"] == 0)
-        host = torch.cat([done.view(-1, 1).long(), new_argmax], dim=1).cpu()  # the step's one read
+        host = torch.cat([done.view(-1, 1).long(), new_argmax], dim=1).tolist()  # the step's one read
         self.syncs += 1
-        slots = host[:, 0].nonzero().view(-1).tolist()
-        return slots, host[slots, 1:].tolist()
+        slots = [b for b, h in enumerate(host) if h[0]]
+        return slots, [host[b][1:] for b in slots]
+
+    def _draws(self):
+        """Every row's draws of this step from its own generator, in transformers' order (the
+        multinomial sample's (L, V) exponentials, then the (L,) renoise), written into
+        host buffers kept while the batch size holds (no per-row tensors, no stack)."""
+        B, L, V = len(self.rows), self.L, self.V
+        if self._draw_bufs is None or self._draw_bufs[0].shape[0] != B:
+            self._draw_bufs = (torch.empty((B, L, V), dtype=torch.float32), torch.empty((B, L), dtype=torch.long))
+        q, noise = self._draw_bufs
+        for i, r in enumerate(self.rows):
+            q[i].exponential_(generator=r.gen)
+            torch.randint(0, V, (L,), generator=r.gen, out=noise[i])
+        return q.to(self.device), noise.to(self.device)
 
     # ------------------------------------------------------------------ per row
     def _ends(self, row: _Row, canvas: List[int]) -> bool:

@@ -8,7 +8,11 @@ DynamicSlidingWindowLayer keeps: the same keys, hence the same attention).
 
 `Pass` is what transformers' encoder and decoder are handed as their `cache`: the
 decoder reads `layers[i].keys/values` (and `is_compileable`), the encoder calls `update`,
-which writes the new K/V into the rows' slots and returns the keys the new tokens attend."""
+which writes the new K/V into the rows' slots and returns the keys the new tokens attend.
+In a fused pass (`canvas` > 0: the encoder's layers run the new tokens, right padded,
+followed by every row's canvas; engine.canvas.engine `_fused`) `update` writes only the
+new tokens' K/V and returns the buffer's view with the canvas's own K/V appended, as the
+decoder's attention appends them (never written: the canvas is not committed)."""
 from __future__ import annotations
 
 from typing import List, Optional, Sequence
@@ -90,9 +94,9 @@ class Pass:
             self.keys, self.values = keys, values
 
     def __init__(self, kv: RowKV, layer_types: Sequence[str], slots, lo: dict, hi: int,
-                 cols: Optional[torch.Tensor] = None, valid: Optional[torch.Tensor] = None):
+                 cols: Optional[torch.Tensor] = None, valid: Optional[torch.Tensor] = None, canvas: int = 0):
         self.kv, self.types, self.slots, self.lo, self.hi = kv, list(layer_types), slots, lo, hi
-        self.cols, self.valid = cols, valid
+        self.cols, self.valid, self.canvas = cols, valid, canvas
         self.layers = [Pass._Layer(*self._view(i)) for i in range(kv.n_layers)] if cols is None else []
 
     def _view(self, i: int):
@@ -105,11 +109,16 @@ class Pass:
         return k[:, :, lo:self.hi].index_select(0, self.slots), v[:, :, lo:self.hi].index_select(0, self.slots)
 
     def update(self, keys: torch.Tensor, values: torch.Tensor, layer_idx: int, *args, **kwargs):
-        """The encoder's write: the new K/V into the rows' slots, then the keys they attend."""
+        """The encoder's write: the new K/V into the rows' slots, then the keys they attend
+        (in a fused pass, followed by the canvas's K/V, not written)."""
         slots = self.slots
         idx = torch.arange(slots.start, slots.stop, device=keys.device) if isinstance(slots, slice) else slots
-        self.kv.write(layer_idx, idx, self.cols, keys, values, self.valid)
-        return self._view(layer_idx)
+        t = self.cols.shape[1]
+        self.kv.write(layer_idx, idx, self.cols, keys[:, :, :t], values[:, :, :t], self.valid)
+        k, v = self._view(layer_idx)
+        if not self.canvas:
+            return k, v
+        return torch.cat([k, keys[:, :, t:]], dim=-2), torch.cat([v, values[:, :, t:]], dim=-2)
 
 
 __all__ = ["Pass", "RowKV"]
