@@ -164,6 +164,7 @@ OTHER = [
      "each prompt alone.",
      lambda d: {"median_tokens_per_cpu_s": d["median_tokens_per_cpu_s"], "ratios_cpu_time": d["ratios_cpu_time"],
                 "ratios_cpu_time_per_round_median": d.get("ratios_cpu_time_per_round_median"),
+                "ratios_wall_per_round_median": d.get("ratios_wall_per_round_median"),
                 "ratios_cpu_time_best_round": d.get("ratios_cpu_time_best_round"),
                 "ratios": d["ratios"], "exact_float64": d["exact_float64"]}),
     ("structured_cpu.json", "Structured outputs on the CPU (`bench/structured_bench.py`)",
