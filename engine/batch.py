@@ -42,7 +42,7 @@ class Batch:
     prompt_fwd: torch.Tensor  # [B] prompt tokens forwarded so far (accounting)
     frozen: torch.Tensor  # [B] finished rows a static batch keeps computing
     masked: torch.Tensor  # [B, L] which of the current block's positions still hold the mask
-    mask: torch.Tensor  # attention mask [B, 1, W|1, W] (device)
+    mask: "AttentionMask"  # what each column's keys are visible to (device)
     row_params: RowParams  # per-row decoding parameters, built once per layout
     block_length: int
     cache: Optional[KVCache] = None  # the box view of the engine's KV slots
@@ -89,21 +89,46 @@ class Batch:
         return self.width - self.tail - self.nact * self.block_length
 
 
+@dataclass
+class AttentionMask:
+    """What a row's keys are visible to, kept as two [B, W] tensors (device) per batch
+    layout; a forward builds the [B, 1, T, W] mask of its own query columns from them
+    (`rows`), never the whole [B, 1, W, W] (O(B W^2) per layout, mostly for rows no
+    forward queries). Pad keys are never attended. Block-causal models: the prompt
+    attends to the prompt, block j to the prompt, earlier blocks and itself."""
+
+    valid: torch.Tensor  # [B, W] bool: a real (not left-pad) column
+    seg: Optional[torch.Tensor]  # [B, W] long: the column's attention segment; None: bidirectional
+
+    @classmethod
+    def build(cls, lens: torch.Tensor, prompt_len: torch.Tensor, width: int, block_length: int,
+              block_causal: bool, absolute: bool = False) -> "AttentionMask":
+        """`absolute` (BlockLayout.ABSOLUTE): blocks at multiples of the block length from
+        position 0, the prompt's among them."""
+        col = torch.arange(width, device=lens.device)[None]
+        valid = col >= (width - lens)[:, None]
+        if not block_causal:
+            return cls(valid, None)
+        pos = (col - (width - lens)[:, None]).clamp(min=0)
+        seg = pos // block_length if absolute else torch.where(
+            pos < prompt_len[:, None], 0, (pos - prompt_len[:, None]) // block_length + 1)
+        return cls(valid, seg)
+
+    def rows(self, cols: Optional[torch.Tensor] = None, pick: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """[B', 1, T, W] bool for query columns `cols` [B', T] (None: every column) of the
+        rows `pick` (None: every row); [B', 1, 1, W] when every query sees the same keys."""
+        valid, seg = (self.valid, self.seg) if pick is None else (
+            self.valid[pick], None if self.seg is None else self.seg[pick])
+        if seg is None:
+            return valid[:, None, None, :]
+        q = seg if cols is None else seg.gather(1, cols)
+        return (valid[:, None, :] & (seg[:, None, :] <= q[:, :, None]))[:, None]
+
+
 def attention_mask(lens: torch.Tensor, prompt_len: torch.Tensor, width: int, block_length: int,
                    block_causal: bool, absolute: bool = False) -> torch.Tensor:
-    """Pad keys are never attended. Block-causal models: the prompt attends to the
-    prompt, block j to the prompt, earlier blocks and itself; `absolute`
-    (BlockLayout.ABSOLUTE): blocks at multiples of the block length from position 0, the
-    prompt's among them."""
-    col = torch.arange(width, device=lens.device)[None]
-    valid = col >= (width - lens)[:, None]
-    if not block_causal:
-        return valid[:, None, None, :]
-    pos = (col - (width - lens)[:, None]).clamp(min=0)
-    seg = torch.where(pos < prompt_len[:, None], 0, (pos - prompt_len[:, None]) // block_length + 1)
-    if absolute:
-        seg = pos // block_length
-    return (valid[:, None, :] & (seg[:, None, :] <= seg[:, :, None]))[:, None]
+    """The whole [B, 1, W|1, W] mask (AttentionMask.build, every query column)."""
+    return AttentionMask.build(lens, prompt_len, width, block_length, block_causal, absolute).rows()
 
 
 def start_next_block(lens: torch.Tensor, tail: torch.Tensor, step: torch.Tensor, busy: torch.Tensor,
@@ -193,6 +218,6 @@ def relayout(old: Optional[Batch], rows: List[Request], grown: set, *, traits: T
         caps=[r.rule.step_cap(r, L, traits.config.steps_per_block) for r in rows])
     return Batch(rows=list(rows), ids=ids, lens=lens, tail=tail, prompt_len=prompt_len, cached=cached, step=step,
                  busy_steps=busy, prompt_fwd=fwd, frozen=frozen, masked=masked,
-                 mask=attention_mask(lens.to(dev), prompt_len.to(dev), W, L, mcfg.block_causal,
-                                     family.blocks == BlockLayout.ABSOLUTE),
+                 mask=AttentionMask.build(lens.to(dev), prompt_len.to(dev), W, L, mcfg.block_causal,
+                                          family.blocks == BlockLayout.ABSOLUTE),
                  row_params=row_params, block_length=L, nact=nact)

@@ -24,8 +24,9 @@ deliberately conservative (every term is an upper bound on what the engine alloc
 `min_prompt_len` matters: with a big vocabulary (LLaDA: 126464) a row of one block of
 32 columns needs ~100 MB of float64 logits workspace, more than its K/V, so a budget for
 1-token prompts is much smaller than one for chat-length prompts. Attention is assumed
-to run in a fused kernel (no [T, W] score matrix); block-causal models add their
-boolean [W, W] mask per row (A * max_width bytes).
+to run in a fused kernel (no [T, W] score matrix); block-causal models add the boolean
+mask row of each query column, built per forward (engine.batch.AttentionMask: A *
+max_width bytes at most).
 
 An engine whose EngineConfig.token_budget is not given plans it here at start
 (`resolve_token_budget`): on a GPU, `free` is what gpu_memory_utilization of the device

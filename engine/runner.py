@@ -344,12 +344,12 @@ class ModelRunner:
         got = inputs if inputs is not None else self.upload(p)
         qc_d, pos_d, at_d, real_d = got[0], got[1], got[2], got[3].bool()
         write_d = None if p.write is None else got[4].bool()
-        ids, mask = b.ids, b.mask
+        ids, idx = b.ids, None
         if p.group is not None:
             idx = got[-1][:, 0]
-            ids, mask = ids[idx], mask[idx]
+            ids = ids[idx]
         tokens = torch.where(real_d, ids.gather(1, qc_d), self.mcfg.pad_token_id)
-        qmask = mask if mask.shape[2] == 1 else mask.gather(2, qc_d[:, None, :, None].expand(-1, 1, -1, W))
+        qmask = b.mask.rows(qc_d, idx)
         timer = self.timer.start(p.cells)
         t0, c0 = time.perf_counter(), time.thread_time()
         with torch.inference_mode():
