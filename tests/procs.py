@@ -4,7 +4,6 @@ private temp dir each Ray those tests start gets."""
 from __future__ import annotations
 
 import contextlib
-import glob
 import os
 import shutil
 import signal
@@ -74,10 +73,10 @@ def ray_workers(*prefixes: str) -> Dict[int, str]:
     return {pid: t for raylet in children(os.getpid()) for pid, t in titles(raylet).items() if t.startswith(prefixes)}
 
 
-def kill_mid_run(pick: Callable[[Dict[int, str]], Optional[int]], out: str, prefixes: Tuple[str, ...],
-                 timeout: float = 240) -> Tuple[threading.Thread, Dict[str, float]]:
+def kill_mid_run(pick: Callable[[Dict[int, str]], Optional[int]], parts: Callable[[], int],
+                 prefixes: Tuple[str, ...], timeout: float = 240) -> Tuple[threading.Thread, Dict[str, float]]:
     """A thread that SIGKILLs the worker `pick` names among `ray_workers(*prefixes)` as soon
-    as it names one; `killed` gets its pid, the time and how many part files `out` held."""
+    as it names one; `killed` gets its pid, the time and `parts()` then (the part files written)."""
     killed: Dict[str, float] = {}
 
     def killer():
@@ -86,7 +85,7 @@ def kill_mid_run(pick: Callable[[Dict[int, str]], Optional[int]], out: str, pref
             pid = pick(ray_workers(*prefixes))
             if pid is not None:
                 os.kill(pid, signal.SIGKILL)
-                killed.update(pid=pid, t=time.time(), parts_before=len(glob.glob(os.path.join(out, "part-*.parquet"))))
+                killed.update(pid=pid, t=time.time(), parts_before=parts())
                 return
             time.sleep(0.02)
 

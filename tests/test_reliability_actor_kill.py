@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import os
 
-from conftest import blocking_gets, read_parts, write_prompts
+from conftest import blocking_gets, part_files, read_parts, write_prompts
 from engine import EngineConfig, SamplingParams
 from pipeline import DLLMProcessorConfig
 from pipeline.run import run_offline
@@ -40,7 +40,7 @@ def test_engine_actor_killed_mid_run(tmp_path, tiny_model_dir, ray_local):
     config = DLLMProcessorConfig(model=tiny_model_dir, num_engines=2, batch_size=2, max_concurrent_batches=2,
                                  engine=EngineConfig(block_length=4, steps_per_block=4, token_budget=1024),
                                  sampling=SamplingParams(max_new_tokens=16, policy="fixed"))
-    t, killed = kill_mid_run(_busy_engine, out, ("ray::DLLMEngineActor",))
+    t, killed = kill_mid_run(_busy_engine, lambda: len(part_files(out)), ("ray::DLLMEngineActor",))
     summary = run_offline(inp, out, config, rows_per_file=None, report=True)  # as the job does: engines post stats
     t.join(5)
     assert "pid" in killed, "the run ended before an engine could be killed"

@@ -19,7 +19,7 @@ import os
 import subprocess
 import sys
 
-from conftest import ROOT, read_parts, write_prompts
+from conftest import ROOT, part_files, read_parts, write_prompts
 from engine import EngineConfig, SamplingParams
 from pipeline import DLLMProcessorConfig
 from pipeline.run import run_offline
@@ -84,7 +84,8 @@ def test_a_killed_follower_rank_fails_its_engine_and_every_row_is_written_once(t
                                  max_concurrent_batches=2, enable_metrics=False,
                                  engine=EngineConfig(block_length=4, steps_per_block=4, token_budget=1024),
                                  sampling=SamplingParams(max_new_tokens=16, policy="fixed"))
-    t, killed = kill_mid_run(_following_rank, out, ("ray::DLLMEngineActor", "ray::TensorParallelFollower"))
+    t, killed = kill_mid_run(_following_rank, lambda: len(part_files(out)),
+                             ("ray::DLLMEngineActor", "ray::TensorParallelFollower"))
     summary = run_offline(inp, out, config, rows_per_file=None, report=False)
     t.join(5)
     assert "pid" in killed, "the run ended before a rank could be killed"
