@@ -27,17 +27,19 @@ def documented() -> dict:
     return {re.sub(r"_total$", "", n) if kind == "counter" else n: kind for n, kind in rows}
 
 
-def scrape(port: int, tags: "set | None" = None) -> dict:
-    """{sample name: max value over its series} from the node's metrics endpoint; with
-    `tags`, adds the (model, run, engine_rank) of every blockray series to it."""
+def scrape(port: int, run: str, tags: set) -> dict:
+    """{sample name: max value over the series of run `run`} from the node's metrics
+    endpoint, and the (model, run, engine_rank) of every blockray series added to `tags`.
+    Only `run`'s series count: the session's Ray keeps serving what earlier tests' runs
+    exported (a causal-prompt family's prefix-cache counters among them)."""
     text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
     out: dict = defaultdict(float)
     for family in text_string_to_metric_families(text):
         for s in family.samples:
             if s.name.startswith("ray_blockray_"):
-                out[s.name] = max(out[s.name], s.value)
-                if tags is not None:
-                    tags.add(tuple(s.labels.get(k) for k in ("model", "run", "engine_rank")))
+                tags.add(tuple(s.labels.get(k) for k in ("model", "run", "engine_rank")))
+                if s.labels.get("run") == run:
+                    out[s.name] = max(out[s.name], s.value)
     return out
 
 
@@ -90,7 +92,7 @@ def test_metrics_exported_with_nonzero_values(tiny_model_dir, ray_local, metrics
     deadline, grace_end = time.time() + 240, None
     while time.time() < deadline:
         try:
-            for k, v in scrape(metrics_port, tags).items():
+            for k, v in scrape(metrics_port, "mtest001", tags).items():
                 seen[k] = max(seen[k], v)
         except OSError:
             pass
