@@ -1,6 +1,7 @@
 """Issue 40: prefix caching (engine/prefix_cache.py). In float64, rows decoded with the
 cache give exactly the tokens they give without it, on LLaDA2.0 and LLaDA2.1 (with
-editing), rows sharing prefixes of several lengths (one ending mid-block, a prompt that is
+editing; the model is built from LLaDA2.0-mini's published files, which LLaDA2.1-mini's
+config.json equals), rows sharing prefixes of several lengths (one ending mid-block, a prompt that is
 all shared prefix), under every scheduler and cache mode, with preemption and eviction
 forced by a small budget; K/V peak memory stays within the budget's (plus one layer); a
 family whose prompt's K/V depend on what follows is refused, by the engine and by the
@@ -9,20 +10,42 @@ from __future__ import annotations
 
 import os
 import random
+from collections import Counter
 
 import pytest
 import torch
 
-from engine import Engine, EngineConfig, ModelConfig, SamplingParams, build_model
+import published
+from engine import Engine, EngineConfig, ModelConfig, SamplingParams, build_model, load_model
 from engine.slots import SLACK
-from test_llada2 import EOS, L, SETTINGS, tiny_llada2
+from test_llada2 import L, SETTINGS
 
 torch.set_num_threads(1)
+LLADA2 = "inclusionAI__LLaDA2.0-mini"  # LLaDA2.1-mini's config.json is the same file
+STOP = []  # a token the model emits often (set by the `model` fixture): rows stop early on it
+HEAD_SCALE = 10.0
 
 
 @pytest.fixture(scope="module")
-def model():
-    return build_model(tiny_llada2(), dtype=torch.float64, seed=0)
+def llada2_folder(tmp_path_factory) -> str:
+    """LLaDA2.0-mini's published files, sizes shrunk, random weights (tests/published.py)."""
+    return published.build(LLADA2, str(tmp_path_factory.mktemp("llada2")))
+
+
+@pytest.fixture(scope="module")
+def model(llada2_folder):
+    """The published checkpoint in float64, its output head scaled by HEAD_SCALE: random
+    weights over the published 157k-token vocabulary are never confident, so no threshold,
+    edit or stop would fire; a sharper head makes them fire as a trained model's do."""
+    m, _ = load_model(llada2_folder, dtype=torch.float64, tokenizer=False)
+    with torch.no_grad():
+        m.lm_head.weight.mul_(HEAD_SCALE)
+    prompts, jobs = shared_prefix_workload()
+    outs = Engine(m, EngineConfig(block_length=L, steps_per_block=4, token_budget=512)).generate(
+        prompts, [SamplingParams(max_new_tokens=n, policy="threshold", stop_token_ids=[], **SETTINGS[name][0])
+                  for name, n in jobs])
+    STOP[:] = [Counter(t for o in outs for t in o.token_ids).most_common(1)[0][0]]
+    return m
 
 
 def shared_prefix_workload(n=14, seed=0):
@@ -42,7 +65,7 @@ def shared_prefix_workload(n=14, seed=0):
 
 
 def params_of(jobs, with_steps=None):
-    return [SamplingParams(max_new_tokens=n, policy="threshold", stop_token_ids=[EOS], **SETTINGS[name][0])
+    return [SamplingParams(max_new_tokens=n, policy="threshold", stop_token_ids=STOP, **SETTINGS[name][0])
             for name, n in jobs]
 
 
@@ -52,7 +75,7 @@ def generate(model, prompts, jobs, **cfg):
 
 
 @pytest.mark.parametrize("scheduler,cache,budget,advance", [
-    ("blockserve", "persistent", 48, "block"), ("blockserve", "refresh", 40, "step"), ("blockserve", "dual", 56, "block"),
+    ("blockserve", "persistent", 32, "block"), ("blockserve", "refresh", 40, "step"), ("blockserve", "dual", 56, "block"),
     ("static", "persistent", 120, "block"), ("sequential", "persistent", 28, "block"),
     ("sequential", "refresh", 32, "block")])
 def test_the_cache_gives_the_same_tokens(model, scheduler, cache, budget, advance):
@@ -103,11 +126,10 @@ def test_peak_kv_within_the_budget_with_the_cache_full(model):
     assert 0 < st.kv_peak_bytes <= SLACK * st.kv_budget_bytes + one_layer
 
 
-def test_bidirectional_prompts_are_refused(model, tiny_model_dir, tmp_path):
+def test_bidirectional_prompts_are_refused(model, llada2_folder, tiny_model_dir):
     """LLaDA (a bidirectional prompt), cache none and the full canvas: refused, saying why;
     by the engine and by the job's preflight (no Ray)."""
     from engine.checkpoint import Checkpoint
-    from engine.loader import save_model
     from pipeline.checkpoint_check import CheckpointRefused, check_settings
 
     llada = build_model(ModelConfig.tiny(), dtype=torch.float32, seed=0)
@@ -121,8 +143,7 @@ def test_bidirectional_prompts_are_refused(model, tiny_model_dir, tmp_path):
     with pytest.raises(CheckpointRefused, match="cannot be reused exactly") as e:
         check_settings(Checkpoint.open(tiny_model_dir), SamplingParams(), cfg)
     assert "--enable-prefix-caching" in str(e.value)
-    save_model(build_model(tiny_llada2(), dtype=torch.float32, seed=0), str(tmp_path / "llada2"))
-    check_settings(Checkpoint.open(str(tmp_path / "llada2")), SamplingParams(), cfg)  # accepted
+    check_settings(Checkpoint.open(llada2_folder), SamplingParams(), cfg)  # accepted
 
 
 def test_prefix_affinity_routes_to_the_engine_holding_the_prefix():
@@ -207,24 +228,21 @@ def test_the_sorters_prefix_locality_knob():
     assert runs(order(0.0)) >= runs(order(0.75)) >= runs(order(1.0))
 
 
-def test_a_processor_run_with_two_engines(ray_local, tmp_path):
+def test_a_processor_run_with_two_engines(ray_local, llada2_folder):
     """The job's path: two engine actors with the cache, batches routed by prefix affinity,
     the sorter keeping prefixes together; every row once, the tokens of an engine without
     the cache, and the engines' stats show hits."""
     import ray
 
-    from engine import load_model
-    from engine.loader import save_model
     from pipeline import DLLMProcessorConfig, build_processor
 
-    folder = str(tmp_path / "llada2")
-    save_model(build_model(tiny_llada2(), dtype=torch.float64, seed=0), folder)
+    folder = llada2_folder
     rng = random.Random(7)
     pre = [[rng.randrange(13, 60) for _ in range(20)] for _ in range(3)]
     rows = [{"id": f"r{i:02d}", "prompt_token_ids": pre[i % 3] + [rng.randrange(13, 60) for _ in range(i % 5)]}
             for i in range(12)]
     engine = EngineConfig(block_length=L, steps_per_block=2, cache="persistent", token_budget=512, max_batch_size=8)
-    sampling = SamplingParams(max_new_tokens=8, policy="threshold", threshold=0.2, stop_token_ids=[EOS])
+    sampling = SamplingParams(max_new_tokens=8, policy="threshold", threshold=0.2, stop_token_ids=[])
     cfg = DLLMProcessorConfig(model=folder, num_engines=2, batch_size=3, max_concurrent_batches=2, dtype="float64",
                               detokenize=False, sort_min_prefix=16, sort_prefix_locality=1.0,
                               engine=EngineConfig(**{**engine.__dict__, "enable_prefix_caching": True}),
