@@ -24,6 +24,7 @@ class EngineSpec:
     rank: Optional[int] = None  # else the next rank of the run's group actor, else 0
     run_id: str = ""  # the `run` tag of its metrics
     enable_metrics: bool = True
+    prefix_affinity: bool = True  # with engine.enable_prefix_caching: route batches by prefix (actors/engine_router.py)
     post_stats: bool = False  # post its engine stats to the group after each batch (tests, benches)
     record_batches: bool = False
     warmup: bool = True

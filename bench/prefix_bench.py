@@ -4,8 +4,8 @@ engines, the prefix hit rate when batches are routed by prefix affinity
 (actors/prefix_affinity.py) against routing them as a pool does (to whichever engine is
 free: alternately).
 
-    python bench/prefix_bench.py --out bench/results/prefix_cpu.json     # ~3 min on a quiet core
-    python bench/prefix_bench.py --smoke --out /tmp/prefix.json          # seconds
+    python bench/prefix_bench.py --out bench/results/prefix_cpu.json     # ~15 min on a quiet core
+    python bench/prefix_bench.py --smoke --no-wide --out /tmp/prefix.json   # ~40 s (a local Ray)
 
 Model: inclusionAI/LLaDA2.0-mini's published config.json (../shared/checkpoints), shrunk
 (hidden 64, 2 layers, 16 experts), random weights, float32, one thread. Workload: a
@@ -24,6 +24,11 @@ per row; the cache saves the shared preamble of every row after the first); and 
 at steps_per_block=2 (at least 16 tokens per step: a decoding-light workload, where the
 prompt's share of the work is larger).
 
+`*_wide`: the same settings at half LLaDA2.0-mini's width (WIDE: hidden 1024, 8 heads of
+128, its expert sizes halved, 8 of 16 experts per token): at hidden 64 attention is ~3/4 of
+a ~1k-token row's FLOPs, in LLaDA2.0-mini ~1/10; the cache saves prefill, whose cost is
+mostly linear, so the ratio depends on that balance.
+
 `ceilings`: per setting, the query cells forwarded without / with the cache (about the
 most the cache can give, see `ceilings`).
 
@@ -34,7 +39,11 @@ batch holds one preamble). Batches go to engines by the router's logic
 (actors.prefix_affinity.PrefixAffinity, the dispatcher's), not through a Ray cluster
 (too slow here for the point): `affinity` sends a batch to the engine that served its
 prefix last (falling back to the least loaded), `pool` alternates as Ray Data's pool does
-when both engines are free. The hit rate is the engines' own (EngineStats)."""
+when both engines are free. The hit rate is the engines' own (EngineStats).
+
+`routing_ray`: the same batches through the job's path on a local Ray cluster: the
+processor with two engine actors, prefix affinity on and off (`prefix_affinity`,
+`--no-prefix-affinity`)."""
 from __future__ import annotations
 
 import argparse
@@ -55,21 +64,26 @@ CHECKPOINT = os.path.join(os.path.dirname(__file__), "..", "..", "shared", "chec
 SHRINK = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
               intermediate_size=128, moe_intermediate_size=32, num_experts=16, num_experts_per_tok=4, n_group=4,
               topk_group=2, vocab_size=1024, pad_token_id=1000, max_position_embeddings=4096)
+# LLaDA2.0-mini at half its width (2 layers, 16 experts): its balance of attention and
+# linear work per token at this workload's ~1k-token rows (attention ~20% of a decode query's
+# FLOPs against ~10% in the published model, ~77% in SHRINK's hidden 64), where the cache's
+# saving is the prefill's linear work
+WIDE = dict(SHRINK, hidden_size=1024, num_attention_heads=8, head_dim=128, intermediate_size=2560,
+            moe_intermediate_size=256, num_experts_per_tok=8)
 FULL = dict(rows=8, preamble=900, question=(60, 120), new=256, tasks=4, task_rows=12, batch=3)
 SMOKE = dict(rows=3, preamble=120, question=(20, 40), new=64, tasks=3, task_rows=2, batch=2)
 L = 32
 ROUNDS = 3  # off/on pairs per setting, alternating which runs first; the median of the per-round ratios
 
 
-def tiny_llada2() -> ModelConfig:
+def tiny_llada2(sizes: Dict = SHRINK) -> ModelConfig:
     """LLaDA2.0-mini's config.json with its sizes shrunk (ids inside the shrunk vocabulary)."""
     published = {}
     if os.path.exists(CHECKPOINT):
         with open(CHECKPOINT) as f:
             published = json.load(f)
-    hf = {**published, **SHRINK, "model_type": "llada2_moe", "mask_token_id": 1023, "eos_token_id": 1001}
-    for k in ("rotary_dim", "sliding_window", "max_window_layers"):
-        hf.pop(k, None)
+    hf = {**published, **sizes, "model_type": "llada2_moe", "mask_token_id": 1023, "eos_token_id": 1001}
+    hf["rotary_dim"] = int(hf["head_dim"] * hf.get("partial_rotary_factor", 0.5))  # a size: half the head, as published
     return ModelConfig.from_hf(hf)
 
 
@@ -96,13 +110,14 @@ def run(model, cfg: EngineConfig, prompts, sp) -> Dict:
             "out": [o.token_ids for o in outs]}
 
 
-def single(model, s: Dict) -> Dict:
+def single(model, s: Dict, settings=(("refresh", 8), ("persistent", 8), ("refresh", 2), ("persistent", 2)),
+           suffix: str = "") -> Dict:
     rng = random.Random(0)
     preamble = [rng.randrange(3, 999) for _ in range(s["preamble"])]
     prompts = workload(s, rng, preamble, s["rows"])
     sp = params(s)
     res = {}
-    for cache, steps in (("refresh", 8), ("persistent", 8), ("refresh", 2), ("persistent", 2)):
+    for cache, steps in settings:
         base = dict(block_length=L, steps_per_block=steps, cache=cache, token_budget=32768, max_batch_size=64)
         ratios, runs = [], []
         for r in range(ROUNDS):  # ABBA: off, on, then on, off
@@ -113,7 +128,7 @@ def single(model, s: Dict) -> Dict:
             ratios.append(on["tokens_per_cpu_s"] / off["tokens_per_cpu_s"])
             runs.append((off, on))
         off, on = runs[ratios.index(statistics.median(ratios))] if ROUNDS % 2 else runs[-1]
-        name = cache if steps == 8 else f"{cache}_steps{steps}"
+        name = (cache if steps == 8 else f"{cache}_steps{steps}") + suffix
         res[name] = {"off": off, "on": on, "speedup_tokens_per_cpu_s": statistics.median(ratios), "round_ratios": ratios}
         print(f"single {name}: {off['tokens_per_cpu_s']:.1f} -> {on['tokens_per_cpu_s']:.1f} tokens/CPU-s "
               f"(x{res[name]['speedup_tokens_per_cpu_s']:.2f}), hit rate {on['prefix_hit_rate']}", flush=True)
@@ -158,6 +173,51 @@ def routing(model, s: Dict) -> Dict:
         res[policy] = {"prefix_hit_rate": hit / query if query else None, "hit_blocks": hit, "query_blocks": query,
                        "evictions": sum(e.stats.prefix_evictions for e in engines), "token_budget": budget}
         print(f"routing {policy}: hit rate {res[policy]['prefix_hit_rate']:.3f}", flush=True)
+    return res
+
+
+def routing_ray(model, s: Dict, folder: str) -> Dict:
+    """`routing`'s workload through the job's path on a real local Ray (2 CPUs): the
+    processor with two engine actors and the prefix cache, rows in the order of `routing`'s
+    batches (sort none, batch_size = its batch), prefix affinity on and off
+    (DLLMProcessorConfig.prefix_affinity); the engines' own hit rates (collect_engine_stats),
+    every row once."""
+    import ray
+
+    from bench.sorter_scale import bench_ray
+    from engine import save_model
+    from pipeline import DLLMProcessorConfig, build_processor
+
+    save_model(model, folder)
+    rng = random.Random(1)  # the same batches as `routing`
+    tasks = [[rng.randrange(3, 999) for _ in range(s["preamble"])] for _ in range(s["tasks"])]
+    batches = [workload(s, rng, pre, s["batch"]) for _ in range(s["task_rows"] // s["batch"]) for pre in tasks]
+    rng.shuffle(batches)
+    rows = [{"id": f"r{i:04d}", "prompt_token_ids": p} for i, p in enumerate(p for b in batches for p in b)]
+    width = max(len(r["prompt_token_ids"]) for r in rows) + 2 * L
+    budget = s["batch"] * width + (9 * s["preamble"]) // 4
+    sp = SamplingParams(max_new_tokens=L, policy="threshold", threshold=0.95, stop_token_ids=[])
+    res = {}
+    with bench_ray():
+        for affinity in (True, False):
+            cfg = DLLMProcessorConfig(
+                model=folder, num_engines=2, batch_size=s["batch"], max_concurrent_batches=1, sort="none",
+                dtype="float32", detokenize=False, prefix_affinity=affinity, collect_engine_stats=True,
+                engine=EngineConfig(block_length=L, steps_per_block=8, cache="persistent", token_budget=budget,
+                                    max_batch_size=s["batch"], enable_prefix_caching=True), sampling=sp)
+            proc = build_processor(cfg)
+            t0 = time.perf_counter()
+            out = proc(ray.data.from_items(rows, override_num_blocks=len(batches))).take_all()
+            wall = time.perf_counter() - t0
+            assert sorted(r["id"] for r in out) == [r["id"] for r in rows], "rows lost or repeated"
+            st = proc.engine_stats().values()
+            hit, query = sum(e["prefix_hit_blocks"] for e in st), sum(e["prefix_query_blocks"] for e in st)
+            name = "affinity" if affinity else "pool"
+            res[name] = {"prefix_hit_rate": hit / query if query else None, "hit_blocks": hit, "query_blocks": query,
+                         "evictions": sum(e["prefix_evictions"] for e in st), "rows": len(out), "wall_s": wall,
+                         "token_budget": budget}
+            print(f"routing on Ray, {name}: hit rate {res[name]['prefix_hit_rate']:.3f} ({hit}/{query} blocks), "
+                  f"{wall:.1f} s", flush=True)
     return res
 
 
@@ -238,6 +298,8 @@ def main(argv=None) -> Dict:
     ap = argparse.ArgumentParser()
     ap.add_argument("--smoke", action="store_true")
     ap.add_argument("--out", default="bench/results/prefix_cpu.json")
+    ap.add_argument("--no-ray", action="store_true", help="skip routing_ray (a local Ray cluster)")
+    ap.add_argument("--no-wide", action="store_true", help="skip the settings at half LLaDA2.0-mini's width (~10 min)")
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
     s = SMOKE if args.smoke else FULL
@@ -246,6 +308,14 @@ def main(argv=None) -> Dict:
 
     res = {"command": "python bench/prefix_bench.py " + " ".join(sys.argv[1:] if argv is None else argv),
            "settings": s, "block_length": L, "sorter": sorter(s), "single": single(model, s), "routing": routing(model, s)}
+    if not args.no_wide:  # the same at half LLaDA2.0-mini's width (WIDE)
+        wide = build_model(tiny_llada2(WIDE), dtype=torch.float32, seed=0)
+        res["single"].update(single(wide, s, suffix="_wide"))
+    if not args.no_ray:
+        import tempfile
+
+        with tempfile.TemporaryDirectory() as d:
+            res["routing_ray"] = routing_ray(model, s, d)
     res["ceilings"] = ceilings(res["single"])
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:

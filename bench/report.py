@@ -184,11 +184,15 @@ OTHER = [
      "steps_per_block 8 (at least 4 tokens per step by its schedule floor). `single`: tokens per CPU-second of the "
      "engine's thread without and with `enable_prefix_caching`, under the default cache mode (refresh) and under "
      "persistent (and both at steps_per_block=2, at least 16 tokens per step: decoding-light), the tokens checked "
-     "equal; `computed_cells` are the query cells forwarded. `routing`: two "
+     "equal; `computed_cells` are the query cells forwarded; `*_wide`: the same at half LLaDA2.0-mini's width "
+     "(hidden 1024, 8 heads of 128, 16 experts, 8 per token), where attention is ~1/5 of a ~1k-token row's FLOPs "
+     "(~3/4 at hidden 64, ~1/10 in LLaDA2.0-mini; the cache saves prefill, mostly linear work). `routing`: two "
      "in-process engines, each with room for a batch and about 2.2 preambles of cached blocks, fed 16 batches of "
      "3 rows of 4 tasks (a preamble each) through the dispatcher's logic (`actors.prefix_affinity`, not a Ray "
      "cluster): `affinity` routes a batch to the engine that served its prefix last, `pool` alternates as Ray "
-     "Data hands blocks to free dispatchers; the hit rate is the engines' own. `sorter`: the sorter's "
+     "Data hands blocks to free dispatchers; the hit rate is the engines' own. `routing_ray`: the same rows "
+     "through the job's path on a local Ray cluster (the processor, two engine actors, sort none, prefix "
+     "affinity on and off: `--no-prefix-affinity`), every row once. `sorter`: the sorter's "
      "`sort_prefix_locality` on one window of 4 tasks x 48 rows with budgets of 64-512 tokens, batches of 6: "
      "preambles computed (one per task per batch) and the makespan of two engines taking the ordered batches as "
      "they free up, over its lower bound (the ordering's cost model). `ceilings`: per setting, the query "
@@ -202,6 +206,8 @@ OTHER = [
                            for m, v in d["single"].items()},
                 "routing": {p: {"prefix_hit_rate": v["prefix_hit_rate"], "evictions": v["evictions"]}
                             for p, v in d["routing"].items()},
+                "routing_ray": {p: {"prefix_hit_rate": v["prefix_hit_rate"], "evictions": v["evictions"]}
+                                for p, v in d.get("routing_ray", {}).items()},
                 "sorter": {loc: [v["preambles_computed"], v["makespan_over_bound"]] for loc, v in d["sorter"].items()},
                 "ceilings": d.get("ceilings")}),
     ("sorter_scale.json", "Sorter at scale (`bench/sorter_bench.py --scale`)",

@@ -146,6 +146,12 @@ class DLLMProcessorConfig:
     sort_prefix_locality: float = field(default=0.0, metadata={"bounds": within(0, 1), "help": (
         "blendserve: 0..1, how far rows sharing a prompt prefix are kept together against the cost order "
         "(0: cost first; 1: a prefix group's rows side by side; pairs with --enable-prefix-caching)")})
+    # engine.enable_prefix_caching with several engines: a batch goes to the engine that served
+    # its prompt prefix last (actors/prefix_affinity.py), as SGLang's cache-aware router; False
+    # routes as a plain pool (each dispatcher to its own engine).
+    prefix_affinity: bool = field(default=True, metadata={"help": (
+        "with --enable-prefix-caching and several engines: send a batch to the engine that served its prompt "
+        "prefix last, unless it is busier (default); --no-prefix-affinity: each batch to the engine that takes it")})
     # Engines post their stats (busy_s, padded_cells, ...) per rank after every batch;
     # read them with `processor.engine_stats()` (tests, benches).
     collect_engine_stats: bool = field(default=False, metadata={"cli": False, "help": "tests and benches"})

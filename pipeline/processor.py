@@ -171,7 +171,8 @@ class DLLMProcessor:
         k = cfg.max_concurrent_batches
         spec = EngineSpec(
             model=self.checkpoint, engine=cfg.engine, sampling=cfg.sampling, dtype=cfg.dtype,
-            device=res["device"], torch_threads=cfg.torch_threads, run_id=self.run_id, enable_metrics=cfg.enable_metrics, post_stats=cfg.collect_engine_stats,
+            device=res["device"], torch_threads=cfg.torch_threads, run_id=self.run_id, enable_metrics=cfg.enable_metrics,
+            prefix_affinity=cfg.prefix_affinity, post_stats=cfg.collect_engine_stats,
             record_batches=cfg.record_batches, token_ids_column=TOKEN_IDS, error_column=PRE_ERROR,
             sampling_column=cfg.sampling_column, seed_column=cfg.seed_column, id_column=cfg.id_column)
         if cfg.wait_for_engines_s > 0 and ds.context.wait_for_min_actors_s <= 0:

@@ -30,7 +30,7 @@ MISMATCH_CHOICES = ("refuse", "allow")
 NOT_RESULT_FIELDS = frozenset({
     "model", "chat_template", "num_engines", "batch_size", "max_concurrent_batches", "num_gpus_per_engine",
     "num_cpus_per_engine", "resources_per_engine", "torch_threads", "cpu_stage_num_cpus",
-    "wait_for_engines_s", "sort", "sort_window_rows", "sort_min_prefix", "sort_prefix_locality", "collect_engine_stats", "enable_metrics",
+    "wait_for_engines_s", "sort", "sort_window_rows", "sort_min_prefix", "sort_prefix_locality", "prefix_affinity", "collect_engine_stats", "enable_metrics",
     "record_batches", "engine.token_budget", "engine.gpu_memory_utilization", "engine.max_batch_size", "engine.scheduler", "engine.advance",
     "engine.profile", "engine.enable_prefix_caching", "postprocess_error_rows",
     "should_continue_on_error", "accelerator_type", "placement_group_config",
