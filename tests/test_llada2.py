@@ -10,26 +10,37 @@ experts, first_k_dense_replace dense layers; float64 throughout. `generate_20` a
 LLaDA2.1-mini (one request, no cache, the whole window re-forwarded every step) with the
 two deliberate differences: greedy at temperature 0 (2.0's file samples) and a real
 block-causal mask (2.1's adds its 0/1 mask to the scores). The engine's mixed batches,
-under every scheduler with the persistent cache, must give exactly their tokens."""
+under every scheduler with the persistent cache, must give exactly their tokens.
+
+The model is LLaDA2.0-mini's published file set (tests/published.py: config.json with its
+sizes shrunk, the published tensor names; LLaDA2.1-mini's config.json is the same file),
+its output head sharpened (HEAD_SCALE) so that over the published 157k-token vocabulary
+thresholds, edits and stops fire as a trained model's do; the stop id is a token it emits
+often. `tiny_llada2` (a hand-written config of 64 tokens) stays for one mechanism the
+random published model never shows: an edit that writes the mask token."""
 from __future__ import annotations
 
 import random
+from collections import Counter
+from types import SimpleNamespace
 
 import pytest
 import torch
 import torch.nn.functional as F
 
 import published
-from engine import Engine, EngineConfig, ModelConfig, SamplingParams, build_model
+from engine import Engine, EngineConfig, ModelConfig, SamplingParams, build_model, load_model
 from engine.models.families.moe import MoESpec
 
 torch.set_num_threads(1)
 L = 4
-EOS, MASK = 12, 63
+EOS, MASK = 12, 63  # tiny_llada2's
+HEAD_SCALE = 10.0
 
 
 def tiny_llada2(**kw) -> ModelConfig:
-    """Layer 0 dense, layer 1 eight experts in 4 groups (2 kept), top-2, a shared expert."""
+    """Layer 0 dense, layer 1 eight experts in 4 groups (2 kept), top-2, a shared expert;
+    a 64-token vocabulary (test_edits_that_write_the_mask_token_are_decoded_again)."""
     spec = MoESpec(num_experts=8, top_k=2, expert_size=16, dense_size=48, dense_layers=(True, False), shared_size=16,
                    score="sigmoid", expert_bias=True, bias_in_weights=False, renormalize=True, scaling=2.5, n_group=4,
                    topk_group=2)
@@ -237,23 +248,46 @@ def published_tokens(out, eos_id=EOS):
     return out[:-1] if out and out[-1] == eos_id else out
 
 
-@pytest.fixture(scope="module")
-def model():
-    return build_model(tiny_llada2(), dtype=torch.float64, seed=0)
-
-
-@pytest.fixture(scope="module")
-def ref(model):
+def with_biases(model):
+    """The gate's expert_bias and a dense bias where the config has one: not zero, so they count."""
     with torch.no_grad():
-        for layer in model.layers:  # the gate's expert_bias and the dense bias: not zero, so they count
+        for layer in model.layers:
             if getattr(layer, "expert_bias", None) is not None:
                 layer.expert_bias.normal_(0, 0.5, generator=torch.Generator().manual_seed(3))
-            layer.o.bias.normal_(0, 0.1, generator=torch.Generator().manual_seed(4))
-    return PublishedLLaDA2(model)
+            if layer.o.bias is not None:
+                layer.o.bias.normal_(0, 0.1, generator=torch.Generator().manual_seed(4))
+    return model
+
+
+@pytest.fixture(scope="module")
+def pub(tmp_path_factory):
+    """The published LLaDA2.0-mini build in float64 (head sharpened, biases drawn), its
+    reference, mask id, and a stop id: the token the published 2.1 loop emits most on the
+    workload without one."""
+    folder = published.build("inclusionAI__LLaDA2.0-mini", str(tmp_path_factory.mktemp("llada2")))
+    model, _ = load_model(folder, dtype=torch.float64, tokenizer=False)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(HEAD_SCALE)
+    ref = PublishedLLaDA2(with_biases(model))
+    mask = model.config.mask_token_id
+    prompts, jobs = workload()
+    free = [generate_21(ref, p, n, L, 0.15, 1.0, eos_id=-1, mask_id=mask) for p, (_, n) in zip(prompts, jobs)]
+    eos = Counter(t for o in free for t in o).most_common(1)[0][0]
+    return SimpleNamespace(model=model, ref=ref, mask=mask, eos=eos)
+
+
+@pytest.fixture(scope="module")
+def model(pub):
+    return pub.model
+
+
+@pytest.fixture(scope="module")
+def ref(pub):
+    return pub.ref
 
 
 def test_forward_equals_the_published_model(model, ref):
-    ids = torch.randint(0, 63, (13,), generator=torch.Generator().manual_seed(1))
+    ids = torch.randint(0, model.config.vocab_size, (13,), generator=torch.Generator().manual_seed(1))
     keep = block_mask(4, L)[:13, :13]
     with torch.no_grad():
         ours = model(ids[None], torch.arange(13)[None], keep[None, None])[0]
@@ -275,47 +309,50 @@ def workload(n=12, seed=0):
     return prompts, jobs
 
 
-def reference(ref, prompt, name, max_new):
+def reference(pub, prompt, name, max_new):
     kw, S = SETTINGS[name]
+    ids = dict(eos_id=pub.eos, mask_id=pub.mask)
     if name.startswith("2.0"):
-        out = generate_20(ref, prompt, max_new, L, S, kw["threshold"])
+        out = generate_20(pub.ref, prompt, max_new, L, S, kw["threshold"], **ids)
     else:
-        out = generate_21(ref, prompt, max_new, L, kw["threshold"], kw["edit_threshold"], kw.get("max_post_steps", 16))
-    return published_tokens(out)
+        out = generate_21(pub.ref, prompt, max_new, L, kw["threshold"], kw["edit_threshold"],
+                          kw.get("max_post_steps", 16), **ids)
+    return published_tokens(out, pub.eos)
 
 
 @pytest.fixture(scope="module")
-def references(ref):
+def references(pub):
     prompts, jobs = workload()
-    return prompts, jobs, [reference(ref, p, name, n) for p, (name, n) in zip(prompts, jobs)]
+    return prompts, jobs, [reference(pub, p, name, n) for p, (name, n) in zip(prompts, jobs)]
 
 
-def test_the_workload_exercises_every_rule(references, ref):
+def test_the_workload_exercises_every_rule(references, pub):
     """Stops, several blocks, and edits all happen (else equality would prove little)."""
     prompts, jobs, outs = references
+    ref, ids = pub.ref, dict(eos_id=pub.eos, mask_id=pub.mask)
     assert any(len(o) < n for o, (_, n) in zip(outs, jobs))  # some row stopped at EOS
     assert any(len(o) > L for o in outs)
     assert any(n < S for (name, n) in jobs for S in [SETTINGS[name][1]] if name.startswith("2.0"))  # min(steps, gen)
-    edited = [generate_21(ref, p, n, L, 0.15, 0.1) != generate_21(ref, p, n, L, 0.15, 1.0)
+    edited = [generate_21(ref, p, n, L, 0.15, 0.1, **ids) != generate_21(ref, p, n, L, 0.15, 1.0, **ids)
               for p, (name, n) in zip(prompts, jobs) if name == "2.1-edit"]
     assert any(edited)
-    capped = [generate_21(ref, p, n, L, 0.2, 0.05, 1) != generate_21(ref, p, n, L, 0.2, 0.05, 16)
+    capped = [generate_21(ref, p, n, L, 0.2, 0.05, 1, **ids) != generate_21(ref, p, n, L, 0.2, 0.05, 16, **ids)
               for p, (name, n) in zip(prompts, jobs) if name == "2.1-edit-post1"]
     assert any(capped)  # max_post_steps ends some blocks
 
 
 @pytest.mark.parametrize("steps", [2, 4])
 @pytest.mark.parametrize("scheduler", ["blockserve", "static", "sequential"])
-def test_mixed_batches_equal_the_published_loops(model, references, scheduler, steps):
+def test_mixed_batches_equal_the_published_loops(pub, references, scheduler, steps):
     """Rows of 2.0 (threshold + schedule floor) and 2.1 (with and without editing) in one
     batch, persistent cache, under every scheduler: the published tokens exactly."""
     prompts, jobs, outs = references
     pick = [i for i, (name, _) in enumerate(jobs) if SETTINGS[name][1] == steps]
     cfg = EngineConfig(block_length=L, steps_per_block=steps, cache="persistent", scheduler=scheduler,
                        token_budget=48, max_batch_size=4)
-    eng = Engine(model, cfg, record_batches=True)
+    eng = Engine(pub.model, cfg, record_batches=True)
     assert not eng.full_canvas
-    params = [SamplingParams(max_new_tokens=jobs[i][1], policy="threshold", stop_token_ids=[EOS],
+    params = [SamplingParams(max_new_tokens=jobs[i][1], policy="threshold", stop_token_ids=[pub.eos],
                              **SETTINGS[jobs[i][0]][0]) for i in pick]
     got = eng.generate([prompts[i] for i in pick], params)
     if scheduler != "sequential":
@@ -326,13 +363,14 @@ def test_mixed_batches_equal_the_published_loops(model, references, scheduler, s
     assert all(o.prompt_token_ids == prompts[i] for o, i in zip(got, pick))
 
 
-def test_step_advance_and_other_caches_give_the_same_tokens(model, references):
+def test_step_advance_and_other_caches_give_the_same_tokens(pub, references):
     """Admission at any step, and the refresh / no cache: the same tokens."""
     prompts, jobs, outs = references
     pick = [i for i, (name, _) in enumerate(jobs) if SETTINGS[name][1] == 4]
-    params = [SamplingParams(max_new_tokens=jobs[i][1], stop_token_ids=[EOS], **SETTINGS[jobs[i][0]][0]) for i in pick]
+    params = [SamplingParams(max_new_tokens=jobs[i][1], stop_token_ids=[pub.eos], **SETTINGS[jobs[i][0]][0])
+              for i in pick]
     for cache, advance in (("persistent", "step"), ("refresh", "block"), ("none", "block")):
-        eng = Engine(model, EngineConfig(block_length=L, steps_per_block=4, cache=cache, advance=advance,
+        eng = Engine(pub.model, EngineConfig(block_length=L, steps_per_block=4, cache=cache, advance=advance,
                                          token_budget=80, max_batch_size=4))
         assert [o.token_ids for o in eng.generate([prompts[i] for i in pick], params)] == [outs[i] for i in pick]
 
