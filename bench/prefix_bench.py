@@ -143,19 +143,22 @@ def ceilings(single: Dict) -> Dict:
     return {name: v["off"]["computed_cells"] / v["on"]["computed_cells"] for name, v in single.items()}
 
 
-def routing(model, s: Dict) -> Dict:
-    """Batches of a multi-task workload over two engines: affinity vs pool routing."""
+def routing_batches(s: Dict):
+    """(batches, token_budget) of the multi-task workload: the sorter's order (a task's rows
+    together in a batch, tasks interleaved over time); an engine's budget holds one batch
+    and about 2.2 preambles of cached blocks (it cannot hold every task's)."""
     rng = random.Random(1)
     tasks = [[rng.randrange(3, 999) for _ in range(s["preamble"])] for _ in range(s["tasks"])]
-    batches = []  # the sorter's order: a task's rows together, tasks interleaved over time
-    for rnd in range(s["task_rows"] // s["batch"]):
-        for t, pre in enumerate(tasks):
-            batches.append(workload(s, rng, pre, s["batch"]))
+    batches = [workload(s, rng, pre, s["batch"]) for _ in range(s["task_rows"] // s["batch"]) for pre in tasks]
     rng.shuffle(batches)
-    sp = SamplingParams(max_new_tokens=L, policy="threshold", threshold=0.95, stop_token_ids=[])
     width = max(len(p) for b in batches for p in b) + 2 * L
-    # room for one batch and about 2.2 preambles of cached blocks: an engine cannot hold every task's
-    budget = s["batch"] * width + (9 * s["preamble"]) // 4
+    return batches, s["batch"] * width + (9 * s["preamble"]) // 4
+
+
+def routing(model, s: Dict) -> Dict:
+    """Batches of a multi-task workload over two engines: affinity vs pool routing."""
+    batches, budget = routing_batches(s)
+    sp = SamplingParams(max_new_tokens=L, policy="threshold", threshold=0.95, stop_token_ids=[])
     res = {}
     for policy in ("affinity", "pool"):
         engines = [Engine(model, EngineConfig(block_length=L, steps_per_block=8, cache="persistent", token_budget=budget,
@@ -189,13 +192,8 @@ def routing_ray(model, s: Dict, folder: str) -> Dict:
     from pipeline import DLLMProcessorConfig, build_processor
 
     save_model(model, folder)
-    rng = random.Random(1)  # the same batches as `routing`
-    tasks = [[rng.randrange(3, 999) for _ in range(s["preamble"])] for _ in range(s["tasks"])]
-    batches = [workload(s, rng, pre, s["batch"]) for _ in range(s["task_rows"] // s["batch"]) for pre in tasks]
-    rng.shuffle(batches)
+    batches, budget = routing_batches(s)
     rows = [{"id": f"r{i:04d}", "prompt_token_ids": p} for i, p in enumerate(p for b in batches for p in b)]
-    width = max(len(r["prompt_token_ids"]) for r in rows) + 2 * L
-    budget = s["batch"] * width + (9 * s["preamble"]) // 4
     sp = SamplingParams(max_new_tokens=L, policy="threshold", threshold=0.95, stop_token_ids=[])
     res = {}
     with bench_ray():

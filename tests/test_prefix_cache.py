@@ -8,7 +8,6 @@ family whose prompt's K/V depend on what follows is refused, by the engine and b
 job's preflight; the dispatcher's prefix affinity; the sorter's prefix locality knob."""
 from __future__ import annotations
 
-import os
 import random
 from collections import Counter
 
