@@ -15,6 +15,14 @@ model's forward is that thread's work too). `forward` is the model call itself; 
 is everything else inside Engine.step, per denoising step. On a CPU the tensor work of
 the step (the float64 softmax of propose, the selection's sorts) is host time; on an
 accelerator it is device work queued behind the forward.
+
+`--op-split` answers how much of it that is: each run is repeated under a dispatch mode
+(OpClock) that times every aten op's call in thread CPU and books it to the phase it ran
+in, with their count; a phase's `tensor_cpu_ms_per_step` is that time (the kernels and
+torch's C++ dispatch of each op), its `python_cpu_ms_per_step` the rest of its CPU time
+in the plain run (the interpreter), `ops_per_step` its aten ops: next to a GPU each op
+outside the forward is a kernel launch or a host op, so the host's share of a step is
+about the Python time plus those ops' launch costs.
 """
 from __future__ import annotations
 
@@ -30,6 +38,7 @@ if __package__ in (None, ""):  # run as a script: make the repo root importable
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
+from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
 from bench.engine_bench import git_state, machine_info  # noqa: E402
 from bench.runner import RunSpec, _widest, run, warmup  # noqa: E402
@@ -49,6 +58,24 @@ PHASES = [
     ("step rest", "engine.engine", "Engine", "_denoise"),
     ("loop rest", "engine.core", "EngineCore", "step"),
 ]
+
+
+class OpClock(TorchDispatchMode):
+    """Thread-CPU seconds inside aten ops, booked to the phase on top of `clock`'s stack."""
+
+    def __init__(self, clock: "PhaseClock"):
+        super().__init__()
+        self.clock = clock
+        self.cpu: Dict[str, float] = {}
+        self.ops: Dict[str, int] = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        c = time.thread_time()
+        out = func(*args, **(kwargs or {}))
+        name = self.clock.stack[-1][0] if self.clock.stack else "outside the phases"
+        self.cpu[name] = self.cpu.get(name, 0.0) + time.thread_time() - c
+        self.ops[name] = self.ops.get(name, 0) + 1
+        return out
 
 
 class PhaseClock:
@@ -114,18 +141,41 @@ def instrument(clock: PhaseClock, model: torch.nn.Module) -> Callable[[], None]:
     return restore
 
 
-def measure(w, spec: RunSpec) -> Dict[str, Any]:
+def timed_run(w, spec: RunSpec, ops: bool = False):
+    """(the run's result, its PhaseClock, its OpClock or None)."""
     clock = PhaseClock()
+    op_clock = OpClock(clock) if ops else None
     restore = instrument(clock, w.model)
     try:
-        res = run(w, spec)
+        if op_clock is None:
+            res = run(w, spec)
+        else:
+            with op_clock:
+                res = run(w, spec)
     finally:
         restore()
+    return res, clock, op_clock
+
+
+def measure(w, spec: RunSpec, op_split: bool = False) -> Dict[str, Any]:
+    res, clock, _ = timed_run(w, spec)
     steps = max(1, res.steps)
     phases = {k: {"wall_ms_per_step": 1e3 * clock.wall.get(k, 0.0) / steps,
                   "cpu_ms_per_step": 1e3 * clock.cpu.get(k, 0.0) / steps, "calls": clock.calls.get(k, 0)}
               for k in [p[0] for p in PHASES] + ["forward"] if k in clock.calls}
     host = {k: v for k, v in phases.items() if k != "forward"}
+    split = {}
+    if op_split:
+        again, _, ops = timed_run(w, spec, ops=True)
+        assert again.output_digests == res.output_digests, "the op-timed run decoded other tokens"
+        for k, v in phases.items():
+            v["tensor_cpu_ms_per_step"] = 1e3 * ops.cpu.get(k, 0.0) / steps
+            v["python_cpu_ms_per_step"] = v["cpu_ms_per_step"] - v["tensor_cpu_ms_per_step"]
+            v["ops_per_step"] = ops.ops.get(k, 0) / steps
+        split = {"host_tensor_cpu_ms_per_step": sum(v["tensor_cpu_ms_per_step"] for v in host.values()),
+                 "host_python_cpu_ms_per_step": sum(v["python_cpu_ms_per_step"] for v in host.values()),
+                 "host_ops_per_step": sum(v["ops_per_step"] for v in host.values()),
+                 "forward_ops_per_step": phases.get("forward", {}).get("ops_per_step")}
     return {"label": spec.label, "scheduler": spec.scheduler, "token_budget": spec.token_budget,
             "max_batch_size": spec.max_batch_size, "steps": res.steps, "mean_rows": res.mean_rows,
             "max_rows": res.max_rows, "peak_cost": res.peak_cost, "tokens": res.tokens, "output_digest": hash(tuple(res.output_digests)),
@@ -134,7 +184,7 @@ def measure(w, spec: RunSpec) -> Dict[str, Any]:
             "forward_ms_per_step": phases.get("forward", {}).get("wall_ms_per_step"),
             "forward_cpu_ms_per_step": phases.get("forward", {}).get("cpu_ms_per_step"),
             "engine_host_ms_per_step": res.host_ms_per_step, "syncs_per_step": res.syncs_per_step,
-            "phases": phases, "loadavg": res.loadavg, "error": res.error}
+            **split, "phases": phases, "loadavg": res.loadavg, "error": res.error}
 
 
 def plot(path: str, report: Dict[str, Any]) -> None:
@@ -181,6 +231,8 @@ def main(argv=None) -> int:
     ap.add_argument("--n-requests", type=int, default=None)
     ap.add_argument("--smoke", action="store_true")
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--op-split", action="store_true", help="repeat each run with every aten op timed: host CPU "
+                    "split into tensor work and the rest (Python, dispatch)")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     if args.runs_from:
@@ -202,16 +254,21 @@ def main(argv=None) -> int:
     runs = []
     for b, budget in zip(sizes, budgets):
         if not args.no_static:
-            r = measure(w, RunSpec(f"static-B{b}", "static", widest, max_batch_size=b))
+            r = measure(w, RunSpec(f"static-B{b}", "static", widest, max_batch_size=b), args.op_split)
             runs.append(r)
             print(f"{r['label']:20s} host {r['host_ms_per_step']:6.2f} ms/step (cpu {r['host_cpu_ms_per_step']:6.2f})"
                   f"  forward {r['forward_ms_per_step']:6.2f}", flush=True)
         if budget is None:
             budget = max(runs[-1]["peak_cost"], widest)
-        r = measure(w, RunSpec(f"blockserve@B{b}", "blockserve", budget))
+        r = measure(w, RunSpec(f"blockserve@B{b}", "blockserve", budget), args.op_split)
         runs.append(r)
         print(f"{r['label']:20s} host {r['host_ms_per_step']:6.2f} ms/step (cpu {r['host_cpu_ms_per_step']:6.2f})"
               f"  forward {r['forward_ms_per_step']:6.2f}  rows {r['mean_rows']:.1f}", flush=True)
+    for r in runs:
+        if "host_tensor_cpu_ms_per_step" in r:
+            print(f"{r['label']:20s} host cpu: tensor ops {r['host_tensor_cpu_ms_per_step']:6.2f} ms/step, "
+                  f"the rest {r['host_python_cpu_ms_per_step']:6.2f}; aten ops per step {r['host_ops_per_step']:.0f} "
+                  f"(forward {r['forward_ops_per_step']:.0f})", flush=True)
     report = {"command": "python " + " ".join([os.path.relpath(sys.argv[0])] + sys.argv[1:]),
               "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"), "git": git_state(),
               "machine": machine_info(args.threads), "workload": {"name": "skewed", "n_requests": len(w.prompts)},

@@ -210,6 +210,17 @@ OTHER = [
                                 for p, v in d.get("routing_ray", {}).items()},
                 "sorter": {loc: [v["preambles_computed"], v["makespan_over_bound"]] for loc, v in d["sorter"].items()},
                 "ceilings": d.get("ceilings")}),
+    ("host_split.json", "Host time of a step: tensor ops and the rest (`bench/host_bench.py --op-split`)",
+     "Issue 41: the skewed workload's first 32 requests, static-B32 and blockserve at its budget, each run twice: "
+     "plainly (the phases' CPU time) and under a dispatch mode that times every aten op and counts it. Per "
+     "denoising step, outside the forward: `host_cpu_ms` (all phases), `tensor_ms` (inside aten ops: kernels and "
+     "torch's dispatch), `python_ms` (the rest: the interpreter), `ops` (aten ops: on a GPU, kernel launches or "
+     "host ops each), and the forward's ops. The split of one phase is a difference of two runs (a few tenths of "
+     "a ms either way).",
+     lambda d: {r["label"]: {"host_cpu_ms": r["host_cpu_ms_per_step"], "tensor_ms": r["host_tensor_cpu_ms_per_step"],
+                             "python_ms": r["host_python_cpu_ms_per_step"], "ops": r["host_ops_per_step"],
+                             "forward_ops": r["forward_ops_per_step"], "mean_rows": r["mean_rows"]}
+                for r in d["runs"]}),
     ("sorter_scale.json", "Sorter at scale (`bench/sorter_bench.py --scale`)",
      "The job on 2 CPU engines, blendserve ordering against none, 1k to 16k rows.",
      lambda d: {k: d["summary"][k] for k in ("blendserve_over_none_1k", "r2")}),
