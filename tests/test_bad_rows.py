@@ -216,8 +216,10 @@ def stop_midrun(args, out: str, sig: int, tmp_path, name: str, before=None, addr
         assert "Traceback" not in err and "SIGABRT" not in err and "*** " not in err, err[-3000:]
         if address:  # the job's actors end with its driver
             wait_for(lambda: not run_actors() - actors_before, None, timeout=60)
-        else:
-            time.sleep(1)
+        else:  # its Ray's processes exit (a worker may take a few seconds on a loaded machine)
+            end = time.time() + 30
+            while ray_processes(ray_tmp) and time.time() < end:
+                time.sleep(0.5)
             assert ray_processes(ray_tmp) == []
     assert not os.path.exists(os.path.join(out, "_tmp")) and not os.path.exists(os.path.join(out, "_lock.json"))
     pq.read_table(out, columns=["id"])  # every part file there is complete

@@ -15,6 +15,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 import uuid
 
 from bench.workloads import write_tiny_model
@@ -30,8 +31,12 @@ def test_ray_job_submit(tmp_path, head_node):
            "python", "jobs/offline_eval.py", "--model", model, "--input", inp, "--output", out, "--limit", "8",
            "--num-engines", "2", "--batch-size", "2", "--block-length", "4", "--steps-per-block", "4",
            "--max-new-tokens", "8", "--token-budget", "1024"]
-    res = subprocess.run(cmd, cwd=ROOT, env=ray_env(), capture_output=True, text=True, timeout=400)
-    logs = res.stdout + res.stderr
+    for _ in range(30):  # the head's job agent registers a while after its dashboard answers
+        res = subprocess.run(cmd, cwd=ROOT, env=ray_env(), capture_output=True, text=True, timeout=400)
+        logs = res.stdout + res.stderr
+        if "No available agent to submit job" not in logs:  # Ray's own "please try again later"
+            break
+        time.sleep(2)
     probe = ("import sys; from ray.job_submission import JobSubmissionClient as C; "
              "print(C(sys.argv[1]).get_job_status(sys.argv[2]).value)")
     status = subprocess.run([sys.executable, "-c", probe, head_node, job_id], env=ray_env(),
