@@ -27,12 +27,13 @@ about the Python time plus those ops' launch costs.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime as _dt
 import json
 import os
 import sys
 import time
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, List
 
 if __package__ in (None, ""):  # run as a script: make the repo root importable
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -147,11 +148,8 @@ def timed_run(w, spec: RunSpec, ops: bool = False):
     op_clock = OpClock(clock) if ops else None
     restore = instrument(clock, w.model)
     try:
-        if op_clock is None:
+        with op_clock or contextlib.nullcontext():
             res = run(w, spec)
-        else:
-            with op_clock:
-                res = run(w, spec)
     finally:
         restore()
     return res, clock, op_clock

@@ -59,7 +59,8 @@ import torch
 from actors.prefix_affinity import PrefixAffinity, prefix_key
 from engine import Engine, EngineConfig, ModelConfig, SamplingParams, build_model
 
-CHECKPOINT = os.path.join(os.path.dirname(__file__), "..", "..", "shared", "checkpoints", "inclusionAI__LLaDA2.0-mini",
+# the vendored copy of the published file (tests/test_published.py checks it byte for byte)
+CHECKPOINT = os.path.join(os.path.dirname(__file__), "..", "tests", "published", "inclusionAI__LLaDA2.0-mini",
                           "config.json")
 SHRINK = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
               intermediate_size=128, moe_intermediate_size=32, num_experts=16, num_experts_per_tok=4, n_group=4,
@@ -78,10 +79,9 @@ ROUNDS = 3  # off/on pairs per setting, alternating which runs first; the median
 
 def tiny_llada2(sizes: Dict = SHRINK) -> ModelConfig:
     """LLaDA2.0-mini's config.json with its sizes shrunk (ids inside the shrunk vocabulary)."""
-    published = {}
-    if os.path.exists(CHECKPOINT):
-        with open(CHECKPOINT) as f:
-            published = json.load(f)
+    with open(CHECKPOINT) as f:
+        published = json.load(f)
+    # the published mask / eos ids (156895 / 156892) lie outside the shrunk vocabulary
     hf = {**published, **sizes, "model_type": "llada2_moe", "mask_token_id": 1023, "eos_token_id": 1001}
     hf["rotary_dim"] = int(hf["head_dim"] * hf.get("partial_rotary_factor", 0.5))  # a size: half the head, as published
     return ModelConfig.from_hf(hf)
@@ -155,10 +155,12 @@ def routing_batches(s: Dict):
     return batches, s["batch"] * width + (9 * s["preamble"]) // 4
 
 
+ROUTING_PARAMS = SamplingParams(max_new_tokens=L, policy="threshold", threshold=0.95, stop_token_ids=[])
+
+
 def routing(model, s: Dict) -> Dict:
     """Batches of a multi-task workload over two engines: affinity vs pool routing."""
     batches, budget = routing_batches(s)
-    sp = SamplingParams(max_new_tokens=L, policy="threshold", threshold=0.95, stop_token_ids=[])
     res = {}
     for policy in ("affinity", "pool"):
         engines = [Engine(model, EngineConfig(block_length=L, steps_per_block=8, cache="persistent", token_budget=budget,
@@ -170,7 +172,7 @@ def routing(model, s: Dict) -> Dict:
             e = router.choose(prefix_key(b, L), loads, default) if policy == "affinity" else default
             if policy == "affinity":
                 router.record(prefix_key(b, L), e)
-            engines[e].generate(b, [sp] * len(b))
+            engines[e].generate(b, [ROUTING_PARAMS] * len(b))
         hit = sum(e.stats.prefix_hit_blocks for e in engines)
         query = sum(e.stats.prefix_query_blocks for e in engines)
         res[policy] = {"prefix_hit_rate": hit / query if query else None, "hit_blocks": hit, "query_blocks": query,
@@ -194,7 +196,6 @@ def routing_ray(model, s: Dict, folder: str) -> Dict:
     save_model(model, folder)
     batches, budget = routing_batches(s)
     rows = [{"id": f"r{i:04d}", "prompt_token_ids": p} for i, p in enumerate(p for b in batches for p in b)]
-    sp = SamplingParams(max_new_tokens=L, policy="threshold", threshold=0.95, stop_token_ids=[])
     res = {}
     with bench_ray():
         for affinity in (True, False):
@@ -202,7 +203,7 @@ def routing_ray(model, s: Dict, folder: str) -> Dict:
                 model=folder, num_engines=2, batch_size=s["batch"], max_concurrent_batches=1, sort="none",
                 dtype="float32", detokenize=False, prefix_affinity=affinity, collect_engine_stats=True,
                 engine=EngineConfig(block_length=L, steps_per_block=8, cache="persistent", token_budget=budget,
-                                    max_batch_size=s["batch"], enable_prefix_caching=True), sampling=sp)
+                                    max_batch_size=s["batch"], enable_prefix_caching=True), sampling=ROUTING_PARAMS)
             proc = build_processor(cfg)
             t0 = time.perf_counter()
             out = proc(ray.data.from_items(rows, override_num_blocks=len(batches))).take_all()

@@ -155,11 +155,11 @@ def start(args, out: str, ray_flags: list, log: str) -> subprocess.Popen:
                             stderr=open(log + ".err", "w"), start_new_session=True, stdin=subprocess.DEVNULL)
 
 
-def wait_for(cond, proc, timeout: float = 300) -> None:
+def wait_for(cond, proc, timeout: float = 300, what=lambda: "") -> None:
     end = time.time() + timeout
     while not cond():
         assert proc is None or proc.poll() is None, f"exited {proc.returncode} early"
-        assert time.time() < end, "timed out"
+        assert time.time() < end, f"timed out {what()}"
         time.sleep(0.3)
 
 
@@ -217,10 +217,7 @@ def stop_midrun(args, out: str, sig: int, tmp_path, name: str, before=None, addr
         if address:  # the job's actors end with its driver
             wait_for(lambda: not run_actors() - actors_before, None, timeout=60)
         else:  # its Ray's processes exit (a worker may take a few seconds on a loaded machine)
-            end = time.time() + 30
-            while ray_processes(ray_tmp) and time.time() < end:
-                time.sleep(0.5)
-            assert ray_processes(ray_tmp) == []
+            wait_for(lambda: not ray_processes(ray_tmp), None, timeout=30, what=lambda: ray_processes(ray_tmp))
     assert not os.path.exists(os.path.join(out, "_tmp")) and not os.path.exists(os.path.join(out, "_lock.json"))
     pq.read_table(out, columns=["id"])  # every part file there is complete
     return err

@@ -35,6 +35,7 @@ from engine.models.families.moe import MoESpec
 torch.set_num_threads(1)
 L = 4
 EOS, MASK = 12, 63  # tiny_llada2's
+LLADA2 = "inclusionAI__LLaDA2.0-mini"  # LLaDA2.1-mini's config.json is the same file
 HEAD_SCALE = 10.0
 
 
@@ -248,6 +249,23 @@ def published_tokens(out, eos_id=EOS):
     return out[:-1] if out and out[-1] == eos_id else out
 
 
+def published_llada2(root: str):
+    """(folder, model): LLaDA2.0-mini's published files built in `root` (tests/published.py,
+    sizes shrunk) and loaded in float64, the output head scaled by HEAD_SCALE: random weights
+    over the published 157k-token vocabulary are never confident, so no threshold, edit or
+    stop would fire; a sharper head makes them fire as a trained model's do."""
+    folder = published.build(LLADA2, root)
+    model, _ = load_model(folder, dtype=torch.float64, tokenizer=False)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(HEAD_SCALE)
+    return folder, model
+
+
+def most_emitted(outs) -> int:
+    """The token the outputs (token lists) hold most: a stop id the random model emits."""
+    return Counter(t for o in outs for t in o).most_common(1)[0][0]
+
+
 def with_biases(model):
     """The gate's expert_bias and a dense bias where the config has one: not zero, so they count."""
     with torch.no_grad():
@@ -264,16 +282,12 @@ def pub(tmp_path_factory):
     """The published LLaDA2.0-mini build in float64 (head sharpened, biases drawn), its
     reference, mask id, and a stop id: the token the published 2.1 loop emits most on the
     workload without one."""
-    folder = published.build("inclusionAI__LLaDA2.0-mini", str(tmp_path_factory.mktemp("llada2")))
-    model, _ = load_model(folder, dtype=torch.float64, tokenizer=False)
-    with torch.no_grad():
-        model.lm_head.weight.mul_(HEAD_SCALE)
+    _, model = published_llada2(str(tmp_path_factory.mktemp("llada2")))
     ref = PublishedLLaDA2(with_biases(model))
     mask = model.config.mask_token_id
     prompts, jobs = workload()
     free = [generate_21(ref, p, n, L, 0.15, 1.0, eos_id=-1, mask_id=mask) for p, (_, n) in zip(prompts, jobs)]
-    eos = Counter(t for o in free for t in o).most_common(1)[0][0]
-    return SimpleNamespace(model=model, ref=ref, mask=mask, eos=eos)
+    return SimpleNamespace(model=model, ref=ref, mask=mask, eos=most_emitted(free))
 
 
 @pytest.fixture(scope="module")

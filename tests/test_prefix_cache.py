@@ -9,42 +9,27 @@ job's preflight; the dispatcher's prefix affinity; the sorter's prefix locality 
 from __future__ import annotations
 
 import random
-from collections import Counter
+from types import SimpleNamespace
 
 import pytest
 import torch
 
-import published
 from engine import Engine, EngineConfig, ModelConfig, SamplingParams, build_model, load_model
 from engine.slots import SLACK
-from test_llada2 import L, SETTINGS
+from test_llada2 import L, SETTINGS, most_emitted, published_llada2
 
 torch.set_num_threads(1)
-LLADA2 = "inclusionAI__LLaDA2.0-mini"  # LLaDA2.1-mini's config.json is the same file
-STOP = []  # a token the model emits often (set by the `model` fixture): rows stop early on it
-HEAD_SCALE = 10.0
 
 
 @pytest.fixture(scope="module")
-def llada2_folder(tmp_path_factory) -> str:
-    """LLaDA2.0-mini's published files, sizes shrunk, random weights (tests/published.py)."""
-    return published.build(LLADA2, str(tmp_path_factory.mktemp("llada2")))
-
-
-@pytest.fixture(scope="module")
-def model(llada2_folder):
-    """The published checkpoint in float64, its output head scaled by HEAD_SCALE: random
-    weights over the published 157k-token vocabulary are never confident, so no threshold,
-    edit or stop would fire; a sharper head makes them fire as a trained model's do."""
-    m, _ = load_model(llada2_folder, dtype=torch.float64, tokenizer=False)
-    with torch.no_grad():
-        m.lm_head.weight.mul_(HEAD_SCALE)
+def llada2(tmp_path_factory):
+    """test_llada2.published_llada2 (its folder and model), and a stop id: the token the
+    model emits most on the workload without one, so rows stop early."""
+    folder, model = published_llada2(str(tmp_path_factory.mktemp("llada2")))
     prompts, jobs = shared_prefix_workload()
-    outs = Engine(m, EngineConfig(block_length=L, steps_per_block=4, token_budget=512)).generate(
-        prompts, [SamplingParams(max_new_tokens=n, policy="threshold", stop_token_ids=[], **SETTINGS[name][0])
-                  for name, n in jobs])
-    STOP[:] = [Counter(t for o in outs for t in o.token_ids).most_common(1)[0][0]]
-    return m
+    free = Engine(model, EngineConfig(block_length=L, steps_per_block=4, token_budget=512)).generate(
+        prompts, params_of(jobs, stop=[]))
+    return SimpleNamespace(folder=folder, model=model, stop=[most_emitted(o.token_ids for o in free)])
 
 
 def shared_prefix_workload(n=14, seed=0):
@@ -63,21 +48,21 @@ def shared_prefix_workload(n=14, seed=0):
     return prompts, jobs
 
 
-def params_of(jobs, with_steps=None):
-    return [SamplingParams(max_new_tokens=n, policy="threshold", stop_token_ids=STOP, **SETTINGS[name][0])
+def params_of(jobs, stop):
+    return [SamplingParams(max_new_tokens=n, policy="threshold", stop_token_ids=stop, **SETTINGS[name][0])
             for name, n in jobs]
 
 
-def generate(model, prompts, jobs, **cfg):
-    eng = Engine(model, EngineConfig(block_length=L, steps_per_block=4, **cfg))
-    return [o.token_ids for o in eng.generate(prompts, params_of(jobs))], eng
+def generate(llada2, prompts, jobs, **cfg):
+    eng = Engine(llada2.model, EngineConfig(block_length=L, steps_per_block=4, **cfg))
+    return [o.token_ids for o in eng.generate(prompts, params_of(jobs, llada2.stop))], eng
 
 
 @pytest.mark.parametrize("scheduler,cache,budget,advance", [
     ("blockserve", "persistent", 32, "block"), ("blockserve", "refresh", 40, "step"), ("blockserve", "dual", 56, "block"),
     ("static", "persistent", 120, "block"), ("sequential", "persistent", 28, "block"),
     ("sequential", "refresh", 32, "block")])
-def test_the_cache_gives_the_same_tokens(model, scheduler, cache, budget, advance):
+def test_the_cache_gives_the_same_tokens(llada2, scheduler, cache, budget, advance):
     """Every row's tokens equal with and without the cache; the cache was used (hits),
     and under the small budgets it evicted and (blockserve) rows were preempted."""
     prompts, jobs = shared_prefix_workload()
@@ -86,8 +71,8 @@ def test_the_cache_gives_the_same_tokens(model, scheduler, cache, budget, advanc
     assert any(len(p) % L for p in prompts) and any(len(p) == 14 for p in prompts)
     assert any(len(p) % L == 0 for i, p in enumerate(prompts) if i % 4 == 0)
     cfg = dict(scheduler=scheduler, cache=cache, token_budget=budget, max_batch_size=4, advance=advance)
-    off, _ = generate(model, prompts, jobs, **cfg)
-    on, eng = generate(model, prompts, jobs, **cfg, enable_prefix_caching=True)
+    off, _ = generate(llada2, prompts, jobs, **cfg)
+    on, eng = generate(llada2, prompts, jobs, **cfg, enable_prefix_caching=True)
     assert on == off
     st = eng.stats
     assert st.prefix_hit_blocks > 0 and st.prefix_query_blocks >= st.prefix_hit_blocks
@@ -99,33 +84,33 @@ def test_the_cache_gives_the_same_tokens(model, scheduler, cache, budget, advanc
     assert any(len(o) < n for o, (_, n) in zip(off, jobs))  # some rows stopped early
 
 
-def test_rows_that_join_together_compute_a_shared_prefix_once(model):
+def test_rows_that_join_together_compute_a_shared_prefix_once(llada2):
     """Rows admitted in one batch that share uncached blocks: a leader computes them, the
     others take them from the cache (fewer prompt columns computed, the same tokens)."""
     rng = random.Random(5)
     pre = [rng.randrange(13, 60) for _ in range(16)]
     prompts = [pre + [rng.randrange(13, 60) for _ in range(rng.randint(0, 5))] for _ in range(4)]
     jobs = [("2.1-edit", 2 * L)] * 4
-    off, e0 = generate(model, prompts, jobs, cache="persistent", token_budget=400)
-    on, e1 = generate(model, prompts, jobs, cache="persistent", token_budget=400, enable_prefix_caching=True)
+    off, e0 = generate(llada2, prompts, jobs, cache="persistent", token_budget=400)
+    on, e1 = generate(llada2, prompts, jobs, cache="persistent", token_budget=400, enable_prefix_caching=True)
     assert on == off
     assert e1.stats.prefix_hit_blocks == 3 * 4  # 3 followers x 4 blocks of the preamble
     assert e1.stats.forward_tokens < e0.stats.forward_tokens
 
 
-def test_peak_kv_within_the_budget_with_the_cache_full(model):
+def test_peak_kv_within_the_budget_with_the_cache_full(llada2):
     """K/V peak <= the slots' budget (SLACK x token_budget cells) plus one layer's K, while
     the cache fills what the batch leaves (it had to evict)."""
     prompts, jobs = shared_prefix_workload(n=20, seed=3)
-    _, eng = generate(model, prompts, jobs, cache="persistent", token_budget=48, max_batch_size=4,
+    _, eng = generate(llada2, prompts, jobs, cache="persistent", token_budget=48, max_batch_size=4,
                       enable_prefix_caching=True)
-    st, cfg = eng.stats, model.config
+    st, cfg = eng.stats, llada2.model.config
     assert st.prefix_evictions > 0 and st.prefix_inserted_blocks > st.prefix_cached_blocks
     one_layer = st.kv_budget_bytes // (2 * cfg.n_layers)
     assert 0 < st.kv_peak_bytes <= SLACK * st.kv_budget_bytes + one_layer
 
 
-def test_bidirectional_prompts_are_refused(model, llada2_folder, tiny_model_dir):
+def test_bidirectional_prompts_are_refused(llada2, tiny_model_dir):
     """LLaDA (a bidirectional prompt), cache none and the full canvas: refused, saying why;
     by the engine and by the job's preflight (no Ray)."""
     from engine.checkpoint import Checkpoint
@@ -135,14 +120,14 @@ def test_bidirectional_prompts_are_refused(model, llada2_folder, tiny_model_dir)
     with pytest.raises(ValueError, match="enable_prefix_caching: .*depend on the rest of each prompt"):
         Engine(llada, EngineConfig(block_length=4, token_budget=64, enable_prefix_caching=True))
     with pytest.raises(ValueError, match="cache 'none'"):
-        Engine(model, EngineConfig(block_length=4, cache="none", token_budget=64, enable_prefix_caching=True))
+        Engine(llada2.model, EngineConfig(block_length=4, cache="none", token_budget=64, enable_prefix_caching=True))
     with pytest.raises(ValueError, match="full canvas"):
-        Engine(model, EngineConfig(block_length=4, canvas="full", token_budget=64, enable_prefix_caching=True))
+        Engine(llada2.model, EngineConfig(block_length=4, canvas="full", token_budget=64, enable_prefix_caching=True))
     cfg = EngineConfig(enable_prefix_caching=True)
     with pytest.raises(CheckpointRefused, match="cannot be reused exactly") as e:
         check_settings(Checkpoint.open(tiny_model_dir), SamplingParams(), cfg)
     assert "--enable-prefix-caching" in str(e.value)
-    check_settings(Checkpoint.open(llada2_folder), SamplingParams(), cfg)  # accepted
+    check_settings(Checkpoint.open(llada2.folder), SamplingParams(), cfg)  # accepted
 
 
 def test_prefix_affinity_routes_to_the_engine_holding_the_prefix():
@@ -160,13 +145,13 @@ def test_prefix_affinity_routes_to_the_engine_holding_the_prefix():
     assert r.choose(kb, {0: 2, 1: 0}, default=0) == 1
 
 
-def test_metrics_and_report_show_the_prefix_cache(model):
+def test_metrics_and_report_show_the_prefix_cache(llada2):
     """The engine's prefix counters reach the Ray metrics (as deltas) and the report."""
     from actors.metrics import PREFIX_METRICS, EngineMetrics
     from pipeline.report import render_report
 
     prompts, jobs = shared_prefix_workload()
-    _, eng = generate(model, prompts, jobs, cache="persistent", token_budget=48, max_batch_size=4,
+    _, eng = generate(llada2, prompts, jobs, cache="persistent", token_budget=48, max_batch_size=4,
                       enable_prefix_caching=True)
     st = eng.stats
 
@@ -227,7 +212,7 @@ def test_the_sorters_prefix_locality_knob():
     assert runs(order(0.0)) >= runs(order(0.75)) >= runs(order(1.0))
 
 
-def test_a_processor_run_with_two_engines(ray_local, llada2_folder):
+def test_a_processor_run_with_two_engines(ray_local, llada2):
     """The job's path: two engine actors with the cache, batches routed by prefix affinity,
     the sorter keeping prefixes together; every row once, the tokens of an engine without
     the cache, and the engines' stats show hits."""
@@ -235,7 +220,7 @@ def test_a_processor_run_with_two_engines(ray_local, llada2_folder):
 
     from pipeline import DLLMProcessorConfig, build_processor
 
-    folder = llada2_folder
+    folder = llada2.folder
     rng = random.Random(7)
     pre = [[rng.randrange(13, 60) for _ in range(20)] for _ in range(3)]
     rows = [{"id": f"r{i:02d}", "prompt_token_ids": pre[i % 3] + [rng.randrange(13, 60) for _ in range(i % 5)]}
