@@ -47,12 +47,17 @@ class KVCache:
         or `cols` [n, T] per row; the forward's rows are all of the cache's, or the cache
         rows of `runs` [(start, stop, first key), ...] one after the other (then a list of
         one (keys, values) view per run, of keys [first key, width): attention reads the
-        cache in place, never a copy, and skips the keys before a run's first).
+        cache in place, never a copy, and skips the keys before a run's first; runs of
+        adjacent slots are stored in one go, a few ops per forward rather than per run).
         Only columns where `write` [n, 1, T, 1] holds are stored; the others keep the
         K/V already cached (padding, or columns whose K/V are final)."""
         K, V = self.k[layer], self.v[layer]
         if runs is None:
             return self._store(K, V, k, v, offset, width, write, cols)
+        if all(b == a2 for (_, b, _), (a2, _, _) in zip(runs, runs[1:])):  # adjacent slots: one store for all
+            s = runs[0][0]
+            self._store(K[s:runs[-1][1]], V[s:runs[-1][1]], k, v, offset, width, write, cols)
+            return [(K[a:b, :, first:width], V[a:b, :, first:width]) for a, b, first in runs]
         out, o = [], 0
         for a, b, first in runs:
             part = slice(o, o + b - a)
