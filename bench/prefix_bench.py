@@ -5,6 +5,7 @@ engines, the prefix hit rate when batches are routed by prefix affinity
 free: alternately).
 
     python bench/prefix_bench.py --out bench/results/prefix_cpu.json     # ~15 min on a quiet core
+    python bench/prefix_bench.py --full-width --out bench/results/prefix_cpu.json   # then ~30 min more
     python bench/prefix_bench.py --smoke --no-wide --out /tmp/prefix.json   # ~40 s (a local Ray)
 
 Model: inclusionAI/LLaDA2.0-mini's published config.json (../shared/checkpoints), shrunk
@@ -27,7 +28,9 @@ prompt's share of the work is larger).
 `*_wide`: the same settings at half LLaDA2.0-mini's width (WIDE: hidden 1024, 8 heads of
 128, its expert sizes halved, 8 of 16 experts per token): at hidden 64 attention is ~3/4 of
 a ~1k-token row's FLOPs, in LLaDA2.0-mini ~1/10; the cache saves prefill, whose cost is
-mostly linear, so the ratio depends on that balance.
+mostly linear, so the ratio depends on that balance. `*_full` (`--full-width`, ~30 min, added
+to the JSON --out holds): refresh and persistent at ~4 tokens per step at LLaDA2.0-mini's
+own per-layer sizes (FULL_WIDTH).
 
 `ceilings`: per setting, the query cells forwarded without / with the cache (about the
 most the cache can give, see `ceilings`).
@@ -71,6 +74,11 @@ SHRINK = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_ke
 # saving is the prefill's linear work
 WIDE = dict(SHRINK, hidden_size=1024, num_attention_heads=8, head_dim=128, intermediate_size=2560,
             moe_intermediate_size=256, num_experts_per_tok=8)
+# LLaDA2.0-mini's own per-layer sizes (2 of its 20 layers, 16 of its 256 experts, 8 per token
+# as published, the vocabulary shrunk): a layer's balance of attention and linear work as
+# in the published model (per layer, so the ratio does not depend on the layer count)
+FULL_WIDTH = dict(WIDE, hidden_size=2048, num_attention_heads=16, num_key_value_heads=4, intermediate_size=5120,
+                  moe_intermediate_size=512)
 FULL = dict(rows=8, preamble=900, question=(60, 120), new=256, tasks=4, task_rows=12, batch=3)
 SMOKE = dict(rows=3, preamble=120, question=(20, 40), new=64, tasks=3, task_rows=2, batch=2)
 L = 32
@@ -293,15 +301,35 @@ def plot(res: Dict, path: str) -> None:
     fig.savefig(path, dpi=100)
 
 
+def full_width(out: str, s: Dict, argv) -> Dict:
+    """The `*_full` settings (FULL_WIDTH), merged into the results `out` holds."""
+    import sys
+
+    with open(out) as f:
+        res = json.load(f)
+    model = build_model(tiny_llada2(FULL_WIDTH), dtype=torch.float32, seed=0)
+    res["single"].update(single(model, s, settings=(("refresh", 8), ("persistent", 8)), suffix="_full"))
+    res["command_full_width"] = "python bench/prefix_bench.py " + " ".join(sys.argv[1:] if argv is None else argv)
+    res["ceilings"] = ceilings(res["single"])
+    with open(out, "w") as f:
+        json.dump(res, f, indent=1)
+    plot(res, os.path.splitext(out)[0] + ".png")
+    return res
+
+
 def main(argv=None) -> Dict:
     ap = argparse.ArgumentParser()
     ap.add_argument("--smoke", action="store_true")
     ap.add_argument("--out", default="bench/results/prefix_cpu.json")
     ap.add_argument("--no-ray", action="store_true", help="skip routing_ray (a local Ray cluster)")
     ap.add_argument("--no-wide", action="store_true", help="skip the settings at half LLaDA2.0-mini's width (~10 min)")
+    ap.add_argument("--full-width", action="store_true", help="only refresh and persistent at ~4 tokens/step at "
+                    "LLaDA2.0-mini's width (FULL_WIDTH, ~30 min), added to --out's other results")
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
     s = SMOKE if args.smoke else FULL
+    if args.full_width:
+        return full_width(args.out, s, argv)
     model = build_model(tiny_llada2(), dtype=torch.float32, seed=0)
     import sys
 

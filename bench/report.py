@@ -186,7 +186,9 @@ OTHER = [
      "persistent (and both at steps_per_block=2, at least 16 tokens per step: decoding-light), the tokens checked "
      "equal; `computed_cells` are the query cells forwarded; `*_wide`: the same at half LLaDA2.0-mini's width "
      "(hidden 1024, 8 heads of 128, 16 experts, 8 per token), where attention is ~1/5 of a ~1k-token row's FLOPs "
-     "(~3/4 at hidden 64, ~1/10 in LLaDA2.0-mini; the cache saves prefill, mostly linear work). `routing`: two "
+     "(~3/4 at hidden 64, ~1/10 in LLaDA2.0-mini; the cache saves prefill, mostly linear work); `*_full`: refresh "
+     "and persistent at ~4 tokens per step at LLaDA2.0-mini's own per-layer sizes (hidden 2048, 16 heads of 128, "
+     "4 K/V heads, experts of 512, 8 per token; `--full-width`, `command_full_width`). `routing`: two "
      "in-process engines, each with room for a batch and about 2.2 preambles of cached blocks, fed 16 batches of "
      "3 rows of 4 tasks (a preamble each) through the dispatcher's logic (`actors.prefix_affinity`, not a Ray "
      "cluster): `affinity` routes a batch to the engine that served its prefix last, `pool` alternates as Ray "
@@ -229,6 +231,7 @@ OTHER = [
 
 def other_section(title: str, what: str, d: Dict[str, Any], pick: Callable[[Dict[str, Any]], Any]) -> List[str]:
     out = [f"## {title}", "", what, "", f"`{d.get('command')}`", ""]
+    out += [f"`{v}`\n" for k, v in d.items() if k.startswith("command_")]  # a part measured by a command of its own
     out += [f"- {k}: {fmt(v)}" for k, v in flat(pick(d)).items() if not isinstance(v, list) or len(v) <= 4]
     return out + [""]
 
