@@ -54,6 +54,7 @@ import json
 import os
 import random
 import statistics
+import sys
 import time
 from typing import Dict, List
 
@@ -301,16 +302,16 @@ def plot(res: Dict, path: str) -> None:
     fig.savefig(path, dpi=100)
 
 
-def full_width(out: str, s: Dict, argv) -> Dict:
-    """The `*_full` settings (FULL_WIDTH), merged into the results `out` holds."""
-    import sys
-
-    with open(out) as f:
-        res = json.load(f)
+def full_width(res: Dict, s: Dict) -> None:
+    """The `*_full` settings (FULL_WIDTH), added to `res`'s."""
     model = build_model(tiny_llada2(FULL_WIDTH), dtype=torch.float32, seed=0)
     res["single"].update(single(model, s, settings=(("refresh", 8), ("persistent", 8)), suffix="_full"))
-    res["command_full_width"] = "python bench/prefix_bench.py " + " ".join(sys.argv[1:] if argv is None else argv)
+
+
+def save(res: Dict, out: str) -> Dict:
+    """`res` with its ceilings, as JSON at `out` and a PNG beside it."""
     res["ceilings"] = ceilings(res["single"])
+    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
     with open(out, "w") as f:
         json.dump(res, f, indent=1)
     plot(res, os.path.splitext(out)[0] + ".png")
@@ -328,13 +329,16 @@ def main(argv=None) -> Dict:
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
     s = SMOKE if args.smoke else FULL
+    command = "python bench/prefix_bench.py " + " ".join(sys.argv[1:] if argv is None else argv)
     if args.full_width:
-        return full_width(args.out, s, argv)
+        with open(args.out) as f:
+            res = json.load(f)
+        full_width(res, s)
+        res["command_full_width"] = command
+        return save(res, args.out)
     model = build_model(tiny_llada2(), dtype=torch.float32, seed=0)
-    import sys
-
-    res = {"command": "python bench/prefix_bench.py " + " ".join(sys.argv[1:] if argv is None else argv),
-           "settings": s, "block_length": L, "sorter": sorter(s), "single": single(model, s), "routing": routing(model, s)}
+    res = {"command": command, "settings": s, "block_length": L, "sorter": sorter(s), "single": single(model, s),
+           "routing": routing(model, s)}
     if not args.no_wide:  # the same at half LLaDA2.0-mini's width (WIDE)
         wide = build_model(tiny_llada2(WIDE), dtype=torch.float32, seed=0)
         res["single"].update(single(wide, s, suffix="_wide"))
@@ -343,12 +347,7 @@ def main(argv=None) -> Dict:
 
         with tempfile.TemporaryDirectory() as d:
             res["routing_ray"] = routing_ray(model, s, d)
-    res["ceilings"] = ceilings(res["single"])
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(res, f, indent=1)
-    plot(res, os.path.splitext(args.out)[0] + ".png")
-    return res
+    return save(res, args.out)
 
 
 if __name__ == "__main__":
