@@ -81,12 +81,19 @@ class Case:
     engine: Dict[str, Any]
     kinds: List[Dict[str, Any]] = field(default_factory=list)
     seed: int = 0
+    shared: int = 0  # a preamble the prompts open with, cut at several lengths (prefix caching)
 
     def workload(self, n: int = 12):
         cfg = self.config()
-        return _mix(self.kinds, n, self.seed, cfg.vocab_size, cfg.eos_token_id)
+        prompts, params = _mix(self.kinds, n, self.seed, cfg.vocab_size, cfg.eos_token_id)
+        if self.shared:  # cuts mid-block, at block ends and whole: prompts share 0-3 complete blocks
+            rng = random.Random(self.seed)
+            pre = [rng.randrange(2, cfg.vocab_size - 2) for _ in range(self.shared)]
+            prompts = [pre[:rng.choice((L - 1, L, 2 * L + 1, self.shared))] + p for p in prompts]
+        return prompts, params
 
 
+PREFIX = "llada2-prefix-cache"  # enable_prefix_caching: each rank caches its shard of the same blocks
 # 12 prompts each, one mixed batch per case (blockserve unless named); every cache mode, both advances
 CASES = [
     Case("llada-dual", _llada, dict(cache="dual", advance="step"),
@@ -106,6 +113,8 @@ CASES = [
          [dict(threshold=0.3), dict(policy="entropy_bound", entropy_bound=0.5), NOISY], 5),
     Case("fast-dllm-v2-nocache", _v2, dict(cache="none", scheduler="sequential"),
          [dict(sub_block_length=2, threshold=0.5), dict(threshold=0.4)], 6),
+    Case(PREFIX, _llada2, dict(cache="refresh", enable_prefix_caching=True, token_budget=96),
+         [dict(threshold=0.15), dict(threshold=0.15, edit_threshold=0.1), NOISY], 8, shared=3 * L),
 ]
 TP4 = "llada2-editing"  # the case also run on four ranks
 # cases the CPU test leaves out (their compile costs more CPU time than its budget): the
@@ -127,8 +136,9 @@ def run_case(case: Case, model, size: int, stats: Optional[Dict[str, Any]] = Non
     engine = Engine(model, engine_config(case, size))
     outs = engine.generate(prompts, params)
     if stats is not None:
-        stats.update(forwards=engine.stats.forwards, compiled_forwards=engine.stats.compiled_forwards,
-                     compile_fallbacks=engine.stats.compile_fallbacks, cycles=engine.stats.cycles)
+        st = engine.stats
+        stats.update(forwards=st.forwards, compiled_forwards=st.compiled_forwards, compile_fallbacks=st.compile_fallbacks,
+                     cycles=st.cycles, prefix_hit_blocks=st.prefix_hit_blocks, prefix_evictions=st.prefix_evictions)
     return [[list(o.token_ids), str(o.finish_reason), o.error] for o in outs]
 
 
@@ -204,4 +214,4 @@ def run_sharded(root: str, world: int = 4, dtype: torch.dtype = torch.float64, b
     return mine, records
 
 
-__all__ = ["CASES", "EXTRA_CASES", "TP4", "Case", "write_checkpoints", "baseline", "run_sharded", "run_case", "engine_config"]
+__all__ = ["CASES", "EXTRA_CASES", "PREFIX", "TP4", "Case", "write_checkpoints", "baseline", "run_sharded", "run_case", "engine_config"]

@@ -2,7 +2,8 @@
 give the tokens of one device for every family (bench/tp_parity.CASES: LLaDA with biases
 and a padded vocabulary under the dual cache, D2F under the refresh cache, Dream with
 tied embeddings, LLaDA-MoE under the static scheduler, LLaDA2.x with token editing and
-one K/V head under the persistent cache, SDAR-MoE advancing by steps, Fast-dLLM v2 with
+one K/V head under the persistent cache, LLaDA2 with prefix caching (shared preambles, a
+budget that evicts), SDAR-MoE advancing by steps, Fast-dLLM v2 with
 sub-blocks and no cache, DiffusionGemma's transformers modules sharded in place under
 the canvas engine), 12 prompts of mixed settings per batch; LLaDA2 on four ranks too.
 Each rank of a masked-diffusion model holds total/N + the replicated parts of the
@@ -11,14 +12,15 @@ weights and reads only its own shard's ranges of each checkpoint tensor. One spa
 computes the one-device tokens."""
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 
 import pytest
 import torch
 
-from bench.tp_parity import CASES, TP4, baseline, run_sharded, write_checkpoints
-from engine import Engine, EngineConfig, ModelConfig, build_model
+from bench.tp_parity import CASES, PREFIX, TP4, baseline, run_case, run_sharded, write_checkpoints
+from engine import Engine, EngineConfig, ModelConfig, build_model, load_model
 from engine.checkpoint import Checkpoint
 from engine.models.families import Shard
 from engine.models.sharding import ShardingRefused, ShardPlan
@@ -61,6 +63,19 @@ def test_four_ranks_give_the_tokens_of_one_device(runs):
     assert len(got[TP4][4]) == 4
     for rank in got[TP4][4]:
         assert rank["tokens"] == want[TP4]
+
+
+def test_prefix_caching_under_tensor_parallel(runs):
+    """Issue 40 on several ranks: each rank caches its shard of the same blocks (the ranks
+    take the same decisions, so they hit and evict alike), and the tokens are one device's
+    without the cache."""
+    root, want, got = runs
+    hits = {(r["stats"]["prefix_hit_blocks"], r["stats"]["prefix_evictions"]) for r in got[PREFIX][2]}
+    assert len(hits) == 1 and min(next(iter(hits))) > 0, hits  # rows took blocks from the cache; it evicted
+    case = next(c for c in CASES if c.name == PREFIX)
+    plain = dataclasses.replace(case, engine={**case.engine, "enable_prefix_caching": False})
+    model, _ = load_model(os.path.join(root, PREFIX), dtype=torch.float64, tokenizer=False)
+    assert run_case(plain, model, 1) == want[PREFIX]
 
 
 def _plans(root, case, size):
@@ -145,7 +160,7 @@ def test_a_lora_adapter_merges_per_shard(tmp_path):
     collective, so the ranks are loaded here one after the other."""
     from checkpoints import write_lora
 
-    from engine import load_model, save_model
+    from engine import save_model
     from engine.parallel import TensorParallel
 
     cfg = ModelConfig.tiny("Dream")  # 4 heads, 2 K/V heads, q/k/v biases
