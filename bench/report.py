@@ -35,6 +35,9 @@ requests in the same invocation (rounds interleaved, median of the per-round rat
 No GPU run has been made yet: `bash bench/gpu/run.sh` on one H200 writes `gpu_bench.json`.
 Tensor parallel: `VARIANT=tp bash bench/gpu/run.sh` on a machine with >= 2 GPUs runs `bench/gpu/tp_bench.py` (the
 engine-level comparison of tests/test_tensor_parallel.py over NCCL) and writes `tp_bench.json`; not run yet.
+Prefix caching at LLaDA2.0-mini's whole shape: `VARIANT=prefix bash bench/gpu/run.sh` runs `bench/gpu/prefix_gpu.py`
+(the workload of `prefix_bench.py`, 32 rows, tokens per second with / without the cache) and writes
+`prefix/prefix_gpu.json`; not run yet.
 """
 
 # engine_bench results: (file, title, what it measures)

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from bench import engine_bench
-from bench.gpu import gpu_bench
+from bench.gpu import gpu_bench, prefix_gpu
 from bench.planted import Markers, PlantedStops
 from bench.workloads import SMOKE_SKEWED, skewed
 from engine import Engine, EngineConfig, ModelConfig, SamplingParams, build_model
@@ -211,3 +211,16 @@ def test_bench_readme_is_what_the_json_says():
     from bench import report
 
     assert report.main(["--check"]) == 0
+
+
+def test_prefix_gpu_smoke_runs_on_cpu(tmp_path):
+    """bench/gpu/prefix_gpu.py (issue 40 at LLaDA2.0-mini's shape on a GPU), on the CPU at a
+    tiny shape: both modes, both orders, the cache hit, the tokens equal (checked inside)."""
+    prefix_gpu.main(["--smoke", "--out", str(tmp_path)])
+    saved = json.loads((tmp_path / "prefix_gpu.json").read_text())
+    assert saved["done"] is True and saved["skipped"] == [] and set(saved["modes"]) == {"refresh", "persistent"}
+    for mode in saved["modes"].values():
+        assert len(mode["rounds"]) == prefix_gpu.ROUNDS and mode["cells_ratio"] > 1
+        for pair in mode["rounds"]:
+            assert pair["on"]["prefix_hit_blocks"] > 0 and pair["off"]["prefix_hit_blocks"] == 0
+            assert pair["on"]["tokens"] == pair["off"]["tokens"] == 3 * 64

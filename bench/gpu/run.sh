@@ -8,6 +8,8 @@
 #     VARIANT=llada2 bash bench/gpu/run.sh         # LLaDA2.0-mini-shaped (256 experts, top-8), random bf16,
 #                                                  # persistent cache on the block canvas; JSON in $OUT/llada2/
 #     VARIANT=tp bash bench/gpu/run.sh             # tensor parallel vs one device, >= 2 GPUs (bench/gpu/tp_bench.py)
+#     VARIANT=prefix bash bench/gpu/run.sh         # prefix caching on/off at LLaDA2.0-mini's shape (bench/gpu/prefix_gpu.py);
+#                                                  # JSON in $OUT/prefix/, ~6 minutes
 # Under the dual cache it also runs blockserve+step+compile (the block-only step through
 # torch.compile mode="reduce-overhead": CUDA graphs) against blockserve+step (eager).
 # The script keeps itself under ~7.5 minutes (priority-ordered runs under one deadline,
@@ -28,6 +30,10 @@ VARIANT="${VARIANT:-all}"
 # writes $OUT/tp_bench.json saying it was skipped otherwise)
 if [ "$VARIANT" = tp ]; then
   exec timeout 475 "$PY" bench/gpu/tp_bench.py --out "$OUT" "$@"
+fi
+if [ "$VARIANT" = prefix ]; then
+  mkdir -p "$OUT/prefix"
+  exec timeout 475 "$PY" bench/gpu/prefix_gpu.py --out "$OUT/prefix" "$@"
 fi
 if [ "$VARIANT" = llada2 ]; then
   mkdir -p "$OUT/llada2"
