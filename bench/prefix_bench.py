@@ -6,6 +6,8 @@ free: alternately).
 
     python bench/prefix_bench.py --out bench/results/prefix_cpu.json     # ~15 min on a quiet core
     python bench/prefix_bench.py --full-width --out bench/results/prefix_cpu.json   # then ~30 min more
+    python bench/prefix_bench.py --deep --out bench/results/prefix_cpu.json         # then ~55 min more
+    python bench/prefix_bench.py --unshared --out bench/results/prefix_cpu.json     # then ~4 min more
     python bench/prefix_bench.py --smoke --no-wide --out /tmp/prefix.json   # ~40 s (a local Ray)
 
 Model: inclusionAI/LLaDA2.0-mini's published config.json (../shared/checkpoints), shrunk
@@ -30,7 +32,12 @@ prompt's share of the work is larger).
 a ~1k-token row's FLOPs, in LLaDA2.0-mini ~1/10; the cache saves prefill, whose cost is
 mostly linear, so the ratio depends on that balance. `*_full` (`--full-width`, ~30 min, added
 to the JSON --out holds): refresh and persistent at ~4 tokens per step at LLaDA2.0-mini's
-own per-layer sizes (FULL_WIDTH).
+own per-layer sizes (FULL_WIDTH). These have 2 layers, which understates the cache's gain
+(the last layer computes little for prefill columns, see DEEP): `*_deep` (`--deep`, ~55
+min, added like `--full-width`) runs refresh and persistent at ~4 tokens per step at
+hidden 64 with the published 20 layers, and `*_full4` at LLaDA2.0-mini's per-layer sizes
+with 4 layers. `*_deep_unshared` (`--unshared`): the 20-layer hidden-64 setting with a
+preamble of its own per row (nothing shared): what the cache costs where it cannot hit.
 
 `ceilings`: per setting, the query cells forwarded without / with the cache (about the
 most the cache can give, see `ceilings`).
@@ -77,9 +84,21 @@ WIDE = dict(SHRINK, hidden_size=1024, num_attention_heads=8, head_dim=128, inter
             moe_intermediate_size=256, num_experts_per_tok=8)
 # LLaDA2.0-mini's own per-layer sizes (2 of its 20 layers, 16 of its 256 experts, 8 per token
 # as published, the vocabulary shrunk): a layer's balance of attention and linear work as
-# in the published model (per layer, so the ratio does not depend on the layer count)
+# in the published model
 FULL_WIDTH = dict(WIDE, hidden_size=2048, num_attention_heads=16, num_key_value_heads=4, intermediate_size=5120,
                   moe_intermediate_size=512)
+# Depth: the last layer runs attention and its MLP at the window's columns only (only
+# their output is read, engine.models.transformer); a prefill column there only has its
+# q/k/v projected. So in a 2-layer model a prefill column costs about 0.6 of a window
+# column, which understates what the cache (which saves prefill) gives; at LLaDA2.0-mini's
+# 20 layers the two cost about the same. DEEP: SHRINK at the published depth; FULL_DEEP:
+# FULL_WIDTH at 4 layers (at 20, one run without the cache would take ~50 CPU-minutes)
+DEEP = {k: v for k, v in SHRINK.items() if k != "num_hidden_layers"}
+FULL_DEEP = dict(FULL_WIDTH, num_hidden_layers=4)
+# the settings `--full-width`, `--deep` and `--unshared` add to --out's JSON: (sizes, suffix,
+# whether the rows share the preamble)
+ADDED = {"full_width": [(FULL_WIDTH, "_full", True)], "deep": [(DEEP, "_deep", True), (FULL_DEEP, "_full4", True)],
+         "unshared": [(DEEP, "_deep_unshared", False)]}
 FULL = dict(rows=8, preamble=900, question=(60, 120), new=256, tasks=4, task_rows=12, batch=3)
 SMOKE = dict(rows=3, preamble=120, question=(20, 40), new=64, tasks=3, task_rows=2, batch=2)
 L = 32
@@ -120,10 +139,13 @@ def run(model, cfg: EngineConfig, prompts, sp) -> Dict:
 
 
 def single(model, s: Dict, settings=(("refresh", 8), ("persistent", 8), ("refresh", 2), ("persistent", 2)),
-           suffix: str = "") -> Dict:
+           suffix: str = "", shared: bool = True) -> Dict:
+    """`shared` False: each row opens with a preamble of its own (what the cache costs, or
+    gives, where rows share nothing)."""
     rng = random.Random(0)
     preamble = [rng.randrange(3, 999) for _ in range(s["preamble"])]
-    prompts = workload(s, rng, preamble, s["rows"])
+    prompts = workload(s, rng, preamble, s["rows"]) if shared else [
+        workload(s, rng, [rng.randrange(3, 999) for _ in range(s["preamble"])], 1)[0] for _ in range(s["rows"])]
     sp = params(s)
     res = {}
     for cache, steps in settings:
@@ -277,15 +299,18 @@ def plot(res: Dict, path: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (a, b, c) = plt.subplots(1, 3, figsize=(13, 3.5))
+    fig, (a, b, c) = plt.subplots(1, 3, figsize=(18, 4), gridspec_kw={"width_ratios": [3, 1, 1.3]})
     modes = list(res["single"])
     x = range(len(modes))
-    a.bar([i - 0.2 for i in x], [res["single"][m]["off"]["tokens_per_cpu_s"] for m in modes], 0.4, label="no cache")
-    a.bar([i + 0.2 for i in x], [res["single"][m]["on"]["tokens_per_cpu_s"] for m in modes], 0.4, label="prefix cache")
-    a.set_xticks(list(x), [m.replace("_steps", "\nS=") for m in modes])
-    a.set_ylabel("generated tokens / CPU-s")
-    a.set_title("8-shot workload, tiny LLaDA2")
-    a.legend()
+    a.bar(x, [res["single"][m]["speedup_tokens_per_cpu_s"] for m in modes], 0.6, label="measured (median of rounds)")
+    ceiling = ceilings(res["single"])
+    a.plot(x, [ceiling[m] for m in modes], "k_", markersize=14, label="query cells without / with")
+    a.axhline(3.0, color="C3", linestyle=":", label="issue 40's target")
+    a.set_xticks(list(x), [m.replace("_steps", "\nS=").replace("_", "\n") for m in modes], fontsize=7)
+    a.set_ylabel("tokens / CPU-s, with / without the cache")
+    a.set_title("8-shot workload, LLaDA2 layout (wide: half width, full: its width, deep: 20 layers, full4: 4)",
+                fontsize=9)
+    a.legend(fontsize=7)
     pol = list(res["routing"])
     b.bar(pol, [res["routing"][p]["prefix_hit_rate"] for p in pol])
     b.set_ylabel("prefix hit rate (blocks)")
@@ -302,10 +327,12 @@ def plot(res: Dict, path: str) -> None:
     fig.savefig(path, dpi=100)
 
 
-def full_width(res: Dict, s: Dict) -> None:
-    """The `*_full` settings (FULL_WIDTH), added to `res`'s."""
-    model = build_model(tiny_llada2(FULL_WIDTH), dtype=torch.float32, seed=0)
-    res["single"].update(single(model, s, settings=(("refresh", 8), ("persistent", 8)), suffix="_full"))
+def add(res: Dict, s: Dict, which: str) -> None:
+    """ADDED[which]'s settings (refresh and persistent at ~4 tokens per step), added to `res`'s."""
+    for sizes, suffix, shared in ADDED[which]:
+        model = build_model(tiny_llada2(sizes), dtype=torch.float32, seed=0)
+        res["single"].update(single(model, s, settings=(("refresh", 8), ("persistent", 8)), suffix=suffix,
+                                    shared=shared))
 
 
 def save(res: Dict, out: str) -> Dict:
@@ -326,15 +353,22 @@ def main(argv=None) -> Dict:
     ap.add_argument("--no-wide", action="store_true", help="skip the settings at half LLaDA2.0-mini's width (~10 min)")
     ap.add_argument("--full-width", action="store_true", help="only refresh and persistent at ~4 tokens/step at "
                     "LLaDA2.0-mini's width (FULL_WIDTH, ~30 min), added to --out's other results")
+    ap.add_argument("--deep", action="store_true", help="only refresh and persistent at ~4 tokens/step at "
+                    "LLaDA2.0-mini's depth (DEEP, ~3 min) and at its width with 4 layers (FULL_DEEP, ~50 min), "
+                    "added to --out's other results")
+    ap.add_argument("--unshared", action="store_true", help="only refresh and persistent at DEEP with no prefix "
+                    "shared between rows (~4 min), added to --out's other results")
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
     s = SMOKE if args.smoke else FULL
     command = "python bench/prefix_bench.py " + " ".join(sys.argv[1:] if argv is None else argv)
-    if args.full_width:
+    which = [w for w in ADDED if getattr(args, w)]
+    if which:
         with open(args.out) as f:
             res = json.load(f)
-        full_width(res, s)
-        res["command_full_width"] = command
+        for w in which:
+            add(res, s, w)
+            res[f"command_{w}"] = command
         return save(res, args.out)
     model = build_model(tiny_llada2(), dtype=torch.float32, seed=0)
     res = {"command": command, "settings": s, "block_length": L, "sorter": sorter(s), "single": single(model, s),
