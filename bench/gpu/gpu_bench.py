@@ -81,6 +81,15 @@ SMOKE_SHAPE = dict(model_type="llada", vocab_size=2048, hidden_size=64, n_layers
                    intermediate_size=192, mask_token_id=2047, eos_token_id=1, max_seq_len=1024)
 
 
+def target(smoke: bool) -> Tuple[str, torch.dtype]:
+    """(device, dtype) of a run: the CPU in float32 for --smoke, else CUDA in bf16 (exits without one)."""
+    if smoke:
+        return "cpu", torch.float32
+    if not torch.cuda.is_available():
+        raise SystemExit("no CUDA device: run with --smoke for the CPU check")
+    return "cuda", torch.bfloat16
+
+
 def build_on_device(cfg: ModelConfig, dtype: torch.dtype, device: str, seed: int = 0) -> DLLM:
     """Random weights created in place on `device`: construct on 'meta' (no memory),
     `to_empty`, then fill as engine.build_model does, without a CPU copy of 16 GB."""
@@ -247,10 +256,7 @@ def main(argv=None) -> Dict[str, Any]:
     T_START = time.perf_counter()  # the deadline counts from this call (a test imports the module long before)
     args = parse_args(argv)
     smoke = args.smoke
-    device = "cpu" if smoke else "cuda"
-    if not smoke and not torch.cuda.is_available():
-        raise SystemExit("no CUDA device: run with --smoke for the CPU check")
-    dtype = torch.float32 if smoke else torch.bfloat16
+    device, dtype = target(smoke)
     deadline = T_START + (args.deadline_s if args.deadline_s is not None else (60.0 if smoke else 430.0))
     sizes = [int(x) for x in (args.static_batch_sizes or ("2" if smoke else "32,8")).split(",")]
     n_req = args.n_requests or (8 if smoke else 160)

@@ -35,7 +35,7 @@ if __package__ in (None, ""):  # run as a script: make the repo root importable
 import torch  # noqa: E402
 
 from bench.engine_bench import git_state  # noqa: E402
-from bench.gpu.gpu_bench import LLADA2_MINI, SMOKE_LLADA2, Report, build_on_device  # noqa: E402
+from bench.gpu.gpu_bench import LLADA2_MINI, SMOKE_LLADA2, Report, build_on_device, target  # noqa: E402
 from bench.prefix_bench import FULL, L, SMOKE, params, run, workload  # noqa: E402
 from engine import EngineConfig, ModelConfig  # noqa: E402
 
@@ -52,10 +52,7 @@ def main(argv=None) -> Dict[str, Any]:
     ap.add_argument("--deadline-s", type=float, default=None, help="start no run this long after start (default 330)")
     args = ap.parse_args(argv)
     smoke = args.smoke
-    device = "cpu" if smoke else "cuda"
-    if not smoke and not torch.cuda.is_available():
-        raise SystemExit("no CUDA device: run with --smoke for the CPU check")
-    dtype = torch.float32 if smoke else torch.bfloat16
+    device, dtype = target(smoke)
     deadline = t_start + (args.deadline_s if args.deadline_s is not None else (60.0 if smoke else 330.0))
     s = dict(SMOKE if smoke else FULL, rows=args.rows or (3 if smoke else 32))
     os.makedirs(args.out, exist_ok=True)
