@@ -115,8 +115,23 @@ def tiny_llada2(sizes: Dict = SHRINK) -> ModelConfig:
     return ModelConfig.from_hf(hf)
 
 
+def tokens(rng: random.Random, n: int) -> List[int]:
+    """n prompt token ids: inside the shrunk vocabulary, clear of its special ids."""
+    return [rng.randrange(3, 999) for _ in range(n)]
+
+
 def workload(s: Dict, rng: random.Random, preamble: List[int], rows: int):
-    return [preamble + [rng.randrange(3, 999) for _ in range(rng.randint(*s["question"]))] for _ in range(rows)]
+    return [preamble + tokens(rng, rng.randint(*s["question"])) for _ in range(rows)]
+
+
+def pair(model, base: Dict, prompts, sp, r: int):
+    """Round r's runs without and with the cache (off first in even rounds: ABBA), their
+    tokens checked equal; (off, on) without the tokens."""
+    order = (False, True) if r % 2 == 0 else (True, False)
+    got = {flag: run(model, EngineConfig(**base, enable_prefix_caching=flag), prompts, sp) for flag in order}
+    off, on = got[False], got[True]
+    assert on.pop("out") == off.pop("out"), f"{base['cache']}: tokens differ with the prefix cache"
+    return off, on
 
 
 def params(s: Dict) -> SamplingParams:
@@ -143,19 +158,16 @@ def single(model, s: Dict, settings=(("refresh", 8), ("persistent", 8), ("refres
     """`shared` False: each row opens with a preamble of its own (what the cache costs, or
     gives, where rows share nothing)."""
     rng = random.Random(0)
-    preamble = [rng.randrange(3, 999) for _ in range(s["preamble"])]
+    preamble = tokens(rng, s["preamble"])
     prompts = workload(s, rng, preamble, s["rows"]) if shared else [
-        workload(s, rng, [rng.randrange(3, 999) for _ in range(s["preamble"])], 1)[0] for _ in range(s["rows"])]
+        workload(s, rng, tokens(rng, s["preamble"]), 1)[0] for _ in range(s["rows"])]
     sp = params(s)
     res = {}
     for cache, steps in settings:
         base = dict(block_length=L, steps_per_block=steps, cache=cache, token_budget=32768, max_batch_size=64)
         ratios, runs = [], []
-        for r in range(ROUNDS):  # ABBA: off, on, then on, off
-            order = (False, True) if r % 2 == 0 else (True, False)
-            got = {flag: run(model, EngineConfig(**base, enable_prefix_caching=flag), prompts, sp) for flag in order}
-            off, on = got[False], got[True]
-            assert on.pop("out") == off.pop("out"), f"{cache}: tokens differ with the prefix cache"
+        for r in range(ROUNDS):
+            off, on = pair(model, base, prompts, sp, r)
             ratios.append(on["tokens_per_cpu_s"] / off["tokens_per_cpu_s"])
             runs.append((off, on))
         off, on = runs[ratios.index(statistics.median(ratios))] if ROUNDS % 2 else runs[-1]
@@ -179,7 +191,7 @@ def routing_batches(s: Dict):
     together in a batch, tasks interleaved over time); an engine's budget holds one batch
     and about 2.2 preambles of cached blocks (it cannot hold every task's)."""
     rng = random.Random(1)
-    tasks = [[rng.randrange(3, 999) for _ in range(s["preamble"])] for _ in range(s["tasks"])]
+    tasks = [tokens(rng, s["preamble"]) for _ in range(s["tasks"])]
     batches = [workload(s, rng, pre, s["batch"]) for _ in range(s["task_rows"] // s["batch"]) for pre in tasks]
     rng.shuffle(batches)
     width = max(len(p) for b in batches for p in b) + 2 * L
@@ -266,8 +278,8 @@ def sorter(s: Dict) -> Dict:
     from pipeline.sorting.order import SortWindowUDF
 
     rng = random.Random(2)
-    pre = [[rng.randrange(3, 999) for _ in range(s["preamble"])] for _ in range(s["tasks"])]
-    rows = [(p + [rng.randrange(3, 999) for _ in range(rng.randint(*s["question"]))], rng.randint(64, 512))
+    pre = [tokens(rng, s["preamble"]) for _ in range(s["tasks"])]
+    rows = [(p + tokens(rng, rng.randint(*s["question"])), rng.randint(64, 512))
             for p in pre for _ in range(4 * s["task_rows"])]
     rng.shuffle(rows)
     table = pa.table({TOKEN_IDS: [r[0] for r in rows], "sampling_params": [{"max_new_tokens": r[1]} for r in rows],

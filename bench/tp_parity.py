@@ -46,6 +46,12 @@ def _llada2() -> ModelConfig:  # fused qkv with biases, ONE K/V head (replicated
                        attn_out_bias=True, dllm_attention="block_causal")
 
 
+def _published_llada2() -> ModelConfig:  # LLaDA2.0-mini's config.json as published, its sizes shrunk
+    from bench.prefix_bench import SHRINK, tiny_llada2
+
+    return tiny_llada2(SHRINK)
+
+
 def _sdar_moe() -> ModelConfig:  # Qwen3 layer: head_dim 12 (not 32 / 4), GQA 4:2, QK norm, experts everywhere
     spec = MoESpec(num_experts=8, top_k=2, expert_size=16, dense_size=48, dense_layers=(False, False),
                    score="softmax", renormalize=True)
@@ -113,7 +119,7 @@ CASES = [
          [dict(threshold=0.3), dict(policy="entropy_bound", entropy_bound=0.5), NOISY], 5),
     Case("fast-dllm-v2-nocache", _v2, dict(cache="none", scheduler="sequential"),
          [dict(sub_block_length=2, threshold=0.5), dict(threshold=0.4)], 6),
-    Case(PREFIX, _llada2, dict(cache="refresh", enable_prefix_caching=True, token_budget=96),
+    Case(PREFIX, _published_llada2, dict(cache="refresh", enable_prefix_caching=True, token_budget=96),
          [dict(threshold=0.15), dict(threshold=0.15, edit_threshold=0.1), NOISY], 8, shared=3 * L),
 ]
 TP4 = "llada2-editing"  # the case also run on four ranks

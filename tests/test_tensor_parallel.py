@@ -2,9 +2,9 @@
 give the tokens of one device for every family (bench/tp_parity.CASES: LLaDA with biases
 and a padded vocabulary under the dual cache, D2F under the refresh cache, Dream with
 tied embeddings, LLaDA-MoE under the static scheduler, LLaDA2.x with token editing and
-one K/V head under the persistent cache, LLaDA2 with prefix caching (shared preambles, a
-budget that evicts), SDAR-MoE advancing by steps, Fast-dLLM v2 with
-sub-blocks and no cache, DiffusionGemma's transformers modules sharded in place under
+one K/V head under the persistent cache, LLaDA2.0-mini's published config.json shrunk
+with prefix caching (shared preambles, a budget that evicts), SDAR-MoE advancing by
+steps, Fast-dLLM v2 with sub-blocks and no cache, DiffusionGemma's transformers modules sharded in place under
 the canvas engine), 12 prompts of mixed settings per batch; LLaDA2 on four ranks too.
 Each rank of a masked-diffusion model holds total/N + the replicated parts of the
 weights and reads only its own shard's ranges of each checkpoint tensor. One spawn of four processes runs every case (ranks
