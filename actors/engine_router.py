@@ -124,7 +124,7 @@ class EngineDispatcher:
         self._deadline = time.monotonic() + self._wait_s
         self._first_start: Optional[asyncio.Future] = None
         # engines that cache prompt prefixes: a batch goes to the engine that served its prefix last
-        self._affinity = spec.engine.enable_prefix_caching and spec.prefix_affinity
+        self._affinity = spec.prefix_affinity and spec.prefix_caching()
         self._token_ids, self._block_length = spec.token_ids_column, spec.engine.block_length
 
     async def __call__(self, batch: Union[pa.Table, Dict[str, Any]]):

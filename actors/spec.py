@@ -24,7 +24,7 @@ class EngineSpec:
     rank: Optional[int] = None  # else the next rank of the run's group actor, else 0
     run_id: str = ""  # the `run` tag of its metrics
     enable_metrics: bool = True
-    prefix_affinity: bool = True  # with engine.enable_prefix_caching: route batches by prefix (actors/engine_router.py)
+    prefix_affinity: bool = True  # with prefix caching (`prefix_caching`): route batches by prefix (engine_router)
     post_stats: bool = False  # post its engine stats to the group after each batch (tests, benches)
     record_batches: bool = False
     warmup: bool = True
@@ -45,6 +45,12 @@ class EngineSpec:
         from engine.checkpoint import Checkpoint
 
         return self.model if isinstance(self.model, Checkpoint) else Checkpoint.open(self.model)
+
+    def prefix_caching(self) -> bool:
+        """Whether the engine caches prompt prefixes (engine.enable_prefix_caching, auto
+        resolved for the model): the dispatcher's prefix affinity reads it."""
+        on = self.engine.enable_prefix_caching
+        return on if on is not None else self.checkpoint().prefix_caching(self.engine)
 
     def columns(self) -> List[str]:
         """The input columns the engine reads (the dispatcher sends it only these)."""

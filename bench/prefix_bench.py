@@ -8,6 +8,7 @@ free: alternately).
     python bench/prefix_bench.py --full-width --out bench/results/prefix_cpu.json   # then ~30 min more
     python bench/prefix_bench.py --deep --out bench/results/prefix_cpu.json         # then ~55 min more
     python bench/prefix_bench.py --unshared --out bench/results/prefix_cpu.json     # then ~4 min more
+    python bench/prefix_bench.py --dual --canvas --out bench/results/prefix_cpu.json  # then ~8 min more
     python bench/prefix_bench.py --smoke --no-wide --out /tmp/prefix.json   # ~40 s (a local Ray)
 
 Model: inclusionAI/LLaDA2.0-mini's published config.json (../shared/checkpoints), shrunk
@@ -38,6 +39,9 @@ min, added like `--full-width`) runs refresh and persistent at ~4 tokens per ste
 hidden 64 with the published 20 layers, and `*_full4` at LLaDA2.0-mini's per-layer sizes
 with 4 layers. `*_deep_unshared` (`--unshared`): the 20-layer hidden-64 setting with a
 preamble of its own per row (nothing shared): what the cache costs where it cannot hit.
+`dual_deep*` (`--dual`): those two under the dual cache. `canvas` (`--canvas`):
+DiffusionGemma's canvas engine (CANVAS_MODEL; blockserve, every row admitted at once) on
+the same workload, preamble shared and not: what auto (on) gives and costs there.
 
 `ceilings`: per setting, the query cells forwarded without / with the cache (about the
 most the cache can give, see `ceilings`).
@@ -63,7 +67,7 @@ import random
 import statistics
 import sys
 import time
-from typing import Dict, List
+from typing import Callable, Dict, List
 
 import torch
 
@@ -97,8 +101,13 @@ DEEP = {k: v for k, v in SHRINK.items() if k != "num_hidden_layers"}
 FULL_DEEP = dict(FULL_WIDTH, num_hidden_layers=4)
 # the settings `--full-width`, `--deep` and `--unshared` add to --out's JSON: (sizes, suffix,
 # whether the rows share the preamble)
-ADDED = {"full_width": [(FULL_WIDTH, "_full", True)], "deep": [(DEEP, "_deep", True), (FULL_DEEP, "_full4", True)],
-         "unshared": [(DEEP, "_deep_unshared", False)]}
+TWO = (("refresh", 8), ("persistent", 8))
+DUAL = (("dual", 8),)
+# --flag: [(sizes, name suffix, preamble shared, settings)], added to --out's results
+ADDED = {"full_width": [(FULL_WIDTH, "_full", True, TWO)],
+         "deep": [(DEEP, "_deep", True, TWO), (FULL_DEEP, "_full4", True, TWO)],
+         "unshared": [(DEEP, "_deep_unshared", False, TWO)],
+         "dual": [(DEEP, "_deep", True, DUAL), (DEEP, "_deep_unshared", False, DUAL)]}
 FULL = dict(rows=8, preamble=900, question=(60, 120), new=256, tasks=4, task_rows=12, batch=3)
 SMOKE = dict(rows=3, preamble=120, question=(20, 40), new=64, tasks=3, task_rows=2, batch=2)
 L = 32
@@ -124,14 +133,31 @@ def workload(s: Dict, rng: random.Random, preamble: List[int], rows: int):
     return [preamble + tokens(rng, rng.randint(*s["question"])) for _ in range(rows)]
 
 
-def pair(model, base: Dict, prompts, sp, r: int):
-    """Round r's runs without and with the cache (off first in even rounds: ABBA), their
-    tokens checked equal; (off, on) without the tokens."""
+def abba(run_with: Callable[[bool], Dict], r: int, what: str):
+    """Round r's runs without and with the cache (`run_with(flag)`; off first in even
+    rounds: ABBA), their tokens checked equal; (off, on) without the tokens."""
     order = (False, True) if r % 2 == 0 else (True, False)
-    got = {flag: run(model, EngineConfig(**base, enable_prefix_caching=flag), prompts, sp) for flag in order}
+    got = {flag: run_with(flag) for flag in order}
     off, on = got[False], got[True]
-    assert on.pop("out") == off.pop("out"), f"{base['cache']}: tokens differ with the prefix cache"
+    assert on.pop("out") == off.pop("out"), f"{what}: tokens differ with the prefix cache"
     return off, on
+
+
+def pair(model, base: Dict, prompts, sp, r: int):
+    """`abba` on the masked-diffusion engine with `base`'s settings."""
+    return abba(lambda flag: run(model, EngineConfig(**base, enable_prefix_caching=flag), prompts, sp), r, base["cache"])
+
+
+def median_round(pair_of_round: Callable[[int], tuple]) -> Dict:
+    """ROUNDS rounds of `pair_of_round(r) -> (off, on)`: the median round's runs, its ratio
+    of tokens per CPU-second (with / without), and every round's."""
+    ratios, runs = [], []
+    for r in range(ROUNDS):
+        off, on = pair_of_round(r)
+        ratios.append(on["tokens_per_cpu_s"] / off["tokens_per_cpu_s"])
+        runs.append((off, on))
+    off, on = runs[ratios.index(statistics.median(ratios))] if ROUNDS % 2 else runs[-1]
+    return {"off": off, "on": on, "speedup_tokens_per_cpu_s": statistics.median(ratios), "round_ratios": ratios}
 
 
 def params(s: Dict) -> SamplingParams:
@@ -165,14 +191,9 @@ def single(model, s: Dict, settings=(("refresh", 8), ("persistent", 8), ("refres
     res = {}
     for cache, steps in settings:
         base = dict(block_length=L, steps_per_block=steps, cache=cache, token_budget=32768, max_batch_size=64)
-        ratios, runs = [], []
-        for r in range(ROUNDS):
-            off, on = pair(model, base, prompts, sp, r)
-            ratios.append(on["tokens_per_cpu_s"] / off["tokens_per_cpu_s"])
-            runs.append((off, on))
-        off, on = runs[ratios.index(statistics.median(ratios))] if ROUNDS % 2 else runs[-1]
         name = (cache if steps == 8 else f"{cache}_steps{steps}") + suffix
-        res[name] = {"off": off, "on": on, "speedup_tokens_per_cpu_s": statistics.median(ratios), "round_ratios": ratios}
+        res[name] = median_round(lambda r: pair(model, base, prompts, sp, r))
+        off, on = res[name]["off"], res[name]["on"]
         print(f"single {name}: {off['tokens_per_cpu_s']:.1f} -> {on['tokens_per_cpu_s']:.1f} tokens/CPU-s "
               f"(x{res[name]['speedup_tokens_per_cpu_s']:.2f}), hit rate {on['prefix_hit_rate']}", flush=True)
     return res
@@ -313,15 +334,16 @@ def plot(res: Dict, path: str) -> None:
 
     fig, (a, b, c) = plt.subplots(1, 3, figsize=(18, 4), gridspec_kw={"width_ratios": [3, 1, 1.3]})
     modes = list(res["single"])
-    x = range(len(modes))
-    a.bar(x, [res["single"][m]["speedup_tokens_per_cpu_s"] for m in modes], 0.6, label="measured (median of rounds)")
+    bars = {**res["single"], **{f"gemma_{k}": v for k, v in res.get("canvas", {}).items()}}  # DiffusionGemma last
+    x = range(len(bars))
+    a.bar(x, [v["speedup_tokens_per_cpu_s"] for v in bars.values()], 0.6, label="measured (median of rounds)")
     ceiling = ceilings(res["single"])
-    a.plot(x, [ceiling[m] for m in modes], "k_", markersize=14, label="query cells without / with")
+    a.plot(range(len(modes)), [ceiling[m] for m in modes], "k_", markersize=14, label="query cells without / with")
     a.axhline(3.0, color="C3", linestyle=":", label="issue 40's target")
-    a.set_xticks(list(x), [m.replace("_steps", "\nS=").replace("_", "\n") for m in modes], fontsize=7)
+    a.set_xticks(list(x), [m.replace("_steps", "\nS=").replace("_", "\n") for m in bars], fontsize=7)
     a.set_ylabel("tokens / CPU-s, with / without the cache")
-    a.set_title("8-shot workload, LLaDA2 layout (wide: half width, full: its width, deep: 20 layers, full4: 4)",
-                fontsize=9)
+    a.set_title("8-shot workload, LLaDA2 layout (wide: half width, full: its width, deep: 20 layers, full4: 4); "
+                "gemma: DiffusionGemma", fontsize=9)
     a.legend(fontsize=7)
     pol = list(res["routing"])
     b.bar(pol, [res["routing"][p]["prefix_hit_rate"] for p in pol])
@@ -339,12 +361,61 @@ def plot(res: Dict, path: str) -> None:
     fig.savefig(path, dpi=100)
 
 
+# DiffusionGemma for `canvas` (tiny.diffusion_gemma.build): the `compute` size of
+# bench/diffusion_gemma_bench.py, with LLaDA2's block length as its canvas
+CANVAS_MODEL = dict(hidden=256, layers=3, vocab=64, canvas=16)
+
+
+def canvas_run(model, defaults, prompts, new: int, flag: bool) -> Dict:
+    from engine.canvas import CanvasEngine
+
+    eng = CanvasEngine(model, defaults, token_budget=32768, max_batch_size=64, stop_token_ids=[],  # every token
+                       enable_prefix_caching=flag)
+    c0 = time.thread_time()
+    for i, p in enumerate(prompts):
+        eng.add_request(i, p, new, 100 + i)
+    while eng.has_unfinished():
+        eng.step()
+    cpu = time.thread_time() - c0
+    outs = sorted(eng.outputs, key=lambda o: o.request_id)
+    tokens = sum(len(o.token_ids) for o in outs)
+    return {"tokens": tokens, "cpu_s": cpu, "tokens_per_cpu_s": tokens / cpu, **eng.prefix_figures(),
+            "out": [o.token_ids for o in outs]}
+
+
+def canvas(s: Dict) -> Dict:
+    """DiffusionGemma's canvas engine (engine.canvas) with / without its prefix cache: the
+    same workload (ids inside its vocabulary), its preamble shared or one per row; rounds
+    and ratios as `single`'s, the tokens checked equal."""
+    import tempfile
+
+    from engine.canvas import CanvasParams, load_diffusion_gemma
+    from tiny.diffusion_gemma import build
+
+    with tempfile.TemporaryDirectory() as d:
+        ckpt = build(d, **CANVAS_MODEL)
+        model, defaults = load_diffusion_gemma(ckpt, torch.float32), CanvasParams.from_generation_config(ckpt)
+    rng = random.Random(0)
+    ids = lambda n: [2] + [rng.randrange(5, 59) for _ in range(n - 1)]  # noqa: E731 (BOS first)
+    preamble = ids(s["preamble"])
+    question = lambda: ids(rng.randint(*s["question"]))[1:]  # noqa: E731
+    prompts = {"shared": [preamble + question() for _ in range(s["rows"])],
+               "unshared": [ids(s["preamble"]) + question() for _ in range(s["rows"])]}
+    res = {}
+    for name, ps in prompts.items():
+        res[name] = median_round(lambda r: abba(lambda flag: canvas_run(model, defaults, ps, s["new"], flag), r,
+                                                f"canvas {name}"))
+        off, on = res[name]["off"], res[name]["on"]
+        print(f"canvas {name}: {off['tokens_per_cpu_s']:.1f} -> {on['tokens_per_cpu_s']:.1f} tokens/CPU-s "
+              f"(x{res[name]['speedup_tokens_per_cpu_s']:.2f}), {on['prefix_hit_blocks']} blocks hit", flush=True)
+    return res
+
+
 def add(res: Dict, s: Dict, which: str) -> None:
-    """ADDED[which]'s settings (refresh and persistent at ~4 tokens per step), added to `res`'s."""
-    for sizes, suffix, shared in ADDED[which]:
+    """ADDED[which]'s settings (at ~4 tokens per step), added to `res`'s."""
+    for sizes, suffix, shared, settings in ADDED[which]:
         model = build_model(tiny_llada2(sizes), dtype=torch.float32, seed=0)
-        res["single"].update(single(model, s, settings=(("refresh", 8), ("persistent", 8)), suffix=suffix,
-                                    shared=shared))
+        res["single"].update(single(model, s, settings=settings, suffix=suffix, shared=shared))
 
 
 def save(res: Dict, out: str) -> Dict:
@@ -370,17 +441,23 @@ def main(argv=None) -> Dict:
                     "added to --out's other results")
     ap.add_argument("--unshared", action="store_true", help="only refresh and persistent at DEEP with no prefix "
                     "shared between rows (~4 min), added to --out's other results")
+    ap.add_argument("--dual", action="store_true", help="only dual at DEEP, the preamble shared and not, added "
+                    "to --out's other results")
+    ap.add_argument("--canvas", action="store_true", help="only DiffusionGemma's canvas engine (CANVAS_MODEL), "
+                    "the preamble shared and not, added to --out's other results")
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
     s = SMOKE if args.smoke else FULL
     command = "python bench/prefix_bench.py " + " ".join(sys.argv[1:] if argv is None else argv)
     which = [w for w in ADDED if getattr(args, w)]
-    if which:
+    if which or args.canvas:
         with open(args.out) as f:
             res = json.load(f)
         for w in which:
             add(res, s, w)
             res[f"command_{w}"] = command
+        if args.canvas:
+            res["canvas"], res["command_canvas"] = canvas(s), command
         return save(res, args.out)
     model = build_model(tiny_llada2(), dtype=torch.float32, seed=0)
     res = {"command": command, "settings": s, "block_length": L, "sorter": sorter(s), "single": single(model, s),

@@ -195,8 +195,11 @@ OTHER = [
      "the last layer computes little for prefill columns (only their q/k/v: it attends and runs its MLP at the "
      "window only), which understates the cache's gain: `*_deep` is hidden 64 at the published 20 layers and "
      "`*_full4` LLaDA2.0-mini's per-layer sizes at 4 layers (`--deep`, `command_deep`); `*_deep_unshared`: the "
-     "20-layer setting with a preamble of its own per row, nothing shared (`--unshared`, `command_unshared`). "
-     "`routing`: two "
+     "20-layer setting with a preamble of its own per row, nothing shared (`--unshared`, `command_unshared`); "
+     "`dual_deep` and `dual_deep_unshared`: the same two under the dual cache (`--dual`, `command_dual`). `canvas`: "
+     "DiffusionGemma's canvas engine (`tiny.diffusion_gemma` at hidden 256, 3 layers, canvas 16; blockserve) on "
+     "the same workload with and without its prefix cache, the preamble shared and one per row (`--canvas`, "
+     "`command_canvas`). `routing`: two "
      "in-process engines, each with room for a batch and about 2.2 preambles of cached blocks, fed 16 batches of "
      "3 rows of 4 tasks (a preamble each) through the dispatcher's logic (`actors.prefix_affinity`, not a Ray "
      "cluster): `affinity` routes a batch to the engine that served its prefix last, `pool` alternates as Ray "
@@ -218,6 +221,10 @@ OTHER = [
                             for p, v in d["routing"].items()},
                 "routing_ray": {p: {"prefix_hit_rate": v["prefix_hit_rate"], "evictions": v["evictions"]}
                                 for p, v in d.get("routing_ray", {}).items()},
+                "canvas": {k: {"tokens_per_cpu_s": [v["off"]["tokens_per_cpu_s"], v["on"]["tokens_per_cpu_s"]],
+                               "with_over_without": v["speedup_tokens_per_cpu_s"],
+                               "prefix_hit_blocks": v["on"]["prefix_hit_blocks"]}
+                           for k, v in d.get("canvas", {}).items()},
                 "sorter": {loc: [v["preambles_computed"], v["makespan_over_bound"]] for loc, v in d["sorter"].items()},
                 "ceilings": d.get("ceilings")}),
     ("host_split.json", "Host time of a step: tensor ops and the rest (`bench/host_bench.py --op-split`)",

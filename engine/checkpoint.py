@@ -136,6 +136,16 @@ class Checkpoint:
     def serving(self) -> Serving:
         return self.family.serving
 
+    def prefix_caching(self, engine: Any) -> bool:
+        """engine.enable_prefix_caching (an EngineConfig) resolved for this model as its
+        engine resolves it: auto (None) is on where the cache is exact
+        (engine.prefix_cache.enabled; DiffusionGemma's causal encoder: always)."""
+        if self.serving == Serving.CANVAS:
+            return engine.enable_prefix_caching is not False
+        from .prefix_cache import enabled
+
+        return enabled(self.family, self.config.block_causal, engine, engine.full_canvas(self.config.block_causal))
+
     def token_ids(self) -> Dict[str, Dict[str, Any]]:
         """{mask/eos/pad: {"id", "from"}}: the special ids the engine uses and where each came from."""
         return {k: {"id": getattr(self.config, k), "from": src} for k, src in self.ids.items()}

@@ -479,10 +479,11 @@ class EngineConfig:
     profile: bool = field(default=False, metadata={"help": (
         "synchronize the device after every forward so forward_s is exact (costs throughput on a GPU; "
         "off, the host runs ahead of the device)")})
-    enable_prefix_caching: bool = field(default=False, metadata={"help": (
+    enable_prefix_caching: Optional[bool] = field(default=None, metadata={"help": (
         "share the K/V of prompt blocks between rows whose prompts start with the same complete blocks "
-        "(vLLM's name; exact only for block-causal families with blocks at absolute positions: LLaDA2.x, SDAR, "
-        "Fast-dLLM v2 on the masked-diffusion engine; refused elsewhere, and with cache none or the full canvas)")})
+        "(vLLM's name). Exact only for block-causal families with blocks at absolute positions (LLaDA2.x, SDAR, "
+        "Fast-dLLM v2) with a K/V cache and the block canvas, and for DiffusionGemma: auto turns it on there "
+        "and off elsewhere; on is refused where it is not exact; off never caches")})
     tensor_parallel_size: int = field(default=1, metadata={"bounds": at_least(1, integer=True), "help": (
         "devices one engine spans (vLLM's name): each holds its shard of the weights (engine.parallel, "
         "engine.models.sharding) and every rank runs the same engine loop in lock step")})

@@ -83,7 +83,9 @@ class Engine(EngineCore):
         err = prefix_cache.refusal(self.mcfg.family, self.mcfg.block_causal, config, self.full_canvas)
         if err:
             raise ValueError(err)
-        self.prefix = None if not config.enable_prefix_caching else prefix_cache.PrefixCache(
+        on = prefix_cache.enabled(self.mcfg.family, self.mcfg.block_causal, config, self.full_canvas)
+        self.cfg = replace(self.cfg, enable_prefix_caching=on)  # auto resolved
+        self.prefix = None if not on else prefix_cache.PrefixCache(
             self.slots, config.block_length, config.token_budget, self.stats)
         self.scheduler.prefix = self.prefix
         self.batch_log: Optional[List[BatchRecord]] = [] if record_batches else None

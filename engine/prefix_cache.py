@@ -37,7 +37,6 @@ from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Tuple
 if TYPE_CHECKING:  # torch-free at import (the preflight reads `refusal`)
     from .batch import Batch
     from .config import EngineConfig
-    from .rules import Traits
     from .sequence import Request
     from .slots import KVSlots
     from .stats import EngineStats
@@ -48,16 +47,28 @@ if TYPE_CHECKING:  # torch-free at import (the preflight reads `refusal`)
 MAX_SHARE_ROUNDS = 4
 
 
-def refusal(family: Any, block_causal: bool, cfg: "EngineConfig", full_canvas: bool) -> Optional[str]:
-    """Why enable_prefix_caching cannot be honoured by this engine, or None."""
-    if not cfg.enable_prefix_caching:
-        return None
+def inexact(family: Any, block_causal: bool, cfg: "EngineConfig", full_canvas: bool) -> Optional[str]:
+    """Why this engine cannot cache prompt blocks exactly with these settings, or None."""
     why = family.prefix_cache_refusal(block_causal)
     if why is None and not cfg.mode.caches:
         why = "cache 'none' keeps no K/V to share: use refresh, dual or persistent"
     if why is None and full_canvas:
         why = "the full canvas is not supported with it: use canvas 'block' or 'auto'"
+    return why
+
+
+def refusal(family: Any, block_causal: bool, cfg: "EngineConfig", full_canvas: bool) -> Optional[str]:
+    """Why enable_prefix_caching=True cannot be honoured by this engine, or None (also
+    when it is auto or off)."""
+    why = inexact(family, block_causal, cfg, full_canvas) if cfg.enable_prefix_caching else None
     return None if why is None else f"enable_prefix_caching: {why}"
+
+
+def enabled(family: Any, block_causal: bool, cfg: "EngineConfig", full_canvas: bool) -> bool:
+    """The setting resolved: auto (None) is on wherever the cache is exact."""
+    if cfg.enable_prefix_caching is not None:
+        return cfg.enable_prefix_caching
+    return inexact(family, block_causal, cfg, full_canvas) is None
 
 
 @dataclass(eq=False)

@@ -142,16 +142,17 @@ class DLLMProcessorConfig:
         "blendserve: prompts sharing this many leading tokens sit together (0: off)")})
     # sort="blendserve" only: how far rows of one prefix group are kept together against the
     # cost order (pipeline/sorting/order.py grouped_buckets): 0 sorts by cost first, 1 puts a
-    # group's rows side by side at its costliest row's place; for --enable-prefix-caching.
+    # group's rows side by side at its costliest row's place; for prefix caching.
     sort_prefix_locality: float = field(default=0.0, metadata={"bounds": within(0, 1), "help": (
         "blendserve: 0..1, how far rows sharing a prompt prefix are kept together against the cost order "
-        "(0: cost first; 1: a prefix group's rows side by side; pairs with --enable-prefix-caching)")})
-    # engine.enable_prefix_caching with several engines: a batch goes to the engine that served
+        "(0: cost first; 1: a prefix group's rows side by side; pairs with prefix caching)")})
+    # engines caching prefixes (EngineSpec.prefix_caching), several: a batch goes to the engine that served
     # its prompt prefix last (actors/prefix_affinity.py), as SGLang's cache-aware router; False
     # routes as a plain pool (each dispatcher to its own engine).
     prefix_affinity: bool = field(default=True, metadata={"help": (
-        "with --enable-prefix-caching and several engines: send a batch to the engine that served its prompt "
-        "prefix last, unless it is busier (default); --no-prefix-affinity: each batch to the engine that takes it")})
+        "with prefix caching (--enable-prefix-caching; auto: on where exact) and several engines: send a batch "
+        "to the engine that served its prompt prefix last, unless it is busier (default); --no-prefix-affinity: "
+        "each batch to the engine that takes it")})
     # Engines post their stats (busy_s, padded_cells, ...) per rank after every batch;
     # read them with `processor.engine_stats()` (tests, benches).
     collect_engine_stats: bool = field(default=False, metadata={"cli": False, "help": "tests and benches"})

@@ -98,6 +98,18 @@ def test_batched_schedulers_are_exact_with_the_cache(setup, scheduler, kw):
     assert eng.prefix_figures()["prefix_hit_blocks"] > 0
 
 
+def test_rows_joining_together_take_shared_blocks_from_the_cache(setup):
+    """Every row fits at once: a row whose first uncached block a row joining with it is
+    about to encode waits a step and takes that block from the cache, so blockserve reuses
+    as much as sequential serving does."""
+    _, _, refs = setup
+    prompts, _, _ = _workload()
+    toks, eng = _serve(setup, "blockserve", max_batch_size=64)
+    f = eng.prefix_figures()
+    assert toks == refs
+    assert f["prefix_hit_blocks"] == _expected_hits(prompts, CANVAS) and f["prefix_evictions"] == 0
+
+
 def test_small_budget_forces_eviction_and_preemption_and_stays_exact(setup):
     """The cached blocks count in the token budget: at 96 tokens the admitted rows outgrow
     it (preempted, re-encoded after their cached blocks) and blocks are evicted."""
@@ -110,10 +122,14 @@ def test_small_budget_forces_eviction_and_preemption_and_stays_exact(setup):
 
 
 def test_serve_reads_the_setting_and_reports_the_counters(setup):
+    """Auto (the default) caches (the encoder is causal: always exact); False does not."""
     from engine import EngineConfig, SamplingParams
     from engine.canvas import CanvasServe
 
     ckpt, model, refs = setup
+    defaults = CanvasParams.from_generation_config(ckpt)
+    assert CanvasServe(model, defaults).canvas.prefix is not None
+    assert CanvasServe(model, defaults, EngineConfig(enable_prefix_caching=False)).canvas.prefix is None
     prompts, max_tokens, seeds = _workload()
     serve = CanvasServe(model, CanvasParams.from_generation_config(ckpt),
                         EngineConfig(enable_prefix_caching=True, scheduler="sequential"))

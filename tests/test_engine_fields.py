@@ -32,7 +32,7 @@ SAMPLING = {"max_new_tokens": 8, "policy": "fixed", "threshold": 0.5, "factor": 
             "structured_outputs": {"regex": "[a-z]+"}}
 ENGINE = {"block_length": 8, "steps_per_block": 8, "cache": "none", "token_budget": 40, "scheduler": "sequential",
           "max_batch_size": 1, "advance": "step", "canvas": "block", "forward_overhead_cells": 10.0,
-          "compile_decode": True, "profile": True, "gpu_memory_utilization": 0.5, "enable_prefix_caching": True,
+          "compile_decode": True, "profile": True, "gpu_memory_utilization": 0.5, "enable_prefix_caching": False,
           "tensor_parallel_size": 2}
 BASE = SamplingParams(max_new_tokens=24, seed=7)
 PROMPTS = [[2, 11, 12, 13], [2, 21, 22], [2] + list(range(5, 40))]

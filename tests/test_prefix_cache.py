@@ -54,6 +54,8 @@ def params_of(jobs, stop):
 
 
 def generate(llada2, prompts, jobs, **cfg):
+    """Without the cache unless asked (auto would turn it on for LLaDA2): the tests compare."""
+    cfg.setdefault("enable_prefix_caching", False)
     eng = Engine(llada2.model, EngineConfig(block_length=L, steps_per_block=4, **cfg))
     return [o.token_ids for o in eng.generate(prompts, params_of(jobs, llada2.stop))], eng
 
@@ -128,6 +130,32 @@ def test_bidirectional_prompts_are_refused(llada2, tiny_model_dir):
         check_settings(Checkpoint.open(tiny_model_dir), SamplingParams(), cfg)
     assert "--enable-prefix-caching" in str(e.value)
     check_settings(Checkpoint.open(llada2.folder), SamplingParams(), cfg)  # accepted
+
+
+def test_auto_is_on_where_exact(llada2, tiny_model_dir):
+    """The default (auto) caches where the cache is exact and is off, silently, elsewhere;
+    the engine, the Checkpoint (the preflight's) and the dispatcher's spec resolve it alike;
+    False turns it off; the command line has --no-enable-prefix-caching."""
+    from actors.spec import EngineSpec
+    from engine.checkpoint import Checkpoint
+    from pipeline.cli import build_config, parse_args
+
+    llada = build_model(ModelConfig.tiny(), dtype=torch.float32, seed=0)
+    published, tiny = Checkpoint.open(llada2.folder), Checkpoint.open(tiny_model_dir)
+    cases = [(llada2.model, published, EngineConfig(), True),
+             (llada2.model, published, EngineConfig(cache="dual"), True),
+             (llada2.model, published, EngineConfig(enable_prefix_caching=False), False),
+             (llada2.model, published, EngineConfig(cache="none"), False),
+             (llada2.model, published, EngineConfig(canvas="full"), False),
+             (llada, tiny, EngineConfig(), False)]  # LLaDA: a bidirectional prompt
+    for model, ckpt, cfg, on in cases:
+        eng = Engine(model, EngineConfig(**{**cfg.__dict__, "block_length": L, "token_budget": 64}))
+        assert (eng.prefix is not None, eng.cfg.enable_prefix_caching) == (on, on), cfg
+        assert ckpt.prefix_caching(cfg) is on and EngineSpec(ckpt, cfg).prefix_caching() is on, cfg
+    assert EngineSpec(llada2.folder).prefix_caching()  # a path: the spec opens it
+    assert build_config(parse_args([]), 0).engine.enable_prefix_caching is None
+    assert build_config(parse_args(["--no-enable-prefix-caching"]), 0).engine.enable_prefix_caching is False
+    assert build_config(parse_args(["--enable-prefix-caching"]), 0).engine.enable_prefix_caching is True
 
 
 def test_prefix_affinity_routes_to_the_engine_holding_the_prefix():
@@ -213,9 +241,10 @@ def test_the_sorters_prefix_locality_knob():
 
 
 def test_a_processor_run_with_two_engines(ray_local, llada2):
-    """The job's path: two engine actors with the cache, batches routed by prefix affinity,
-    the sorter keeping prefixes together; every row once, the tokens of an engine without
-    the cache, and the engines' stats show hits."""
+    """The job's path with the default settings: two engine actors with the cache (auto:
+    on for LLaDA2), batches routed by prefix affinity, the sorter keeping prefixes
+    together; every row once, the tokens of an engine without the cache, and the engines'
+    stats show hits."""
     import ray
 
     from pipeline import DLLMProcessorConfig, build_processor
@@ -229,15 +258,15 @@ def test_a_processor_run_with_two_engines(ray_local, llada2):
     sampling = SamplingParams(max_new_tokens=8, policy="threshold", threshold=0.2, stop_token_ids=[])
     cfg = DLLMProcessorConfig(model=folder, num_engines=2, batch_size=3, max_concurrent_batches=2, dtype="float64",
                               detokenize=False, sort_min_prefix=16, sort_prefix_locality=1.0,
-                              engine=EngineConfig(**{**engine.__dict__, "enable_prefix_caching": True}),
-                              sampling=sampling, collect_engine_stats=True)
+                              engine=engine, sampling=sampling, collect_engine_stats=True)
     proc = build_processor(cfg)
     out = proc(ray.data.from_items(rows, override_num_blocks=4)).take_all()
     assert sorted(r["id"] for r in out) == [r["id"] for r in rows]
     stats = proc.engine_stats()
     assert sum(s["prefix_hit_blocks"] for s in stats.values()) > 0
     model, _ = load_model(folder, dtype=torch.float64, tokenizer=False)
-    want = [o.token_ids for o in Engine(model, engine).generate([r["prompt_token_ids"] for r in rows],
-                                                                 [sampling] * len(rows))]
+    plain = EngineConfig(**{**engine.__dict__, "enable_prefix_caching": False})
+    want = [o.token_ids for o in Engine(model, plain).generate([r["prompt_token_ids"] for r in rows],
+                                                                [sampling] * len(rows))]
     got = {r["id"]: r["generated_token_ids"] for r in out}
     assert [got[r["id"]] for r in rows] == want

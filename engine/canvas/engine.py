@@ -180,10 +180,13 @@ class CanvasEngine:
         if self.scheduler == SchedulerKind.STATIC and self.active:
             return
         joining: List[_Row] = []
+        leading = set()  # the first uncached prompt block of each joining row (`_leader_waits`)
         area = self._area(self.active)
         while self.waiting and len(self.active) + len(joining) < self.max_batch_size:
             row = self.waiting[0]
             need = area + row.cur_len + self.L
+            if self._leader_waits(row, leading):
+                break
             if self.active or joining:
                 while need + self._cached() > self.token_budget and self.prefix is not None and self.prefix.evict():
                     pass
@@ -194,6 +197,22 @@ class CanvasEngine:
             area = need
         if joining:
             self._join(joining)
+
+    def _leader_waits(self, row: _Row, leading: set) -> bool:
+        """With the cache (not under static, which admits only into an empty batch): whether
+        `row` waits a step because a row joining now is about to encode (and cache) the
+        first prompt block `row` lacks; next step it takes that block, and the rest of the
+        chain they share, from the cache. Records `row`'s own first uncached block."""
+        if self.prefix is None or self.scheduler == SchedulerKind.STATIC or row.saved is not None:
+            return False
+        keys = self.prefix.keys(row.prompt)
+        first = next((k for k in keys if k not in self.prefix.blocks), None)
+        if first is None:
+            return False
+        if first in leading:
+            return True
+        leading.add(first)
+        return False
 
     def _preempt(self) -> None:
         """Recompute preemption (vLLM's policy): while the admitted rows (and the prefix

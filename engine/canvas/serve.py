@@ -22,7 +22,9 @@ class CanvasServe(EngineCore):
     reads = CANVAS
 
     def __init__(self, model: Any, defaults: CanvasParams, config: EngineConfig = EngineConfig()):
-        config = replace(config, token_budget=config.fixed_token_budget())  # it plans no budget (engine.budget)
+        # it plans no budget (engine.budget); its prefix cache is exact (a causal encoder): auto is on
+        config = replace(config, token_budget=config.fixed_token_budget(),
+                         enable_prefix_caching=config.enable_prefix_caching is not False)
         self.tp = tensor_parallel_of(model, config)  # a shard (engine.canvas.sharding) under tensor_parallel_size > 1
         super().__init__(config, tokenizer=None, vocab_size=model.config.text_config.vocab_size)
         self.canvas = CanvasEngine(model, defaults, scheduler=config.scheduler, max_batch_size=config.max_batch_size,
