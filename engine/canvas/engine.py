@@ -27,7 +27,9 @@ when they fit again. No row is ever dropped or mixed; the oldest row always stay
 
 With `enable_prefix_caching`, complete prompt blocks (canvas_length tokens) are kept in
 a prefix cache (engine.canvas.prefix) counted in the token budget: a row whose leading
-blocks are cached copies their K/V and encodes only the rest of its prompt.
+blocks are cached copies their K/V and encodes only the rest of its prompt; rows joining
+in one step that lack the same block leave it to the first of them and join a step later
+(`_leader_waits`), taking it from the cache.
 
 Random draws come from a per-request torch.Generator seeded with the request's seed, in
 transformers' order (initial canvas; per step the multinomial sample, then the renoise),
