@@ -99,8 +99,6 @@ FULL_WIDTH = dict(WIDE, hidden_size=2048, num_attention_heads=16, num_key_value_
 # FULL_WIDTH at 4 layers (at 20, one run without the cache would take ~50 CPU-minutes)
 DEEP = {k: v for k, v in SHRINK.items() if k != "num_hidden_layers"}
 FULL_DEEP = dict(FULL_WIDTH, num_hidden_layers=4)
-# the settings `--full-width`, `--deep` and `--unshared` add to --out's JSON: (sizes, suffix,
-# whether the rows share the preamble)
 TWO = (("refresh", 8), ("persistent", 8))
 DUAL = (("dual", 8),)
 # --flag: [(sizes, name suffix, preamble shared, settings)], added to --out's results

@@ -47,9 +47,9 @@ def _llada2() -> ModelConfig:  # fused qkv with biases, ONE K/V head (replicated
 
 
 def _published_llada2() -> ModelConfig:  # LLaDA2.0-mini's config.json as published, its sizes shrunk
-    from bench.prefix_bench import SHRINK, tiny_llada2
+    from bench.prefix_bench import tiny_llada2
 
-    return tiny_llada2(SHRINK)
+    return tiny_llada2()
 
 
 def _sdar_moe() -> ModelConfig:  # Qwen3 layer: head_dim 12 (not 32 / 4), GQA 4:2, QK norm, experts everywhere

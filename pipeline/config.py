@@ -146,8 +146,8 @@ class DLLMProcessorConfig:
     sort_prefix_locality: float = field(default=0.0, metadata={"bounds": within(0, 1), "help": (
         "blendserve: 0..1, how far rows sharing a prompt prefix are kept together against the cost order "
         "(0: cost first; 1: a prefix group's rows side by side; pairs with prefix caching)")})
-    # engines caching prefixes (EngineSpec.prefix_caching), several: a batch goes to the engine that served
-    # its prompt prefix last (actors/prefix_affinity.py), as SGLang's cache-aware router; False
+    # several engines that cache prefixes (EngineSpec.prefix_caching): a batch goes to the engine
+    # that served its prompt prefix last (actors/prefix_affinity.py), as SGLang's cache-aware router; False
     # routes as a plain pool (each dispatcher to its own engine).
     prefix_affinity: bool = field(default=True, metadata={"help": (
         "with prefix caching (--enable-prefix-caching; auto: on where exact) and several engines: send a batch "

@@ -131,8 +131,7 @@ def test_serve_reads_the_setting_and_reports_the_counters(setup):
     assert CanvasServe(model, defaults).canvas.prefix is not None
     assert CanvasServe(model, defaults, EngineConfig(enable_prefix_caching=False)).canvas.prefix is None
     prompts, max_tokens, seeds = _workload()
-    serve = CanvasServe(model, CanvasParams.from_generation_config(ckpt),
-                        EngineConfig(enable_prefix_caching=True, scheduler="sequential"))
+    serve = CanvasServe(model, defaults, EngineConfig(enable_prefix_caching=True, scheduler="sequential"))
     outs = [serve.generate([p], SamplingParams(max_new_tokens=n, seed=s))[0]
             for p, n, s in zip(prompts[:4], max_tokens, seeds)]
     assert [o.token_ids for o in outs] == refs[:4]

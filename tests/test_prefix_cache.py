@@ -8,6 +8,7 @@ family whose prompt's K/V depend on what follows is refused, by the engine and b
 job's preflight; the dispatcher's prefix affinity; the sorter's prefix locality knob."""
 from __future__ import annotations
 
+import dataclasses
 import random
 from types import SimpleNamespace
 
@@ -149,7 +150,7 @@ def test_auto_is_on_where_exact(llada2, tiny_model_dir):
              (llada2.model, published, EngineConfig(canvas="full"), False),
              (llada, tiny, EngineConfig(), False)]  # LLaDA: a bidirectional prompt
     for model, ckpt, cfg, on in cases:
-        eng = Engine(model, EngineConfig(**{**cfg.__dict__, "block_length": L, "token_budget": 64}))
+        eng = Engine(model, dataclasses.replace(cfg, block_length=L, token_budget=64))
         assert (eng.prefix is not None, eng.cfg.enable_prefix_caching) == (on, on), cfg
         assert ckpt.prefix_caching(cfg) is on and EngineSpec(ckpt, cfg).prefix_caching() is on, cfg
     assert EngineSpec(llada2.folder).prefix_caching()  # a path: the spec opens it
@@ -265,7 +266,7 @@ def test_a_processor_run_with_two_engines(ray_local, llada2):
     stats = proc.engine_stats()
     assert sum(s["prefix_hit_blocks"] for s in stats.values()) > 0
     model, _ = load_model(folder, dtype=torch.float64, tokenizer=False)
-    plain = EngineConfig(**{**engine.__dict__, "enable_prefix_caching": False})
+    plain = dataclasses.replace(engine, enable_prefix_caching=False)
     want = [o.token_ids for o in Engine(model, plain).generate([r["prompt_token_ids"] for r in rows],
                                                                 [sampling] * len(rows))]
     got = {r["id"]: r["generated_token_ids"] for r in out}

@@ -72,6 +72,7 @@ class _Row:
     slot: Optional[int] = None  # its place in the batch while active
     saved: Optional[dict] = None  # a preempted row's canvas in progress (its state tensors' rows)
     chain: list = field(default_factory=list)  # the prefix-cache blocks it holds
+    keys: list = field(default_factory=list)  # its complete prompt blocks' chain keys (with the cache), once
 
     @property
     def cur_len(self) -> int:
@@ -153,7 +154,8 @@ class CanvasEngine:
         if err is not None:
             self.outputs.append(RequestOutput(request_id, prompt, [], FinishReason.ERROR, error=err))
             return
-        self.waiting.append(_Row(request_id, prompt, max_tokens, p, torch.Generator().manual_seed(int(seed))))
+        self.waiting.append(_Row(request_id, prompt, max_tokens, p, torch.Generator().manual_seed(int(seed)),
+                                 keys=self.prefix.keys(prompt) if self.prefix is not None else []))
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.active)
@@ -207,8 +209,7 @@ class CanvasEngine:
         chain they share, from the cache. Records `row`'s own first uncached block."""
         if self.prefix is None or self.scheduler == SchedulerKind.STATIC or row.saved is not None:
             return False
-        keys = self.prefix.keys(row.prompt)
-        first = next((k for k in keys if k not in self.prefix.blocks), None)
+        first = next((k for k in row.keys if k not in self.prefix.blocks), None)
         if first is None:
             return False
         if first in leading:
@@ -455,7 +456,7 @@ class CanvasEngine:
     def _reuse(self, row: _Row) -> int:
         """Copies the row's cached leading prompt blocks into its slot; the tokens they cover."""
         pc = self.prefix
-        chain = pc.match(pc.keys(row.prompt))
+        chain = pc.match(row.keys)
         pc.count_lookup(len(row.prompt), len(chain))
         pc.hold(chain)
         row.chain = list(chain)
@@ -472,10 +473,9 @@ class CanvasEngine:
     def _keep(self, row: _Row) -> None:
         """Caches the row's complete prompt blocks not cached yet, as the budget allows."""
         pc = self.prefix
-        keys = pc.keys(row.prompt)
         parent = row.chain[-1] if row.chain else None
-        for j in range(len(row.chain), len(keys)):
-            blk = pc.blocks.get(keys[j])
+        for j in range(len(row.chain), len(row.keys)):
+            blk = pc.blocks.get(row.keys[j])
             if blk is None:
                 while self._area(self.active) + self._cached() + pc.block > self.token_budget and pc.evict():
                     pass
@@ -486,7 +486,7 @@ class CanvasEngine:
                 a = j * pc.block
                 kv = [(self.kv.keys[i][row.slot, :, a:a + pc.block].clone(),
                        self.kv.values[i][row.slot, :, a:a + pc.block].clone()) for i in range(self.kv.n_layers)]
-                blk = pc.insert(keys[j], parent, kv)
+                blk = pc.insert(row.keys[j], parent, kv)
                 pc.stats.copied_bytes += sum(2 * k.numel() * k.element_size() for k, _ in kv)
             pc.hold([blk])
             row.chain.append(blk)
