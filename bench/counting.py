@@ -36,6 +36,9 @@ NO_KERNEL = {
     aten.sym_numel.default, aten.sym_storage_offset.default, aten.is_same_size.default, aten._unsafe_view.default,
 }
 
+# ops that one CUDA kernel runs whole, composite on a CPU (where they decompose)
+FUSED_ON_CUDA = {aten._fused_rms_norm.default}
+
 # data-dependent ops: the host learns an output size from the device (a wait on a GPU)
 DATA_DEPENDENT = {
     aten.nonzero.default, aten.nonzero_static.default, aten.masked_select.default, aten.bincount.default,
@@ -96,7 +99,7 @@ class LaunchCounter(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if composite(func):  # what it runs is what a GPU launches: count its parts
+        if composite(func) and func not in FUSED_ON_CUDA:  # what it runs is what a GPU launches: count its parts
             with self:
                 out = func.decompose(*args, **kwargs)
             if out is not NotImplemented:

@@ -153,7 +153,7 @@ class PlantedStops(nn.Module):
             toks = torch.arange(m.marker_base, m.marker_base + m.n_markers, device=v.device)
             with torch.inference_mode():
                 x = layer.attn_norm(self.model.embed(toks))
-                v_of = layer.heads(x[None])[2][0].flatten(1)  # the v heads (a fused projection's too)
+                v_of = layer.heads(x[None])[1][0].flatten(1)  # the v heads
                 self._v_table[key] = v_of.float()
         table = self._v_table[key]
         vf = v.float()

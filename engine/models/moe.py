@@ -12,10 +12,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from .families.moe import MoESpec
+from .fusion import Fusing, fuse
 from .ops import compute_dtype
 
 
-class MLP(nn.Module):
+class MLP(Fusing):
     """SwiGLU: one expert, the shared expert, or a MoE model's dense layer (no biases)."""
 
     def __init__(self, d: int, f: int, bias: bool = False):
@@ -23,9 +24,21 @@ class MLP(nn.Module):
         self.gate = nn.Linear(d, f, bias=bias)
         self.up = nn.Linear(d, f, bias=bias)
         self.down = nn.Linear(f, d, bias=bias)
+        self.fuse_()
+
+    def fuse_(self) -> None:
+        """gate and up as one matrix (engine.models.fusion)."""
+        self.w13 = fuse([[self.gate.weight, self.up.weight]])
+        self.b13 = fuse([[self.gate.bias, self.up.bias]]) if self.gate.bias is not None else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down(F.silu(self.gate(x)) * self.up(x))
+        return swiglu(x, self.w13, self.b13, self.down)
+
+
+def swiglu(x: torch.Tensor, w13: torch.Tensor, b13: Optional[torch.Tensor], down: nn.Linear) -> torch.Tensor:
+    """down(silu(gate x) * up x) with gate and up as one matrix `w13` [2f, d]: 4 kernels."""
+    g, u = F.linear(x, w13, b13).chunk(2, -1)
+    return down(F.silu(g) * u)
 
 
 def route(scores_logits: torch.Tensor, spec: MoESpec, bias) -> Tuple[torch.Tensor, torch.Tensor]:

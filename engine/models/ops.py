@@ -1,14 +1,32 @@
 """The numerics every layer shares: RMSNorm and rotate-half RoPE in float32 (float64 for a
-float64 model), as the published models compute them."""
+float64 model), as the published models compute them, in few kernels: RMSNorm is
+aten's fused op (one kernel on CUDA; its decomposition, the same arithmetic, on a CPU),
+RoPE is prepared once per forward (`Rope`) and costs 4 kernels per layer for q and k
+together."""
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Optional
+
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:
     """Norms, RoPE and routing run in float32, or float64 when the model itself is float64."""
     return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def rms_norm(x: torch.Tensor, weight: Optional[torch.Tensor], eps: float) -> torch.Tensor:
+    """weight * (x in the compute dtype, normalised, back in x's dtype), as published: one
+    kernel in the compute dtype (float32, float64), four in bfloat16 (the cast in and out,
+    and the weight applied after the rounding, as the published models do)."""
+    cd = compute_dtype(x.dtype)
+    if x.dtype == cd and (weight is None or weight.dtype == cd):
+        return torch.ops.aten._fused_rms_norm(x, [x.shape[-1]], weight, eps)[0]
+    out = torch.ops.aten._fused_rms_norm(x.to(cd), [x.shape[-1]], None, eps)[0].to(x.dtype)
+    return out if weight is None else weight * out
 
 
 class RMSNorm(nn.Module):
@@ -18,9 +36,7 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        xf = x.to(compute_dtype(x.dtype))
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * xf.to(x.dtype)
+        return rms_norm(x, self.weight, self.eps)
 
 
 def rope(pos: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype):
@@ -32,16 +48,29 @@ def rope(pos: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype):
     return ang.cos().to(dtype), ang.sin().to(dtype)
 
 
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    a, b = x.chunk(2, dim=-1)
-    return torch.cat([-b, a], dim=-1)
+@dataclass
+class Rope:
+    """RoPE at a forward's positions, prepared once for every layer, for heads laid out
+    [B, T, heads, D]: x * cos + x[..., swap] * sin, where `swap` exchanges the two halves
+    of the rotary dims and `sin`'s first half is negated (so x[swap] * sin is
+    rotate_half(x) * sin, bit for bit); past the rotary dims cos is 1 and sin 0, so a
+    partial rotary passes those dims unchanged (LLaDA-MoE, LLaDA2)."""
 
+    cos: torch.Tensor  # [B, T, 1, D]
+    sin: torch.Tensor  # [B, T, 1, D]
+    swap: torch.Tensor  # [D] long
 
-def apply_rope(t: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """RoPE on the first cos.shape[-1] dims of each head of `t` [B, H, T, D]; the rest pass
-    (partial rotary: LLaDA-MoE, LLaDA2)."""
-    r = cos.shape[-1]
-    if r == t.shape[-1]:
-        return t * cos + rotate_half(t) * sin
-    a = t[..., :r]
-    return torch.cat([a * cos + rotate_half(a) * sin, t[..., r:]], -1)
+    @classmethod
+    def at(cls, pos: torch.Tensor, rotary_dim: int, head_dim: int, theta: float, dtype: torch.dtype) -> "Rope":
+        cos, sin = rope(pos, rotary_dim, theta, dtype)  # [B, 1, T, R]
+        cos, sin = cos.transpose(1, 2), sin.transpose(1, 2)
+        h = rotary_dim // 2
+        sin = torch.cat([-sin[..., :h], sin[..., h:]], -1)
+        swap = torch.cat([torch.arange(h, rotary_dim), torch.arange(h), torch.arange(rotary_dim, head_dim)])
+        if rotary_dim < head_dim:
+            pad = (0, head_dim - rotary_dim)
+            cos, sin = F.pad(cos, pad, value=1.0), F.pad(sin, pad, value=0.0)
+        return cls(cos, sin, swap.to(pos.device))
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return x * self.cos + x.index_select(-1, self.swap) * self.sin

@@ -14,8 +14,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from .config import ModelConfig
-from .moe import MLP, experts_forward
-from .ops import RMSNorm, apply_rope, rope
+from .fusion import Fusing, fuse
+from .moe import MLP, experts_forward, swiglu
+from .ops import RMSNorm, Rope, rms_norm
 
 
 @dataclass
@@ -86,7 +87,7 @@ class KVCache:
         return K[:, :, :width], V[:, :, :width]
 
 
-class Layer(nn.Module):
+class Layer(Fusing):
     """One pre-norm block: what its family declares (fused or separate q/k/v) and its config
     says (head_dim, QK norm, biases, a dense or MoE MLP). Under tensor parallelism
     (engine.models.sharding) `tp` is the rank's group and `owned` its experts."""
@@ -124,16 +125,38 @@ class Layer(nn.Module):
             del self.q, self.k, self.v
             self.qkv_proj = nn.Linear(d, (H + 2 * Hkv) * hd, bias=qkv_b)
             self.o = nn.Linear(H * hd, d, bias=cfg.linear_bias or cfg.attn_out_bias)
+        self.fuse_()
 
-    def forward(self, h, cos, sin, mask, cache: Optional[KVCache], idx: int, offset: int,
+    def fuse_(self) -> None:
+        """Fuse the layer's weights for its forward (engine.models.fusion): q/k/v in one
+        matrix, gate and up in one, the q and k norms' weights as one per-head weight."""
+        cfg = self.cfg
+        if hasattr(self, "qkv_proj"):
+            b = self.qkv_proj.bias  # views of the parameters: plain tensors, not parameters of their own
+            self.wqkv, self.bqkv = self.qkv_proj.weight.detach(), None if b is None else b.detach()
+        else:
+            self.wqkv = fuse([[self.q.weight, self.k.weight, self.v.weight]])
+            self.bqkv = fuse([[self.q.bias, self.k.bias, self.v.bias]]) if self.q.bias is not None else None
+        if cfg.qk_norm:  # [H + H_kv, D]: a view of the two norms' weights would not be one tensor
+            self.qk_norm_w = torch.cat([self.q_norm.weight.expand(cfg.n_heads, -1),
+                                        self.k_norm.weight.expand(cfg.n_kv_heads, -1)])
+        if hasattr(self, "gate"):
+            self.w13 = fuse([[self.gate.weight, self.up.weight]])
+            self.b13 = fuse([[self.gate.bias, self.up.bias]]) if self.gate.bias is not None else None
+        for mlp in (getattr(self, "dense", None), getattr(self, "shared", None), *getattr(self, "experts", ())):
+            if isinstance(mlp, MLP):
+                mlp.fuse_()
+
+    def forward(self, h, rope: Rope, mask, cache: Optional[KVCache], idx: int, offset: int,
                 write: Optional[torch.Tensor] = None, runs: Optional[Sequence[Tuple[int, int, int]]] = None,
                 cols: Optional[torch.Tensor] = None, keep: Optional[torch.Tensor] = None):
-        """`keep` [B, n]: the query columns whose output is wanted (the last layer's, for
+        """`mask` [B, 1, T|1, K] additive, in h's dtype (DLLM.forward prepares it once).
+        `keep` [B, n]: the query columns whose output is wanted (the last layer's, for
         the logits read): K/V are computed and stored for every column, attention and the
         MLP only for these, and the output is [B, n, d]."""
         H, Hkv, D = self.cfg.n_heads, self.cfg.n_kv_heads, self.cfg.head_dim
         x = self.attn_norm(h)
-        q, k, v = self.qkv(x, cos, sin)
+        q, k, v = self.qkv(x, rope)
         kv = cache.attend(idx, k, v, offset, mask.shape[-1], write, runs, cols) if cache is not None else (k, v)
         if keep is not None:
             h = h.gather(1, keep[..., None].expand(-1, -1, h.shape[-1]))
@@ -141,7 +164,7 @@ class Layer(nn.Module):
             if mask.shape[2] != 1:
                 mask = mask.gather(2, keep[:, None, :, None].expand(-1, 1, -1, mask.shape[-1]))
         B, T, _ = h.shape
-        if isinstance(kv, list):  # one attention per run of cache rows
+        if isinstance(kv, list) and len(kv) > 1:  # one attention per run of cache rows
             a, o = [], 0
             for kr, vr in kv:
                 part = slice(o, o + kr.shape[0])
@@ -150,37 +173,47 @@ class Layer(nn.Module):
                 o += kr.shape[0]
             a = torch.cat(a)
         else:
-            a = F.scaled_dot_product_attention(q, kv[0], kv[1], attn_mask=mask, enable_gqa=Hkv != H)
+            kr, vr = kv[0] if isinstance(kv, list) else kv
+            keys = mask[..., mask.shape[-1] - kr.shape[2]:]
+            a = F.scaled_dot_product_attention(q, kr, vr, attn_mask=keys, enable_gqa=Hkv != H)
         h = h + self.o(a.transpose(1, 2).reshape(B, T, H * D))
         x = self.mlp_norm(h)
         return h + self.ffn(x)
 
     def heads(self, x: torch.Tensor):
-        """q [B, T, H, D], k and v [B, T, H_kv, D] of the normed input: one fused projection
-        split per head, or three."""
+        """The projection of the normed input [B, T, d] as its q and k heads [B, T, H + H_kv, D]
+        and v heads [B, T, H_kv, D] (views of one matmul's output)."""
         B, T, _ = x.shape
         H, Hkv, D = self.cfg.n_heads, self.cfg.n_kv_heads, self.cfg.head_dim
-        if hasattr(self, "qkv_proj"):
-            return self.qkv_proj(x).view(B, T, H + 2 * Hkv, D).split([H, Hkv, Hkv], dim=2)
-        return self.q(x).view(B, T, H, D), self.k(x).view(B, T, Hkv, D), self.v(x).view(B, T, Hkv, D)
+        qkv = F.linear(x, self.wqkv, self.bqkv).view(B, T, H + 2 * Hkv, D)
+        return qkv[:, :, :H + Hkv], qkv[:, :, H + Hkv:]
 
-    def qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
-        """q [B, H, T, D], k and v [B, H_kv, T, D] of the normed input: projected,
-        QK-normed per head, RoPE applied."""
-        q, k, v = self.heads(x)
+    def qkv(self, x: torch.Tensor, rope: Rope):
+        """q [B, H, T, D], k and v [B, H_kv, T, D] of the normed input: one projection,
+        the q and k heads QK-normed and rotated together (views, not copies, apart from
+        them)."""
+        H = self.cfg.n_heads
+        qk, v = self.heads(x)
         if self.cfg.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
-        return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+            qk = rms_norm(qk, self.qk_norm_w, self.cfg.rms_norm_eps)
+        qk = rope(qk)
+        return qk[:, :, :H].transpose(1, 2), qk[:, :, H:].transpose(1, 2), v.transpose(1, 2)
 
     def ffn(self, x: torch.Tensor) -> torch.Tensor:
         if hasattr(self, "gate"):
-            return self.down(F.silu(self.gate(x)) * self.up(x))
+            return swiglu(x, self.w13, self.b13, self.down)
         if not self.routed:
             return self.dense(x)
         out = experts_forward(x, self.router.weight, self.expert_bias, self.experts, self.cfg.moe, self.owned)
         out = out if self.shared is None else out + self.shared(x)
         return out if self.tp is None else self.tp.all_reduce(out)  # the ranks' experts and shared partials
+
+
+def additive(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A boolean mask (True = may attend) as the additive one attention reads, in the
+    inputs' dtype (0 or -inf): made once per forward, where SDPA would convert a boolean
+    mask at every call."""
+    return torch.full_like(mask, float("-inf"), dtype=dtype).masked_fill_(mask, 0.0)
 
 
 def _embedding(num: int, dim: int) -> nn.Embedding:
@@ -207,6 +240,19 @@ class DLLM(nn.Module):
         self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.embedding_size,
                                                                        bias=cfg.linear_bias)
 
+    def fuse_(self) -> "DLLM":
+        """Fuse every layer's weights for the forward (Layer.fuse_): again after anything
+        that replaces or rewrites parameters besides `_apply` (which Layer handles):
+        `load_state_dict`, init_weights_."""
+        for layer in self.layers:
+            layer.fuse_()
+        return self
+
+    def load_state_dict(self, *args, **kwargs):
+        out = super().load_state_dict(*args, **kwargs)
+        self.fuse_()
+        return out
+
     @property
     def dtype(self) -> torch.dtype:
         return self.embed.weight.dtype
@@ -228,7 +274,9 @@ class DLLM(nn.Module):
         `logits_last` columns, or the query columns `logits_at` [B, n] (the LM head over
         every column is the biggest waste)."""
         h = self.embed(ids)
-        cos, sin = rope(pos, self.config.rotary_dim, self.config.rope_theta, h.dtype)
+        cfg = self.config
+        rope = Rope.at(pos, cfg.rotary_dim, cfg.head_dim, cfg.rope_theta, h.dtype)
+        mask = additive(mask, h.dtype)  # once per forward, not per layer and attention call
         if write is not None:
             write = write[:, None, :, None]
         keep = logits_at
@@ -236,7 +284,7 @@ class DLLM(nn.Module):
             keep = torch.arange(ids.shape[1] - logits_last, ids.shape[1], device=ids.device).expand(ids.shape[0], -1)
         last = len(self.layers) - 1
         for i, layer in enumerate(self.layers):
-            h = layer(h, cos, sin, mask, cache, i, offset, write, runs, cols, keep=keep if i == last else None)
+            h = layer(h, rope, mask, cache, i, offset, write, runs, cols, keep=keep if i == last else None)
         h = self.norm(h)
         logits = F.linear(h, self.embed.weight) if self.lm_head is None else self.lm_head(h)
         if self.tp is not None:  # vocab-parallel LM head: every rank gets every logit
@@ -253,7 +301,7 @@ def build_model(cfg: ModelConfig, dtype: torch.dtype = torch.float32, device="cp
         if seed is not None:
             torch.manual_seed(seed)
         model = init_weights_(DLLM(cfg))
-    return model.to(dtype=dtype, device=device).eval()
+    return model.to(dtype=dtype, device=device).eval()  # .to fuses the weights (DLLM._apply)
 
 
 @torch.no_grad()
@@ -267,4 +315,4 @@ def init_weights_(model: DLLM, generator: Optional[torch.Generator] = None) -> D
             p.normal_(0.0, 0.02, generator=generator)
         else:
             p.normal_(0.0, 1.0 if name.startswith("embed") else p.shape[1] ** -0.5, generator=generator)
-    return model
+    return model.fuse_()
