@@ -284,6 +284,37 @@ def host_section(d: Dict[str, Any]) -> List[str]:
     return out + [""]
 
 
+def gpu_shape_section(d: Dict[str, Any]) -> List[str]:
+    """bench/gpu_shape.py: kernel launches per layer and per forward, before and after (issue 51)."""
+    commit = ((d.get("git") or {}).get("commit") or "?")[:10]
+    before = (d.get("before") or {}).get("families", {})
+    bcommit = (((d.get("before") or {}).get("git") or {}).get("commit") or "?")[:10]
+    out = ["## What a GPU would launch (`bench/gpu_shape.py`)", "",
+           "Issue 51: kernel launches counted on a CPU by a dispatch mode that decomposes composite ops and counts "
+           "those that launch a kernel on a GPU (bench/counting.py), over one steady denoising step of each "
+           "family's published config.json (sizes shrunk; the MoE families with their published experts and top-k): "
+           "block canvas, refresh cache, 8 rows of one width, float32. Per forward at the published depth: the "
+           "launches outside the layers plus each layer's count times the published number of layers. "
+           "`mixed`: the skewed workload's first 32 requests under the CPU engine's defaults at B=32, launches per "
+           "layer over every forward of two block cycles.", "",
+           f"`{d['command']}` ({d['created']}, commit `{commit}`)"
+           + (f"; before: commit `{bcommit}` (`{d['before']['command']}`)" if before else "") + ".", "",
+           "| family | per dense layer | per MoE layer | per forward at published depth |", "|---|---|---|---|"]
+
+    def pair(fam: str, key: str) -> str:
+        new = d["families"][fam].get(key)
+        old = before.get(fam, {}).get(key)
+        return fmt(new) if old is None else f"{fmt(old)} -> {fmt(new)}"
+    for fam in d["families"]:
+        out.append(f"| {fam} | {pair(fam, 'per_dense_layer')} | {pair(fam, 'per_moe_layer')} | "
+                   f"{pair(fam, 'per_forward_published')} |")
+    mix, bmix = d["mixed_b32"], (d.get("before") or {}).get("mixed_b32")
+    out += ["", f"- mixed, per layer (mean, max): "
+            + (f"{fmt(bmix['per_layer_mean'])}, {fmt(bmix['per_layer_max'])} -> " if bmix else "")
+            + f"{fmt(mix['per_layer_mean'])}, {fmt(mix['per_layer_max'])}"]
+    return out + [""]
+
+
 def render(results: str = RESULTS) -> str:
     lines = [HEAD]
 
@@ -301,6 +332,9 @@ def render(results: str = RESULTS) -> str:
     host = load("host_skewed.json")
     if host is not None:
         lines += host_section(host)
+    shape = load("gpu_shape.json")
+    if shape is not None:
+        lines += gpu_shape_section(shape)
     for name, title, what, pick in OTHER:
         d = load(name)
         if d is not None:

@@ -28,8 +28,8 @@ class MLP(Fusing):
 
     def fuse_(self) -> None:
         """gate and up as one matrix (engine.models.fusion)."""
-        self.w13 = fuse([[self.gate.weight, self.up.weight]])
-        self.b13 = fuse([[self.gate.bias, self.up.bias]]) if self.gate.bias is not None else None
+        self.w13 = fuse([[(self.gate, "weight"), (self.up, "weight")]])
+        self.b13 = fuse([[(self.gate, "bias"), (self.up, "bias")]]) if self.gate.bias is not None else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return swiglu(x, self.w13, self.b13, self.down)

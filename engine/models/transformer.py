@@ -135,14 +135,14 @@ class Layer(Fusing):
             b = self.qkv_proj.bias  # views of the parameters: plain tensors, not parameters of their own
             self.wqkv, self.bqkv = self.qkv_proj.weight.detach(), None if b is None else b.detach()
         else:
-            self.wqkv = fuse([[self.q.weight, self.k.weight, self.v.weight]])
-            self.bqkv = fuse([[self.q.bias, self.k.bias, self.v.bias]]) if self.q.bias is not None else None
+            self.wqkv = fuse([[(self.q, "weight"), (self.k, "weight"), (self.v, "weight")]])
+            self.bqkv = fuse([[(self.q, "bias"), (self.k, "bias"), (self.v, "bias")]]) if self.q.bias is not None else None
         if cfg.qk_norm:  # [H + H_kv, D]: a view of the two norms' weights would not be one tensor
             self.qk_norm_w = torch.cat([self.q_norm.weight.expand(cfg.n_heads, -1),
                                         self.k_norm.weight.expand(cfg.n_kv_heads, -1)])
         if hasattr(self, "gate"):
-            self.w13 = fuse([[self.gate.weight, self.up.weight]])
-            self.b13 = fuse([[self.gate.bias, self.up.bias]]) if self.gate.bias is not None else None
+            self.w13 = fuse([[(self.gate, "weight"), (self.up, "weight")]])
+            self.b13 = fuse([[(self.gate, "bias"), (self.up, "bias")]]) if self.gate.bias is not None else None
         for mlp in (getattr(self, "dense", None), getattr(self, "shared", None), *getattr(self, "experts", ())):
             if isinstance(mlp, MLP):
                 mlp.fuse_()
@@ -164,19 +164,15 @@ class Layer(Fusing):
             if mask.shape[2] != 1:
                 mask = mask.gather(2, keep[:, None, :, None].expand(-1, 1, -1, mask.shape[-1]))
         B, T, _ = h.shape
-        if isinstance(kv, list) and len(kv) > 1:  # one attention per run of cache rows
-            a, o = [], 0
-            for kr, vr in kv:
-                part = slice(o, o + kr.shape[0])
-                keys = mask[part][..., mask.shape[-1] - kr.shape[2]:]  # the run's keys (left padding skipped)
-                a.append(F.scaled_dot_product_attention(q[part], kr, vr, attn_mask=keys, enable_gqa=Hkv != H))
-                o += kr.shape[0]
-            a = torch.cat(a)
-        else:
-            kr, vr = kv[0] if isinstance(kv, list) else kv
-            keys = mask[..., mask.shape[-1] - kr.shape[2]:]
-            a = F.scaled_dot_product_attention(q, kr, vr, attn_mask=keys, enable_gqa=Hkv != H)
-        h = h + self.o(a.transpose(1, 2).reshape(B, T, H * D))
+        a, o = [], 0
+        for kr, vr in kv if isinstance(kv, list) else [kv]:  # one attention per run of cache rows
+            part = slice(o, o + kr.shape[0])
+            keys = mask[part][..., mask.shape[-1] - kr.shape[2]:]  # the run's keys (left padding skipped)
+            # [n, T, H, D]: attention's output laid out as the o projection reads it, a view
+            a.append(F.scaled_dot_product_attention(q[part], kr, vr, attn_mask=keys, enable_gqa=Hkv != H).transpose(1, 2))
+            o += kr.shape[0]
+        a = a[0] if len(a) == 1 else torch.cat(a)
+        h = h + self.o(a.reshape(B, T, H * D))
         x = self.mlp_norm(h)
         return h + self.ffn(x)
 
