@@ -129,7 +129,8 @@ class Layer(Fusing):
 
     def fuse_(self) -> None:
         """Fuse the layer's weights for its forward (engine.models.fusion): q/k/v in one
-        matrix, gate and up in one, the q and k norms' weights as one per-head weight."""
+        matrix, gate and up in one, the q and k norms' weights as one per-head weight, the
+        routed experts stacked for grouped GEMMs (w13 [E, 2f, d], w2 [E, d, f])."""
         cfg = self.cfg
         if hasattr(self, "qkv_proj"):
             b = self.qkv_proj.bias  # views of the parameters: plain tensors, not parameters of their own
@@ -143,9 +144,17 @@ class Layer(Fusing):
         if hasattr(self, "gate"):
             self.w13 = fuse([[self.gate.weight, self.up.weight]])
             self.b13 = fuse([[self.gate.bias, self.up.bias]]) if self.gate.bias is not None else None
-        for mlp in (getattr(self, "dense", None), getattr(self, "shared", None), *getattr(self, "experts", ())):
-            if isinstance(mlp, MLP):
+        for mlp in (getattr(self, "dense", None), getattr(self, "shared", None)):
+            if mlp is not None:
                 mlp.fuse_()
+        if self.routed:  # the experts this rank holds (others are nn.Identity under expert parallelism) stacked
+            own, d, f = [e for e in self.experts if isinstance(e, MLP)], cfg.hidden_size, cfg.moe.expert_size
+            none = self.router.weight.new_empty(0, 2 * f, d)
+            self.w13 = fuse([[e.gate.weight, e.up.weight] for e in own]).view(-1, 2 * f, d) if own else none
+            self.w2 = fuse([[e.down.weight] for e in own]).view(-1, d, f) if own else none.view(0, d, f)
+            for e, w in zip(own, self.w13):  # each expert's own gate/up matrix: a view of the stack
+                e.w13, e.b13 = w, None
+            self.expert_ids = torch.arange(len(own), device=self.w13.device)  # grouped offsets' bounds, made once
 
     def forward(self, h, rope: Rope, mask, cache: Optional[KVCache], idx: int, offset: int,
                 write: Optional[torch.Tensor] = None, runs: Optional[Sequence[Tuple[int, int, int]]] = None,
@@ -204,8 +213,8 @@ class Layer(Fusing):
             return swiglu(x, self.w13, self.b13, self.down)
         if not self.routed:
             return self.dense(x)
-        out = experts_forward(x, self.router.weight, self.expert_bias, self.experts, self.cfg.moe, self.owned)
-        out = out if self.shared is None else out + self.shared(x)
+        out = experts_forward(x, self.router.weight, self.expert_bias, self.w13, self.w2, self.cfg.moe, self.owned,
+                              self.expert_ids, None if self.shared is None else self.shared(x))
         return out if self.tp is None else self.tp.all_reduce(out)  # the ranks' experts and shared partials
 
 
