@@ -69,6 +69,23 @@ def groupable(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> bool:
     return all(n * x.element_size() % 16 == 0 for n in (w13.shape[-1], w2.shape[-1]))
 
 
+@torch.library.custom_op("blockray::grouped_mm", mutates_args=())
+def grouped_mm_any(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    """F.grouped_mm as one opaque op, for the dtypes besides bfloat16 that eager runs (CPU
+    float32) but torch's meta kernel refuses: dynamo and fake tensors trace it by shape."""
+    return F.grouped_mm(a, b, offs=offs)
+
+
+@grouped_mm_any.register_fake
+def _(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    return a.new_empty(a.shape[0], b.shape[-1])
+
+
+def _grouped_mm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    """F.grouped_mm, through grouped_mm_any for a dtype torch's meta kernel refuses."""
+    return F.grouped_mm(a, b, offs=offs) if a.dtype == torch.bfloat16 else grouped_mm_any(a, b, offs)
+
+
 def experts_forward(x: torch.Tensor, router: torch.Tensor, bias, w13: torch.Tensor, w2: torch.Tensor,
                     spec: MoESpec, owned: Optional[range] = None, ids: Optional[torch.Tensor] = None,
                     into: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -96,8 +113,8 @@ def experts_forward(x: torch.Tensor, router: torch.Tensor, bias, w13: torch.Tens
     ids = torch.arange(n, device=e.device) if ids is None else ids
     offs = torch.searchsorted(e, ids, right=True, out_int32=True)  # each group's end
     tokens = order // k
-    g, u = F.grouped_mm(flat[tokens], w13.transpose(-2, -1), offs=offs).chunk(2, -1)
-    y = F.grouped_mm(F.silu(g) * u, w2.transpose(-2, -1), offs=offs) * weights.reshape(-1)[order, None].to(x.dtype)
+    g, u = _grouped_mm(flat[tokens], w13.transpose(-2, -1), offs).chunk(2, -1)
+    y = _grouped_mm(F.silu(g) * u, w2.transpose(-2, -1), offs) * weights.reshape(-1)[order, None].to(x.dtype)
     if owned is not None:  # rows past the last group are not written by grouped_mm
         y = y.masked_fill(e[:, None] == n, 0)
     return out.index_add_(0, tokens, y).view(shape)
