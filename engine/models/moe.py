@@ -1,8 +1,10 @@
 """The MLPs of a layer: SwiGLU (a dense layer's, one expert, a shared expert) and the
 routed experts' mixture. Routing is vectorised over tokens in float32 (float64 for a
-float64 model); experts run grouped: the (token, expert) pairs are sorted by expert, each
-expert does one matmul over its tokens, and the weighted outputs are scattered back with
-one index_add. No Python loop over tokens."""
+float64 model); experts run as two grouped GEMMs over the experts stacked at load
+(Layer.fuse_): the (token, expert) pairs sorted by expert, each expert's offset found on
+device, the weighted outputs scattered back with one index_add. A fixed number of kernels
+whatever the routing and no host wait (issue 51); float64 runs the reference per-expert
+loop (grouped_mm has no float64 kernel)."""
 from __future__ import annotations
 
 from typing import Optional, Tuple
@@ -31,14 +33,26 @@ class MLP(Fusing):
         self.w13 = fuse([[(self.gate, "weight"), (self.up, "weight")]])
         self.b13 = fuse([[(self.gate, "bias"), (self.up, "bias")]]) if self.gate.bias is not None else None
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return swiglu(x, self.w13, self.b13, self.down)
+    def forward(self, x: torch.Tensor, residual: Optional[torch.Tensor] = None) -> torch.Tensor:
+        return swiglu(x, self.w13, self.b13, self.down, residual)
 
 
-def swiglu(x: torch.Tensor, w13: torch.Tensor, b13: Optional[torch.Tensor], down: nn.Linear) -> torch.Tensor:
-    """down(silu(gate x) * up x) with gate and up as one matrix `w13` [2f, d]: 4 kernels."""
+def swiglu(x: torch.Tensor, w13: torch.Tensor, b13: Optional[torch.Tensor], down: nn.Linear,
+           residual: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """[residual +] down(silu(gate x) * up x), gate and up as one matrix `w13` [2f, d]: 4 kernels."""
     g, u = F.linear(x, w13, b13).chunk(2, -1)
-    return down(F.silu(g) * u)
+    return plus_linear(residual, F.silu(g) * u, down)
+
+
+def plus_linear(h: Optional[torch.Tensor], x: torch.Tensor, lin: nn.Module) -> torch.Tensor:
+    """h + lin(x), as one addmm (the same sum, one kernel) where lin is a plain Linear
+    without a bias; else added after it (a row-parallel shard's partial is all-reduced
+    before the residual joins it)."""
+    if h is None:
+        return lin(x)
+    if type(lin) is nn.Linear and lin.bias is None:
+        return torch.addmm(h.reshape(-1, h.shape[-1]), x.reshape(-1, x.shape[-1]), lin.weight.t()).view(h.shape)
+    return h + lin(x)
 
 
 def route(scores_logits: torch.Tensor, spec: MoESpec, bias) -> Tuple[torch.Tensor, torch.Tensor]:
@@ -50,38 +64,90 @@ def route(scores_logits: torch.Tensor, spec: MoESpec, bias) -> Tuple[torch.Tenso
     if spec.n_group > 1:  # keep the topk_group groups whose best two choices score highest
         N, E = choice.shape
         groups = choice.view(N, spec.n_group, E // spec.n_group).topk(2, -1).values.sum(-1)
-        keep = torch.zeros_like(groups, dtype=torch.bool).scatter_(1, groups.topk(spec.topk_group, -1).indices, True)
-        choice = choice.masked_fill(~keep.repeat_interleave(E // spec.n_group, 1), float("-inf"))
+        drop = torch.ones_like(groups, dtype=torch.bool).scatter_(1, groups.topk(spec.topk_group, -1).indices, False)
+        choice = choice.view(N, spec.n_group, -1).masked_fill(drop[..., None], float("-inf")).view(N, E)
     experts = choice.topk(spec.top_k, -1).indices
     weights = scores.gather(1, experts)
     if spec.renormalize and spec.top_k > 1:
         weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
-    return experts, weights * spec.scaling
+    return experts, weights if spec.scaling == 1.0 else weights * spec.scaling  # x * 1.0 is x: no kernel
 
 
-def experts_forward(x: torch.Tensor, router: torch.Tensor, bias, experts: nn.ModuleList, spec: MoESpec,
-                    owned: Optional[range] = None):
-    """The routed experts' mixture for x [..., d]: route every token at once, sort the
-    (token, expert) pairs by expert, one matmul per expert over its tokens, one index_add.
-    `owned` (expert parallel, engine.models.sharding): only the pairs of these experts, the
-    rank's partial mixture."""
+def groupable(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> bool:
+    """Whether F.grouped_mm takes these operands: float32/bfloat16/float16 (not float64,
+    whose model runs the reference loop), some experts, rows whose bytes are multiples of 16."""
+    if x.dtype not in (torch.float32, torch.bfloat16, torch.float16) or w13.dtype != x.dtype or not len(w13):
+        return False
+    return all(n * x.element_size() % 16 == 0 for n in (w13.shape[-1], w2.shape[-1]))
+
+
+@torch.library.custom_op("blockray::grouped_mm", mutates_args=())
+def grouped_mm_any(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    """F.grouped_mm as one opaque op, for the dtypes besides bfloat16 that eager runs (CPU
+    float32) but torch's meta kernel refuses: dynamo and fake tensors trace it by shape."""
+    return F.grouped_mm(a, b, offs=offs)
+
+
+@grouped_mm_any.register_fake
+def _(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    return a.new_empty(a.shape[0], b.shape[-1])
+
+
+def _grouped_mm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    """F.grouped_mm, through grouped_mm_any for a dtype torch's meta kernel refuses."""
+    return F.grouped_mm(a, b, offs=offs) if a.dtype == torch.bfloat16 else grouped_mm_any(a, b, offs)
+
+
+def experts_forward(x: torch.Tensor, router: torch.Tensor, bias, w13: torch.Tensor, w2: torch.Tensor,
+                    spec: MoESpec, owned: Optional[range] = None, ids: Optional[torch.Tensor] = None,
+                    into: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """The routed experts' mixture for x [..., d] with the experts stacked (Layer.fuse_):
+    `w13` [E, 2f, d] (gate, then up), `w2` [E, d, f]. Every token is routed at once, the
+    (token, expert) pairs sorted by expert, each expert's offset found on device
+    (searchsorted), two grouped GEMMs, one index_add: the same kernels whatever the
+    routing, and no host wait (no data-dependent size). `owned` (expert parallel,
+    engine.models.sharding): `w13`/`w2` hold only these experts; the other pairs sort last,
+    past every group, and count zero: the rank's partial mixture. `ids`: arange(E) made
+    once (Layer.fuse_); `into`: a tensor shaped like x (the shared expert's output) the
+    mixture is added to in place, instead of to zeros and then added."""
     shape, flat = x.shape, x.reshape(-1, x.shape[-1])
     rd = compute_dtype(x.dtype)
     chosen, weights = route(F.linear(flat.to(rd), router.to(rd)), spec, bias)
-    k = chosen.shape[1]
-    order = chosen.reshape(-1).argsort(stable=True)
-    if owned is not None:  # the pairs of this rank's experts, still sorted by expert
-        e = chosen.reshape(-1)[order]
-        order = order[(e >= owned.start) & (e < owned.stop)]
-        if not len(order):
-            return torch.zeros_like(x)
+    k, n = chosen.shape[1], w13.shape[0]
+    e = chosen.reshape(-1)
+    if owned is not None:  # another rank's experts as one key past the owned ones
+        e = e - owned.start
+        e = e.masked_fill((e < 0) | (e >= n), n)
+    out = torch.zeros_like(flat) if into is None else into.view(flat.shape)
+    if not groupable(x, w13, w2):
+        return _experts_loop(flat, e, weights, w13, w2, out).view(shape)
+    e, order = e.sort(stable=True)
+    ids = torch.arange(n, device=e.device) if ids is None else ids
+    offs = torch.searchsorted(e, ids, right=True, out_int32=True)  # each group's end
     tokens = order // k
-    counts = torch.bincount(chosen.reshape(-1) if owned is None else chosen.reshape(-1)[order],
-                            minlength=spec.num_experts).tolist()
+    g, u = _grouped_mm(flat[tokens], w13.transpose(-2, -1), offs).chunk(2, -1)
+    y = _grouped_mm(F.silu(g) * u, w2.transpose(-2, -1), offs) * weights.reshape(-1)[order, None].to(x.dtype)
+    if owned is not None:  # rows past the last group are not written by grouped_mm
+        y = y.masked_fill(e[:, None] == n, 0)
+    return out.index_add_(0, tokens, y).view(shape)
+
+
+def _experts_loop(flat: torch.Tensor, e: torch.Tensor, weights: torch.Tensor, w13: torch.Tensor,
+                  w2: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """The reference mixture (float64, or operands grouped_mm refuses) added to `out`: one
+    matmul per expert over its tokens, with host syncs; pairs keyed past the last expert
+    are skipped."""
+    k, n = weights.shape[1], w13.shape[0]
+    order = e.argsort(stable=True)
+    counts = torch.bincount(e, minlength=n + 1).tolist()[:n]
+    tokens = order // k
     xs, outs, o = flat[tokens], [], 0
-    for e, n in enumerate(counts):  # one matmul per expert that has tokens
-        if n:
-            outs.append(experts[e](xs[o:o + n]))
-            o += n
-    y = torch.cat(outs) * weights.reshape(-1)[order, None].to(x.dtype)
-    return torch.zeros_like(flat).index_add_(0, tokens, y).view(shape)
+    for j, c in enumerate(counts):  # one matmul per expert that has tokens
+        if c:
+            g, u = F.linear(xs[o:o + c], w13[j]).chunk(2, -1)
+            outs.append(F.linear(F.silu(g) * u, w2[j]))
+            o += c
+    if not outs:
+        return out
+    y = torch.cat(outs) * weights.reshape(-1)[order[:o], None].to(flat.dtype)
+    return out.index_add_(0, tokens[:o], y)

@@ -15,7 +15,7 @@ from torch import nn
 
 from .config import ModelConfig
 from .fusion import Fusing, fuse
-from .moe import MLP, experts_forward, swiglu
+from .moe import MLP, experts_forward, plus_linear, swiglu
 from .ops import RMSNorm, Rope, rms_norm
 
 
@@ -129,7 +129,8 @@ class Layer(Fusing):
 
     def fuse_(self) -> None:
         """Fuse the layer's weights for its forward (engine.models.fusion): q/k/v in one
-        matrix, gate and up in one, the q and k norms' weights as one per-head weight."""
+        matrix, gate and up in one, the q and k norms' weights as one per-head weight, the
+        routed experts stacked for grouped GEMMs (w13 [E, 2f, d], w2 [E, d, f])."""
         cfg = self.cfg
         if hasattr(self, "qkv_proj"):
             b = self.qkv_proj.bias  # views of the parameters: plain tensors, not parameters of their own
@@ -143,9 +144,17 @@ class Layer(Fusing):
         if hasattr(self, "gate"):
             self.w13 = fuse([[(self.gate, "weight"), (self.up, "weight")]])
             self.b13 = fuse([[(self.gate, "bias"), (self.up, "bias")]]) if self.gate.bias is not None else None
-        for mlp in (getattr(self, "dense", None), getattr(self, "shared", None), *getattr(self, "experts", ())):
-            if isinstance(mlp, MLP):
+        for mlp in (getattr(self, "dense", None), getattr(self, "shared", None)):
+            if mlp is not None:
                 mlp.fuse_()
+        if self.routed:  # the experts this rank holds (others are nn.Identity under expert parallelism) stacked
+            own, d, f = [e for e in self.experts if isinstance(e, MLP)], cfg.hidden_size, cfg.moe.expert_size
+            none = self.router.weight.new_empty(0, 2 * f, d)
+            self.w13 = fuse([[(e.gate, "weight"), (e.up, "weight")] for e in own]).view(-1, 2 * f, d) if own else none
+            self.w2 = fuse([[(e.down, "weight")] for e in own]).view(-1, d, f) if own else none.view(0, d, f)
+            for e, w in zip(own, self.w13):  # each expert's own gate/up matrix: a view of the stack
+                e.w13, e.b13 = w, None
+            self.expert_ids = torch.arange(len(own), device=self.w13.device)  # grouped offsets' bounds, made once
 
     def forward(self, h, rope: Rope, mask, cache: Optional[KVCache], idx: int, offset: int,
                 write: Optional[torch.Tensor] = None, runs: Optional[Sequence[Tuple[int, int, int]]] = None,
@@ -172,9 +181,9 @@ class Layer(Fusing):
             a.append(F.scaled_dot_product_attention(q[part], kr, vr, attn_mask=keys, enable_gqa=Hkv != H).transpose(1, 2))
             o += kr.shape[0]
         a = a[0] if len(a) == 1 else torch.cat(a)
-        h = h + self.o(a.reshape(B, T, H * D))
+        h = plus_linear(h, a.reshape(B, T, H * D), self.o)
         x = self.mlp_norm(h)
-        return h + self.ffn(x)
+        return self.ffn(x, h)
 
     def heads(self, x: torch.Tensor):
         """The projection of the normed input [B, T, d] as its q and k heads [B, T, H + H_kv, D]
@@ -195,14 +204,18 @@ class Layer(Fusing):
         qk = rope(qk)
         return qk[:, :, :H].transpose(1, 2), qk[:, :, H:].transpose(1, 2), v.transpose(1, 2)
 
-    def ffn(self, x: torch.Tensor) -> torch.Tensor:
+    def ffn(self, x: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+        """h + the MLP of x (the normed h): the residual joins the MLP's last matmul, or,
+        routed, the shared expert's, and the experts' mixture is added into that."""
         if hasattr(self, "gate"):
-            return swiglu(x, self.w13, self.b13, self.down)
+            return swiglu(x, self.w13, self.b13, self.down, h)
         if not self.routed:
-            return self.dense(x)
-        out = experts_forward(x, self.router.weight, self.expert_bias, self.experts, self.cfg.moe, self.owned)
-        out = out if self.shared is None else out + self.shared(x)
-        return out if self.tp is None else self.tp.all_reduce(out)  # the ranks' experts and shared partials
+            return self.dense(x, h)
+        experts = lambda into: experts_forward(x, self.router.weight, self.expert_bias, self.w13, self.w2,  # noqa: E731
+                                               self.cfg.moe, self.owned, self.expert_ids, into)
+        if self.tp is not None:  # the ranks' experts and shared partials, summed before the residual joins
+            return h + self.tp.all_reduce(experts(None if self.shared is None else self.shared(x)))
+        return experts(h if self.shared is None else self.shared(x, h))  # h: this layer's own, added into in place
 
 
 def additive(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
