@@ -39,7 +39,7 @@ NO_KERNEL = {
 # data-dependent ops: the host learns an output size from the device (a wait on a GPU)
 DATA_DEPENDENT = {
     aten.nonzero.default, aten.nonzero_static.default, aten.masked_select.default, aten.bincount.default,
-    aten._unique2.default, aten.unique_dim.default, aten.unique_consecutive.default, aten.histc.default,
+    aten._unique2.default, aten.unique_dim.default, aten.unique_consecutive.default,
     aten.nonzero_numpy.default,
 }
 DATA_DEPENDENT.discard(aten.nonzero_static.default)  # static output size: no wait
@@ -167,6 +167,12 @@ class _Shadow(torch.Tensor):
         raise RuntimeError(f"{func} on a stand-in cuda tensor outside StandInCuda")
 
 
+def _histc_range(a, k):
+    """histc's (min, max): equal, the data's own range (read by the host)."""
+    lo = k.get("min", a[2] if len(a) > 2 else 0)
+    return lo, k.get("max", a[3] if len(a) > 3 else 0)
+
+
 def _is_cuda(device) -> bool:
     return device is not None and torch.device(device).type == "cuda"
 
@@ -289,9 +295,12 @@ class StandInCuda(TorchDispatchMode):
       without output_size).
 
     A CPU tensor (not 0-dim) in an op on device tensors raises, as on CUDA. Patched while
-    active: `torch.cuda._lazy_init` (a no-op), `torch.cuda.Event` (complete once recorded, host-timed) and
+    active: `torch.cuda._lazy_init` (a no-op), `get_device_capability` (an H100's, (9, 0)),
+    `torch.cuda.Event` (complete once recorded, host-timed) and
     `torch.cuda.synchronize` (counted as a wait); `torch.Generator(device="cuda")` is not
-    stood in (rows that draw noise cannot run on it). `move(module)` puts a model on it."""
+    stood in (rows that draw noise cannot run on it). Ops run with the CPU's kernels, so an
+    op CUDA has for a dtype the CPU lacks is run in one it has (`histc` of ints, as float).
+    `move(module)` puts a model on it."""
 
     def __init__(self, root: str = "engine"):
         super().__init__()
@@ -325,7 +334,9 @@ class StandInCuda(TorchDispatchMode):
     # --- entering -----------------------------------------------------------------------
     def __enter__(self):
         cuda = torch.cuda
-        self._saved = {"Event": cuda.Event, "synchronize": cuda.synchronize, "_lazy_init": cuda._lazy_init}
+        self._saved = {"Event": cuda.Event, "synchronize": cuda.synchronize, "_lazy_init": cuda._lazy_init,
+                       "get_device_capability": cuda.get_device_capability}
+        cuda.get_device_capability = lambda device=None: (9, 0)  # an H100's (transformers picks its kernels by it)
         cuda.Event = _StandInEvent
         cuda._lazy_init = lambda: None  # factories' device check: nothing to initialise
         cuda.synchronize = lambda device=None: self.count("synchronize")
@@ -364,7 +375,7 @@ class StandInCuda(TorchDispatchMode):
         kwargs = kwargs or {}
         if func is aten.is_pinned.default:
             return not isinstance(args[0], (StandInTensor, _Shadow)) and self._is_pinned(args[0])
-        if func is aten._pin_memory.default:
+        if func in (aten._pin_memory.default, aten.pin_memory.default):  # (under inference mode: undecomposed)
             out = args[0].clone()
             self._pinned.append(out)
             self._pinned_ptrs.add(out.untyped_storage().data_ptr())
@@ -422,7 +433,10 @@ class StandInCuda(TorchDispatchMode):
             if func is aten._local_scalar_dense.default:
                 self.count("item")
                 return func(*a, **k)
-            if func in DATA_DEPENDENT or (func in REPEATS and k.get("output_size") is None):
+            if func is aten.histc.default and not a[0].is_floating_point():  # CUDA's int histc; the CPU's is float's
+                return StandInTensor(func(a[0].float(), *a[1:], **k).to(a[0].dtype))
+            if func in DATA_DEPENDENT or (func in REPEATS and k.get("output_size") is None) or (
+                    func is aten.histc.default and _histc_range(a, k)[0] == _histc_range(a, k)[1]):
                 self.count(f"data-dependent {func.overloadpacket.__name__}")
             elif func in INDEXING:
                 idx = a[1] if len(a) > 1 else k.get("indices")

@@ -97,6 +97,18 @@ def key_runs(rows: List[int], starts: List[int], width: int, overhead: int) -> L
     return [tuple(x) for x in runs]
 
 
+def to_device(parts: List[torch.Tensor], device) -> List[torch.Tensor]:
+    """Host tensors of one dtype on `device` in one copy, pinned and non-blocking on CUDA (a
+    pageable or blocking upload waits for the device to drain; pin_memory copies, so the
+    host tensors may be reused at once)."""
+    host = torch.cat([t.reshape(-1) for t in parts]) if len(parts) > 1 else parts[0].reshape(-1)
+    if torch.device(device).type == "cuda":
+        up = host.pin_memory().to(device, non_blocking=True)
+    else:
+        up = host.to(device)
+    return [u.view(t.shape) for u, t in zip(up.split([t.numel() for t in parts]), parts)]
+
+
 @dataclass
 class ForwardPlan:
     """One forward, decided on the host: its rows, query columns, what it stores, the
@@ -330,12 +342,7 @@ class ModelRunner:
         parts = [p.qc, p.pos, p.at, p.real.long()] + ([] if p.write is None else [p.write.long()])
         if p.group is not None:
             parts.append(p.pick[:, None])
-        host = torch.cat(parts, 1)
-        if self.device.type == "cuda":
-            up = host.pin_memory().to(self.device, non_blocking=True)
-        else:
-            up = host.to(self.device)
-        return list(up.split([t.shape[1] for t in parts], 1))
+        return to_device(parts, self.device)
 
     def run(self, b: Batch, p: ForwardPlan, inputs: Optional[List[torch.Tensor]] = None) -> Tuple[torch.Tensor, float]:
         """(logits, seconds): the index tensors go to the device (`upload`, unless `prepare`
