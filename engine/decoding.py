@@ -13,6 +13,7 @@ from typing import List, Optional, Sequence
 import torch
 
 from .models.families.base import Confidence, ThresholdRule
+from .transfer import to_device
 
 FIXED, THRESHOLD, FACTOR, TIMESTEP, ORIGIN, ENTROPY_BOUND = 0, 1, 2, 3, 4, 5
 POLICY_IDS = {"fixed": FIXED, "threshold": THRESHOLD, "factor": FACTOR, "timestep": TIMESTEP, "origin": ORIGIN,
@@ -43,8 +44,10 @@ class DeviceParams:
 
     @classmethod
     def upload(cls, real: torch.Tensor, ints: torch.Tensor, device) -> "DeviceParams":
-        """From the host's [5, B] float64 and [5, B] long stacks: two copies, not ten."""
-        r, i = real.to(device), ints.to(device)
+        """From the host's [5, B] float64 and [5, B] long stacks: one pinned, non-blocking copy
+        (the float64 bits as int64), not ten."""
+        r, i = to_device([real.view(torch.long), ints], device)
+        r = r.view(torch.float64)
         return cls(policy=i[0], threshold=r[0], factor=r[1], temperature=r[2], remasking=i[1],
                    first_position=i[2].bool(), top_p=r[3], top_k=i[3], cap=i[4], entropy_bound=r[4])
 
@@ -120,15 +123,19 @@ class RowParams:
                              [int(f) for f in first], [max(0, int(p.top_k)) for p in params],
                              [-1 if c is None else int(c) for c in (caps or [None] * len(params))]],
                             dtype=torch.long).reshape(5, len(params))
+        floor_steps = floor_one = None
+        if floor:  # the floor's per-row values, in one pinned, non-blocking copy
+            floor_steps, floor_one = to_device([torch.tensor([p.max_new_tokens if capped else NO_CAP for p in params]),
+                                                torch.tensor([int(f) for f in floor_one or [False] * len(params)])],
+                                               device)
+            floor_one = floor_one.bool()
         return cls(params=list(params), seeds=list(seeds), real=real, ints=ints,
                    dev=DeviceParams.upload(real, ints, device),
                    any_entropy=any(p.remasking == "entropy" for p in params),
                    any_margin=any(p.remasking == "margin" for p in params),
                    any_sequential=any(p.remasking == "sequential" for p in params), floor=floor,
                    sampled=confidence == Confidence.SAMPLED,
-                   floor_steps=torch.tensor([p.max_new_tokens if capped else NO_CAP for p in params], device=device)
-                   if floor else None, strict=threshold == ThresholdRule.GREATER_AT_LEAST_TOP1,
-                   floor_one=torch.tensor(list(floor_one or [False] * len(params)), device=device) if floor else None)
+                   floor_steps=floor_steps, strict=threshold == ThresholdRule.GREATER_AT_LEAST_TOP1, floor_one=floor_one)
 
     def take(self, index: torch.Tensor) -> "RowParams":
         """The parameters of rows `index` (a host tensor): one entry per decoding unit

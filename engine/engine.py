@@ -40,7 +40,8 @@ from .models.sharding import tensor_parallel_of
 from .reads import MASKED
 from .rules import Traits, row_refusal
 from . import prefix_cache
-from .runner import ModelRunner, to_device
+from .runner import ModelRunner
+from .transfer import to_device
 from .scheduler import make_scheduler
 from .sequence import FinishReason, Request, RequestOutput, RowShape
 from .slots import KVSlots, place

@@ -15,6 +15,7 @@ from .batch import Batch
 from .config import EngineConfig
 from .models import DLLM
 from .stats import EngineStats, ForwardFit, ForwardTimer
+from .transfer import to_device
 
 # What one more attention call costs, in keys of one row: a run of rows of similar key width
 # shares a call rather than each row paying it (key_runs). On the CPU a call costs about as
@@ -95,18 +96,6 @@ def key_runs(rows: List[int], starts: List[int], width: int, overhead: int) -> L
                 continue
         runs.append([r, r + 1, s])
     return [tuple(x) for x in runs]
-
-
-def to_device(parts: List[torch.Tensor], device) -> List[torch.Tensor]:
-    """Host tensors of one dtype on `device` in one copy, pinned and non-blocking on CUDA (a
-    pageable or blocking upload waits for the device to drain; pin_memory copies, so the
-    host tensors may be reused at once)."""
-    host = torch.cat([t.reshape(-1) for t in parts]) if len(parts) > 1 else parts[0].reshape(-1)
-    if torch.device(device).type == "cuda":
-        up = host.pin_memory().to(device, non_blocking=True)
-    else:
-        up = host.to(device)
-    return [u.view(t.shape) for u, t in zip(up.split([t.numel() for t in parts]), parts)]
 
 
 @dataclass

@@ -31,10 +31,10 @@ def _model(folder: str):
     return build_model(ModelConfig.from_hf(published.shrink(published.config(folder))), dtype=torch.float32)
 
 
-def _serve(folder: str, stand_in: bool, params: SamplingParams, **kw) -> Tuple[list, List[Counter], Engine]:
+def _serve(folder: str, stand_in: bool, params: SamplingParams, **kw) -> Tuple[list, List[Counter], Engine, int]:
     """Eight rows of one width served to the end: (their tokens, each denoising step's waits
-    by (kind, where), the engine). Waits are booked to the denoising step (Engine._denoise)
-    they were made in; a re-layout's (Engine._form_batch) are not a step's."""
+    by (kind, where), the engine, all its waits). Waits are booked to the denoising step
+    (Engine._denoise) they were made in; a re-layout's (Engine._form_batch) are not a step's."""
     model = _model(folder)
     s = StandInCuda() if stand_in else None
     steps: List[Counter] = []
@@ -59,7 +59,7 @@ def _serve(folder: str, stand_in: bool, params: SamplingParams, **kw) -> Tuple[l
         outs = []
         while e.has_unfinished():
             outs += e.step()
-    return sorted((o.request_id, o.token_ids) for o in outs), steps, e
+    return sorted((o.request_id, o.token_ids) for o in outs), steps, e, s.waits if s is not None else 0
 
 
 def _kinds(steps: List[Counter], skip_forward: bool = False) -> List[List[Tuple[str, str]]]:
@@ -74,30 +74,32 @@ GREEDY = SamplingParams(max_new_tokens=16, policy="fixed", ignore_eos=True)
 
 @pytest.mark.parametrize("advance", ["step", "block"])
 def test_llada_denoising_step_waits_once(advance):
-    cpu, _, _ = _serve(LLADA, False, GREEDY, advance=advance)
-    got, steps, e = _serve(LLADA, True, GREEDY, advance=advance)
+    cpu, *_ = _serve(LLADA, False, GREEDY, advance=advance)
+    got, steps, e, waits = _serve(LLADA, True, GREEDY, advance=advance)
     assert got == cpu  # token for token
     assert len(steps) == 8  # two blocks of four steps
     assert _kinds(steps) == [[("d2h", "_fetch")]] * 8
     assert e.stats.syncs == 8
+    assert waits == 8  # admission and re-layouts upload in pinned, non-blocking copies: no wait
 
 
 def test_dream_top_p_top_k_step_waits_once():
     params = SamplingParams(max_new_tokens=16, top_p=0.9, top_k=20, ignore_eos=True)
-    cpu, _, _ = _serve(DREAM, False, params)
-    got, steps, e = _serve(DREAM, True, params)
+    cpu, *_ = _serve(DREAM, False, params)
+    got, steps, e, waits = _serve(DREAM, True, params)
     assert got == cpu
     assert len(steps) == 16  # Dream's default policy: up to max(steps, block length) steps a block
     assert _kinds(steps) == [[("d2h", "_fetch")]] * 16
     assert e.stats.syncs == 16
+    assert waits == 16
 
 
 def test_llada2_step_waits_once_outside_the_forward():
     """The MoE forward's own waits (engine/models/moe.py: bincount, .tolist()) are its
     rewrite's (issue 51); the step around it waits once."""
     params = SamplingParams(max_new_tokens=16, ignore_eos=True)
-    cpu, _, _ = _serve(LLADA2, False, params)
-    got, steps, e = _serve(LLADA2, True, params)
+    cpu, *_ = _serve(LLADA2, False, params)
+    got, steps, e, waits = _serve(LLADA2, True, params)
     assert got == cpu
     assert len(steps) == 8
     assert _kinds(steps, skip_forward=True) == [[("d2h", "_fetch")]] * 8

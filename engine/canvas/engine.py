@@ -46,7 +46,7 @@ from typing import Any, List, Optional, Sequence
 import torch
 
 from ..config import SchedulerKind, enum_value
-from ..runner import to_device
+from ..transfer import to_device
 from ..sequence import FinishReason, RequestOutput
 from .denoiser import Denoiser, refusal
 from .kv import Pass, RowKV
