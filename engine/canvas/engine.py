@@ -280,22 +280,35 @@ class CanvasEngine:
 
     # ------------------------------------------------------------------ joins and leaves
     def _row_state(self, row: _Row) -> dict:
-        """A new row's state tensors (one row each); its first canvas drawn from its generator."""
-        p, dev = row.params, self.device
+        """A new row's state tensors (one row each, on the host: `_join` uploads them); its
+        first canvas drawn from its generator. A preempted row's, as it kept them (device)."""
+        p = row.params
         if row.saved is not None:
             st, row.saved = row.saved, None
             return st
-        canvas = torch.randint(0, self.V, (1, self.L), generator=row.gen).to(dev)
-        f32 = dict(dtype=torch.float32, device=dev)
-        return dict(canvas=canvas, argmax=canvas, has_sc=torch.zeros(1, dtype=torch.bool, device=dev),
-                    cur=torch.full((1,), p.max_denoising_steps, dtype=torch.int32, device=dev),
-                    run=torch.zeros(1, dtype=torch.long, device=dev),
-                    n_steps=torch.full((1,), p.max_denoising_steps, dtype=torch.int32, device=dev),
+        canvas = torch.randint(0, self.V, (1, self.L), generator=row.gen)
+        f32 = dict(dtype=torch.float32)
+        return dict(canvas=canvas, argmax=canvas, has_sc=torch.zeros(1, dtype=torch.bool),
+                    cur=torch.full((1,), p.max_denoising_steps, dtype=torch.int32),
+                    run=torch.zeros(1, dtype=torch.long),
+                    n_steps=torch.full((1,), p.max_denoising_steps, dtype=torch.int32),
                     t_min=torch.tensor([p.t_min], **f32), t_span=torch.tensor([p.t_max - p.t_min], **f32),
                     bound=torch.tensor([float(p.entropy_bound)], **f32),
                     conf=torch.tensor([float(p.confidence_threshold)], **f32),
-                    stab=torch.full((1,), int(p.stability_threshold), dtype=torch.long, device=dev),
+                    stab=torch.full((1,), int(p.stability_threshold), dtype=torch.long),
                     sc=None)
+
+    def _upload(self, states: List[dict]) -> None:
+        """The joining rows' host state tensors onto the device, in place: one pinned,
+        non-blocking copy per dtype (not one blocking copy per tensor)."""
+        by_dtype: dict = {}
+        for st in states:
+            for k in _STATE:
+                if st[k].device != self.device:
+                    by_dtype.setdefault(st[k].dtype, []).append((st, k))
+        for items in by_dtype.values():
+            for (st, k), t in zip(items, to_device([st[k] for st, k in items], self.device)):
+                st[k] = t
 
     def _save(self, row: _Row) -> None:
         """A preempted row keeps its canvas in progress (K/V dropped)."""
@@ -316,6 +329,7 @@ class CanvasEngine:
         self.rows += rows
         self._layout = None
         states = [self._row_state(r) for r in rows]
+        self._upload(states)
         self._to_prefill += rows
         for k in _STATE:
             parts = ([self._state[k]] if self._state[k] is not None else []) + [s[k] for s in states]
@@ -349,7 +363,7 @@ class CanvasEngine:
         order = list(range(n))
         for h, m in zip(holes, movers):
             order[h] = m
-        idx = torch.tensor(order, dtype=torch.long, device=self.device)
+        idx = to_device([torch.tensor(order, dtype=torch.long)], self.device)[0]
         for k in _STATE:
             self._state[k] = self._state[k].index_select(0, idx)
         if self.sc is not None:
@@ -526,7 +540,7 @@ class CanvasEngine:
         or commits: its inputs change only then)."""
         if self._layout is None:
             dev = self.device
-            lens = torch.tensor([r.cur_len for r in self.rows], dtype=torch.long, device=dev)
+            lens = to_device([torch.tensor([r.cur_len for r in self.rows], dtype=torch.long)], dev)[0]
             hi = max(r.cur_len for r in self.rows)
             lo = self._lo(min(r.cur_len for r in self.rows))
             masks = self._masks(None, lens, self.L, lo, hi, causal=False, extra=self.L)

@@ -19,6 +19,8 @@ from typing import List, Optional, Sequence
 
 import torch
 
+from ..transfer import to_device
+
 
 class RowKV:
     """The K/V of the active rows, one buffer per layer, grown (never per step) when a
@@ -73,8 +75,7 @@ class RowKV:
         """Slots `src` into slots `dst` (compaction when rows leave)."""
         if not dst:
             return
-        d = torch.tensor(list(dst), device=self.device)
-        s = torch.tensor(list(src), device=self.device)
+        d, s = to_device([torch.tensor(list(dst)), torch.tensor(list(src))], self.device)
         for bufs in (self.keys, self.values):
             for i, b in enumerate(bufs):
                 if b is not None:
