@@ -209,7 +209,8 @@ class Engine(EngineCore):
             self.stats.kv_copied_by[k] = slots.copied[k]
 
     def _fetch(self, t: torch.Tensor) -> torch.Tensor:
-        """The loop's one device -> host read per denoising step (counted)."""
+        """A device -> host read of the step path (counted in EngineStats.syncs): the step's one
+        (its window's tokens), and a logprob row's; nothing else on the step path waits."""
         self.stats.syncs += 1
         return t.cpu()
 

@@ -144,3 +144,14 @@ def test_canvas_step_waits_once(gemma_ckpt):
     for c, syncs, _ in per:
         assert _kinds([c]) == [[("tolist", "_denoise")]]
         assert syncs == 1
+
+
+def test_logprob_rows_count_their_reads():
+    """A step of rows asking for logprobs reads twice (the positions written, then their
+    logprobs) and waits for nothing else; EngineStats.syncs counts both."""
+    params = SamplingParams(max_new_tokens=16, policy="fixed", ignore_eos=True, logprobs=2)
+    cpu, *_ = _serve(LLADA, False, params)
+    got, steps, e, waits = _serve(LLADA, True, params)
+    assert got == cpu
+    assert _kinds(steps) == [[("d2h", "_fetch")] * 3] * 8  # the step's own read and the two logprob reads
+    assert e.stats.syncs == waits == 24
