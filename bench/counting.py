@@ -17,12 +17,11 @@ waits per step, as tested properties rather than guesses.
 from __future__ import annotations
 
 import contextlib
-import weakref
 from collections import Counter
 from typing import Any, Dict, Iterable, List, Optional
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode, return_and_correct_aliasing
+from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_map
 
 aten = torch.ops.aten
@@ -433,8 +432,6 @@ class StandInCuda(TorchDispatchMode):
             if func is aten._local_scalar_dense.default:
                 self.count("item")
                 return func(*a, **k)
-            if func is aten.histc.default and not a[0].is_floating_point():  # CUDA's int histc; the CPU's is float's
-                return StandInTensor(func(a[0].float(), *a[1:], **k).to(a[0].dtype))
             if func in DATA_DEPENDENT or (func in REPEATS and k.get("output_size") is None) or (
                     func is aten.histc.default and _histc_range(a, k)[0] == _histc_range(a, k)[1]):
                 self.count(f"data-dependent {func.overloadpacket.__name__}")
@@ -448,7 +445,12 @@ class StandInCuda(TorchDispatchMode):
             if host_tensors:
                 raise RuntimeError(f"{func}: a host tensor {tuple(host_tensors[0].shape)} among cuda tensors "
                                    f"(at {_where(self.root)})")
+        cast = None
+        if wrapped and func is aten.histc.default and not a[0].is_floating_point():  # CUDA's int histc: the CPU's float
+            cast, a = a[0].dtype, (a[0].float(), *a[1:])
         out = func(*a, **k)
+        if cast is not None:
+            out = out.to(cast)
         if not on_device:
             return out
 

@@ -199,7 +199,8 @@ def relayout(old: Optional[Batch], rows: List[Request], grown: set, *, traits: T
     fresh = torch.full((B, W), mcfg.pad_token_id, dtype=torch.long)  # new rows' tokens
     for i in torch.nonzero(~kept).flatten().tolist():
         r = rows[i]
-        fresh[i, W - shape.width(r):] = torch.tensor(r.prompt + r.generated + r.rule.in_flight(r, shape, mcfg.mask_token_id))
+        inflight = r.rule.in_flight(r, shape, mcfg.mask_token_id)
+        fresh[i, W - shape.width(r):] = torch.tensor(r.prompt + r.generated + inflight)
     parts = [lens, prompt_len, (W - tail - n)[:, None] + torch.arange(n)[None], fresh, kept.long(), frozen.long()]
     if any_kept:  # old column c of a kept row lands at c + (new start) - (old start)
         src_col = (col - start[:, None] + (old.width - old_lens)[:, None]).clamp(0, old.width - 1)
@@ -221,5 +222,6 @@ def relayout(old: Optional[Batch], rows: List[Request], grown: set, *, traits: T
         caps=[r.rule.step_cap(r, L, traits.config.steps_per_block) for r in rows])
     return Batch(rows=list(rows), ids=ids, lens=lens, tail=tail, prompt_len=prompt_len, cached=cached, step=step,
                  busy_steps=busy, prompt_fwd=fwd, frozen=frozen, masked=masked,
-                 mask=AttentionMask.build(lens_d, plen_d, W, L, mcfg.block_causal, family.blocks == BlockLayout.ABSOLUTE),
+                 mask=AttentionMask.build(lens_d, plen_d, W, L, mcfg.block_causal,
+                                          family.blocks == BlockLayout.ABSOLUTE),
                  row_params=row_params, block_length=L, nact=nact, block_cols=blk)

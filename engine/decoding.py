@@ -135,7 +135,8 @@ class RowParams:
                    any_margin=any(p.remasking == "margin" for p in params),
                    any_sequential=any(p.remasking == "sequential" for p in params), floor=floor,
                    sampled=confidence == Confidence.SAMPLED,
-                   floor_steps=floor_steps, strict=threshold == ThresholdRule.GREATER_AT_LEAST_TOP1, floor_one=floor_one)
+                   floor_steps=floor_steps, strict=threshold == ThresholdRule.GREATER_AT_LEAST_TOP1,
+                   floor_one=floor_one)
 
     def take(self, index: torch.Tensor) -> "RowParams":
         """The parameters of rows `index` (a host tensor): one entry per decoding unit

@@ -69,6 +69,23 @@ def _kinds(steps: List[Counter], skip_forward: bool = False) -> List[List[Tuple[
                    if not (skip_forward and where.startswith("engine/models/"))) for c in steps]
 
 
+def test_stand_in_counts_every_kind_of_wait():
+    with StandInCuda() as s:
+        x = torch.arange(6).pin_memory().to("cuda", non_blocking=True)  # pinned, non-blocking: no wait
+        y = torch.arange(6).to("cuda")  # pageable: a wait
+        z = x + y
+        assert z.device.type == "cuda" and s.waits == 1
+        assert z.cpu().tolist() == [0, 2, 4, 6, 8, 10]
+        assert z.tolist()[1] == 2 and z.sum().item() == 30
+        assert s.host(z[z > 2]).tolist() == [4, 6, 8, 10] and z.nonzero().shape == (5, 1)
+        assert z[torch.arange(6, device="cuda") < 3].shape == (3,)  # a mask: a wait, wherever it was made
+        with pytest.raises(RuntimeError, match="host tensor"):
+            z + torch.arange(6)  # as on CUDA: devices do not mix
+    assert sorted(k for k, _ in s.where.elements()) == [
+        "d2h", "data-dependent index by a mask", "data-dependent index by a mask", "data-dependent nonzero", "h2d",
+        "item", "tolist"]
+
+
 GREEDY = SamplingParams(max_new_tokens=16, policy="fixed", ignore_eos=True)
 
 

@@ -82,7 +82,7 @@ class _Row:
 
 def _picked(counts: Sequence[int], t: int) -> torch.Tensor:
     """Host indices into a right-padded (rows, t) pass of its real tokens (row j's first counts[j])."""
-    return torch.cat([j * t + torch.arange(c) for j, c in enumerate(counts)]) if counts else torch.zeros(0, dtype=torch.long)
+    return torch.cat([j * t + torch.arange(c) for j, c in enumerate(counts)] + [torch.zeros(0, dtype=torch.long)])
 
 
 def _entropy(logits: torch.Tensor) -> torch.Tensor:
@@ -641,8 +641,8 @@ class CanvasEngine:
         for slot, ids, start in work:
             toks[slot], starts[slot], counts[slot] = ids + [0] * (t - len(ids)), start, len(ids)
         # the pass's host values in one pinned, non-blocking upload; the tokens written picked by index
-        ids, st, n, cnt, pick = to_device([torch.tensor(toks, dtype=torch.long), torch.tensor(starts), torch.tensor(lens),
-                                           torch.tensor(counts), _picked(counts, t)], dev)
+        ids, st, n, cnt, pick = to_device([torch.tensor(toks, dtype=torch.long), torch.tensor(starts),
+                                           torch.tensor(lens), torch.tensor(counts), _picked(counts, t)], dev)
         ar = torch.arange(t, device=dev).view(1, t)
         cols = st.view(B, 1) + ar
         valid = ar < cnt.view(B, 1)
