@@ -23,6 +23,7 @@ from .models import KVCache
 from .models.families.base import BlockLayout
 from .rules import Traits
 from .sequence import Request, RowShape
+from .transfer import to_device
 
 
 @dataclass
@@ -47,6 +48,7 @@ class Batch:
     block_length: int
     cache: Optional[KVCache] = None  # the box view of the engine's KV slots
     nact: Optional[torch.Tensor] = None  # [B] blocks in flight (None: one each)
+    block_cols: Optional[torch.Tensor] = None  # [B, NB L] the window's columns (device; None: uploaded here)
 
     def __post_init__(self):
         dev, L = self.ids.device, self.block_length
@@ -67,7 +69,8 @@ class Batch:
         self.runs_cache: Dict[Any, Any] = {}  # engine.runner: a forward's attention runs per row group, per layout
         n = self.n_window * L
         self.window_start = self.width - self.tail - n  # [B] first column of the window (host)
-        self.block_cols = (self.window_start[:, None] + torch.arange(n)[None]).to(dev)  # [B, NB L] device
+        if self.block_cols is None:
+            self.block_cols = (self.window_start[:, None] + torch.arange(n)[None]).to(dev)  # [B, NB L] device
         # which window positions are a block of the row (host, and device for the step's masks)
         self.valid = torch.arange(n)[None] >= ((self.n_window - self.nact) * L)[:, None]
         self.valid_dev = self.valid.to(dev) if self.n_window > 1 else None
@@ -189,35 +192,36 @@ def relayout(old: Optional[Batch], rows: List[Request], grown: set, *, traits: T
     W = int(lens.max())
     col = torch.arange(W)[None]
     start = W - lens
-    ids = torch.full((B, W), mcfg.pad_token_id, dtype=torch.long, device=dev)
-    if any_kept:
-        # old column c of a kept row lands at c + (new start) - (old start)
-        src_col = (col - start[:, None] + (old.width - old_lens)[:, None]).clamp(0, old.width - 1)
-        moved = old.ids[s.to(dev)].gather(1, src_col.to(dev))
-        ids = torch.where((kept[:, None] & (col >= start[:, None])).to(dev), moved, ids)
-        if not full_canvas:  # a grown row's new block: L fresh masks (the full canvas holds them already)
-            ids[:, W - L:] = torch.where(grew.to(dev)[:, None], mcfg.mask_token_id, ids[:, W - L:])
-    new = torch.nonzero(~kept).flatten().tolist()
-    if new:
-        fresh = torch.full((len(new), W), mcfg.pad_token_id, dtype=torch.long)
-        for j, i in enumerate(new):
-            r = rows[i]
-            inflight = r.rule.in_flight(r, shape, mcfg.mask_token_id)
-            fresh[j, W - shape.width(r):] = torch.tensor(r.prompt + r.generated + inflight)
-        ids[torch.tensor(new, device=dev)] = fresh.to(dev)
     n = masked.shape[1]  # the window: a frozen D2F row may have masks in every block it had in flight
-    blk = ((W - tail - n)[:, None] + torch.arange(n)[None]).to(dev)
-    if bool(frozen.any()):  # a frozen row's block holds its last committed tokens: nothing to denoise
-        cur = ids.gather(1, blk)
-        ids.scatter_(1, blk, torch.where(frozen.to(dev)[:, None] & (cur == mcfg.mask_token_id), mcfg.pad_token_id, cur))
     same_rows = old is not None and rows == old.rows  # Request compares by identity
     prompt_len = old.prompt_len if same_rows else torch.tensor([r.prompt_len for r in rows])
+    # every host value the device needs, in one pinned, non-blocking upload
+    fresh = torch.full((B, W), mcfg.pad_token_id, dtype=torch.long)  # new rows' tokens
+    for i in torch.nonzero(~kept).flatten().tolist():
+        r = rows[i]
+        inflight = r.rule.in_flight(r, shape, mcfg.mask_token_id)
+        fresh[i, W - shape.width(r):] = torch.tensor(r.prompt + r.generated + inflight)
+    parts = [lens, prompt_len, (W - tail - n)[:, None] + torch.arange(n)[None], fresh, kept.long(), frozen.long()]
+    if any_kept:  # old column c of a kept row lands at c + (new start) - (old start)
+        src_col = (col - start[:, None] + (old.width - old_lens)[:, None]).clamp(0, old.width - 1)
+        parts += [s, src_col, (kept[:, None] & (col >= start[:, None])).long(), grew.long()]
+    lens_d, plen_d, blk, fresh, kept_d, frozen_d, *moves = to_device(parts, dev)
+    ids = torch.where(kept_d.bool()[:, None], mcfg.pad_token_id, fresh)
+    if any_kept:
+        s_d, src_col, keep_cols, grew_d = moves
+        ids = torch.where(keep_cols.bool(), old.ids[s_d].gather(1, src_col), ids)
+        if not full_canvas:  # a grown row's new block: L fresh masks (the full canvas holds them already)
+            ids[:, W - L:] = torch.where(grew_d.bool()[:, None], mcfg.mask_token_id, ids[:, W - L:])
+    if bool(frozen.any()):  # a frozen row's block holds its last committed tokens: nothing to denoise
+        cur = ids.gather(1, blk)
+        ids.scatter_(1, blk, torch.where(frozen_d.bool()[:, None] & (cur == mcfg.mask_token_id), mcfg.pad_token_id,
+                                         cur))
     row_params = old.row_params if same_rows else RowParams.build(
         [r.params for r in rows], [r.noise_seed for r in rows], dev, first_position_default=family.first_position,
         threshold=family.threshold, confidence=family.confidence, floor_one=[r.rule.floor_one for r in rows],
         caps=[r.rule.step_cap(r, L, traits.config.steps_per_block) for r in rows])
     return Batch(rows=list(rows), ids=ids, lens=lens, tail=tail, prompt_len=prompt_len, cached=cached, step=step,
                  busy_steps=busy, prompt_fwd=fwd, frozen=frozen, masked=masked,
-                 mask=AttentionMask.build(lens.to(dev), prompt_len.to(dev), W, L, mcfg.block_causal,
+                 mask=AttentionMask.build(lens_d, plen_d, W, L, mcfg.block_causal,
                                           family.blocks == BlockLayout.ABSOLUTE),
-                 row_params=row_params, block_length=L, nact=nact)
+                 row_params=row_params, block_length=L, nact=nact, block_cols=blk)

@@ -295,6 +295,8 @@ def resolve_token_budget(config: EngineConfig, mcfg: ModelConfig, dtype: torch.d
     given one; else, on a device with a memory query, the plan from its free memory
     (`engine_plan`, the weights loaded); else DEFAULT_TOKEN_BUDGET. Raises ValueError when
     no row of one block fits, and for a gpu_memory_utilization the device cannot honour."""
+    if config.token_budget is not None and config.gpu_memory_utilization == EngineConfig().gpu_memory_utilization:
+        return fixed_budget(config)  # given: nothing to ask the device
     memory = device_memory(device)
     if memory is None and config.gpu_memory_utilization != EngineConfig().gpu_memory_utilization:
         raise ValueError(f"gpu_memory_utilization={config.gpu_memory_utilization:g}: this engine runs on {device}, "

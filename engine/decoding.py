@@ -13,6 +13,7 @@ from typing import List, Optional, Sequence
 import torch
 
 from .models.families.base import Confidence, ThresholdRule
+from .transfer import to_device
 
 FIXED, THRESHOLD, FACTOR, TIMESTEP, ORIGIN, ENTROPY_BOUND = 0, 1, 2, 3, 4, 5
 POLICY_IDS = {"fixed": FIXED, "threshold": THRESHOLD, "factor": FACTOR, "timestep": TIMESTEP, "origin": ORIGIN,
@@ -43,8 +44,10 @@ class DeviceParams:
 
     @classmethod
     def upload(cls, real: torch.Tensor, ints: torch.Tensor, device) -> "DeviceParams":
-        """From the host's [5, B] float64 and [5, B] long stacks: two copies, not ten."""
-        r, i = real.to(device), ints.to(device)
+        """From the host's [5, B] float64 and [5, B] long stacks: one pinned, non-blocking copy
+        (the float64 bits as int64), not ten."""
+        r, i = to_device([real.view(torch.long), ints], device)
+        r = r.view(torch.float64)
         return cls(policy=i[0], threshold=r[0], factor=r[1], temperature=r[2], remasking=i[1],
                    first_position=i[2].bool(), top_p=r[3], top_k=i[3], cap=i[4], entropy_bound=r[4])
 
@@ -120,15 +123,20 @@ class RowParams:
                              [int(f) for f in first], [max(0, int(p.top_k)) for p in params],
                              [-1 if c is None else int(c) for c in (caps or [None] * len(params))]],
                             dtype=torch.long).reshape(5, len(params))
+        floor_steps = floor_one = None
+        if floor:  # the floor's per-row values, in one pinned, non-blocking copy
+            floor_steps, floor_one = to_device([torch.tensor([p.max_new_tokens if capped else NO_CAP for p in params]),
+                                                torch.tensor([int(f) for f in floor_one or [False] * len(params)])],
+                                               device)
+            floor_one = floor_one.bool()
         return cls(params=list(params), seeds=list(seeds), real=real, ints=ints,
                    dev=DeviceParams.upload(real, ints, device),
                    any_entropy=any(p.remasking == "entropy" for p in params),
                    any_margin=any(p.remasking == "margin" for p in params),
                    any_sequential=any(p.remasking == "sequential" for p in params), floor=floor,
                    sampled=confidence == Confidence.SAMPLED,
-                   floor_steps=torch.tensor([p.max_new_tokens if capped else NO_CAP for p in params], device=device)
-                   if floor else None, strict=threshold == ThresholdRule.GREATER_AT_LEAST_TOP1,
-                   floor_one=torch.tensor(list(floor_one or [False] * len(params)), device=device) if floor else None)
+                   floor_steps=floor_steps, strict=threshold == ThresholdRule.GREATER_AT_LEAST_TOP1,
+                   floor_one=floor_one)
 
     def take(self, index: torch.Tensor) -> "RowParams":
         """The parameters of rows `index` (a host tensor): one entry per decoding unit
@@ -197,25 +205,45 @@ def restrict(logits: torch.Tensor, temperature: float, top_k: int, top_p: float)
     return logits
 
 
+def _asking(flag: torch.Tensor) -> Optional[torch.Tensor]:
+    """The positions whose row asks for a restriction (`flag` [N]): their indices on the CPU,
+    where picking them costs no wait and spares sorting the others' vocabulary; None (every
+    position, the others masked out) on an accelerator, where picking them is a host wait."""
+    return flag.nonzero().flatten() if flag.device.type == "cpu" else None
+
+
 def dream_logits(logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor,
-                 top_k: torch.Tensor) -> torch.Tensor:
+                 top_k: torch.Tensor, any_top_p: bool = True, k_max: Optional[int] = None) -> torch.Tensor:
     """Dream's sample_tokens on `logits` [N, V] with per-row settings [N]: divided by the
     temperature where > 0, then top-p where < 1 (a token goes once the sorted mass before
     it exceeds top_p), then top-k where > 0; removed tokens at the dtype's minimum, as Dream
-    fills them."""
+    fills them. `any_top_p` and `k_max` (the largest top_k, 0: none) are host values, so the
+    device is never asked which rows restrict (a wait)."""
     logits = logits / torch.where(temperature > 0, temperature, torch.ones_like(temperature))[:, None]
-    low = torch.finfo(logits.dtype).min
-    rows = (top_p < 1).nonzero().flatten()
-    if len(rows):  # sorting a [N, V] vocabulary is a step's dearest host work: only the rows that ask for it
-        srt, order = logits[rows].sort(dim=-1, descending=True)
-        drop = torch.softmax(srt, dim=-1).cumsum(-1) > top_p[rows, None]
+    low, V = torch.finfo(logits.dtype).min, logits.shape[-1]
+    k_max = int(top_k.max()) if k_max is None else k_max
+    if any_top_p:
+        ask = top_p < 1
+        rows = _asking(ask)
+        sub = logits if rows is None else logits[rows]
+        srt, order = sub.sort(dim=-1, descending=True)
+        drop = torch.softmax(srt, dim=-1).cumsum(-1) > (top_p if rows is None else top_p[rows])[:, None]
         drop = torch.cat([torch.zeros_like(drop[:, :1]), drop[:, :-1]], dim=1)  # the first token always stays
-        logits[rows] = logits[rows].masked_fill(torch.zeros_like(drop).scatter_(-1, order, drop), low)
-    rows = (top_k > 0).nonzero().flatten()
-    if len(rows):
-        k = top_k[rows].clamp(max=logits.shape[-1])
-        kth = logits[rows].topk(int(k.max()), dim=-1).values.gather(-1, (k - 1)[:, None])
-        logits[rows] = logits[rows].masked_fill(logits[rows] < kth, low)
+        if rows is None:
+            drop &= ask[:, None]
+        sub = sub.masked_fill(torch.zeros_like(drop).scatter_(-1, order, drop), low)
+        logits = sub if rows is None else logits.index_put((rows,), sub)
+    if k_max > 0:
+        ask = top_k > 0
+        rows = _asking(ask)
+        sub = logits if rows is None else logits[rows]
+        k = (top_k if rows is None else top_k[rows]).clamp(1, V)
+        kth = sub.topk(min(k_max, V), dim=-1).values.gather(-1, (k - 1)[:, None])
+        drop = sub < kth
+        if rows is None:
+            drop &= ask[:, None]
+        sub = sub.masked_fill(drop, low)
+        logits = sub if rows is None else logits.index_put((rows,), sub)
     return logits
 
 
@@ -245,7 +273,8 @@ def propose(logits: torch.Tensor, rp: RowParams, noise_keys: Optional[Sequence[O
         x0[idx] = x0_at
     drew = False  # a row's x0 was drawn (temperature > 0): read x0 at idx again below
     if rp.sampled and bool(((rp.real[2] > 0) | (rp.real[3] < 1) | (rp.ints[3] > 0)).any()):  # host values
-        lg = dream_logits(lg, rp.dev.temperature[idx[0]], rp.dev.top_p[idx[0]], rp.dev.top_k[idx[0]])
+        lg = dream_logits(lg, rp.dev.temperature[idx[0]], rp.dev.top_p[idx[0]], rp.dev.top_k[idx[0]],
+                          any_top_p=bool((rp.real[3] < 1).any()), k_max=int(rp.ints[3].max()))  # host values
     drawn, gumbel = {}, {}
     for i, key in enumerate(noise_keys or ()):
         if key is None:

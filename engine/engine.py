@@ -41,6 +41,7 @@ from .reads import MASKED
 from .rules import Traits, row_refusal
 from . import prefix_cache
 from .runner import ModelRunner
+from .transfer import to_device
 from .scheduler import make_scheduler
 from .sequence import FinishReason, Request, RequestOutput, RowShape
 from .slots import KVSlots, place
@@ -208,7 +209,8 @@ class Engine(EngineCore):
             self.stats.kv_copied_by[k] = slots.copied[k]
 
     def _fetch(self, t: torch.Tensor) -> torch.Tensor:
-        """The loop's one device -> host read per denoising step (counted)."""
+        """A device -> host read of the step path (counted in EngineStats.syncs): the step's one
+        (its window's tokens), and a logprob row's; nothing else on the step path waits."""
         self.stats.syncs += 1
         return t.cpu()
 
@@ -233,13 +235,14 @@ class Engine(EngineCore):
         guide = self.structured.guide(b, window, is_mask)  # structured outputs: only allowed tokens are proposed
         if guide is not None:
             guide.mask_logits(logits)
-        need_idx = [t.to(self.device) for t in units(b.masked).nonzero(as_tuple=True)]
-        x0, conf = propose(units(logits), rp, self._noise_keys(b), units(is_mask), need_idx, full_x0=b.full_x0)
+        # the masked positions (host values) and the step counts: one pinned, non-blocking upload
         step = b.step.repeat_interleave(NB) if NB > 1 else b.step
+        *need_idx, step_dev = to_device([*units(b.masked).nonzero(as_tuple=True), step], self.device)
+        x0, conf = propose(units(logits), rp, self._noise_keys(b), units(is_mask), need_idx, full_x0=b.full_x0)
         chosen = units(is_mask)
         for rule, rows in live:  # each rule's rows: the positions their step may unmask
             chosen = rule.candidates(b, rows, chosen)
-        sel = select(conf, chosen, step.to(self.device), rp, L, S)
+        sel = select(conf, chosen, step_dev, rp, L, S)
         for rule, rows in live:  # each rule's rows: its own selection
             sel = rule.select(b, rows, sel, conf=conf, is_mask=units(is_mask), x0=x0, window=window, logits=logits)
         if guide is not None:  # the step's commits of a constrained row, jointly completable

@@ -24,6 +24,7 @@ import torch
 
 from .batch import Batch
 from .sequence import Request
+from .transfer import to_device
 
 TopLogprobs = List[Tuple[int, float]]
 
@@ -66,22 +67,24 @@ def record(b: Batch, rows: Sequence[int], sel: torch.Tensor, x0: torch.Tensor, l
     """For `rows` (rows that ask for logprobs: Batch.logprob_rows), the log-probability (and the top N) of every
     token the step wrote (`sel` [B NB, L], `x0` its tokens) from the step's window logits
     [B, NB L, V], kept on the request by answer position (a later write replaces it);
-    one device read (`fetch`)."""
+    two device reads (`fetch`): the positions written, then their logprobs."""
     if not rows:
         return
     B, dev = len(b.rows), logits.device
-    mine = torch.tensor(rows, device=dev)
-    where = sel.reshape(B, -1)[mine].nonzero()  # [k, 2]: (index into rows, window position)
-    row, pos = mine[where[:, 0]], where[:, 1]
+    mine = to_device([torch.tensor(rows)], dev)[0]
+    # [k, 2]: (index into rows, window position) of the positions written, found on the host
+    # (a read, counted by `fetch`: a nonzero on the device would be an uncounted wait)
+    where = fetch(sel.reshape(B, -1)[mine]).nonzero()
+    row, pos = to_device([torch.tensor(rows)[where[:, 0]], where[:, 1]], dev)
     lp = torch.log_softmax(logits[row, pos].to(torch.float64), dim=-1)
     tok = x0.reshape(B, -1)[row, pos]
     top = max(int(b.rows[i].params.logprobs) for i in rows)
-    cols = [where.to(torch.float64), tok[:, None].to(torch.float64), lp.gather(-1, tok[:, None])]
+    cols = [tok[:, None].to(torch.float64), lp.gather(-1, tok[:, None])]
     if top:
         vals, ids = lp.sort(dim=-1, descending=True, stable=True)
         cols += [ids[:, :top].to(torch.float64), vals[:, :top]]
     host = fetch(torch.cat(cols, dim=1)).tolist()  # ids < 2**53: exact in float64
-    for k, p, t, chosen, *rest in host:
+    for (k, p), (t, chosen, *rest) in zip(where.tolist(), host):
         i = rows[int(k)]
         r = b.rows[i]
         n = int(r.params.logprobs)

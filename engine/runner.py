@@ -15,6 +15,7 @@ from .batch import Batch
 from .config import EngineConfig
 from .models import DLLM
 from .stats import EngineStats, ForwardFit, ForwardTimer
+from .transfer import to_device
 
 # What one more attention call costs, in keys of one row: a run of rows of similar key width
 # shares a call rather than each row paying it (key_runs). On the CPU a call costs about as
@@ -330,12 +331,7 @@ class ModelRunner:
         parts = [p.qc, p.pos, p.at, p.real.long()] + ([] if p.write is None else [p.write.long()])
         if p.group is not None:
             parts.append(p.pick[:, None])
-        host = torch.cat(parts, 1)
-        if self.device.type == "cuda":
-            up = host.pin_memory().to(self.device, non_blocking=True)
-        else:
-            up = host.to(self.device)
-        return list(up.split([t.shape[1] for t in parts], 1))
+        return to_device(parts, self.device)
 
     def run(self, b: Batch, p: ForwardPlan, inputs: Optional[List[torch.Tensor]] = None) -> Tuple[torch.Tensor, float]:
         """(logits, seconds): the index tensors go to the device (`upload`, unless `prepare`

@@ -33,7 +33,8 @@ class EngineStats:
     kv_budget_bytes: int = 0  # token_budget cells of K/V, one buffer (0 without a cache)
     forward_overhead_cells: float = 0.0  # the catch-up planner's cost of one more forward, in cells (EngineConfig
     # .forward_overhead_cells when set, else ForwardFit)
-    syncs: int = 0  # device -> host reads by the loop (each one a stall on an accelerator)
+    syncs: int = 0  # host waits on the device by the step path: its reads (Engine._fetch: one per denoising
+    # step, two more with logprob rows); uploads are pinned and non-blocking (tests/test_host_waits.py)
     # (query column, left-padding key) pairs attended; and what attending every row's whole
     # box would have cost (the padding key runs skip: engine.runner.key_runs)
     pad_key_cells: int = 0

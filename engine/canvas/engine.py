@@ -46,6 +46,7 @@ from typing import Any, List, Optional, Sequence
 import torch
 
 from ..config import SchedulerKind, enum_value
+from ..transfer import to_device
 from ..sequence import FinishReason, RequestOutput
 from .denoiser import Denoiser, refusal
 from .kv import Pass, RowKV
@@ -77,6 +78,11 @@ class _Row:
     @property
     def cur_len(self) -> int:
         return len(self.prompt) + len(self.generated)
+
+
+def _picked(counts: Sequence[int], t: int) -> torch.Tensor:
+    """Host indices into a right-padded (rows, t) pass of its real tokens (row j's first counts[j])."""
+    return torch.cat([j * t + torch.arange(c) for j, c in enumerate(counts)] + [torch.zeros(0, dtype=torch.long)])
 
 
 def _entropy(logits: torch.Tensor) -> torch.Tensor:
@@ -274,22 +280,35 @@ class CanvasEngine:
 
     # ------------------------------------------------------------------ joins and leaves
     def _row_state(self, row: _Row) -> dict:
-        """A new row's state tensors (one row each); its first canvas drawn from its generator."""
-        p, dev = row.params, self.device
+        """A new row's state tensors (one row each, on the host: `_join` uploads them); its
+        first canvas drawn from its generator. A preempted row's, as it kept them (device)."""
+        p = row.params
         if row.saved is not None:
             st, row.saved = row.saved, None
             return st
-        canvas = torch.randint(0, self.V, (1, self.L), generator=row.gen).to(dev)
-        f32 = dict(dtype=torch.float32, device=dev)
-        return dict(canvas=canvas, argmax=canvas, has_sc=torch.zeros(1, dtype=torch.bool, device=dev),
-                    cur=torch.full((1,), p.max_denoising_steps, dtype=torch.int32, device=dev),
-                    run=torch.zeros(1, dtype=torch.long, device=dev),
-                    n_steps=torch.full((1,), p.max_denoising_steps, dtype=torch.int32, device=dev),
+        canvas = torch.randint(0, self.V, (1, self.L), generator=row.gen)
+        f32 = dict(dtype=torch.float32)
+        return dict(canvas=canvas, argmax=canvas, has_sc=torch.zeros(1, dtype=torch.bool),
+                    cur=torch.full((1,), p.max_denoising_steps, dtype=torch.int32),
+                    run=torch.zeros(1, dtype=torch.long),
+                    n_steps=torch.full((1,), p.max_denoising_steps, dtype=torch.int32),
                     t_min=torch.tensor([p.t_min], **f32), t_span=torch.tensor([p.t_max - p.t_min], **f32),
                     bound=torch.tensor([float(p.entropy_bound)], **f32),
                     conf=torch.tensor([float(p.confidence_threshold)], **f32),
-                    stab=torch.full((1,), int(p.stability_threshold), dtype=torch.long, device=dev),
+                    stab=torch.full((1,), int(p.stability_threshold), dtype=torch.long),
                     sc=None)
+
+    def _upload(self, states: List[dict]) -> None:
+        """The joining rows' host state tensors onto the device, in place: one pinned,
+        non-blocking copy per dtype (not one blocking copy per tensor)."""
+        by_dtype: dict = {}
+        for st in states:
+            for k in _STATE:
+                if st[k].device != self.device:
+                    by_dtype.setdefault(st[k].dtype, []).append((st, k))
+        for items in by_dtype.values():
+            for (st, k), t in zip(items, to_device([st[k] for st, k in items], self.device)):
+                st[k] = t
 
     def _save(self, row: _Row) -> None:
         """A preempted row keeps its canvas in progress (K/V dropped)."""
@@ -310,6 +329,7 @@ class CanvasEngine:
         self.rows += rows
         self._layout = None
         states = [self._row_state(r) for r in rows]
+        self._upload(states)
         self._to_prefill += rows
         for k in _STATE:
             parts = ([self._state[k]] if self._state[k] is not None else []) + [s[k] for s in states]
@@ -343,7 +363,7 @@ class CanvasEngine:
         order = list(range(n))
         for h, m in zip(holes, movers):
             order[h] = m
-        idx = torch.tensor(order, dtype=torch.long, device=self.device)
+        idx = to_device([torch.tensor(order, dtype=torch.long)], self.device)[0]
         for k in _STATE:
             self._state[k] = self._state[k].index_select(0, idx)
         if self.sc is not None:
@@ -398,15 +418,17 @@ class CanvasEngine:
         padded), its K/V written into its slot."""
         m, dev = self.model, self.device
         J, t = ids.shape
-        st = torch.tensor(list(starts), dtype=torch.long, device=dev)
+        host = torch.tensor(list(starts), dtype=torch.long)
+        pick = None if all(c == t for c in counts) else _picked(counts, t)
+        st, *pick = to_device([host] + ([] if pick is None else [pick]), dev)
+        pick = pick[0] if pick else None
         ar = torch.arange(t, device=dev).view(1, t)
         cols = st.view(J, 1) + ar
-        valid = None if all(c == t for c in counts) else ar < torch.tensor(list(counts), device=dev).view(J, 1)
         hi = max(starts) + t  # the padding's columns too (never read by a real token)
         self.kv.reserve(len(self.rows), hi)
         lo = self._lo(min(starts))
         masks = self._masks(st, None, t, lo, hi, causal=True)
-        cache = Pass(self.kv, self.layer_types, slots, lo, hi, cols=cols, valid=valid)
+        cache = Pass(self.kv, self.layer_types, slots, lo, hi, cols=cols, pick=pick)
         text = getattr(m.model.encoder, "language_model", m.model.encoder)  # text only: its text model direct
         text(input_ids=ids, attention_mask=masks, cache=cache, position_ids=cols.to(torch.int32))
         self.encoder_forwards += 1
@@ -441,9 +463,10 @@ class CanvasEngine:
         if work:
             slots = [w[0] for w in work]
             t = max(len(w[1]) for w in work)
-            ids = torch.tensor([w[1] + [0] * (t - len(w[1])) for w in work], dtype=torch.long, device=self.device)
+            ids = torch.tensor([w[1] + [0] * (t - len(w[1])) for w in work], dtype=torch.long)
             contiguous = slots == list(range(slots[0], slots[0] + len(slots)))
-            sl = slice(slots[0], slots[-1] + 1) if contiguous else torch.tensor(slots, device=self.device)
+            ids, *sl = to_device([ids] + ([] if contiguous else [torch.tensor(slots)]), self.device)
+            sl = sl[0] if sl else slice(slots[0], slots[-1] + 1)
             self._encode(sl, ids, [w[2] for w in work], [len(w[1]) for w in work])
             self._layout = None
         self._kept(joins)
@@ -500,8 +523,8 @@ class CanvasEngine:
             return
         L, dev = self.L, self.device
         self._to_commit += rows
-        idx = torch.tensor([r.slot for r in rows], dtype=torch.long, device=dev)
-        canvas = torch.cat([torch.randint(0, self.V, (1, L), generator=r.gen) for r in rows]).to(dev)
+        idx, canvas = to_device([torch.tensor([r.slot for r in rows], dtype=torch.long),
+                                 torch.cat([torch.randint(0, self.V, (1, L), generator=r.gen) for r in rows])], dev)
         s = self._state
         s["canvas"][idx] = canvas
         s["argmax"][idx] = canvas
@@ -517,7 +540,7 @@ class CanvasEngine:
         or commits: its inputs change only then)."""
         if self._layout is None:
             dev = self.device
-            lens = torch.tensor([r.cur_len for r in self.rows], dtype=torch.long, device=dev)
+            lens = to_device([torch.tensor([r.cur_len for r in self.rows], dtype=torch.long)], dev)[0]
             hi = max(r.cur_len for r in self.rows)
             lo = self._lo(min(r.cur_len for r in self.rows))
             masks = self._masks(None, lens, self.L, lo, hi, causal=False, extra=self.L)
@@ -617,12 +640,12 @@ class CanvasEngine:
         toks, starts, counts = [[0] * t for _ in range(B)], list(lens), [0] * B
         for slot, ids, start in work:
             toks[slot], starts[slot], counts[slot] = ids + [0] * (t - len(ids)), start, len(ids)
-        ids = torch.tensor(toks, dtype=torch.long, device=dev)
-        st = torch.tensor(starts, dtype=torch.long, device=dev)
-        n = torch.tensor(lens, dtype=torch.long, device=dev)
+        # the pass's host values in one pinned, non-blocking upload; the tokens written picked by index
+        ids, st, n, cnt, pick = to_device([torch.tensor(toks, dtype=torch.long), torch.tensor(starts),
+                                           torch.tensor(lens), torch.tensor(counts), _picked(counts, t)], dev)
         ar = torch.arange(t, device=dev).view(1, t)
         cols = st.view(B, 1) + ar
-        valid = ar < torch.tensor(counts, device=dev).view(B, 1)
+        valid = ar < cnt.view(B, 1)
         hi, lo = max(lens), self._lo(min(starts))
         self.kv.reserve(B, hi)
         top = self._masks(st, None, t, lo, hi, causal=True)
@@ -631,7 +654,7 @@ class CanvasEngine:
         masks = {k: torch.cat([torch.cat([top[k] & valid.view(B, 1, t, 1), pad], dim=-1), bottom[k]], dim=2)
                  for k in top}
         pos = torch.cat([cols, n.view(B, 1) + torch.arange(L, device=dev).view(1, L)], dim=1).to(torch.int32)
-        cache = Pass(self.kv, self.layer_types, slice(0, B), lo, hi, cols=cols, valid=valid, canvas=L)
+        cache = Pass(self.kv, self.layer_types, slice(0, B), lo, hi, cols=cols, pick=pick, canvas=L)
         self._layout = None
         self.encoder_forwards += 1
         self.fused_forwards += 1
@@ -690,7 +713,7 @@ class CanvasEngine:
         for i, r in enumerate(self.rows):
             q[i].exponential_(generator=r.gen)
             torch.randint(0, V, (L,), generator=r.gen, out=noise[i])
-        return q.to(self.device), noise.to(self.device)
+        return to_device([q], self.device)[0], to_device([noise], self.device)[0]  # two dtypes: two uploads
 
     # ------------------------------------------------------------------ per row
     def _ends(self, row: _Row, canvas: List[int]) -> bool:

@@ -19,6 +19,8 @@ from typing import List, Optional, Sequence
 
 import torch
 
+from ..transfer import to_device
+
 
 class RowKV:
     """The K/V of the active rows, one buffer per layer, grown (never per step) when a
@@ -56,14 +58,16 @@ class RowKV:
             self.values[i] = v.new_zeros((self.rows_cap, v.shape[1], self.len_cap, v.shape[3]))
 
     def write(self, i: int, slots: torch.Tensor, cols: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-              valid: Optional[torch.Tensor] = None) -> None:
-        """k, v (J, H, t, D) of slots (J,) at columns cols (J, t); `valid` (J, t): the
-        tokens written (the others are padding of a right-padded pass)."""
+              pick: Optional[torch.Tensor] = None) -> None:
+        """k, v (J, H, t, D) of slots (J,) at columns cols (J, t); `pick`: the tokens written,
+        as indices into the J t (the others are padding of a right-padded pass); indices
+        the host knows, not a mask (whose count the host would wait for)."""
         self._alloc(i, k, v)
         rows = slots.view(-1, 1).expand_as(cols)
         kt, vt = k.transpose(1, 2), v.transpose(1, 2)  # (J, t, H, D)
-        if valid is not None:
-            rows, cols, kt, vt = rows[valid], cols[valid], kt[valid], vt[valid]
+        if pick is not None:
+            flat = lambda x: x.reshape(-1, *x.shape[2:]).index_select(0, pick)  # noqa: E731
+            rows, cols, kt, vt = flat(rows), flat(cols), flat(kt), flat(vt)
         self.keys[i].transpose(1, 2)[rows, cols] = kt
         self.values[i].transpose(1, 2)[rows, cols] = vt
 
@@ -71,8 +75,7 @@ class RowKV:
         """Slots `src` into slots `dst` (compaction when rows leave)."""
         if not dst:
             return
-        d = torch.tensor(list(dst), device=self.device)
-        s = torch.tensor(list(src), device=self.device)
+        d, s = to_device([torch.tensor(list(dst)), torch.tensor(list(src))], self.device)
         for bufs in (self.keys, self.values):
             for i, b in enumerate(bufs):
                 if b is not None:
@@ -85,7 +88,7 @@ class RowKV:
 class Pass:
     """One forward's cache over rows `slots` (a range start..stop when contiguous, else an
     index tensor): columns lo[kind]..hi of each layer, and for the encoder the columns the
-    new tokens are written at (`cols`, `valid`)."""
+    new tokens are written at (`cols`, and `pick`: RowKV.write's)."""
 
     is_compileable = False
 
@@ -94,9 +97,9 @@ class Pass:
             self.keys, self.values = keys, values
 
     def __init__(self, kv: RowKV, layer_types: Sequence[str], slots, lo: dict, hi: int,
-                 cols: Optional[torch.Tensor] = None, valid: Optional[torch.Tensor] = None, canvas: int = 0):
+                 cols: Optional[torch.Tensor] = None, pick: Optional[torch.Tensor] = None, canvas: int = 0):
         self.kv, self.types, self.slots, self.lo, self.hi = kv, list(layer_types), slots, lo, hi
-        self.cols, self.valid, self.canvas = cols, valid, canvas
+        self.cols, self.pick, self.canvas = cols, pick, canvas
         self.layers = [Pass._Layer(*self._view(i)) for i in range(kv.n_layers)] if cols is None else []
 
     def _view(self, i: int):
@@ -114,7 +117,7 @@ class Pass:
         slots = self.slots
         idx = torch.arange(slots.start, slots.stop, device=keys.device) if isinstance(slots, slice) else slots
         t = self.cols.shape[1]
-        self.kv.write(layer_idx, idx, self.cols, keys[:, :, :t], values[:, :, :t], self.valid)
+        self.kv.write(layer_idx, idx, self.cols, keys[:, :, :t], values[:, :, :t], self.pick)
         k, v = self._view(layer_idx)
         if not self.canvas:
             return k, v
