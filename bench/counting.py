@@ -187,19 +187,26 @@ def _basic_index(t: torch.Tensor, idx):
 
 def fake_cuda(model: torch.nn.Module, mode) -> torch.nn.Module:
     """`model` (built on the meta device) with every parameter and buffer a FakeTensor of
-    `mode` on device cuda, refused where it is not done on a build without CUDA (its
-    `_apply` would ask for a CUDA device guard); fused again under the mode (DLLM.fuse_)."""
+    `mode` on device cuda (its `.to` would ask a build without CUDA for a CUDA device guard)."""
     cuda = torch.device("cuda")
-    for m in model.modules():
+    return on_device(model, lambda t: FakeTensor(mode, t, cuda), mode)
+
+
+def on_device(module: torch.nn.Module, make, mode) -> torch.nn.Module:
+    """Every parameter (frozen: inference) and buffer of `module` replaced by `make(t)` in
+    place, then its weights fused again under `mode` (DLLM.fuse_), where its fused tensors
+    are made from the new parameters."""
+    for m in module.modules():
         for name, p in list(m._parameters.items()):
             if p is not None:
-                m._parameters[name] = torch.nn.Parameter(FakeTensor(mode, p, cuda), requires_grad=False)
+                m._parameters[name] = torch.nn.Parameter(make(p.detach()), requires_grad=False)
         for name, b in list(m._buffers.items()):
             if b is not None:
-                m._buffers[name] = FakeTensor(mode, b, cuda)
-    with mode:
-        model.fuse_()
-    return model
+                m._buffers[name] = make(b)
+    if hasattr(module, "fuse_"):
+        with mode:
+            module.fuse_()
+    return module
 
 
 # --- StandInCuda ------------------------------------------------------------------------
@@ -437,15 +444,9 @@ class StandInCuda(TorchDispatchMode):
         return out
 
     def move(self, module: torch.nn.Module) -> torch.nn.Module:
-        """`module`'s parameters (frozen: inference) and buffers on the stand-in device, in place."""
-        for m in module.modules():
-            for k, p in m._parameters.items():
-                if p is not None and not isinstance(p, StandInTensor):
-                    m._parameters[k] = torch.nn.Parameter(StandInTensor(p.data), requires_grad=False)
-            for k, b in m._buffers.items():
-                if b is not None and not isinstance(b, StandInTensor):
-                    m._buffers[k] = StandInTensor(b)
-        return module
+        """`module`'s parameters (frozen: inference) and buffers on the stand-in device, in
+        place, its weights fused again there (DLLM.fuse_)."""
+        return on_device(module, lambda t: t if isinstance(t, StandInTensor) else StandInTensor(t), self)
 
     @staticmethod
     def host(t):

@@ -62,11 +62,9 @@ def _serve(folder: str, stand_in: bool, params: SamplingParams, **kw) -> Tuple[l
     return sorted((o.request_id, o.token_ids) for o in outs), steps, e, s.waits if s is not None else 0
 
 
-def _kinds(steps: List[Counter], skip_forward: bool = False) -> List[List[Tuple[str, str]]]:
-    """Per step, the (kind, function) of its waits; `skip_forward`: without those the
-    model's forward makes (engine/models)."""
-    return [sorted((k, where.split()[-1]) for (k, where), n in c.items() for _ in range(n)
-                   if not (skip_forward and where.startswith("engine/models/"))) for c in steps]
+def _kinds(steps: List[Counter]) -> List[List[Tuple[str, str]]]:
+    """Per step, the (kind, function) of its waits."""
+    return [sorted((k, where.split()[-1]) for (k, where), n in c.items() for _ in range(n)) for c in steps]
 
 
 def test_stand_in_counts_every_kind_of_wait():
@@ -111,16 +109,16 @@ def test_dream_top_p_top_k_step_waits_once():
     assert waits == 16
 
 
-def test_llada2_step_waits_once_outside_the_forward():
-    """The MoE forward's own waits (engine/models/moe.py: bincount, .tolist()) are its
-    rewrite's (issue 51); the step around it waits once."""
+def test_llada2_step_waits_once():
+    """The MoE forward waits for nothing (engine/models/moe.py: the experts' offsets found
+    on the device, two grouped GEMMs): the step waits once, its read."""
     params = SamplingParams(max_new_tokens=16, ignore_eos=True)
     cpu, *_ = _serve(LLADA2, False, params)
     got, steps, e, waits = _serve(LLADA2, True, params)
     assert got == cpu
     assert len(steps) == 8
-    assert _kinds(steps, skip_forward=True) == [[("d2h", "_fetch")]] * 8
-    assert e.stats.syncs == 8
+    assert _kinds(steps) == [[("d2h", "_fetch")]] * 8
+    assert e.stats.syncs == waits == 8
 
 
 @pytest.fixture(scope="module")

@@ -10,38 +10,29 @@ from collections import Counter
 import pytest
 import torch
 from torch import nn
-from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
-import published
+from bench import gpu_shape
 from bench.counting import DATA_DEPENDENT, LaunchCounter
 from engine import Engine, EngineConfig, ModelConfig, SamplingParams, build_model
 from engine.models import moe
-from engine.models.families.moe import MoESpec
-from engine.models.transformer import DLLM
 
 torch.set_num_threads(1)
 
-PUBLISHED = {"llada2": ("inclusionAI__LLaDA2.0-mini", ("num_experts", "num_experts_per_tok", "n_group", "topk_group")),
-             "sdar_moe": ("JetLM__SDAR-30B-A3B-Chat", ("num_experts", "num_experts_per_tok"))}
-# kernel launches of one routed layer call (attention included) and of its ffn alone, 128 tokens
-LAYER_LAUNCHES = {"llada2": 42, "sdar_moe": 31, "llada_moe": 32}
-FFN_LAUNCHES = {"llada2": 30, "sdar_moe": 19, "llada_moe": 20}
+# kernel launches of one routed layer call (attention included, no K/V cache) and of its MLP
+# alone (router, routing, experts, shared expert, the residual), 128 tokens. LLaDA2's routing
+# (sigmoid scores, expert bias, the top-2 sums of 8 groups, 4 groups kept, top-8, renormalised,
+# scaled) is 14 of its launches as aten ops; the issue's <= 30 a layer needs it fused (vLLM
+# runs a grouped-top-k kernel of its own)
+LAYER_LAUNCHES = {"llada2": 40, "sdar_moe": 28, "llada_moe": 25}
+FFN_LAUNCHES = {"llada2": 31, "sdar_moe": 19, "llada_moe": 16}
 FAMILIES = sorted(LAYER_LAUNCHES)
 
 
 def layout(family: str) -> ModelConfig:
-    """The family's published expert count, top-k and groups; hidden 16, experts 8 wide."""
-    if family == "llada_moe":  # LLaDA-MoE-7B-A1B: 64 experts top-8, expert bias, a shared expert (not vendored)
-        spec = MoESpec(num_experts=64, top_k=8, expert_size=8, dense_size=32, dense_layers=(True, False),
-                       shared_size=8, expert_bias=True)
-        return ModelConfig(model_type="llada_moe", vocab_size=64, hidden_size=16, n_layers=2, n_heads=2,
-                           n_kv_heads=2, intermediate_size=32, mask_token_id=63, eos_token_id=1, moe=spec, qk_norm=True)
-    folder, keys = PUBLISHED[family]
-    hf = published.config(folder)
-    tiny = published.shrink(hf)
-    tiny.update({k: hf[k] for k in keys}, moe_intermediate_size=8)
-    return ModelConfig.from_hf(tiny)
+    """The family's published config.json, sizes shrunk, its published expert count, top-k
+    and groups kept (bench/gpu_shape.py)."""
+    return gpu_shape.config(family, experts=True)
 
 
 def inputs(seed: int = 0, B: int = 2, T: int = 64, vocab: int = 64, device: str = "cpu"):
@@ -65,7 +56,8 @@ def test_published_layouts(family):
         assert (spec.score, spec.topk_group, spec.expert_bias, spec.scaling) == ("sigmoid", 4, True, 2.5)
     for layer in model.layers:
         if layer.routed:  # stacked, and each expert's parameters are slices of the stack
-            assert layer.w13.shape == (spec.num_experts, 16, 16) and layer.w2.shape == (spec.num_experts, 16, 8)
+            d, f = cfg.hidden_size, spec.expert_size
+            assert layer.w13.shape == (spec.num_experts, 2 * f, d) and layer.w2.shape == (spec.num_experts, d, f)
             e = layer.experts[5]
             assert e.gate.weight.data_ptr() == layer.w13[5].data_ptr() and e.down.weight.data_ptr() == layer.w2[5].data_ptr()
             assert e.w13.data_ptr() == layer.w13[5].data_ptr()
@@ -83,7 +75,7 @@ def test_launches_per_moe_layer_are_fixed_whatever_the_routing(family):
             assert count.calls[routed[0]]["ops"]["_grouped_mm"] + count.calls[routed[0]]["ops"]["grouped_mm"] == 2
             x = torch.randn(2, 64, cfg.hidden_size, generator=torch.Generator().manual_seed(seed))
             with LaunchCounter() as ffn:
-                model.layers[routed[0]].ffn(x)
+                model.layers[routed[0]].ffn(x, torch.zeros_like(x))
             assert ffn.total == FFN_LAUNCHES[name]
 
 
@@ -100,62 +92,13 @@ class HostWaits(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def fake_model(cfg: ModelConfig, mode: FakeTensorMode, device: str, dtype: torch.dtype) -> DLLM:
-    """The model built on meta, every tensor it holds (parameters, fused stacks) made a fake
-    tensor on `device`: `to_empty` inside the mode would set `.data`, which a CPU build of
-    torch refuses for fake CUDA tensors."""
-    with torch.device("meta"):
-        model = DLLM(cfg).fuse_()
-
-    def fake(t: torch.Tensor) -> torch.Tensor:
-        meta = torch.empty_strided(t.shape, t.stride(), dtype=dtype if t.is_floating_point() else t.dtype, device="meta")
-        return FakeTensor(mode, meta, torch.device(device))
-    for m in model.modules():
-        for k, p in m._parameters.items():
-            if p is not None:
-                m._parameters[k] = nn.Parameter(fake(p), requires_grad=False)
-        for k, v in list(vars(m).items()):
-            if isinstance(v, torch.Tensor) and not isinstance(v, nn.Parameter):
-                setattr(m, k, fake(v))
-    return model
-
-
 def test_no_host_wait_in_the_forward(family):
-    """No data-dependent op (nonzero, bincount, masked_select, .item()) in a forward, and a
-    forward under fake tensors (which refuse them) runs in bfloat16."""
+    """No data-dependent op (nonzero, bincount, masked_select, .item()) in a forward (the
+    forward on fake CUDA, which refuses them: tests/test_gpu_shape.py)."""
     name, cfg, model = family
     with torch.inference_mode(), HostWaits() as waits:
         model(*inputs())
     assert waits.ops == Counter()
-    mode = FakeTensorMode()
-    fake = fake_model(cfg, mode, "cpu", torch.bfloat16)
-    with mode, torch.inference_mode():
-        out = fake(*inputs())
-    assert out.shape == (2, 64, cfg.embedding_size) and out.dtype == torch.bfloat16
-
-
-@pytest.mark.skipif(not torch.backends.cuda.is_built(), reason="a CPU build of torch runs no fake CUDA op that "
-                    "needs a device guard (aten.mm, index): 'not linked with support for cuda devices', dense too")
-@pytest.mark.parametrize("name", FAMILIES + ["llada"])
-def test_forward_under_fake_cuda_tensors(name):
-    cfg = ModelConfig.from_hf(published.shrink(published.config("GSAI-ML__LLaDA-8B-Instruct"))) \
-        if name == "llada" else layout(name)
-    mode = FakeTensorMode()
-    fake = fake_model(cfg, mode, "cuda", torch.bfloat16)
-    with mode, torch.inference_mode():
-        out = fake(*inputs(device="cuda"))
-    assert out.device.type == "cuda" and out.shape == (2, 64, cfg.embedding_size)
-
-
-def test_no_graph_break(family):
-    import torch._dynamo
-
-    name, cfg, model = family
-    torch._dynamo.reset()
-    with torch.inference_mode():
-        explained = torch._dynamo.explain(model)(*inputs())
-    torch._dynamo.reset()
-    assert explained.graph_break_count == 0 and explained.graph_count == 1
 
 
 def test_grouped_experts_give_the_reference_loops_tokens(family, monkeypatch):
@@ -213,8 +156,9 @@ def test_sharded_layer_stacks_only_its_experts():
         if j not in own:
             layer.experts[j] = nn.Identity()
     model = model.to(torch.bfloat16)
-    assert layer.w13.shape == (32, 16, 16) and layer.w13.dtype == torch.bfloat16
-    assert layer.experts[40].up.weight.data_ptr() == layer.w13[8, 8:].data_ptr()
+    f = cfg.moe.expert_size
+    assert layer.w13.shape == (32, 2 * f, cfg.hidden_size) and layer.w13.dtype == torch.bfloat16
+    assert layer.experts[40].up.weight.data_ptr() == layer.w13[8, f:].data_ptr()
     x = torch.randn(1, 8, cfg.hidden_size, dtype=torch.bfloat16)
-    assert torch.isfinite(layer.ffn(x)).all()
+    assert torch.isfinite(layer.ffn(x, torch.zeros_like(x))).all()
 

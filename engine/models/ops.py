@@ -66,11 +66,12 @@ class Rope:
         cos, sin = cos.transpose(1, 2), sin.transpose(1, 2)
         h = rotary_dim // 2
         sin = torch.cat([-sin[..., :h], sin[..., h:]], -1)
-        swap = torch.cat([torch.arange(h, rotary_dim), torch.arange(h), torch.arange(rotary_dim, head_dim)])
+        d = pos.device  # made there: a host tensor would be a blocking upload at every forward
+        swap = torch.cat([torch.arange(rotary_dim, device=d).roll(h), torch.arange(rotary_dim, head_dim, device=d)])
         if rotary_dim < head_dim:
             pad = (0, head_dim - rotary_dim)
             cos, sin = F.pad(cos, pad, value=1.0), F.pad(sin, pad, value=0.0)
-        return cls(cos, sin, swap.to(pos.device))
+        return cls(cos, sin, swap)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         return x * self.cos + x.index_select(-1, self.swap) * self.sin
