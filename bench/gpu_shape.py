@@ -1,6 +1,7 @@
 """What an H200 would launch and wait for, counted on a CPU (issue 51): kernel launches per
 layer and per forward, per family, for rows of one width and for the skewed mixed batch,
-and at each family's published depth by multiplication.
+and at each family's published depth by multiplication; and host waits per engine step on
+the stand-in CUDA device (bench/host_waits.py).
 
     python bench/gpu_shape.py --out bench/results/gpu_shape.json        # JSON, and a PNG beside it
     python bench/gpu_shape.py --out /tmp/before.json                    # in an older checkout (with
@@ -36,6 +37,7 @@ import torch  # noqa: E402
 import checkpoints  # noqa: E402
 import published  # noqa: E402
 import test_fast_dllm_v2  # noqa: E402
+from bench import host_waits  # noqa: E402
 from bench.counting import LaunchCounter  # noqa: E402
 from bench.engine_bench import git_state  # noqa: E402
 from bench.workloads import SkewedSpec, skewed  # noqa: E402
@@ -129,7 +131,11 @@ def measure() -> Dict[str, Any]:
         print(family, {k: v for k, v in got.items() if not k.startswith("ops")}, flush=True)
     mix = mixed()
     print("mixed", mix, flush=True)
-    return {"families": fams, "mixed_b32": mix}
+    waits = {}
+    for case, per in host_waits.measure(8).items():  # per step(): advance="step" (one denoising step) but "block"
+        waits[case] = {"waits": [w for w, _, _ in per], "syncs": [y for _, y, _ in per]}
+        print(case, waits[case], flush=True)
+    return {"families": fams, "mixed_b32": mix, "waits_per_step": waits}
 
 
 def plot(res: Dict[str, Any], path: str) -> None:

@@ -71,18 +71,22 @@ def canvas_case(steps: int, same: bool):
         return _steps(eng.step, s, lambda: eng.syncs, steps)
 
 
+def measure(steps: int = 10):
+    """{case: [(waits, syncs, where) per step()]} for every case."""
+    runs = [(name, lambda f=f, p=p, kw=kw, lens=lens: engine_case(f, p, kw, lens, steps))
+            for name, f, p, kw, lens in CASES]
+    runs += [("canvas same prompts", lambda: canvas_case(steps, True)),
+             ("canvas mixed prompts", lambda: canvas_case(steps, False))]
+    return {name: run() for name, run in runs}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--where", action="store_true", help="where each step's waits were made")
     a = ap.parse_args()
     torch.set_num_threads(1)
-    runs = [(name, lambda f=f, p=p, kw=kw, lens=lens: engine_case(f, p, kw, lens, a.steps))
-            for name, f, p, kw, lens in CASES]
-    runs += [("canvas same prompts", lambda: canvas_case(a.steps, True)),
-             ("canvas mixed prompts", lambda: canvas_case(a.steps, False))]
-    for name, run in runs:
-        per = run()
+    for name, per in measure(a.steps).items():
         print(f"{name}: waits per step() {[w for w, _, _ in per]}, syncs {[y for _, y, _ in per]}")
         if a.where:
             for i, (_, _, where) in enumerate(per):

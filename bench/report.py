@@ -311,7 +311,16 @@ def gpu_shape_section(d: Dict[str, Any]) -> List[str]:
     mix, bmix = d["mixed_b32"], (d.get("before") or {}).get("mixed_b32")
     out += ["", f"- mixed, per layer (mean, max): "
             + (f"{fmt(bmix['per_layer_mean'])}, {fmt(bmix['per_layer_max'])} -> " if bmix else "")
-            + f"{fmt(mix['per_layer_mean'])}, {fmt(mix['per_layer_max'])}"]
+            + f"{fmt(mix['per_layer_mean'])}, {fmt(mix['per_layer_max'])}", ""]
+    waits, bwaits = d.get("waits_per_step") or {}, (d.get("before") or {}).get("waits_per_step") or {}
+    if waits:
+        out += ["Host waits per `step()` on the stand-in CUDA device (bench/host_waits.py: 8 rows, block 8, 4 steps "
+                "per block, refresh cache, block canvas; `step()` is one denoising step, four under advance=block), "
+                "and `EngineStats.syncs` per step (what the engine counts itself):", "",
+                "| case | waits per step() | syncs per step() |", "|---|---|---|"]
+        for case, w in waits.items():
+            old = bwaits.get(case, {}).get("waits")
+            out.append(f"| {case} | " + (f"{old} -> " if old else "") + f"{w['waits']} | {w['syncs']} |")
     return out + [""]
 
 

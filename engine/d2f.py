@@ -167,6 +167,7 @@ class D2FRule(BlockRule):
         import torch  # here: the module is torch-free at import (the preflight reads `unsupported`)
 
         from .decoding import select_d2f
+        from .transfer import to_device
 
         NB = b.n_window
         units = torch.zeros(len(b.rows) * NB, dtype=torch.bool)
@@ -176,8 +177,9 @@ class D2FRule(BlockRule):
             units[i * NB:(i + 1) * NB] = True
             complete[(i + 1) * NB - len(blocks):(i + 1) * NB] = torch.tensor([blk.complete for blk in blocks])
         dev = sel.device
-        mine = select_d2f(step["conf"], step["is_mask"], b.unit_params, complete.to(dev))
-        return torch.where(units.to(dev)[:, None], mine, sel)
+        complete, units = to_device([complete, units], dev)
+        mine = select_d2f(step["conf"], step["is_mask"], b.unit_params, complete)
+        return torch.where(units[:, None], mine, sel)
 
     def commit(self, engine: Any, b: Any, rows: List[int], blocks: torch.Tensor, done: torch.Tensor) -> None:
         """Every step: the blocks in flight take the step's tokens, leading finished blocks

@@ -69,11 +69,12 @@ class EditingRule(BlockRule):
             return sel
         import torch  # here: the module is torch-free at import (the preflight reads `unsupported`)
 
-        idx = torch.tensor(live, device=logits.device)
+        from .transfer import indices
+
+        idx = indices(live, logits.device)
         p = torch.softmax(logits[idx].to(torch.float64), dim=-1).gather(-1, x0[idx][..., None]).squeeze(-1)
-        lead = torch.tensor([0 if b.rows[i].generated else len(b.rows[i].lead) for i in live], device=logits.device)
-        thr = torch.tensor([float(b.rows[i].params.edit_threshold) for i in live], dtype=torch.float64,
-                           device=logits.device)
+        lead = indices([0 if b.rows[i].generated else len(b.rows[i].lead) for i in live], logits.device)
+        thr = indices([float(b.rows[i].params.edit_threshold) for i in live], logits.device, torch.float64)
         editable = ~is_mask[idx] & (torch.arange(L, device=logits.device)[None] >= lead[:, None])
         edits = torch.zeros_like(is_mask)
         edits[idx] = editable & (p > thr[:, None]) & (x0[idx] != window[idx])

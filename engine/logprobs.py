@@ -24,7 +24,7 @@ import torch
 
 from .batch import Batch
 from .sequence import Request
-from .transfer import to_device
+from .transfer import indices, to_device
 
 TopLogprobs = List[Tuple[int, float]]
 
@@ -51,7 +51,7 @@ def mask_stop_ids(b: Batch, rows: Sequence[int], logits: torch.Tensor) -> Option
         idx += [(i, p, t) for p in range(max(0, -first), min(n, r.params.min_tokens - first)) for t in ids]
     if not idx:
         return None
-    at = tuple(torch.tensor(c, device=logits.device) for c in zip(*idx))
+    at = tuple(indices(list(zip(*idx)), logits.device))
     saved = logits[at].clone()
     with torch.inference_mode():  # the model's logits are inference tensors
         logits[at] = -torch.inf

@@ -15,7 +15,7 @@ from .batch import Batch
 from .config import EngineConfig
 from .models import DLLM
 from .stats import EngineStats, ForwardFit, ForwardTimer
-from .transfer import to_device
+from .transfer import indices, to_device
 
 # What one more attention call costs, in keys of one row: a run of rows of similar key width
 # shares a call rather than each row paying it (key_runs). On the CPU a call costs about as
@@ -208,7 +208,7 @@ class ModelRunner:
             caught.append((rest, self.forward(b, rest)))
         out = caught[0][1].new_empty(len(b.rows), *caught[0][1].shape[1:])
         for group, logits in caught:
-            out[torch.tensor(group, device=out.device)] = logits
+            out[indices(group, out.device)] = logits
         return out
 
     def catch_up(self, b: Batch, rejoin: bool) -> List[Tuple[List[int], torch.Tensor]]:

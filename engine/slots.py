@@ -35,6 +35,7 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 
 from .models import KVCache, ModelConfig
+from .transfer import indices
 
 # Columns the slots may hold beyond token_budget: a box near the budget that changes shape
 # (B x W ~ budget, B falling, W rising) needs a new shape less often (15 -> 8 reshapes at
@@ -121,7 +122,7 @@ class KVSlots:
         C = max(width, room // R)
         H, D, n_buffers = self.mcfg.n_kv_heads, self.mcfg.head_dim, 2 * self.mcfg.n_layers
         keep_width = min(keep_width, self.cols_cap, C)
-        idx = torch.tensor(list(keep), device=self.device) if keep and keep_width else None
+        idx = indices(list(keep), self.device) if keep and keep_width else None
         buffer_bytes = self.cell_bytes // n_buffers  # one column of one layer's K (or V)
         grow = R * C > self.cells
         cells = max(full, R * C) if grow else self.cells  # the storage holds `full`: later shapes re-view it
@@ -155,8 +156,7 @@ class KVSlots:
         """Copy slots' last `width` columns from -> to (one indexed copy per buffer)."""
         if not moves:
             return
-        src = torch.tensor([m[0] for m in moves], device=self.device)
-        dst = torch.tensor([m[1] for m in moves], device=self.device)
+        src, dst = indices([list(m) for m in moves], self.device).unbind(1)
         c0 = self.cols_cap - width
         for t in self.k + self.v:
             t[dst, :, c0:] = t[src, :, c0:]
@@ -167,7 +167,7 @@ class KVSlots:
         starts its next block keeps its cached prefix)."""
         if not slots:
             return
-        idx = torch.tensor(list(slots), device=self.device)
+        idx = indices(list(slots), self.device)
         C = self.cols_cap
         for t in self.k + self.v:
             t[idx, :, C - width - by: C - by] = t[idx, :, C - width:]  # the read is a copy: no overlap

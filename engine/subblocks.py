@@ -12,6 +12,7 @@ import torch
 
 from .reads import MASKED_SAMPLING, SUB_BLOCK_SAMPLING
 from .rules import BlockRule, Traits
+from .transfer import indices
 
 
 class SubBlockRule(BlockRule):
@@ -32,9 +33,9 @@ class SubBlockRule(BlockRule):
         if not rows:
             return is_mask
         NB = b.n_window  # is_mask has NB units per row (D2F rows in the batch): a row's block is its last
-        idx = torch.tensor([i * NB + NB - 1 for i in rows], device=is_mask.device)
+        idx = indices([i * NB + NB - 1 for i in rows], is_mask.device)
         L = is_mask.shape[1]
-        sub = torch.tensor([b.rows[i].params.sub_block_length for i in rows], device=is_mask.device)
+        sub = indices([b.rows[i].params.sub_block_length for i in rows], is_mask.device)
         part = torch.arange(L, device=is_mask.device)[None] // sub[:, None]  # [n, L] sub-block of each position
         m = is_mask[idx]
         first = torch.where(m, part, L).min(1).values  # the leftmost sub-block with a mask

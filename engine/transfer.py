@@ -7,6 +7,11 @@ from typing import List
 import torch
 
 
+def indices(values, device, dtype=torch.long) -> torch.Tensor:
+    """A host list (of ints, floats, bools) as a tensor on `device`, uploaded without a wait."""
+    return to_device([torch.tensor(values, dtype=dtype)], device)[0]
+
+
 def to_device(parts: List[torch.Tensor], device) -> List[torch.Tensor]:
     """Host tensors of one dtype on `device` in one copy, pinned and non-blocking on CUDA
     (pin_memory copies, so the host tensors may be reused at once)."""

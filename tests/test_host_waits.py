@@ -15,6 +15,7 @@ import pytest
 import torch
 
 import published
+from bench import gpu_shape
 from bench.counting import StandInCuda
 from engine import Engine, EngineConfig, ModelConfig, SamplingParams, build_model
 
@@ -170,3 +171,26 @@ def test_logprob_rows_count_their_reads():
     assert got == cpu
     assert _kinds(steps) == [[("d2h", "_fetch")] * 3] * 8  # the step's own read and the two logprob reads
     assert e.stats.syncs == waits == 24
+
+
+@pytest.mark.parametrize("family", sorted(gpu_shape.FAMILIES))
+def test_every_family_steps_in_bfloat16_on_the_stand_in_device(family):
+    """Every family the transformer serves, bfloat16 on the stand-in device: each engine
+    step runs its CUDA paths with no host tensor mixed into a device op (the stand-in
+    refuses one, as CUDA does) and waits once, at its read (the canvas engine: above).
+    FakeTensorMode would fake the host's own bookkeeping tensors too, whose values the
+    step reads by design; the stand-in keeps them real."""
+    model = build_model(gpu_shape.config(family), dtype=torch.bfloat16)
+    with StandInCuda() as s:
+        s.move(model)
+        e = Engine(model, EngineConfig(block_length=8, steps_per_block=4, canvas="block", advance="step",
+                                       token_budget=4096, max_batch_size=4))
+        for n in (9, 14, 20, 31):
+            e.add_request(list(range(40, 40 + n)), SamplingParams(max_new_tokens=16, policy="fixed", ignore_eos=True))
+        per_step = []
+        while e.has_unfinished():
+            with s.counting() as got:
+                e.step()
+            per_step.append(got)
+    assert [sum(c.values()) for c in per_step] == [1] * e.stats.steps, [c for c in per_step if sum(c.values()) > 1]
+    assert e.stats.syncs == e.stats.steps
