@@ -19,9 +19,11 @@ from .transfer import indices, to_device
 
 # What one more attention call costs, in keys of one row: a run of rows of similar key width
 # shares a call rather than each row paying it (key_runs). On the CPU a call costs about as
-# much as 16 keys of a block's queries; on an accelerator a launch is worth far more keys
-# (there FlexAttention block masks or varlen attention are the way to skip them: not built).
-ATTENTION_OVERHEAD_KEYS = {"cpu": 16}
+# much as 16 keys of a block's queries, but 128 keeps a skewed batch at B=32 to ~1.5 calls a
+# layer (a layer <= 22 launches; issue 51) for the same tokens per CPU-second (bench/README.md);
+# on an accelerator a launch is worth far more keys (there FlexAttention block masks or
+# varlen attention are the way to skip them: not built).
+ATTENTION_OVERHEAD_KEYS = {"cpu": 128}
 ATTENTION_OVERHEAD_KEYS_DEVICE = 2048
 
 # What one more forward costs, in query cells, beyond the cells it computes (kernel

@@ -51,14 +51,14 @@ def rope(pos: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype):
 @dataclass
 class Rope:
     """RoPE at a forward's positions, prepared once for every layer, for heads laid out
-    [B, T, heads, D]: x * cos + x[..., swap] * sin, where `swap` exchanges the two halves
-    of the rotary dims and `sin`'s first half is negated (so x[swap] * sin is
+    [B, T, heads, D]: x * cos + swap(x) * sin, where `swap` exchanges the two halves of
+    the rotary dims (a roll) and `sin`'s first half is negated (so swap(x) * sin is
     rotate_half(x) * sin, bit for bit); past the rotary dims cos is 1 and sin 0, so a
     partial rotary passes those dims unchanged (LLaDA-MoE, LLaDA2)."""
 
     cos: torch.Tensor  # [B, T, 1, D]
     sin: torch.Tensor  # [B, T, 1, D]
-    swap: torch.Tensor  # [D] long
+    rotary: int  # R: the rotary dims, the first of each head's D
 
     @classmethod
     def at(cls, pos: torch.Tensor, rotary_dim: int, head_dim: int, theta: float, dtype: torch.dtype) -> "Rope":
@@ -66,12 +66,13 @@ class Rope:
         cos, sin = cos.transpose(1, 2), sin.transpose(1, 2)
         h = rotary_dim // 2
         sin = torch.cat([-sin[..., :h], sin[..., h:]], -1)
-        d = pos.device  # made there: a host tensor would be a blocking upload at every forward
-        swap = torch.cat([torch.arange(rotary_dim, device=d).roll(h), torch.arange(rotary_dim, head_dim, device=d)])
         if rotary_dim < head_dim:
             pad = (0, head_dim - rotary_dim)
             cos, sin = F.pad(cos, pad, value=1.0), F.pad(sin, pad, value=0.0)
-        return cls(cos, sin, swap)
+        return cls(cos, sin, rotary_dim)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return x * self.cos + x.index_select(-1, self.swap) * self.sin
+        R, D = self.rotary, x.shape[-1]
+        swapped = x.roll(R // 2, -1) if R == D else torch.cat([x.narrow(-1, 0, R).roll(R // 2, -1),
+                                                              x.narrow(-1, R, D - R)], -1)
+        return x * self.cos + swapped * self.sin
