@@ -42,11 +42,11 @@ def layer_launches(engine: Engine, model: DLLM, steps: int) -> LaunchCounter:
 
 
 def test_a_dense_layer_launches_15_kernels_at_a_block_step():
-    """LLaDA-8B's layout, block canvas, refresh cache, rows of one width at B=8, float32: 17
+    """LLaDA-8B's layout, block canvas, refresh cache, rows of one width at B=8, float32: 15
     launches in a layer that is not the last (41 before issue 51; the target is <= 20):
-    2 fused RMSNorms, 4 matmuls (q/k/v, o, gate/up, down), RoPE on q and k together (4),
-    2 K/V stores, 1 attention, silu * up (2), 2 residual adds. The last layer reads only the
-    window's columns (3 gathers more)."""
+    2 fused RMSNorms, 4 matmuls (q/k/v, gate/up, and o and down with the residual added in
+    them: addmm), RoPE on q and k together (4), 2 K/V stores, 1 attention, silu * up (2).
+    The last layer reads only the window's columns (3 gathers more)."""
     cfg = config(LLADA)
     model = build_model(cfg, dtype=torch.float32)
     e = Engine(model, EngineConfig(block_length=32, cache="refresh", canvas="block", advance="step",
@@ -66,10 +66,12 @@ def test_a_mixed_batch_stays_under_22_launches_a_layer():
     """The skewed workload's first 32 requests (prompts 8 to 1,024 tokens) under the CPU
     engine's defaults at B=32: rows of very different widths attend in few calls (a run of
     slots shares one when that costs fewer than ATTENTION_OVERHEAD_KEYS keys of padding),
-    so a layer launches at most 22 kernels on average over the run's forwards (93 before
-    issue 51)."""
+    so a layer launches at most 22 kernels on average over the run's forwards (72 before
+    issue 51). One setting is not the default: the catch-up planner's forward overhead is
+    fixed at about what it fits online (~100-120 cells), so that the plan, and the count,
+    do not depend on timings."""
     w = skewed(SkewedSpec(n_requests=32))
-    e = Engine(w.model, EngineConfig(max_batch_size=32))
+    e = Engine(w.model, EngineConfig(max_batch_size=32, forward_overhead_cells=100))
     for p, sp in zip(w.prompts, w.params):
         e.add_request(p, sp)
     c = layer_launches(e, w.model.model, 2)
