@@ -295,8 +295,8 @@ def gpu_shape_section(d: Dict[str, Any]) -> List[str]:
            "family's published config.json (sizes shrunk; the MoE families with their published experts and top-k): "
            "block canvas, refresh cache, 8 rows of one width, float32. Per forward at the published depth: the "
            "launches outside the layers plus each layer's count times the published number of layers. "
-           "`mixed`: the skewed workload's first 32 requests under the CPU engine's defaults at B=32, launches per "
-           "layer over every forward of two block cycles.", "",
+           "`mixed`: the skewed workload's first 32 requests under the CPU engine's defaults at B=32 (the catch-up "
+           "planner's overhead fixed at 100 cells), launches per layer over every forward of two block cycles.", "",
            f"`{d['command']}` ({d['created']}, commit `{commit}`)"
            + (f"; before: commit `{bcommit}` (`{d['before']['command']}`)" if before else "") + ".", "",
            "| family | per dense layer | per MoE layer | per forward at published depth |", "|---|---|---|---|"]
