@@ -211,17 +211,18 @@ def on_device(module: torch.nn.Module, make, mode) -> torch.nn.Module:
 
 # --- StandInCuda ------------------------------------------------------------------------
 
-class StandInTensor(torch.Tensor):
-    """A tensor that says it is on `cuda` and holds its values in `elem`, a CPU tensor.
+class _Wrapper(torch.Tensor):
+    """A tensor that holds its values in `elem`, a CPU tensor, and says it is on `DEVICE`.
     Ops on it run only inside StandInCuda (which unwraps, runs and re-wraps them)."""
 
+    DEVICE = "cuda"
     elem: torch.Tensor
 
     @staticmethod
     def __new__(cls, elem: torch.Tensor):
         return torch.Tensor._make_wrapper_subclass(
             cls, elem.size(), strides=elem.stride(), storage_offset=elem.storage_offset(), dtype=elem.dtype,
-            layout=elem.layout, device=torch.device("cuda"), requires_grad=elem.requires_grad)
+            layout=elem.layout, device=torch.device(cls.DEVICE), requires_grad=elem.requires_grad)
 
     def __init__(self, elem: torch.Tensor):
         self.elem = elem
@@ -231,32 +232,21 @@ class StandInTensor(torch.Tensor):
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
         raise RuntimeError(f"{func} on a stand-in cuda tensor outside StandInCuda")
+
+
+class StandInTensor(_Wrapper):
+    """A tensor on the stand-in CUDA device."""
 
     def __repr__(self) -> str:
         return f"StandInTensor({self.elem!r})"
 
 
-class _Shadow(torch.Tensor):
+class _Shadow(_Wrapper):
     """A StandInTensor as a cpu-device tensor for the length of one torch function call,
     whose Python binding may take a CUDA device guard (indexing, copy_) a CPU-only build
     lacks; StandInCuda treats it as a device tensor."""
 
-    elem: torch.Tensor
-
-    @staticmethod
-    def __new__(cls, elem: torch.Tensor):
-        return torch.Tensor._make_wrapper_subclass(
-            cls, elem.size(), strides=elem.stride(), storage_offset=elem.storage_offset(), dtype=elem.dtype,
-            layout=elem.layout, device=torch.device("cpu"), requires_grad=elem.requires_grad)
-
-    def __init__(self, elem: torch.Tensor):
-        self.elem = elem
-
-    __torch_function__ = torch._C._disabled_torch_function_impl
-
-    @classmethod
-    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
-        raise RuntimeError(f"{func} on a stand-in cuda tensor outside StandInCuda")
+    DEVICE = "cpu"
 
 
 def _histc_range(a, k):
