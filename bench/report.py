@@ -15,7 +15,7 @@ import json
 import os
 import sys
 from statistics import median
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 RESULTS = os.path.join(HERE, "results")
@@ -251,11 +251,16 @@ def other_section(title: str, what: str, d: Dict[str, Any], pick: Callable[[Dict
     return out + [""]
 
 
+def commits(d: Dict[str, Any]) -> Tuple[str, str]:
+    """(the result's commit, its "before" result's commit), short."""
+    short = lambda x: (((x or {}).get("git") or {}).get("commit") or "?")[:10]  # noqa: E731
+    return short(d), short(d.get("before"))
+
+
 def host_section(d: Dict[str, Any]) -> List[str]:
     """bench/host_bench.py: one denoising step's host time by phase, before and after (issue 41)."""
-    commit = ((d.get("git") or {}).get("commit") or "?")[:10]
+    commit, bcommit = commits(d)
     before = {r["label"]: r for r in (d.get("before") or {}).get("runs", [])}
-    bcommit = (((d.get("before") or {}).get("git") or {}).get("commit") or "?")[:10]
     out = ["## Host time of a denoising step (`bench/host_bench.py`)", "",
            "The skewed workload (block canvas, refresh cache, block advance) served by static-B and by blockserve at "
            "a static-B budget, the step path's phases timed exclusive of what they call, in the stepping thread's "
@@ -286,9 +291,8 @@ def host_section(d: Dict[str, Any]) -> List[str]:
 
 def gpu_shape_section(d: Dict[str, Any]) -> List[str]:
     """bench/gpu_shape.py: kernel launches per layer and per forward, before and after (issue 51)."""
-    commit = ((d.get("git") or {}).get("commit") or "?")[:10]
+    commit, bcommit = commits(d)
     before = (d.get("before") or {}).get("families", {})
-    bcommit = (((d.get("before") or {}).get("git") or {}).get("commit") or "?")[:10]
     out = ["## What a GPU would launch (`bench/gpu_shape.py`)", "",
            "Issue 51: kernel launches counted on a CPU by a dispatch mode that decomposes composite ops and counts "
            "those that launch a kernel on a GPU (bench/counting.py), over one steady denoising step of each "

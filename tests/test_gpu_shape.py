@@ -12,26 +12,13 @@ import pytest
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-import checkpoints
-import published
-import test_fast_dllm_v2
 from bench.counting import CudaIndexing, LaunchCounter, fake_cuda
+from bench.gpu_shape import FAMILIES, config  # one published config.json per family the transformer serves
 from bench.workloads import SkewedSpec, skewed
 from engine import Engine, EngineConfig, ModelConfig, SamplingParams, build_model
 from engine.models import DLLM
 
-LLADA = "GSAI-ML__LLaDA-8B-Instruct"
-# one published config.json per family the transformer serves: vendored (tests/published/),
-# or, where no copy is vendored, the published keys the family's tests hold
-FAMILIES = {"llada": LLADA, "dream": "Dream-org__Dream-v0-Instruct-7B", "sdar": "JetLM__SDAR-4B-Chat",
-            "llada2": "inclusionAI__LLaDA2.0-mini", "sdar_moe": "JetLM__SDAR-30B-A3B-Chat",
-            "fast_dllm_v2": test_fast_dllm_v2.CONFIG, "llada_moe": checkpoints.LLADA_MOE_CONFIG}
-
-
-def config(family_or_folder) -> ModelConfig:
-    """A published config.json, its sizes shrunk (tests/published.py)."""
-    hf = FAMILIES.get(family_or_folder, family_or_folder)
-    return ModelConfig.from_hf(published.shrink(hf if isinstance(hf, dict) else published.config(hf)))
+LLADA = "llada"
 
 
 def layer_launches(engine: Engine, model: DLLM, steps: int) -> LaunchCounter:
