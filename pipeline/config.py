@@ -22,6 +22,15 @@ from .sorting.model import DTYPE_BYTES  # torch-free: the dtypes an engine loads
 
 SORT_MODES = ("none", "blendserve")
 
+# chat_template_kwargs are the template's own variables (enable_thinking, ...): these are the
+# named parameters of transformers' apply_chat_template (5.24), which blockray sets itself or
+# does not serve, and `messages`, the variable the conversation is rendered as. Passing one
+# would fail every chat row with a TypeError that names no option, after the engines start.
+RESERVED_TEMPLATE_KWARGS = frozenset({
+    "conversation", "messages", "tools", "documents", "chat_template", "add_generation_prompt",
+    "continue_final_message", "tokenize", "sanitize_control_tokens", "padding", "truncation", "max_length",
+    "return_tensors", "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs"})
+
 # The job's own numeric options, which are no config field (run_offline's keywords and the
 # CLI's Ray flags): their bounds, declared here as the config fields declare theirs
 # (metadata "bounds"), checked by the CLI as it parses and by run_offline / preflight.
@@ -200,6 +209,12 @@ class DLLMProcessorConfig:
                 isinstance(k, str) for k in self.chat_template_kwargs)):
             raise ValueError(f"chat_template_kwargs must be a dict of keyword arguments, got "
                              f"{self.chat_template_kwargs!r:.80}")
+        reserved = sorted(set(self.chat_template_kwargs or ()) & RESERVED_TEMPLATE_KWARGS)
+        if reserved:
+            raise ValueError(f"chat_template_kwargs key {reserved[0]!r} is an argument of apply_chat_template itself, "
+                             "not a variable of the template: blockray sets the template (chat_template), the "
+                             "messages, tokenize, add_generation_prompt and continue_final_message per row, and "
+                             "serves no tools or documents; leave it out")
         if self.accelerator_type is not None and (not isinstance(self.accelerator_type, str)
                                                   or not self.accelerator_type.strip()):
             raise ValueError(f"accelerator_type must name a GPU type (e.g. H200), got {self.accelerator_type!r}")

@@ -39,6 +39,9 @@ USERS_TO_FIX = frozenset({
     "pipeline.errors.UserFunctionError",  # the user's preprocess / postprocess raised
     "pipeline.reader.InputError",  # the input cannot be read
     "pipeline.output_lock.OutputLocked",  # another run holds the output, or took it over (LeaseLost)
+    # a --tensor-parallel-size the model does not split into (compared by name: it imports torch);
+    # the preflight refuses it first, an engine's load (DiffusionGemma's shards) can still raise it
+    "engine.models.sharding.ShardingRefused",
 })
 
 Link = Union[type, str]  # a class of the chain, or a class name read from a remote traceback

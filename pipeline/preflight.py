@@ -265,6 +265,36 @@ def check_output_format(output_format: str, parts: List[str], where: str) -> Non
                        "(or --overwrite)", "output_format")
 
 
+def check_duplicates_output(allow_duplicate_ids: bool, output_format: str) -> None:
+    """--allow-duplicate-ids with OpenAI batch results is refused: results.jsonl answers
+    each custom_id once (OpenAI itself requires them unique), so rows sharing an id
+    would have no line of their own."""
+    if allow_duplicate_ids and output_format == "openai-batch":
+        raise JobError("allow_duplicate_ids with output format openai-batch: results.jsonl has one line per "
+                       "custom_id (OpenAI requires them unique), so rows sharing an id could not each be answered; "
+                       "make the ids unique, or choose another output format", "allow_duplicate_ids",
+                       "output_format")
+
+
+def check_tensor_parallel(config: DLLMProcessorConfig, checkpoint: Any) -> None:
+    """The model splits over tensor_parallel_size ranks, by the rule its shards are cut by
+    (engine.models.sharding.ShardPlan: query and K/V heads, MLP widths), read from its
+    config.json alone: no weights loaded, before Ray. DiffusionGemma's canvas engine cuts
+    its own shards (engine/canvas/sharding.py) and refuses at load, also as the user's."""
+    from engine.models.families import Serving
+
+    size = config.engine.tensor_parallel_size
+    if size == 1 or checkpoint.serving != Serving.MASKED:
+        return
+    from engine.models.sharding import ShardingRefused, ShardPlan  # imports torch: tensor-parallel jobs only
+
+    try:
+        ShardPlan(checkpoint.config, 0, size)
+    except ShardingRefused as e:
+        raise JobError(f"model {config.model}: {e}; tensor_parallel_size must divide its attention heads, K/V heads "
+                       "(or be a multiple of them) and MLP widths", "tensor_parallel_size") from e
+
+
 def check_options(**values: Any) -> None:
     """The job's own numeric options within their bounds (config.JOB_BOUNDS), else a
     JobError naming the first that is not."""
@@ -312,6 +342,7 @@ def preflight(input: Union[str, List[str]], output: str, config: DLLMProcessorCo
     except Exception:  # noqa: BLE001 - an output that cannot be read: the write probe below names why
         pass
     check_output_format(output_format, [], output)
+    check_duplicates_output(allow_duplicate_ids, output_format)
     named, id_column = id_column, id_column or DEFAULT_ID_COLUMN
     try:
         source = PromptParquetDatasource(input, storage, id_column=id_column, limit=limit, input_format=input_format)
@@ -330,6 +361,7 @@ def preflight(input: Union[str, List[str]], output: str, config: DLLMProcessorCo
         engine = dataclasses.replace(engine, token_budget=engine.fixed_token_budget())  # CPU engines plan none
     checkpoint = check_model(config.model, needs_tokenizer, storage, config.adapter, config.attention,
                              config.sampling, engine, config.revision)
+    check_tensor_parallel(config, checkpoint)
     template = check_chat_template(config, names, checkpoint)
     if (source.format == "openai-batch" and template is None and config.messages_column in names
             and config.apply_chat_template is not False):

@@ -12,6 +12,7 @@ guarantees: ids, limit, resume, schemas unified or refused.
 """
 from __future__ import annotations
 
+import codecs
 import io
 import posixpath
 from dataclasses import dataclass
@@ -99,26 +100,56 @@ class ParquetFormat(FileFormat):
             yield pa.Table.from_batches([batch])
 
 
-class JsonLinesFormat(FileFormat):
+# Byte-order marks of the encodings a text input may not be in, UTF-32's first (UTF-32 LE's
+# starts with UTF-16 LE's). UTF-8's own mark is read past (utf-8-sig), as Excel and
+# Notepad write it.
+OTHER_BOMS = ((codecs.BOM_UTF32_LE, "UTF-32"), (codecs.BOM_UTF32_BE, "UTF-32"),
+              (codecs.BOM_UTF16_LE, "UTF-16"), (codecs.BOM_UTF16_BE, "UTF-16"))
+
+
+def check_utf8(fh: Any, where: str) -> None:
+    """Refuse a text input that starts with a UTF-16 or UTF-32 byte-order mark, naming the
+    encoding (its bytes would otherwise read as a JSON or CSV syntax error); `fh` is left
+    at its start."""
+    head = fh.read(4)
+    fh.seek(0)
+    for bom, encoding in OTHER_BOMS:
+        if head.startswith(bom):
+            raise InputError(f"input file {where} is {encoding} text (it starts with a {encoding} byte-order mark); "
+                             "re-save it as UTF-8")
+
+
+class TextFormat(FileFormat):
+    """A format of UTF-8 text (a byte-order mark allowed), read whole by `parse`."""
+
+    def table(self, fh: Any, where: str, seen: Optional[Dict[str, str]] = None) -> pa.Table:
+        check_utf8(fh, where)
+        return self.parse(fh, where, seen)
+
+    def parse(self, fh: Any, where: str, seen: Optional[Dict[str, str]]) -> pa.Table:
+        raise NotImplementedError
+
+
+class JsonLinesFormat(TextFormat):
     name, suffixes = "jsonl", (".jsonl", ".ndjson", ".json")
 
-    def table(self, fh: Any, where: str, seen: Optional[Dict[str, str]] = None) -> pa.Table:
-        return pjson.read_json(fh)
+    def parse(self, fh: Any, where: str, seen: Optional[Dict[str, str]]) -> pa.Table:
+        return pjson.read_json(fh)  # reads past a UTF-8 byte-order mark
 
 
-class CsvFormat(FileFormat):
+class CsvFormat(TextFormat):
     name, suffixes = "csv", (".csv",)
 
-    def table(self, fh: Any, where: str, seen: Optional[Dict[str, str]] = None) -> pa.Table:
-        return pcsv.read_csv(fh)
+    def parse(self, fh: Any, where: str, seen: Optional[Dict[str, str]]) -> pa.Table:
+        return pcsv.read_csv(fh)  # reads past a UTF-8 byte-order mark
 
 
-class OpenAIBatchFormat(FileFormat):
+class OpenAIBatchFormat(TextFormat):
     name, suffixes, id_column = "openai-batch", JsonLinesFormat.suffixes, openai_batch.ID_COLUMN
 
-    def table(self, fh: Any, where: str, seen: Optional[Dict[str, str]] = None) -> pa.Table:
+    def parse(self, fh: Any, where: str, seen: Optional[Dict[str, str]]) -> pa.Table:
         try:
-            return openai_batch.parse_lines(io.TextIOWrapper(fh, encoding="utf-8"), where, seen)
+            return openai_batch.parse_lines(io.TextIOWrapper(fh, encoding="utf-8-sig"), where, seen)
         except UnicodeDecodeError as e:
             raise openai_batch.BatchFileError(f"{where} is not UTF-8 text: {e}") from None
 
@@ -129,8 +160,11 @@ INPUT_FORMATS = ("auto", *FORMATS)
 
 
 def _first_line(fs: fsspec.AbstractFileSystem, path: str) -> str:
+    """The first line of text of a file (past a UTF-8 byte-order mark); refuses another encoding's."""
     with fs.open(path, "rb") as fh:
+        check_utf8(fh, fs.unstrip_protocol(path))
         for line in fh:
+            line = line.removeprefix(codecs.BOM_UTF8)  # only the first line can start with it
             if line.strip():
                 return line.decode("utf-8", "replace")
     return ""
@@ -340,6 +374,8 @@ class PromptParquetDatasource(Datasource):
                         n, schema = FORMATS[kind].inspect(fh, full, seen)
                 except openai_batch.BatchFileError as e:
                     raise InputError(f"input file {e}") from e
+                except InputError:
+                    raise
                 except Exception as e:  # noqa: BLE001
                     raise InputError(f"input file {full} is not readable {kind}: {type(e).__name__}: {e} "
                                      "(--input-format names the format)") from e
