@@ -24,6 +24,9 @@ import pytest
 from conftest import ROOT, part_files, read_parts
 from test_chat_and_sampling import TEMPLATE
 
+from openai.types import Completion, ErrorObject
+from openai.types.chat import ChatCompletion
+
 from common.schema import PRE_ERROR
 from pipeline.config import DLLMProcessorConfig
 from pipeline.openai_batch import CHAT, COMPLETIONS, parse_lines, results_text
@@ -82,16 +85,16 @@ def test_lines_become_rows_and_bodies_it_cannot_honour_are_their_lines_errors():
     assert list(rows) == [i["custom_id"] for i in items]  # in order, the blank line skipped
     assert rows["c-parts"]["messages"] == chat("rev: abc") and rows["c-parts"]["prompt"] is None
     assert rows["c-parts"]["sampling_params"] == dict(max_new_tokens=8, n=None, temperature=None, top_p=None,
-                                                      stop=None, seed=None, structured_outputs=None)
+                                                      stop=None, seed=None, logprobs=None, structured_outputs=None)
     assert rows["p-copy"]["prompt"] == "copy: ab" and rows["p-copy"]["messages"] is None
     assert rows["c-n2"]["sampling_params"] == dict(max_new_tokens=None, n=2, temperature=0.7, top_p=0.9, stop=None,
-                                                   seed=7, structured_outputs=None)
+                                                   seed=7, logprobs=None, structured_outputs=None)
     assert rows["p-stop"]["sampling_params"]["stop"] == ["c"] and rows["p-stop"]["model"] is None
     assert rows["e-model"]["model"] == "gpt-4o-mini" and rows["e-model"][PRE_ERROR] is None  # the stage checks it
     assert {k: r[PRE_ERROR] for k, r in rows.items() if r[PRE_ERROR]} == {
         "e-key": ("body key 'logit_bias' is not supported by blockray on /v1/chat/completions (supported: "
-                  "max_completion_tokens, max_tokens, messages, model, n, response_format, seed, stop, stream, "
-                  "temperature, top_p)"),
+                  "logprobs, max_completion_tokens, max_tokens, messages, model, n, response_format, seed, stop, "
+                  "stream, temperature, top_logprobs, top_p)"),
         "e-stream": "body.stream True is not supported (a batch line is answered whole)",
         "e-url": "url '/v1/embeddings' is not served: /v1/chat/completions or /v1/completions",
         "e-image": ("body.messages[0].content[0] is not supported: only text parts ({\"type\": \"text\", \"text\": "
@@ -206,8 +209,11 @@ def test_results_lines_in_input_order():
     assert out[1]["response"]["body"]["object"] == "text_completion"
     assert out[1]["response"]["body"]["choices"] == [{"index": 0, "text": "xy", "logprobs": None,
                                                       "finish_reason": "length"}]
-    assert out[2]["response"] is None
-    assert out[2]["error"] == {"code": "model_not_found", "message": "the row asks for model 'm'"}
+    assert out[2]["error"] is None  # refused, not failed: OpenAI's response with the error in its body
+    assert out[2]["response"] == {"status_code": 404, "request_id": out[2]["id"].replace("batch_req_", "req_"),
+                                  "body": {"error": {"message": "the row asks for model 'm'",
+                                                     "type": "invalid_request_error", "param": "model",
+                                                     "code": "model_not_found"}}}
 
 
 # --- the acceptance run: the CLI, then a rerun (session Ray) ------------------------------------
@@ -235,8 +241,8 @@ def test_openai_batch_file_through_the_cli_and_a_resume(tmp_path, tiny_model_dir
     for r, asked in zip(results, GOOD_FILE):
         cid = r["custom_id"]
         assert r["id"].startswith("batch_req_") and set(r) == {"id", "custom_id", "response", "error"}
-        if cid.startswith("e-"):
-            assert r["response"] is None, r
+        if cid.startswith("e-"):  # refused: a response whose body is OpenAI's error
+            assert r["error"] is None and r["response"]["status_code"] in (400, 404), r
             continue
         assert r["error"] is None, r
         body, is_chat = r["response"]["body"], asked["url"] == CHAT
@@ -257,13 +263,16 @@ def test_openai_batch_file_through_the_cli_and_a_resume(tmp_path, tiny_model_dir
     # the chat line with text parts was rendered with the template; max_completion_tokens held
     assert parts[("c-parts", 0)]["prompt"] == "user: rev: abc. assistant: "
     assert parts[("p-stop", 0)]["generated_text"].find("c") == -1  # cut before the stop string
-    errors = {r["custom_id"]: r["error"] for r in results if r["error"]}
-    assert errors["e-model"]["code"] == "model_not_found"
+    errors = {r["custom_id"]: r["response"]["body"]["error"] for r in results if r["custom_id"].startswith("e-")}
+    assert errors["e-model"]["code"] == "model_not_found" and errors["e-model"]["param"] == "model"
     assert errors["e-model"]["message"].startswith("the row asks for model 'gpt-4o-mini'") and (
         "(served as 'tiny')" in errors["e-model"]["message"])
-    assert errors["e-key"] == {"code": "invalid_request", "message": (
-        "body key 'logit_bias' is not supported by blockray on /v1/chat/completions (supported: max_completion_tokens, "
-        "max_tokens, messages, model, n, response_format, seed, stop, stream, temperature, top_p)")}
+    assert errors["e-key"] == {"type": "invalid_request_error", "param": "logit_bias", "code": None, "message": (
+        "body key 'logit_bias' is not supported by blockray on /v1/chat/completions (supported: logprobs, "
+        "max_completion_tokens, max_tokens, messages, model, n, response_format, seed, stop, stream, temperature, "
+        "top_logprobs, top_p)")}
+    for e in errors.values():
+        assert ErrorObject.model_validate(e).type == "invalid_request_error"  # OpenAI's own type reads it
     files = part_files(out)
 
     res = cli(*args, address=ray_address)  # a rerun: every request is there, nothing generated again
