@@ -166,10 +166,17 @@ _RAW_PROMPT_NOTED: Set[str] = set()
 
 def note_raw_prompts(model: str, tok: Any, column: str) -> None:
     """Say once per process that raw text goes to a model that has a chat template: an
-    instruct model given unrendered prompts answers worse, silently."""
+    instruct model given unrendered prompts answers worse, silently. Not when the template
+    renders a user's turn as its bare text: raw text is then what it would render."""
     if model in _RAW_PROMPT_NOTED or not getattr(tok, "chat_template", None):
         return
     _RAW_PROMPT_NOTED.add(model)
+    probe = "copy: ab"
+    try:  # a template that renders a user's turn as its bare text (the embedded tiny model's): nothing to say
+        if render_chat(tok, [{"role": "user", "content": probe}], None) == probe:
+            return
+    except Exception:  # noqa: BLE001 - a template that needs more than one turn: say it
+        pass
     logger.warning("prompts in column %r are raw text, but the tokenizer of %s has a chat template: they are "
                    "sent as they are. Give a messages column to have them rendered (apply_chat_template).",
                    column, model)

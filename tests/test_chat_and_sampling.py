@@ -74,13 +74,13 @@ def test_chat_stage_auto_renders_continues_prefill_and_keeps_prompt(chat_model_d
     assert out.column(TEXT_PROMPT).to_pylist()[1] == "user: copy: ab. assistant: a"
 
 
-def test_chat_stage_auto_passes_through_and_forced_needs_a_template(chat_model_dir):
+def test_chat_stage_auto_passes_through_and_forced_needs_a_template(chat_model_dir, tiny_model_dir):
     plain = pa.table({"prompt": ["rev: ab"]})
     assert chat_template_stage(plain, model=chat_model_dir, messages_column="messages", mode=None) is plain
     chats = pa.table({"messages": [[{"role": "user", "content": "rev: ab"}]]})
-    # TINY's tokenizer has no template: auto leaves the batch alone, forced makes a per-row error
-    assert chat_template_stage(chats, model=TINY, messages_column="messages", mode=None) is chats
-    forced = chat_template_stage(chats, model=TINY, messages_column="messages", mode=True)
+    # the random tiny model's tokenizer has no template: auto leaves the batch alone, forced makes a per-row error
+    assert chat_template_stage(chats, model=tiny_model_dir, messages_column="messages", mode=None) is chats
+    forced = chat_template_stage(chats, model=tiny_model_dir, messages_column="messages", mode=True)
     assert "no chat template" in forced.column(PRE_ERROR).to_pylist()[0]
     # a template given as text (ray.data.llm) or as a file (vLLM's --chat-template)
     ok = chat_template_stage(chats, model=TINY, messages_column="messages", chat_template=TEMPLATE)
