@@ -239,7 +239,7 @@ def build_processor(config: DLLMProcessorConfig, preprocess: Optional[RowFn] = N
     does); else the model is opened and checked here, once.
     Raises ValueError (one line) when the model cannot be served, before any actor starts.
     """
-    from .preflight import JobError, check_model
+    from .preflight import JobError, check_model, check_tensor_parallel
 
     storage = (storage or StorageOptions()).resolved()  # once, here: every actor talks to the same endpoint
     if checkpoint is None:
@@ -247,6 +247,7 @@ def build_processor(config: DLLMProcessorConfig, preprocess: Optional[RowFn] = N
             checkpoint = check_model(config.model, needs_tokenizer=False, storage=storage, adapter=config.adapter,
                                      attention=config.attention, sampling=config.sampling, engine=config.engine,
                                      revision=config.revision)
+            check_tensor_parallel(config, checkpoint)
         except JobError as e:
             raise ValueError(e.message) from None
     return DLLMProcessor(config, preprocess, postprocess, storage, run_id or new_run_id(), checkpoint)

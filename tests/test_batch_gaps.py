@@ -72,6 +72,13 @@ def test_refused_before_ray_starts(tmp_path, batch_files, args, which, words):
         assert w in err, (w, err)
 
 
+def test_build_processor_refuses_a_tensor_parallel_size_before_any_actor():
+    from pipeline import build_processor
+
+    with pytest.raises(ValueError, match="tensor_parallel_size=3: 4 attention heads do not divide into 3 ranks"):
+        build_processor(DLLMProcessorConfig(model=TINY, tensor_parallel_size=3))
+
+
 def test_sharding_refused_is_the_users_to_fix():
     from engine.models.sharding import ShardingRefused
     from pipeline.failures import users_to_fix
