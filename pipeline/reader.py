@@ -164,7 +164,7 @@ def _first_line(fs: fsspec.AbstractFileSystem, path: str) -> str:
     with fs.open(path, "rb") as fh:
         check_utf8(fh, fs.unstrip_protocol(path))
         for line in fh:
-            line = line.removeprefix(codecs.BOM_UTF8)  # only the first line can start with it
+            line = line.removeprefix(codecs.BOM_UTF8)  # the mark opens the file, so the first line
             if line.strip():
                 return line.decode("utf-8", "replace")
     return ""
