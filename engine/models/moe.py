@@ -2,9 +2,9 @@
 routed experts' mixture. Routing is vectorised over tokens in float32 (float64 for a
 float64 model); experts run as two grouped GEMMs over the experts stacked at load
 (Layer.fuse_): the (token, expert) pairs sorted by expert, each expert's offset found on
-device, the weighted outputs scattered back with one index_add. A fixed number of kernels
-whatever the routing and no host wait (issue 51); float64 runs the reference per-expert
-loop (grouped_mm has no float64 kernel)."""
+device, the outputs put back in token order and mixed by one batched matmul. A fixed
+number of kernels whatever the routing and no host wait (issue 51); float64 runs the
+reference per-expert loop (grouped_mm has no float64 kernel)."""
 from __future__ import annotations
 
 from typing import Optional, Tuple
