@@ -63,9 +63,9 @@ def main(argv=None) -> dict:
     moe_layers = [m for m in model.layers if hasattr(m, "experts")]
     real_route = moe_mod.route
 
-    def timed_route(*a):
+    def timed_route(*a, **k):
         t = time.perf_counter()
-        out = real_route(*a)
+        out = real_route(*a, **k)
         spent["route"] += time.perf_counter() - t
         return out
 

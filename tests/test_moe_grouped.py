@@ -16,16 +16,21 @@ from bench import gpu_shape
 from bench.counting import DATA_DEPENDENT, LaunchCounter
 from engine import Engine, EngineConfig, ModelConfig, SamplingParams, build_model
 from engine.models import moe
+from engine.models.families.moe import MoESpec
+from engine.models.ops import Rope
 
 torch.set_num_threads(1)
 
 # kernel launches of one routed layer call (attention included, no K/V cache) and of its MLP
-# alone (router, routing, experts, shared expert, the residual), 128 tokens. LLaDA2's routing
-# (sigmoid scores, expert bias, the top-2 sums of 8 groups, 4 groups kept, top-8, renormalised,
-# scaled) is 14 of its launches as aten ops; the issue's <= 30 a layer needs it fused (vLLM
-# runs a grouped-top-k kernel of its own)
-LAYER_LAUNCHES = {"llada2": 41, "sdar_moe": 28, "llada_moe": 25}
-FFN_LAUNCHES = {"llada2": 31, "sdar_moe": 19, "llada_moe": 16}
+# alone (router, routing, experts, shared expert, the residual), 128 tokens. LLaDA2's layer:
+# attention 10 (partial RoPE in a full one's 4), shared expert 4, router 1, routing 12 as aten
+# ops (sigmoid, expert bias, the top-2 sums of 8 groups, the 4 best kept by a threshold, top-8,
+# gathered, renormalised; the scaling rides the mixture's matmul), experts 10 (sort, offsets,
+# the pairs' tokens gathered, 2 grouped GEMMs, silu * up, put back in token order, one batched
+# matmul mixing them into the shared expert's output). The issue's <= 30 needs the routing fused
+# (vLLM runs a grouped-top-k kernel of its own); 41 / 28 / 25 before
+LAYER_LAUNCHES = {"llada2": 37, "sdar_moe": 27, "llada_moe": 24}
+FFN_LAUNCHES = {"llada2": 28, "sdar_moe": 18, "llada_moe": 15}
 FAMILIES = sorted(LAYER_LAUNCHES)
 
 
@@ -77,6 +82,38 @@ def test_launches_per_moe_layer_are_fixed_whatever_the_routing(family):
             with LaunchCounter() as ffn:
                 model.layers[routed[0]].ffn(x, torch.zeros_like(x))
             assert ffn.total == FFN_LAUNCHES[name]
+
+
+@pytest.mark.parametrize("rotary", [16, 32])
+def test_rope_partial_or_full_is_rotate_half_bit_for_bit_in_4_kernels(rotary):
+    """LLaDA2's partial RoPE (the first half of each head's dims) costs a full one's 4
+    kernels, and both are the published rotate-half on the rotary dims, the rest passed,
+    bit for bit in float64."""
+    B, T, H, D = 2, 5, 3, 32
+    pos = torch.arange(T).expand(B, T)
+    x = torch.randn(B, T, H, D, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    rope = Rope.at(pos, rotary, D, 10000.0, torch.float64)
+    with LaunchCounter() as count:
+        got = rope(x)
+    assert count.total == 4
+    inv = 1.0 / (10000.0 ** (torch.arange(0, rotary, 2, dtype=torch.float64) / rotary))
+    emb = torch.cat([torch.arange(T, dtype=torch.float64)[:, None] * inv] * 2, -1)[None, :, None]
+    a, rest = x[..., :rotary], x[..., rotary:]
+    half = torch.cat([-a[..., rotary // 2:], a[..., :rotary // 2]], -1)
+    assert torch.equal(got, torch.cat([a * emb.cos() + half * emb.sin(), rest], -1))
+
+
+def test_group_limit_is_skipped_when_every_group_is_kept():
+    """topk_group == n_group keeps every group: the routing of one group, without its kernels."""
+    logits = torch.randn(40, 32, generator=torch.Generator().manual_seed(0))
+    bias = torch.randn(32, generator=torch.Generator().manual_seed(1))
+    spec = dict(num_experts=32, top_k=4, expert_size=8, dense_size=8, dense_layers=(False,), score="sigmoid",
+                expert_bias=True, bias_in_weights=False, renormalize=True, scaling=2.5)
+    with LaunchCounter() as count:
+        got = moe.route(logits, MoESpec(**spec, n_group=4, topk_group=4), bias)
+    one = moe.route(logits, MoESpec(**spec), bias)
+    assert torch.equal(got[0], one[0]) and torch.equal(got[1], one[1])
+    assert count.ops["topk"] == 1 and count.total == 8  # sigmoid, bias, topk, gather, sum, eps, div, scaling
 
 
 class HostWaits(TorchDispatchMode):

@@ -2,9 +2,9 @@
 routed experts' mixture. Routing is vectorised over tokens in float32 (float64 for a
 float64 model); experts run as two grouped GEMMs over the experts stacked at load
 (Layer.fuse_): the (token, expert) pairs sorted by expert, each expert's offset found on
-device, the weighted outputs scattered back with one index_add. A fixed number of kernels
-whatever the routing and no host wait (issue 51); float64 runs the reference per-expert
-loop (grouped_mm has no float64 kernel)."""
+device, the outputs put back in token order and mixed by one batched matmul. A fixed
+number of kernels whatever the routing and no host wait (issue 51); float64 runs the
+reference per-expert loop (grouped_mm has no float64 kernel)."""
 from __future__ import annotations
 
 from typing import Optional, Tuple
@@ -55,22 +55,28 @@ def plus_linear(h: Optional[torch.Tensor], x: torch.Tensor, lin: nn.Module) -> t
     return h + lin(x)
 
 
-def route(scores_logits: torch.Tensor, spec: MoESpec, bias) -> Tuple[torch.Tensor, torch.Tensor]:
-    """(experts [N, k], weights [N, k]) of router logits [N, E] (in the router's dtype)."""
+def route(scores_logits: torch.Tensor, spec: MoESpec, bias, scaled: bool = True) -> Tuple[torch.Tensor, torch.Tensor]:
+    """(experts [N, k], weights [N, k]) of router logits [N, E] (in the router's dtype), the
+    weights times `spec.scaling` unless not `scaled` (the grouped mixture applies it in its
+    matmul, one kernel fewer)."""
     scores = torch.softmax(scores_logits, -1) if spec.score == "softmax" else torch.sigmoid(scores_logits)
     choice = scores if bias is None else scores + bias.to(scores.dtype)
     if spec.bias_in_weights:
         scores = choice
-    if spec.n_group > 1:  # keep the topk_group groups whose best two choices score highest
+    if spec.topk_group < spec.n_group:  # keep the topk_group groups whose best two choices score highest
         N, E = choice.shape
-        groups = choice.view(N, spec.n_group, E // spec.n_group).topk(2, -1).values.sum(-1)
-        drop = torch.ones_like(groups, dtype=torch.bool).scatter_(1, groups.topk(spec.topk_group, -1).indices, False)
-        choice = choice.view(N, spec.n_group, -1).masked_fill(drop[..., None], float("-inf")).view(N, E)
+        by_group = choice.view(N, spec.n_group, E // spec.n_group)
+        groups = by_group.topk(2, -1).values.sum(-1)
+        # dropped: the groups scoring below the topk_group-th best, the published topk's
+        # others (a tie at the boundary, which that topk breaks arbitrarily, keeps both):
+        # one kernel fewer than a mask scattered from the topk's indices
+        least = groups.topk(spec.topk_group, -1).values[:, -1:]
+        choice = by_group.masked_fill((groups < least)[..., None], float("-inf")).view(N, E)
     experts = choice.topk(spec.top_k, -1).indices
     weights = scores.gather(1, experts)
     if spec.renormalize and spec.top_k > 1:
         weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
-    return experts, weights if spec.scaling == 1.0 else weights * spec.scaling  # x * 1.0 is x: no kernel
+    return experts, weights if spec.scaling == 1.0 or not scaled else weights * spec.scaling  # x * 1.0 is x: no kernel
 
 
 def groupable(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> bool:
@@ -104,32 +110,36 @@ def experts_forward(x: torch.Tensor, router: torch.Tensor, bias, w13: torch.Tens
     """The routed experts' mixture for x [..., d] with the experts stacked (Layer.fuse_):
     `w13` [E, 2f, d] (gate, then up), `w2` [E, d, f]. Every token is routed at once, the
     (token, expert) pairs sorted by expert, each expert's offset found on device
-    (searchsorted), two grouped GEMMs, one index_add: the same kernels whatever the
-    routing, and no host wait (no data-dependent size). `owned` (expert parallel,
+    (searchsorted), two grouped GEMMs, the outputs put back in (token, choice) order and
+    mixed by one batched matmul that also applies the routed scaling: the same kernels
+    whatever the routing, no host wait (no data-dependent size), and no atomic adds (a
+    token's k outputs sum in one dot product, in a fixed order). `owned` (expert parallel,
     engine.models.sharding): `w13`/`w2` hold only these experts; the other pairs sort last,
     past every group, and count zero: the rank's partial mixture. `ids`: arange(E) made
     once (Layer.fuse_); `into`: a tensor shaped like x (the shared expert's output) the
     mixture is added to in place, instead of to zeros and then added."""
     shape, flat = x.shape, x.reshape(-1, x.shape[-1])
+    grouped = groupable(x, w13, w2)
     rd = compute_dtype(x.dtype)
-    chosen, weights = route(F.linear(flat.to(rd), router.to(rd)), spec, bias)
-    k, n = chosen.shape[1], w13.shape[0]
+    chosen, weights = route(F.linear(flat.to(rd), router.to(rd)), spec, bias, scaled=not grouped)
+    (N, k), n = chosen.shape, w13.shape[0]
     e = chosen.reshape(-1)
     if owned is not None:  # another rank's experts as one key past the owned ones
         e = e - owned.start
         e = e.masked_fill((e < 0) | (e >= n), n)
     out = torch.zeros_like(flat) if into is None else into.view(flat.shape)
-    if not groupable(x, w13, w2):
+    if not grouped:
         return _experts_loop(flat, e, weights, w13, w2, out).view(shape)
     e, order = e.sort(stable=True)
     ids = torch.arange(n, device=e.device) if ids is None else ids
     offs = torch.searchsorted(e, ids, right=True, out_int32=True)  # each group's end
-    tokens = order // k
-    g, u = _grouped_mm(flat[tokens], w13.transpose(-2, -1), offs).chunk(2, -1)
-    y = _grouped_mm(F.silu(g) * u, w2.transpose(-2, -1), offs) * weights.reshape(-1)[order, None].to(x.dtype)
+    g, u = _grouped_mm(flat[order // k], w13.transpose(-2, -1), offs).chunk(2, -1)
+    y = _grouped_mm(F.silu(g) * u, w2.transpose(-2, -1), offs)
     if owned is not None:  # rows past the last group are not written by grouped_mm
         y = y.masked_fill(e[:, None] == n, 0)
-    return out.index_add_(0, tokens, y).view(shape)
+    y = torch.empty_like(y).index_copy_(0, order, y)  # row t * k + j: token t's j-th choice
+    out.view(N, 1, -1).baddbmm_(weights.to(x.dtype).view(N, 1, k), y.view(N, k, -1), alpha=spec.scaling)
+    return out.view(shape)
 
 
 def _experts_loop(flat: torch.Tensor, e: torch.Tensor, weights: torch.Tensor, w13: torch.Tensor,

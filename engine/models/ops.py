@@ -51,13 +51,14 @@ def rope(pos: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype):
 @dataclass
 class Rope:
     """RoPE at a forward's positions, prepared once for every layer, for heads laid out
-    [B, T, heads, D]: x * cos + swap(x) * sin, where `swap` exchanges the two halves of
-    the rotary dims (a roll) and `sin`'s first half is negated (so swap(x) * sin is
-    rotate_half(x) * sin, bit for bit); past the rotary dims cos is 1 and sin 0, so a
-    partial rotary passes those dims unchanged (LLaDA-MoE, LLaDA2)."""
+    [B, T, heads, D]: x * cos, then swap(x) * sin added to the rotary dims in place, where
+    `swap` exchanges the two halves of the rotary dims (a roll) and `sin`'s first half is
+    negated (so swap(x) * sin is rotate_half(x) * sin, bit for bit). Past the rotary dims
+    cos is 1, so a partial rotary passes those dims unchanged (LLaDA-MoE, LLaDA2) in the
+    same 4 kernels as a full one (a cat of the rotated and passed dims would be a fifth)."""
 
     cos: torch.Tensor  # [B, T, 1, D]
-    sin: torch.Tensor  # [B, T, 1, D]
+    sin: torch.Tensor  # [B, T, 1, R]
     rotary: int  # R: the rotary dims, the first of each head's D
 
     @classmethod
@@ -67,12 +68,11 @@ class Rope:
         h = rotary_dim // 2
         sin = torch.cat([-sin[..., :h], sin[..., h:]], -1)
         if rotary_dim < head_dim:
-            pad = (0, head_dim - rotary_dim)
-            cos, sin = F.pad(cos, pad, value=1.0), F.pad(sin, pad, value=0.0)
+            cos = F.pad(cos, (0, head_dim - rotary_dim), value=1.0)
         return cls(cos, sin, rotary_dim)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        R, D = self.rotary, x.shape[-1]
-        swapped = x.roll(R // 2, -1) if R == D else torch.cat([x.narrow(-1, 0, R).roll(R // 2, -1),
-                                                              x.narrow(-1, R, D - R)], -1)
-        return x * self.cos + swapped * self.sin
+        R = self.rotary
+        out = x * self.cos
+        out.narrow(-1, 0, R).add_(x.narrow(-1, 0, R).roll(R // 2, -1) * self.sin)
+        return out
