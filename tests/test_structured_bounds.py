@@ -113,6 +113,8 @@ def test_the_token_index_is_held_to_the_cap_and_to_the_time_limit(tiny):
     ({"regex": "\\ba"}, "word boundaries"),
     ({"regex": "^[a-z]+"}, "anchors"),
     ({"json": {"type": "string", "pattern": "(?!x)[a-z]+"}}, "pattern '(?!x)[a-z]+': a look-ahead (?!...)"),
+    ({"regex": "(" * 600 + "a" + ")" * 600}, "nested too deeply to parse"),  # Python's parser: a RecursionError
+    ({"json": "[" * 3000 + "]" * 3000}, "nested too deeply to read"),
 ])
 def test_what_a_dfa_cannot_express_is_refused_per_row_with_why(tiny, spec, why):
     assert why in SamplingParams(structured_outputs=spec).validate()  # before the engine

@@ -91,7 +91,10 @@ def checked_regex(constraint: Constraint, config: Any) -> str:
     if len(constraint.spec) > cap:
         raise ConstraintRefused(f"its {constraint.kind} is {len(constraint.spec):,} characters, over the cap "
                                 f"(structured_max_chars={cap:,}; {how})")
-    regex = constraint.regex()
+    try:
+        regex = constraint.regex()
+    except (ValueError, TypeError) as e:  # outlines-core's refusal of a schema
+        raise ConstraintRefused(f"cannot be compiled: {str(e)[:300]}") from None
     if len(regex) > cap:
         raise ConstraintRefused(f"its regex is {len(regex):,} characters, over the cap "
                                 f"(structured_max_chars={cap:,}; {how})")

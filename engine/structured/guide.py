@@ -47,8 +47,8 @@ class RowConstraint:
 class Layout:
     """The batch's distinct automata side by side: one state space of S states (the
     last, DEAD, never reachable), joint token classes, and their transitions, sparse:
-    `keys` (state * C + joint class, sorted) -> `dst`, the same as edges (e_src, e_cls,
-    e_dst), and the distinct state pairs some token moves between (p_src, p_dst)."""
+    edges (e_src, e_cls -> e_dst) sorted by `keys` = e_src * C + e_cls, and the distinct
+    state pairs some token moves between (p_src, p_dst)."""
 
     def __init__(self, automata: Sequence[Automaton], device: torch.device):
         distinct: Dict[int, Automaton] = {}
@@ -81,8 +81,8 @@ class Layout:
             psrc.append(a.pair_src + off), pdst.append(a.pair_dst + off)
         e_src, e_cls, e_dst = torch.cat(src), torch.cat(cls), torch.cat(dst)
         keys, order = torch.sort(e_src * C + e_cls)
-        self.keys, self.dst = keys.to(device), e_dst[order].to(device)
-        self.e_src, self.e_cls, self.e_dst = e_src.to(device), e_cls.to(device), e_dst.to(device)
+        self.keys = keys.to(device)
+        self.e_src, self.e_cls, self.e_dst = (x[order].to(device) for x in (e_src, e_cls, e_dst))
         self.p_src, self.p_dst = torch.cat(psrc).to(device), torch.cat(pdst).to(device)
         self.states = torch.arange(self.S, device=device)
         self.jcls = self.jcls.to(device)
@@ -103,7 +103,7 @@ class Layout:
         if not len(self.keys):
             return torch.full_like(want, self.dead)
         at = torch.searchsorted(self.keys, want).clamp(max=len(self.keys) - 1)
-        return torch.where(self.keys[at] == want, self.dst[at], self.dead)
+        return torch.where(self.keys[at] == want, self.e_dst[at], self.dead)
 
     def step_any(self, f: torch.Tensor) -> torch.Tensor:
         """[R, S] bool: the states some token reaches from a state of `f` [R, S]."""

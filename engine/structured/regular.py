@@ -49,10 +49,21 @@ class OverCap(ValueError):
     """The regex's DFA (or the work of building it) passed the cap."""
 
 
+def parse(regex: str):
+    """Python's parse of `regex`; a ValueError when it does not parse (a re.error) or
+    nests too deeply for the parser (a RecursionError)."""
+    try:
+        return sre.parse(regex)
+    except sre.error as e:
+        raise ValueError(f"not a regular expression ({e})") from None
+    except RecursionError:
+        raise ValueError("its groups are nested too deeply to parse") from None
+
+
 def refusal(regex: str) -> Optional[str]:
     """Why `regex` is no regular expression a DFA can compile, or None. A ValueError when
     it does not parse."""
-    return _refusal(sre.parse(regex))
+    return _refusal(parse(regex))
 
 
 def _look_around(op, av) -> str:
@@ -239,7 +250,7 @@ def count_states(regex: str, cap: int) -> int:
     counted). Raises OverCap as soon as it passes `cap`, or once building it would track
     more than the cap's share of NFA states (NFA_PER_STATE, WORK_PER_STATE per state of
     the cap); a ValueError naming a construct no DFA expresses (`refusal`)."""
-    parsed = sre.parse(regex)
+    parsed = parse(regex)
     why = _refusal(parsed)
     if why:
         raise ValueError(why)
