@@ -25,6 +25,7 @@ import torch
 from .automaton import Automaton, Compiler, ConstraintRefused
 
 SKIP, FIXED, MASKED = 0, 1, 2
+NEXT_CELLS = 1 << 22  # next-state lookups done at once (Guide._next): int64 cells, 32 MiB
 
 
 @dataclass
@@ -134,33 +135,42 @@ class Guide:
         self.start = self.start.to(layout.device)  # [R, S]
         self.end = torch.stack([layout.free(k) for k in rest])  # [R, S]
 
-    def _next(self, tokens: torch.Tensor) -> torch.Tensor:
-        """[R, S] next state of every state on each row's token (tokens [R])."""
+    def _next(self, tokens: torch.Tensor) -> List[torch.Tensor]:
+        """Per window position p, [R, S] the next state of every state on each row's token
+        tokens[:, p]: looked up for as many positions at once as keep the lookup within
+        NEXT_CELLS cells."""
         lay = self.layout
-        return lay.next_states(lay.jcls[tokens.clamp(0, lay.V - 1)])
+        R, W = tokens.shape
+        cls = lay.jcls[tokens.clamp(0, lay.V - 1)]  # [R, W]
+        step = max(1, NEXT_CELLS // max(1, R * lay.S))
+        out: List[torch.Tensor] = []
+        for p in range(0, W, step):
+            c = cls[:, p:p + step]
+            out.extend(lay.next_states(c.reshape(-1)).reshape(R, c.shape[1], lay.S).unbind(1))
+        return out
 
-    def forward(self, tokens: torch.Tensor, kind: torch.Tensor) -> List[torch.Tensor]:
-        """F[p] [R, S] float: states reachable before position p (p = 0..W)."""
+    def forward(self, moves: List[torch.Tensor], kind: torch.Tensor) -> List[torch.Tensor]:
+        """F[p] [R, S] float: states reachable before position p (p = 0..W); `moves` from _next."""
         F = [self.start.float()]
         lay = self.layout
         for p in range(kind.shape[1]):
             f = F[-1]
             masked = lay.step_any(f)
-            fixed = torch.zeros_like(f).scatter_add_(1, self._next(tokens[:, p]), f) > 0
+            fixed = torch.zeros_like(f).scatter_add_(1, moves[p], f) > 0
             k = kind[:, p, None]
-            nxt = torch.where(k == MASKED, masked, torch.where(k == FIXED, fixed, f > 0)).float()
-            nxt[:, lay.dead] = 0
-            F.append(nxt)
+            step = torch.where(k == MASKED, masked, torch.where(k == FIXED, fixed, f > 0)).float()
+            step[:, lay.dead] = 0
+            F.append(step)
         return F
 
-    def backward(self, tokens: torch.Tensor, kind: torch.Tensor) -> List[torch.Tensor]:
+    def backward(self, moves: List[torch.Tensor], kind: torch.Tensor) -> List[torch.Tensor]:
         """B[p] [R, S] float: states before position p from which the rest is completable."""
         B = [self.end.float()]
         lay = self.layout
         for p in range(kind.shape[1] - 1, -1, -1):
             b = B[-1]
             masked = lay.back_any(b)
-            fixed = b.gather(1, self._next(tokens[:, p])) > 0
+            fixed = b.gather(1, moves[p]) > 0
             k = kind[:, p, None]
             B.append(torch.where(k == MASKED, masked, torch.where(k == FIXED, fixed, b > 0)).float())
         return B[::-1]
@@ -173,7 +183,8 @@ class Guide:
         kind = self.kind if kind is None else kind
         R, W = kind.shape
         lay = self.layout
-        F, B = torch.stack(self.forward(tokens, kind), 1), torch.stack(self.backward(tokens, kind), 1)  # [R, W+1, S]
+        moves = self._next(tokens)
+        F, B = torch.stack(self.forward(moves, kind), 1), torch.stack(self.backward(moves, kind), 1)  # [R, W+1, S]
         if at is not None:
             ar = torch.arange(R, device=lay.device)
             live, nxt = F[ar, at] * B[ar, at], B[ar, at + 1]  # [R, S]
@@ -191,7 +202,7 @@ class Guide:
 
     def completable(self, tokens: torch.Tensor, kind: torch.Tensor) -> torch.Tensor:
         """[R] bool: the chain can still reach an accepting end."""
-        return ((self.forward(tokens, kind)[-1] * self.end.float()).sum(1)) > 0
+        return ((self.forward(self._next(tokens), kind)[-1] * self.end.float()).sum(1)) > 0
 
     def mask_logits(self, logits: torch.Tensor) -> None:
         """-inf at the tokens a masked position of a constrained row may not take (in place,
