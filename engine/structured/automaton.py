@@ -32,7 +32,6 @@ from .regular import OverCap, count_states
 from .vocabulary import token_bytes
 from .worker import CompileFailed, IndexOverCap, new_key, worker
 
-DEAD = -1
 CACHE_SIZE = 64  # compiled constraints (and refusals) kept per engine (LRU)
 
 

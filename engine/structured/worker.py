@@ -127,9 +127,22 @@ def new_key() -> str:
     return uuid.uuid4().hex
 
 
+def _die_with_parent() -> None:
+    """Linux: SIGKILL this process when its parent goes (an engine killed mid-compile
+    leaves no index being built behind it)."""
+    try:
+        import ctypes
+        import signal
+
+        ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
 def _serve(r: int, w: int) -> None:
     import resource
 
+    _die_with_parent()
     from outlines_core import Index, Vocabulary
 
     resource.setrlimit(resource.RLIMIT_AS, (MEMORY_BYTES, MEMORY_BYTES))
