@@ -23,7 +23,8 @@ unconstrained is the overhead figure (issue 43 asks >= 0.7). Two workloads:
   guide's own cost; under `threshold` the constraint also lowers the model's confidence,
   so a step commits fewer tokens (`tokens_per_step`): a cost of the model, reported apart.
 
-Compile times are CPU-seconds of outlines-core's index plus the automaton's tables, per
+Compile times are wall seconds of the caps' checks, outlines-core's index (built in the
+compiler's child process, engine.structured.worker) and the automaton's tables, per
 constraint, first compile (later rows hit the engine's cache); the JSON schema one is over
 a byte-level BPE vocabulary of 151,643 tokens (the Dream layout of tests/published).
 Writes JSON and a PNG."""
@@ -129,10 +130,11 @@ def compare(model, tok, w: Dict[str, Any], policy: str, batch: int, rounds: int)
 
 
 def compile_times(model_tok) -> Dict[str, float]:
+    from engine import EngineConfig
     from engine.structured.automaton import Compiler
 
     model, tok = model_tok
-    comp = Compiler(tok, model.config.vocab_size)
+    comp = Compiler(tok, model.config.vocab_size, EngineConfig())
     out = {json.dumps(c): comp.get(parse(c), [model.config.eos_token_id]).compile_s for c in CONSTRAINTS}
     sys.path.insert(0, os.path.join(HERE, "tests"))
     import published
@@ -140,13 +142,13 @@ def compile_times(model_tok) -> Dict[str, float]:
     with tempfile.TemporaryDirectory() as d:
         root = published.build("Dream-org__Dream-v0-Instruct-7B", os.path.join(d, "dream"))
         dm, dt = load_model(root, dtype=torch.float32, device="cpu")
-        dc = Compiler(dt, dm.config.vocab_size)
+        dc = Compiler(dt, dm.config.vocab_size, EngineConfig())
         t0 = time.process_time()
         dc.vocabulary()
         out["dream vocabulary (151,643 byte-level BPE tokens)"] = time.process_time() - t0
         a = dc.get(parse({"json": SCHEMA}), dm.config.stop_token_ids)
         out["json schema over the dream vocabulary"] = a.compile_s
-        out["json schema states, token classes"] = [a.n_states, int(a.table.shape[1])]
+        out["json schema states, token classes"] = [a.n_states, a.n_classes]
     return out
 
 

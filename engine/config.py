@@ -487,6 +487,18 @@ class EngineConfig:
     tensor_parallel_size: int = field(default=1, metadata={"bounds": at_least(1, integer=True), "help": (
         "devices one engine spans (vLLM's name): each holds its shard of the weights (engine.parallel, "
         "engine.models.sharding) and every rank runs the same engine loop in lock step")})
+    # what compiling one row's structured_outputs may cost (engine.structured.automaton): over a cap, that row
+    # is an error naming it; the engine and the other rows are untouched
+    structured_max_states: int = field(default=10_000, metadata={"bounds": at_least(1, integer=True), "help": (
+        "structured outputs: states a constraint's automaton may have; its regex's DFA is counted up to this "
+        "before anything is built, and the token-level index is held to it too (a row over it is an error "
+        "naming this option)")})
+    structured_max_chars: int = field(default=65_536, metadata={"bounds": at_least(1, integer=True), "help": (
+        "structured outputs: characters a constraint's regex, choice list or JSON schema (and the regex it "
+        "becomes) may have (a row over it is an error naming this option)")})
+    structured_compile_timeout_s: float = field(default=60.0, metadata={"bounds": above(0), "help": (
+        "structured outputs: seconds compiling one constraint may take (outlines-core's token index, built in a "
+        "child process that is killed past this; a row over it is an error naming this option)")})
 
     def __post_init__(self) -> None:
         err = out_of_bounds(self)

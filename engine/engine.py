@@ -96,7 +96,7 @@ class Engine(EngineCore):
         # plan and upload the next forward before the step's device read (engine.runner.prepare): on an
         # accelerator that host work runs while the device computes; on a CPU it would only move it
         self.overlap = self.device.type == "cuda"
-        self.structured = StructuredOutputs(model.config.vocab_size, self.device)  # engine.structured
+        self.structured = StructuredOutputs(model.config.vocab_size, self.device, config)  # engine.structured
 
     # --- requests -----------------------------------------------------------------
     def stop_ids(self, params) -> List[int]:

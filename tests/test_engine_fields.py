@@ -33,7 +33,8 @@ SAMPLING = {"max_new_tokens": 8, "policy": "fixed", "threshold": 0.5, "factor": 
 ENGINE = {"block_length": 8, "steps_per_block": 8, "cache": "none", "token_budget": 40, "scheduler": "sequential",
           "max_batch_size": 1, "advance": "step", "canvas": "block", "forward_overhead_cells": 10.0,
           "compile_decode": True, "profile": True, "gpu_memory_utilization": 0.5, "enable_prefix_caching": False,
-          "tensor_parallel_size": 2}
+          "tensor_parallel_size": 2, "structured_max_states": 100, "structured_max_chars": 100,
+          "structured_compile_timeout_s": 1.0}
 BASE = SamplingParams(max_new_tokens=24, seed=7)
 PROMPTS = [[2, 11, 12, 13], [2, 21, 22], [2] + list(range(5, 40))]
 

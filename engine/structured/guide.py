@@ -22,9 +22,10 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from .automaton import DEAD, Automaton, Compiler
+from .automaton import Automaton, Compiler, ConstraintRefused
 
 SKIP, FIXED, MASKED = 0, 1, 2
+NEXT_CELLS = 1 << 22  # next-state lookups done at once (Guide._next): int64 cells, 32 MiB
 
 
 @dataclass
@@ -46,7 +47,9 @@ class RowConstraint:
 
 class Layout:
     """The batch's distinct automata side by side: one state space of S states (the
-    last, DEAD, never reachable), joint token classes, and the stacked tables."""
+    last, DEAD, never reachable), joint token classes, and their transitions, sparse:
+    edges (e_src, e_cls -> e_dst) sorted by `keys` = e_src * C + e_cls, and the distinct
+    state pairs some token moves between (p_src, p_dst)."""
 
     def __init__(self, automata: Sequence[Automaton], device: torch.device):
         distinct: Dict[int, Automaton] = {}
@@ -63,17 +66,26 @@ class Layout:
         stacked = torch.stack([a.cls for a in self.automata])  # [n, V]
         joint, self.jcls = torch.unique(stacked, dim=1, return_inverse=True)  # joint [n, C]
         C = joint.shape[1]
-        table = torch.full((self.S, C), self.dead, dtype=torch.long)
-        any_next = torch.zeros(self.S, self.S)
+        src, cls, dst, psrc, pdst = [], [], [], [], []
         for k, a in enumerate(self.automata):
-            off, Q = self.offset[id(a)], a.n_states
-            t = a.table[:, joint[k]]
-            table[off:off + Q] = torch.where(t == DEAD, self.dead, t + off)
-            any_next[off:off + Q, off:off + Q] = a.any_next.float()
-        self.table, self.any_next = table.to(device), any_next.to(device)
-        # the table's transitions as edges (state, class -> next state): what `allowed` sums over
-        q, c = (table[:-1] != self.dead).nonzero(as_tuple=True)
-        self.e_src, self.e_cls, self.e_dst = q.to(device), c.to(device), table[q, c].to(device)
+            off = self.offset[id(a)]
+            # each of the automaton's transitions on class c, once per joint class refining c
+            order = torch.argsort(joint[k], stable=True)
+            counts = torch.bincount(joint[k], minlength=a.n_classes)
+            starts = torch.cumsum(counts, 0) - counts
+            q, c = a.keys // a.n_classes, a.keys % a.n_classes
+            rep = counts[c]
+            within = torch.arange(int(rep.sum())) - torch.repeat_interleave(torch.cumsum(rep, 0) - rep, rep)
+            src.append(q.repeat_interleave(rep) + off)
+            cls.append(order[starts[c].repeat_interleave(rep) + within])
+            dst.append(a.dst.repeat_interleave(rep) + off)
+            psrc.append(a.pair_src + off), pdst.append(a.pair_dst + off)
+        e_src, e_cls, e_dst = torch.cat(src), torch.cat(cls), torch.cat(dst)
+        keys, order = torch.sort(e_src * C + e_cls)
+        self.keys = keys.to(device)
+        self.e_src, self.e_cls, self.e_dst = (x[order].to(device) for x in (e_src, e_cls, e_dst))
+        self.p_src, self.p_dst = torch.cat(psrc).to(device), torch.cat(pdst).to(device)
+        self.states = torch.arange(self.S, device=device)
         self.jcls = self.jcls.to(device)
         self.V, self.C, self.device = V, C, device
         self._free: Dict[int, torch.Tensor] = {}
@@ -84,6 +96,23 @@ class Layout:
             parts = [a.free(k) for a in self.automata] + [torch.zeros(1, dtype=torch.bool)]
             self._free[k] = torch.cat(parts).to(self.device)
         return self._free[k]
+
+    def next_states(self, cls: torch.Tensor) -> torch.Tensor:
+        """[R, S] the next state of every state on each row's joint class `cls` [R] (DEAD
+        where it has none): a lookup of state * C + class in the sorted keys."""
+        want = self.states[None, :] * self.C + cls[:, None]
+        if not len(self.keys):
+            return torch.full_like(want, self.dead)
+        at = torch.searchsorted(self.keys, want).clamp(max=len(self.keys) - 1)
+        return torch.where(self.keys[at] == want, self.e_dst[at], self.dead)
+
+    def step_any(self, f: torch.Tensor) -> torch.Tensor:
+        """[R, S] bool: the states some token reaches from a state of `f` [R, S]."""
+        return torch.zeros_like(f).index_add_(1, self.p_dst, f[:, self.p_src]) > 0
+
+    def back_any(self, b: torch.Tensor) -> torch.Tensor:
+        """[R, S] bool: the states from which some token reaches a state of `b` [R, S]."""
+        return torch.zeros_like(b).index_add_(1, self.p_src, b[:, self.p_dst]) > 0
 
     def start(self, rc: RowConstraint) -> torch.Tensor:
         s = torch.zeros(self.S, dtype=torch.bool)
@@ -106,33 +135,42 @@ class Guide:
         self.start = self.start.to(layout.device)  # [R, S]
         self.end = torch.stack([layout.free(k) for k in rest])  # [R, S]
 
-    def _next(self, tokens: torch.Tensor) -> torch.Tensor:
-        """[R, S] next state of every state on each row's token (tokens [R])."""
+    def _next(self, tokens: torch.Tensor) -> List[torch.Tensor]:
+        """Per window position p, [R, S] the next state of every state on each row's token
+        tokens[:, p]: looked up for as many positions at once as keep the lookup within
+        NEXT_CELLS cells."""
         lay = self.layout
-        return lay.table[:, lay.jcls[tokens.clamp(0, lay.V - 1)]].T
+        R, W = tokens.shape
+        cls = lay.jcls[tokens.clamp(0, lay.V - 1)]  # [R, W]
+        step = max(1, NEXT_CELLS // max(1, R * lay.S))
+        out: List[torch.Tensor] = []
+        for p in range(0, W, step):
+            c = cls[:, p:p + step]
+            out.extend(lay.next_states(c.reshape(-1)).reshape(R, c.shape[1], lay.S).unbind(1))
+        return out
 
-    def forward(self, tokens: torch.Tensor, kind: torch.Tensor) -> List[torch.Tensor]:
-        """F[p] [R, S] float: states reachable before position p (p = 0..W)."""
+    def forward(self, moves: List[torch.Tensor], kind: torch.Tensor) -> List[torch.Tensor]:
+        """F[p] [R, S] float: states reachable before position p (p = 0..W); `moves` from _next."""
         F = [self.start.float()]
         lay = self.layout
         for p in range(kind.shape[1]):
             f = F[-1]
-            masked = (f @ lay.any_next) > 0
-            fixed = torch.zeros_like(f).scatter_add_(1, self._next(tokens[:, p]), f) > 0
+            masked = lay.step_any(f)
+            fixed = torch.zeros_like(f).scatter_add_(1, moves[p], f) > 0
             k = kind[:, p, None]
-            nxt = torch.where(k == MASKED, masked, torch.where(k == FIXED, fixed, f > 0)).float()
-            nxt[:, lay.dead] = 0
-            F.append(nxt)
+            step = torch.where(k == MASKED, masked, torch.where(k == FIXED, fixed, f > 0)).float()
+            step[:, lay.dead] = 0
+            F.append(step)
         return F
 
-    def backward(self, tokens: torch.Tensor, kind: torch.Tensor) -> List[torch.Tensor]:
+    def backward(self, moves: List[torch.Tensor], kind: torch.Tensor) -> List[torch.Tensor]:
         """B[p] [R, S] float: states before position p from which the rest is completable."""
         B = [self.end.float()]
         lay = self.layout
         for p in range(kind.shape[1] - 1, -1, -1):
             b = B[-1]
-            masked = (b @ lay.any_next.T) > 0
-            fixed = b.gather(1, self._next(tokens[:, p])) > 0
+            masked = lay.back_any(b)
+            fixed = b.gather(1, moves[p]) > 0
             k = kind[:, p, None]
             B.append(torch.where(k == MASKED, masked, torch.where(k == FIXED, fixed, b > 0)).float())
         return B[::-1]
@@ -145,7 +183,8 @@ class Guide:
         kind = self.kind if kind is None else kind
         R, W = kind.shape
         lay = self.layout
-        F, B = torch.stack(self.forward(tokens, kind), 1), torch.stack(self.backward(tokens, kind), 1)  # [R, W+1, S]
+        moves = self._next(tokens)
+        F, B = torch.stack(self.forward(moves, kind), 1), torch.stack(self.backward(moves, kind), 1)  # [R, W+1, S]
         if at is not None:
             ar = torch.arange(R, device=lay.device)
             live, nxt = F[ar, at] * B[ar, at], B[ar, at + 1]  # [R, S]
@@ -163,7 +202,7 @@ class Guide:
 
     def completable(self, tokens: torch.Tensor, kind: torch.Tensor) -> torch.Tensor:
         """[R] bool: the chain can still reach an accepting end."""
-        return ((self.forward(tokens, kind)[-1] * self.end.float()).sum(1)) > 0
+        return ((self.forward(self._next(tokens), kind)[-1] * self.end.float()).sum(1)) > 0
 
     def mask_logits(self, logits: torch.Tensor) -> None:
         """-inf at the tokens a masked position of a constrained row may not take (in place,
@@ -226,9 +265,9 @@ class StructuredOutputs:
     """The engine's structured outputs: the compiler (one per engine), each admitted
     row's RowConstraint, and the step's Guide."""
 
-    def __init__(self, vocab_size: int, device: torch.device):
+    def __init__(self, vocab_size: int, device: torch.device, config: Any):
         self.compiler: Optional[Compiler] = None  # for the engine's tokenizer, given at the first constrained row
-        self.vocab_size, self.device = vocab_size, device
+        self.vocab_size, self.device, self.config = vocab_size, device, config  # config: EngineConfig (its caps)
         self._layout: Optional[Tuple[Tuple[int, ...], Layout]] = None
 
     def admit(self, req: Any, constraint: Any, stop_ids: Sequence[int], tokenizer: Any) -> Optional[str]:
@@ -237,11 +276,11 @@ class StructuredOutputs:
         if tokenizer is None:
             return "structured_outputs need the model's tokenizer (this engine has none)"
         if self.compiler is None or self.compiler.tokenizer is not tokenizer:
-            self.compiler = Compiler(tokenizer, self.vocab_size)
+            self.compiler = Compiler(tokenizer, self.vocab_size, self.config)
         try:
             a = self.compiler.get(constraint, stop_ids)
-        except Exception as e:  # noqa: BLE001 - the library's refusal of this constraint is the row's error
-            return f"structured_outputs {constraint.describe()} cannot be compiled: {e}"
+        except ConstraintRefused as e:  # over a cap, or refused by outlines-core: the row's error
+            return f"structured_outputs {constraint.describe()}: {e}"
         n = req.params.max_new_tokens
         if not bool(a.free(n)[a.init]):
             return (f"structured_outputs {constraint.describe()}: no answer of the language fits in "

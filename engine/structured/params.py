@@ -9,6 +9,8 @@ import re
 from dataclasses import dataclass
 from typing import Any, Mapping, Optional
 
+from .regular import refusal
+
 KINDS = ("regex", "choice", "json", "json_object")
 REFUSED = {"grammar": "a context-free grammar is not supported yet (regular languages only: regex, choice, json, "
                       "json_object)",
@@ -75,6 +77,12 @@ def parse(value: Any) -> Optional[Constraint]:
             re.compile(spec)
         except re.error as e:
             raise ValueError(f"structured_outputs.regex {spec!r:.80} is not a regular expression ({e})") from None
+        except RecursionError:
+            raise ValueError(f"structured_outputs.regex {spec!r:.80}: its groups are nested too deeply to parse") \
+                from None
+        why = refusal(spec)
+        if why:
+            raise ValueError(f"structured_outputs.regex {spec!r:.80}: {why}")
         return Constraint("regex", spec)
     if kind == "choice":
         items = list(spec) if isinstance(spec, (list, tuple)) or hasattr(spec, "tolist") else None
@@ -83,18 +91,44 @@ def parse(value: Any) -> Optional[Constraint]:
                              f"got {spec!r:.80}")
         return Constraint("choice", json.dumps(list(items)))
     if kind == "json":
-        schema = spec
-        if isinstance(schema, str):
-            try:
-                schema = json.loads(schema)
-            except ValueError as e:
-                raise ValueError(f"structured_outputs.json is not JSON ({e})") from None
-        if not isinstance(schema, Mapping):
-            raise ValueError(f"structured_outputs.json must be a JSON schema (an object), got {schema!r:.80}")
-        return Constraint("json", json.dumps(bounded_integers(schema), sort_keys=True))
+        try:
+            return json_constraint(spec)
+        except RecursionError:
+            raise ValueError("structured_outputs.json is nested too deeply to read") from None
     if spec is not True:
         raise ValueError(f"structured_outputs.json_object must be true, got {spec!r:.80}")
     return Constraint("json_object", "true")
+
+
+def json_constraint(spec: Any) -> Constraint:
+    schema = spec
+    if isinstance(schema, str):
+        try:
+            schema = json.loads(schema)
+        except ValueError as e:
+            raise ValueError(f"structured_outputs.json is not JSON ({e})") from None
+    if not isinstance(schema, Mapping):
+        raise ValueError(f"structured_outputs.json must be a JSON schema (an object), got {schema!r:.80}")
+    pattern_refusal(schema)
+    return Constraint("json", json.dumps(bounded_integers(schema), sort_keys=True))
+
+
+def pattern_refusal(schema: Any) -> None:
+    """A ValueError naming a schema's `pattern` that no DFA compiles (regular.refusal)."""
+    if isinstance(schema, list):
+        for x in schema:
+            pattern_refusal(x)
+    elif isinstance(schema, Mapping):
+        for k, v in schema.items():
+            if k == "pattern" and isinstance(v, str):
+                try:
+                    why = refusal(v)
+                except ValueError as e:
+                    why = str(e)
+                if why:
+                    raise ValueError(f"structured_outputs.json: pattern {v!r:.80}: {why}")
+            else:
+                pattern_refusal(v)
 
 
 ENUM_MAX = 1000  # an integer's bounds become an enum of at most this many values
