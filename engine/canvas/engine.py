@@ -425,7 +425,7 @@ class CanvasEngine:
         ar = torch.arange(t, device=dev).view(1, t)
         cols = st.view(J, 1) + ar
         hi = max(starts) + t  # the padding's columns too (never read by a real token)
-        self.kv.reserve(len(self.rows), hi)
+        self.kv.reserve(len(self.rows), hi + self.L)  # and the next decoder step's canvas (Pass.with_canvas)
         lo = self._lo(min(starts))
         masks = self._masks(st, None, t, lo, hi, causal=True)
         cache = Pass(self.kv, self.layer_types, slots, lo, hi, cols=cols, pick=pick)
@@ -542,6 +542,7 @@ class CanvasEngine:
             dev = self.device
             lens = to_device([torch.tensor([r.cur_len for r in self.rows], dtype=torch.long)], dev)[0]
             hi = max(r.cur_len for r in self.rows)
+            self.kv.reserve(len(self.rows), hi + self.L)  # the canvas's K/V after the cache's (done at encoding)
             lo = self._lo(min(r.cur_len for r in self.rows))
             masks = self._masks(None, lens, self.L, lo, hi, causal=False, extra=self.L)
             pos = (lens.view(-1, 1) + torch.arange(self.L, device=dev).view(1, -1)).to(torch.int32)
@@ -588,8 +589,7 @@ class CanvasEngine:
         sc, sc_mask = self._self_conditioning()
         if self.denoiser is not None:
             self._counted(B)
-            return self.denoiser(self._state["canvas"], [(x.keys, x.values) for x in cache.layers], masks, rope,
-                                 sc, sc_mask)
+            return self.denoiser(self._state["canvas"], cache, masks, rope, sc, sc_mask)
         # transformers' decoder module, then its LM head and logit softcap
         hidden = self.model.model.decoder(decoder_input_ids=self._state["canvas"], cache=cache,
                                           self_conditioning_logits=sc, self_conditioning_mask=sc_mask,
@@ -647,7 +647,7 @@ class CanvasEngine:
         cols = st.view(B, 1) + ar
         valid = ar < cnt.view(B, 1)
         hi, lo = max(lens), self._lo(min(starts))
-        self.kv.reserve(B, hi)
+        self.kv.reserve(B, hi + L)  # and the next decoder step's canvas (Pass.with_canvas)
         top = self._masks(st, None, t, lo, hi, causal=True)
         bottom = self._masks(None, n, L, lo, hi, causal=False, extra=L)
         pad = (~valid).view(B, 1, t, 1).expand(B, 1, t, L)

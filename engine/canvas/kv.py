@@ -68,8 +68,8 @@ class RowKV:
         if pick is not None:
             flat = lambda x: x.reshape(-1, *x.shape[2:]).index_select(0, pick)  # noqa: E731
             rows, cols, kt, vt = flat(rows), flat(cols), flat(kt), flat(vt)
-        self.keys[i].transpose(1, 2)[rows, cols] = kt
-        self.values[i].transpose(1, 2)[rows, cols] = vt
+        self.keys[i].transpose(1, 2).index_put_((rows, cols), kt)
+        self.values[i].transpose(1, 2).index_put_((rows, cols), vt)
 
     def move(self, dst: Sequence[int], src: Sequence[int]) -> None:
         """Slots `src` into slots `dst` (compaction when rows leave)."""
@@ -100,6 +100,7 @@ class Pass:
                  cols: Optional[torch.Tensor] = None, pick: Optional[torch.Tensor] = None, canvas: int = 0):
         self.kv, self.types, self.slots, self.lo, self.hi = kv, list(layer_types), slots, lo, hi
         self.cols, self.pick, self.canvas = cols, pick, canvas
+        self._saved: List = []  # with_canvas's (columns, what they held)
         self.layers = [Pass._Layer(*self._view(i)) for i in range(kv.n_layers)] if cols is None else []
 
     def _view(self, i: int):
@@ -110,6 +111,27 @@ class Pass:
         if isinstance(self.slots, slice):
             return k[self.slots, :, lo:self.hi], v[self.slots, :, lo:self.hi]
         return k[:, :, lo:self.hi].index_select(0, self.slots), v[:, :, lo:self.hi].index_select(0, self.slots)
+
+    def with_canvas(self, i: int, keys: torch.Tensor, values: torch.Tensor):
+        """A decoder step's keys and values for layer i: the cached columns lo..hi followed by
+        the canvas's `keys`/`values` (B, KV, L, D), as one view of the buffer. The canvas's are
+        written in the columns hi..hi+L past every row's tokens (RowKV.reserve'd by the
+        engine), so no layer copies the rows' cached K/V (transformers concatenates them);
+        what those columns held is put back by `restore`, so a decoder step writes no K/V."""
+        k, v = self.kv.keys[i], self.kv.values[i]
+        s, lo, hi = self.slots, self.lo[self.types[i]], self.hi
+        end = hi + keys.shape[2]
+        for buf, new in ((k, keys), (v, values)):
+            scratch = buf[s, :, hi:end]
+            self._saved.append((scratch, scratch.clone()))
+            scratch.copy_(new)
+        return k[s, :, lo:end], v[s, :, lo:end]
+
+    def restore(self) -> None:
+        """What `with_canvas` overwrote, back."""
+        for scratch, old in self._saved:
+            scratch.copy_(old)
+        self._saved = []
 
     def update(self, keys: torch.Tensor, values: torch.Tensor, layer_idx: int, *args, **kwargs):
         """The encoder's write: the new K/V into the rows' slots, then the keys they attend
