@@ -197,8 +197,6 @@ class Denoiser:
             moe = self._moe(p, flat, _rms(flat, p["pre_feedforward_layernorm_2"], self.eps)).reshape(x.shape)
             x = (x + _rms(dense + _rms(moe, p["post_feedforward_layernorm_2"], self.eps),
                           p["post_feedforward_layernorm"], self.eps)) * p["scalar"]
-        if new_ids is None and isinstance(kv, Pass):
-            kv.restore()
         logits = F.linear(_rms(x[:, t_new:], self.norm, self.eps), self.lm_head).to(torch.float32)
         return torch.tanh(logits / self.softcap) * self.softcap
 

@@ -589,7 +589,9 @@ class CanvasEngine:
         sc, sc_mask = self._self_conditioning()
         if self.denoiser is not None:
             self._counted(B)
-            return self.denoiser(self._state["canvas"], cache, masks, rope, sc, sc_mask)
+            logits = self.denoiser(self._state["canvas"], cache, masks, rope, sc, sc_mask)
+            cache.restore()  # the columns the canvas's K/V were attended in (Pass.with_canvas)
+            return logits
         # transformers' decoder module, then its LM head and logit softcap
         hidden = self.model.model.decoder(decoder_input_ids=self._state["canvas"], cache=cache,
                                           self_conditioning_logits=sc, self_conditioning_mask=sc_mask,
@@ -631,7 +633,7 @@ class CanvasEngine:
         attend causally by absolute position, as in `_encode`, and their K/V are written
         into the row's slot; the canvas attends the row's K/V including them, as the next
         decoder forward would (the decoder's mask), plus the whole canvas, whose K/V are
-        appended, never written (kv.Pass with `canvas`). A padding slot sees only its row's
+        appended in place, never kept (kv.Pass with `canvas`). A padding slot sees only its row's
         canvas (never empty: no NaN), and nothing reads it. (B, L, V) float32 logits."""
         m, dev, L = self.model, self.device, self.L
         B = len(self.rows)
@@ -662,11 +664,15 @@ class CanvasEngine:
         self._counted(B)
         if self.denoiser is not None:  # the same pass written by hand (bit-equal, tested)
             sc, sc_mask = self._self_conditioning()
-            return self.denoiser(self._state["canvas"], cache, masks, self.denoiser.rope(pos), sc, sc_mask, new_ids=ids)
-        text = getattr(m.model.encoder, "language_model", m.model.encoder)
-        x = torch.cat([text.embed_tokens(ids), self._canvas_embeds()], dim=1)
-        hidden = text(inputs_embeds=x, attention_mask=masks, cache=cache, position_ids=pos).last_hidden_state
-        return self._head(hidden[:, t:])
+            logits = self.denoiser(self._state["canvas"], cache, masks, self.denoiser.rope(pos), sc, sc_mask,
+                                   new_ids=ids)
+        else:
+            text = getattr(m.model.encoder, "language_model", m.model.encoder)
+            x = torch.cat([text.embed_tokens(ids), self._canvas_embeds()], dim=1)
+            hidden = text(inputs_embeds=x, attention_mask=masks, cache=cache, position_ids=pos).last_hidden_state
+            logits = self._head(hidden[:, t:])
+        cache.restore()  # the columns the canvas's K/V were attended in (Pass.with_canvas)
+        return logits
 
     def _denoise(self, raw: torch.Tensor):
         """transformers' `_denoising_step` for every row at once (each as at batch size 1:

@@ -11,8 +11,9 @@ decoder reads `layers[i].keys/values` (and `is_compileable`), the encoder calls 
 which writes the new K/V into the rows' slots and returns the keys the new tokens attend.
 In a fused pass (`canvas` > 0: the encoder's layers run the new tokens, right padded,
 followed by every row's canvas; engine.canvas.engine `_fused`) `update` writes only the
-new tokens' K/V and returns the buffer's view with the canvas's own K/V appended, as the
-decoder's attention appends them (never written: the canvas is not committed)."""
+new tokens' K/V and returns the buffer's view with the canvas's own K/V after it, as the
+decoder's attention appends them (`with_canvas`: in columns past every row's tokens, put
+back after the forward: the canvas is not committed)."""
 from __future__ import annotations
 
 from typing import List, Optional, Sequence
@@ -113,13 +114,15 @@ class Pass:
         return k[:, :, lo:self.hi].index_select(0, self.slots), v[:, :, lo:self.hi].index_select(0, self.slots)
 
     def with_canvas(self, i: int, keys: torch.Tensor, values: torch.Tensor):
-        """A decoder step's keys and values for layer i: the cached columns lo..hi followed by
-        the canvas's `keys`/`values` (B, KV, L, D), as one view of the buffer. The canvas's are
-        written in the columns hi..hi+L past every row's tokens (RowKV.reserve'd by the
-        engine), so no layer copies the rows' cached K/V (transformers concatenates them);
-        what those columns held is put back by `restore`, so a decoder step writes no K/V."""
+        """The keys and values the canvas attends in layer i (a decoder step's, a fused
+        pass's): the cached columns lo..hi followed by the canvas's `keys`/`values`
+        (B, KV, L, D), as one view of the buffer. The canvas's are written in the columns
+        hi..hi+L past every row's tokens (RowKV.reserve'd by the engine), so no layer copies
+        the rows' cached K/V (transformers concatenates them); the engine puts back what
+        those columns held (`restore`) after the forward: the canvas's K/V are never kept."""
         k, v = self.kv.keys[i], self.kv.values[i]
         s, lo, hi = self.slots, self.lo[self.types[i]], self.hi
+        assert isinstance(s, slice), "the canvas's K/V go in place only over contiguous slots"
         end = hi + keys.shape[2]
         for buf, new in ((k, keys), (v, values)):
             scratch = buf[s, :, hi:end]
@@ -140,10 +143,9 @@ class Pass:
         idx = torch.arange(slots.start, slots.stop, device=keys.device) if isinstance(slots, slice) else slots
         t = self.cols.shape[1]
         self.kv.write(layer_idx, idx, self.cols, keys[:, :, :t], values[:, :, :t], self.pick)
-        k, v = self._view(layer_idx)
         if not self.canvas:
-            return k, v
-        return torch.cat([k, keys[:, :, t:]], dim=-2), torch.cat([v, values[:, :, t:]], dim=-2)
+            return self._view(layer_idx)
+        return self.with_canvas(layer_idx, keys[:, :, t:], values[:, :, t:])
 
 
 __all__ = ["Pass", "RowKV"]
