@@ -306,7 +306,7 @@ def propose(logits: torch.Tensor, rp: RowParams, noise_keys: Optional[Sequence[O
     its draw reads whole."""
     idx = tuple(need_idx) if need_idx is not None else need.nonzero(as_tuple=True)
     L, V, dev = logits.shape[1], logits.shape[-1], logits.device
-    n, flat, at = idx[0].shape[0], logits.reshape(-1, V), idx[0] * logits.shape[1] + idx[1]
+    n, flat, at = idx[0].shape[0], logits.reshape(-1, V), idx[0] * L + idx[1]
     x0 = logits.argmax(-1) if full_x0 else torch.zeros(logits.shape[:-1], dtype=torch.long, device=dev)
     processed = x0_raw = None  # Dream's processed float64 logits at `need`, the argmax of the raw ones
     if rp.sampled and bool(((rp.real[2] > 0) | (rp.real[3] < 1) | (rp.ints[3] > 0)).any()):  # host values
@@ -344,9 +344,10 @@ def propose(logits: torch.Tensor, rp: RowParams, noise_keys: Optional[Sequence[O
         t = rp.dev.temperature[idx[0]]
         t = torch.where(t > 0, t, torch.ones_like(t))
     chunk = chunk_rows(V, dev)
-    raw = _Rows(flat, at, chunk)
+    raw = _Rows(flat, at, chunk) if processed is None or bound else None
     rows = raw if processed is None else _Rows(processed, None, chunk)
-    spare = torch.empty_like(raw.buf) if rp.any_entropy or bound else None  # the entropies' p log p
+    spare = torch.empty((min(chunk, n), V), dtype=torch.float64, device=dev) \
+        if rp.any_entropy or bound else None  # the entropies' p log p
     cs, xs = [], []
     for s in range(0, n, chunk):
         e = min(n, s + chunk)

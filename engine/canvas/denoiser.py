@@ -176,7 +176,7 @@ class Denoiser:
         if new_ids is not None:
             t_new = new_ids.shape[1]
             x = torch.cat([F.embedding(new_ids, self.embed) * scale, x], dim=1)
-        grouped = {}  # (layer type, query heads per K/V head): its mask for grouped queries
+        group_masks = {}  # (layer type, query heads per K/V head): its mask for grouped queries
         for i, (p, t) in enumerate(zip(self.layers, self.types)):
             if new_ids is not None:
                 def attend(k, v, i=i):
@@ -187,9 +187,9 @@ class Denoiser:
             else:  # (keys, values) per layer: concatenated, as transformers' decoder does
                 def attend(k, v, i=i):
                     return torch.cat([kv[i][0], k], dim=-2), torch.cat([kv[i][1], v], dim=-2)
-            if (t, p["rep"]) not in grouped:
-                grouped[t, p["rep"]] = self.grouped(masks[t], p["rep"])
-            h = self._attention(p, _rms(x, p["input_layernorm"], self.eps), *rope[t], attend, grouped[t, p["rep"]])
+            if (t, p["rep"]) not in group_masks:
+                group_masks[t, p["rep"]] = self.grouped(masks[t], p["rep"])
+            h = self._attention(p, _rms(x, p["input_layernorm"], self.eps), *rope[t], attend, group_masks[t, p["rep"]])
             x = x + _rms(h, p["post_attention_layernorm"], self.eps)
             dense = _rms(self._mlp(_rms(x, p["pre_feedforward_layernorm"], self.eps), p["gate"], p["up"], p["down"]),
                          p["post_feedforward_layernorm_1"], self.eps)
