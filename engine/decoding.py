@@ -247,11 +247,46 @@ def dream_logits(logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.T
     return logits
 
 
+# propose's float64 working rows per pass, in bytes: cache-sized on a CPU; on an accelerator
+# few passes (each is a handful of launches); either way independent of the batch
+PROPOSE_CHUNK_BYTES = {"cpu": 4 << 20}
+PROPOSE_CHUNK_BYTES_DEVICE = 256 << 20
+
+
+def chunk_rows(vocab: int, device: torch.device) -> int:
+    """Positions per pass of propose's float64 working rows (PROPOSE_CHUNK_BYTES)."""
+    return max(1, PROPOSE_CHUNK_BYTES.get(device.type, PROPOSE_CHUNK_BYTES_DEVICE) // (8 * vocab))
+
+
+class _Rows:
+    """Rows `at` [N] of `src` [R, V] (any float dtype), upcast to float64 a chunk at a time
+    into one reused [C, V] buffer; `at` None: `src` is propose's own float64 [N, V], worked
+    on in place. Softmax, argmax and the reductions below are computed row by row (the same
+    bits whatever rows share a call: the published loops run them over [B, L, V] at once),
+    so chunked passes give one pass's values without [N, V] float64 tensors."""
+
+    def __init__(self, src: torch.Tensor, at: Optional[torch.Tensor], chunk: int):
+        self.src, self.at = src, at
+        n = src.shape[0] if at is None else at.shape[0]
+        shape = (min(chunk, n), src.shape[-1])
+        self.buf = None if at is None else torch.empty(shape, dtype=torch.float64, device=src.device)
+        self.stage = None if at is None or src.dtype == torch.float64 else \
+            torch.empty(shape, dtype=src.dtype, device=src.device)
+
+    def load(self, s: int, e: int) -> torch.Tensor:
+        """Rows s..e in float64, overwritable."""
+        if self.at is None:
+            return self.src[s:e]
+        w = self.buf[:e - s]
+        if self.stage is None:
+            return torch.index_select(self.src, 0, self.at[s:e], out=w)
+        return w.copy_(torch.index_select(self.src, 0, self.at[s:e], out=self.stage[:e - s]))
+
+
 def propose(logits: torch.Tensor, rp: RowParams, noise_keys: Optional[Sequence[Optional[int]]],
             need: torch.Tensor, need_idx: Optional[Sequence[torch.Tensor]] = None, full_x0: bool = True):
     """Candidate tokens x0 [B, L] and their float64 confidence [B, L] (0 where `need`
-    is False: only masked positions are ever selected, and the float64 softmax over
-    the vocabulary is the biggest host cost of a step). Rows at temperature > 0 take
+    is False: only masked positions are ever selected). Rows at temperature > 0 take
     x0 from Gumbel-perturbed logits in float64 (as LLaDA's reference does); rows with
     random remasking or the origin policy draw their confidence (a uniform per
     position), rows with alg_temp > 0 perturb theirs (Gumbel top-k: the step's k positions
@@ -261,59 +296,88 @@ def propose(logits: torch.Tensor, rp: RowParams, noise_keys: Optional[Sequence[O
     Confidence.SAMPLED (`rp.sampled`) the proposals at `need` are drawn from, and the
     confidence read off, Dream's sample_tokens distribution (dream_logits). `full_x0`
     False: x0 is only meaningful at `need` (the argmax over the vocabulary at every other
-    position of the window is the step's largest host cost after the softmax, and only a
-    rule that rewrites decoded tokens, LLaDA2.1's editing, reads it there)."""
+    position of the window is a large host cost, and only a rule that rewrites decoded
+    tokens, LLaDA2.1's editing, reads it there).
+
+    The float64 softmax over the vocabulary at each needed position (the step's largest
+    allocation: [positions, vocabulary] float64, twice, 0.6 GB at B=8 with LLaDA's
+    vocabulary) runs chunk_rows positions at a time in one reused buffer (_Rows); only
+    Dream's restricted sampling keeps its processed [positions, vocabulary] logits, which
+    its draw reads whole."""
     idx = tuple(need_idx) if need_idx is not None else need.nonzero(as_tuple=True)
-    lg = logits[idx].to(torch.float64)
-    if full_x0:
-        x0 = logits.argmax(-1)  # float -> float64 is exact, so this is the float64 argmax
-    else:  # the same index: argmax of the float64 copy (exact) at the needed positions only
-        x0 = torch.zeros(logits.shape[:-1], dtype=torch.long, device=logits.device)
-        x0_at = lg.argmax(-1)
-        x0[idx] = x0_at
-    drew = False  # a row's x0 was drawn (temperature > 0): read x0 at idx again below
+    L, V, dev = logits.shape[1], logits.shape[-1], logits.device
+    n, flat, at = idx[0].shape[0], logits.reshape(-1, V), idx[0] * L + idx[1]
+    x0 = logits.argmax(-1) if full_x0 else torch.zeros(logits.shape[:-1], dtype=torch.long, device=dev)
+    processed = x0_raw = None  # Dream's processed float64 logits at `need`, the argmax of the raw ones
     if rp.sampled and bool(((rp.real[2] > 0) | (rp.real[3] < 1) | (rp.ints[3] > 0)).any()):  # host values
-        lg = dream_logits(lg, rp.dev.temperature[idx[0]], rp.dev.top_p[idx[0]], rp.dev.top_k[idx[0]],
-                          any_top_p=bool((rp.real[3] < 1).any()), k_max=int(rp.ints[3].max()))  # host values
+        lg = flat.index_select(0, at).to(torch.float64)
+        x0_raw = None if full_x0 else lg.argmax(-1)  # float -> float64 is exact: the float64 argmax
+        processed = dream_logits(lg, rp.dev.temperature[idx[0]], rp.dev.top_p[idx[0]], rp.dev.top_k[idx[0]],
+                                 any_top_p=bool((rp.real[3] < 1).any()), k_max=int(rp.ints[3].max()))  # host values
     drawn, gumbel = {}, {}
+    drew = None  # [B] rows whose x0 was drawn (temperature > 0), when x0 is not proposed everywhere
     for i, key in enumerate(noise_keys or ()):
         if key is None:
             continue
-        gen = torch.Generator(device=logits.device).manual_seed(key)
+        gen = torch.Generator(device=dev).manual_seed(key)
         p = rp.params[i]
         if p.temperature > 0:
-            drew = True
-            noise = torch.rand(logits.shape[1:], generator=gen, dtype=torch.float64, device=logits.device)
+            if not full_x0:
+                drew = torch.zeros(x0.shape[0], dtype=torch.bool, device=dev) if drew is None else drew
+                drew[i] = True
+            noise = torch.rand(logits.shape[1:], generator=gen, dtype=torch.float64, device=dev)
             if rp.sampled:  # the processed logits are already tempered and restricted
-                at = idx[0] == i
-                x0[i, idx[1][at]] = (lg[at] - torch.log(-torch.log(noise[idx[1][at]]))).argmax(-1)
+                mine = idx[0] == i
+                x0[i, idx[1][mine]] = (processed[mine] - torch.log(-torch.log(noise[idx[1][mine]]))).argmax(-1)
             else:
                 r = restrict(logits[i].to(torch.float64), float(p.temperature), max(0, int(p.top_k)), float(p.top_p))
                 x0[i] = (r - float(p.temperature) * torch.log(-torch.log(noise))).argmax(-1)
         if p.remasking == "random" or p.policy == "origin":
-            drawn[i] = torch.rand(x0.shape[1], generator=gen, dtype=torch.float64, device=x0.device)
+            drawn[i] = torch.rand(x0.shape[1], generator=gen, dtype=torch.float64, device=dev)
         if p.alg_temp > 0:  # Gumbel noise: the top-k of conf / alg_temp + G is Dream's multinomial draw
             gumbel[i] = -torch.log(-torch.log(torch.rand(x0.shape[1], generator=gen, dtype=torch.float64,
-                                                         device=x0.device)))
-    probs = torch.softmax(lg, dim=-1)
+                                                         device=dev)))
+    x0_at = x0[idx]  # the drawn proposals, or every proposal (full_x0)
     rem = rp.dev.remasking[idx[0]] if rp.any_entropy or rp.any_margin or rp.any_sequential else None
-    c = probs.gather(-1, (x0[idx] if drew or full_x0 else x0_at)[:, None]).squeeze(-1)
-    if rp.any_entropy:  # Dream's neg_entropy
-        c = torch.where(rem == ENTROPY, (probs * torch.log(probs + 1e-10)).sum(-1), c)
-    if rp.any_margin:  # Dream's topk_margin
-        top2 = probs.topk(2, dim=-1).values
-        c = torch.where(rem == MARGIN, top2[:, 0] - top2[:, 1], c)
-    if rp.any_sequential:  # SDAR's sequential: the leftmost masks rank first
-        c = torch.where(rem == SEQUENTIAL, -idx[1].to(c.dtype), c)
-    if ENTROPY_BOUND in rp.policies:  # host values
-        # JetEngine's entropy: of the softmax at the row's temperature (the model's own at 0),
-        # probabilities clamped at 1e-12; minus it is the confidence (the lowest entropy first)
+    bound = ENTROPY_BOUND in rp.policies  # host values
+    if bound:  # JetEngine's entropy is of the softmax at the row's temperature (the model's own at 0)
         t = rp.dev.temperature[idx[0]]
-        pe = torch.softmax(logits[idx].to(torch.float64) / torch.where(t > 0, t, torch.ones_like(t))[:, None],
-                           dim=-1).clamp_min(ENTROPY_EPS)
-        c = torch.where(rp.dev.policy[idx[0]] == ENTROPY_BOUND, (pe * pe.log()).sum(-1), c)
-    conf = torch.zeros(x0.shape, dtype=torch.float64, device=x0.device)
-    conf[idx] = c
+        t = torch.where(t > 0, t, torch.ones_like(t))
+    chunk = chunk_rows(V, dev)
+    raw = _Rows(flat, at, chunk) if processed is None or bound else None
+    rows = raw if processed is None else _Rows(processed, None, chunk)
+    spare = torch.empty((min(chunk, n), V), dtype=torch.float64, device=dev) \
+        if rp.any_entropy or bound else None  # the entropies' p log p
+    cs, xs = [], []
+    for s in range(0, n, chunk):
+        e = min(n, s + chunk)
+        w = rows.load(s, e)
+        chosen = x0_at[s:e]
+        if not full_x0:  # the float64 argmax (of the raw logits), but where the row drew
+            am = w.argmax(-1) if x0_raw is None else x0_raw[s:e]
+            chosen = am if drew is None else torch.where(drew[idx[0][s:e]], chosen, am)
+            xs.append(chosen)
+        probs = torch.softmax(w, dim=-1, out=w)
+        c = probs.gather(-1, chosen[:, None]).squeeze(-1)
+        if rp.any_entropy:  # Dream's neg_entropy
+            plogp = torch.add(probs, 1e-10, out=spare[:e - s]).log_().mul_(probs)  # probs * log(probs + 1e-10)
+            c = torch.where(rem[s:e] == ENTROPY, plogp.sum(-1), c)
+        if rp.any_margin:  # Dream's topk_margin
+            top2 = probs.topk(2, dim=-1).values
+            c = torch.where(rem[s:e] == MARGIN, top2[:, 0] - top2[:, 1], c)
+        if rp.any_sequential:  # SDAR's sequential: the leftmost masks rank first
+            c = torch.where(rem[s:e] == SEQUENTIAL, -idx[1][s:e].to(c.dtype), c)
+        if bound:  # probabilities clamped at 1e-12; minus the entropy is the confidence (the lowest first)
+            pe = raw.load(s, e).div_(t[s:e, None])
+            pe = torch.softmax(pe, dim=-1, out=pe).clamp_min_(ENTROPY_EPS)
+            plogp = torch.log(pe, out=spare[:e - s]).mul_(pe)  # pe * pe.log()
+            c = torch.where(rp.dev.policy[idx[0][s:e]] == ENTROPY_BOUND, plogp.sum(-1), c)
+        cs.append(c)
+    if not full_x0 and xs:
+        x0[idx] = torch.cat(xs)
+    conf = torch.zeros(x0.shape, dtype=torch.float64, device=dev)
+    if cs:
+        conf[idx] = torch.cat(cs)
     for i, r in drawn.items():
         conf[i] = torch.where(need[i], r, conf[i])
     for i, g in gumbel.items():

@@ -30,6 +30,8 @@ from typing import Dict, List, Optional, Tuple
 import torch
 import torch.nn.functional as F
 
+from .kv import Pass
+
 
 def refusal(model) -> Optional[str]:
     """Why this forward would not be transformers' for `model` (None when it is)."""
@@ -96,7 +98,7 @@ class Denoiser:
                      kn=a.k_norm.weight.float(), v=a.v_proj.weight if a.v_proj is not None else None,
                      gate=lyr.mlp.gate_proj.weight, up=lyr.mlp.up_proj.weight, down=lyr.mlp.down_proj.weight,
                      router=lyr.router.proj.weight, head_dim=a.head_dim, router_scale=lyr.router.scale,
-                     root=lyr.router.scalar_root_size,
+                     root=lyr.router.scalar_root_size, rep=tc.num_attention_heads * a.head_dim // a.k_proj.out_features,
                      expert_scale=lyr.router.per_expert_scale, experts=lyr.experts, scalar=lyr.layer_scalar)
             self.layers.append(p)
         self.norm, self.lm_head = dec.norm.weight.float(), model.lm_head.weight
@@ -123,6 +125,8 @@ class Denoiser:
         return p["experts"](x_expert, idx, w)  # transformers' experts module (its grouped kernels)
 
     def _attention(self, p, x, cos, sin, attend, mask):
+        """`mask` (B, 1, rep L, keys): the layer type's mask repeated for each query head
+        of a K/V head (`grouped`)."""
         B, L, _ = x.shape
         hd = p["head_dim"]
         q = _rope(_rms(F.linear(x, p["q"]).view(B, L, -1, hd), p["qn"], self.eps), cos, sin).transpose(1, 2)
@@ -131,16 +135,23 @@ class Denoiser:
         k = _rope(_rms(k_raw, p["kn"], self.eps), cos, sin).transpose(1, 2)
         v = _rms(v, None, self.eps).transpose(1, 2)
         k, v = attend(k, v)
-        rep = self.n_heads // k.shape[1]
-        if rep > 1:
-            k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=1.0)
-        return F.linear(out.transpose(1, 2).reshape(B, L, -1), p["o"])
+        # the query heads of each K/V head as one longer query (transformers repeats the
+        # keys and values per query head instead: a copy of the whole cache per layer)
+        q = q.reshape(B, k.shape[1], -1, hd)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=1.0)  # (B, KV, rep L, D)
+        return F.linear(out.unflatten(2, (-1, L)).permute(0, 3, 1, 2, 4).reshape(B, L, -1), p["o"])
+
+    @staticmethod
+    def grouped(mask: torch.Tensor, rep: int) -> torch.Tensor:
+        """A (B, 1, L, keys) mask for `rep` query heads per K/V head grouped as one query
+        of rep L rows (once per forward and layer type)."""
+        return mask if rep == 1 else mask.repeat(1, 1, rep, 1)
 
     def __call__(self, canvas: torch.Tensor, kv, masks: Dict[str, torch.Tensor],
                  rope: Dict[str, Tuple[torch.Tensor, torch.Tensor]], sc_logits: Optional[torch.Tensor] = None,
                  sc_mask: Optional[torch.Tensor] = None, new_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """canvas (B, L) ids; kv[i] the cached (keys, values) of layer i, (B, KV, n, D);
+        """canvas (B, L) ids; kv the decoder's kv.Pass (the canvas's K/V placed after the
+        cache's in the buffer, no copy) or kv[i] the cached (keys, values) of layer i, (B, KV, n, D);
         masks[type] boolean (B, 1, L, n + L); rope from `rope(positions)`; sc_logits
         (B, L, V) or None, sc_mask (B,) bool or None (a row's False: no self-conditioning).
         Returns the softcapped float32 logits (B, L, V), as transformers' forward.
@@ -165,14 +176,20 @@ class Denoiser:
         if new_ids is not None:
             t_new = new_ids.shape[1]
             x = torch.cat([F.embedding(new_ids, self.embed) * scale, x], dim=1)
+        group_masks = {}  # (layer type, query heads per K/V head): its mask for grouped queries
         for i, (p, t) in enumerate(zip(self.layers, self.types)):
             if new_ids is not None:
                 def attend(k, v, i=i):
                     return kv.update(k, v, i)
-            else:
+            elif isinstance(kv, Pass):  # the canvas's K/V after the cache's, in the buffer (no copy)
+                def attend(k, v, i=i):
+                    return kv.with_canvas(i, k, v)
+            else:  # (keys, values) per layer: concatenated, as transformers' decoder does
                 def attend(k, v, i=i):
                     return torch.cat([kv[i][0], k], dim=-2), torch.cat([kv[i][1], v], dim=-2)
-            h = self._attention(p, _rms(x, p["input_layernorm"], self.eps), *rope[t], attend, masks[t])
+            if (t, p["rep"]) not in group_masks:
+                group_masks[t, p["rep"]] = self.grouped(masks[t], p["rep"])
+            h = self._attention(p, _rms(x, p["input_layernorm"], self.eps), *rope[t], attend, group_masks[t, p["rep"]])
             x = x + _rms(h, p["post_attention_layernorm"], self.eps)
             dense = _rms(self._mlp(_rms(x, p["pre_feedforward_layernorm"], self.eps), p["gate"], p["up"], p["down"]),
                          p["post_feedforward_layernorm_1"], self.eps)

@@ -425,7 +425,7 @@ class CanvasEngine:
         ar = torch.arange(t, device=dev).view(1, t)
         cols = st.view(J, 1) + ar
         hi = max(starts) + t  # the padding's columns too (never read by a real token)
-        self.kv.reserve(len(self.rows), hi)
+        self.kv.reserve(len(self.rows), hi + self.L)  # and the next decoder step's canvas (Pass.with_canvas)
         lo = self._lo(min(starts))
         masks = self._masks(st, None, t, lo, hi, causal=True)
         cache = Pass(self.kv, self.layer_types, slots, lo, hi, cols=cols, pick=pick)
@@ -542,6 +542,7 @@ class CanvasEngine:
             dev = self.device
             lens = to_device([torch.tensor([r.cur_len for r in self.rows], dtype=torch.long)], dev)[0]
             hi = max(r.cur_len for r in self.rows)
+            self.kv.reserve(len(self.rows), hi + self.L)  # the canvas's K/V after the cache's (done at encoding)
             lo = self._lo(min(r.cur_len for r in self.rows))
             masks = self._masks(None, lens, self.L, lo, hi, causal=False, extra=self.L)
             pos = (lens.view(-1, 1) + torch.arange(self.L, device=dev).view(1, -1)).to(torch.int32)
@@ -588,8 +589,9 @@ class CanvasEngine:
         sc, sc_mask = self._self_conditioning()
         if self.denoiser is not None:
             self._counted(B)
-            return self.denoiser(self._state["canvas"], [(x.keys, x.values) for x in cache.layers], masks, rope,
-                                 sc, sc_mask)
+            logits = self.denoiser(self._state["canvas"], cache, masks, rope, sc, sc_mask)
+            cache.restore()  # the columns the canvas's K/V were attended in (Pass.with_canvas)
+            return logits
         # transformers' decoder module, then its LM head and logit softcap
         hidden = self.model.model.decoder(decoder_input_ids=self._state["canvas"], cache=cache,
                                           self_conditioning_logits=sc, self_conditioning_mask=sc_mask,
@@ -631,7 +633,7 @@ class CanvasEngine:
         attend causally by absolute position, as in `_encode`, and their K/V are written
         into the row's slot; the canvas attends the row's K/V including them, as the next
         decoder forward would (the decoder's mask), plus the whole canvas, whose K/V are
-        appended, never written (kv.Pass with `canvas`). A padding slot sees only its row's
+        appended in place, never kept (kv.Pass with `canvas`). A padding slot sees only its row's
         canvas (never empty: no NaN), and nothing reads it. (B, L, V) float32 logits."""
         m, dev, L = self.model, self.device, self.L
         B = len(self.rows)
@@ -647,7 +649,7 @@ class CanvasEngine:
         cols = st.view(B, 1) + ar
         valid = ar < cnt.view(B, 1)
         hi, lo = max(lens), self._lo(min(starts))
-        self.kv.reserve(B, hi)
+        self.kv.reserve(B, hi + L)  # and the next decoder step's canvas (Pass.with_canvas)
         top = self._masks(st, None, t, lo, hi, causal=True)
         bottom = self._masks(None, n, L, lo, hi, causal=False, extra=L)
         pad = (~valid).view(B, 1, t, 1).expand(B, 1, t, L)
@@ -662,11 +664,15 @@ class CanvasEngine:
         self._counted(B)
         if self.denoiser is not None:  # the same pass written by hand (bit-equal, tested)
             sc, sc_mask = self._self_conditioning()
-            return self.denoiser(self._state["canvas"], cache, masks, self.denoiser.rope(pos), sc, sc_mask, new_ids=ids)
-        text = getattr(m.model.encoder, "language_model", m.model.encoder)
-        x = torch.cat([text.embed_tokens(ids), self._canvas_embeds()], dim=1)
-        hidden = text(inputs_embeds=x, attention_mask=masks, cache=cache, position_ids=pos).last_hidden_state
-        return self._head(hidden[:, t:])
+            logits = self.denoiser(self._state["canvas"], cache, masks, self.denoiser.rope(pos), sc, sc_mask,
+                                   new_ids=ids)
+        else:
+            text = getattr(m.model.encoder, "language_model", m.model.encoder)
+            x = torch.cat([text.embed_tokens(ids), self._canvas_embeds()], dim=1)
+            hidden = text(inputs_embeds=x, attention_mask=masks, cache=cache, position_ids=pos).last_hidden_state
+            logits = self._head(hidden[:, t:])
+        cache.restore()  # the columns the canvas's K/V were attended in (Pass.with_canvas)
+        return logits
 
     def _denoise(self, raw: torch.Tensor):
         """transformers' `_denoising_step` for every row at once (each as at batch size 1:

@@ -11,8 +11,9 @@ decoder reads `layers[i].keys/values` (and `is_compileable`), the encoder calls 
 which writes the new K/V into the rows' slots and returns the keys the new tokens attend.
 In a fused pass (`canvas` > 0: the encoder's layers run the new tokens, right padded,
 followed by every row's canvas; engine.canvas.engine `_fused`) `update` writes only the
-new tokens' K/V and returns the buffer's view with the canvas's own K/V appended, as the
-decoder's attention appends them (never written: the canvas is not committed)."""
+new tokens' K/V and returns the buffer's view with the canvas's own K/V after it, as the
+decoder's attention appends them (`with_canvas`: in columns past every row's tokens, put
+back after the forward: the canvas is not committed)."""
 from __future__ import annotations
 
 from typing import List, Optional, Sequence
@@ -68,8 +69,8 @@ class RowKV:
         if pick is not None:
             flat = lambda x: x.reshape(-1, *x.shape[2:]).index_select(0, pick)  # noqa: E731
             rows, cols, kt, vt = flat(rows), flat(cols), flat(kt), flat(vt)
-        self.keys[i].transpose(1, 2)[rows, cols] = kt
-        self.values[i].transpose(1, 2)[rows, cols] = vt
+        self.keys[i].transpose(1, 2).index_put_((rows, cols), kt)
+        self.values[i].transpose(1, 2).index_put_((rows, cols), vt)
 
     def move(self, dst: Sequence[int], src: Sequence[int]) -> None:
         """Slots `src` into slots `dst` (compaction when rows leave)."""
@@ -100,6 +101,7 @@ class Pass:
                  cols: Optional[torch.Tensor] = None, pick: Optional[torch.Tensor] = None, canvas: int = 0):
         self.kv, self.types, self.slots, self.lo, self.hi = kv, list(layer_types), slots, lo, hi
         self.cols, self.pick, self.canvas = cols, pick, canvas
+        self._saved: List = []  # with_canvas's (columns, what they held)
         self.layers = [Pass._Layer(*self._view(i)) for i in range(kv.n_layers)] if cols is None else []
 
     def _view(self, i: int):
@@ -111,6 +113,29 @@ class Pass:
             return k[self.slots, :, lo:self.hi], v[self.slots, :, lo:self.hi]
         return k[:, :, lo:self.hi].index_select(0, self.slots), v[:, :, lo:self.hi].index_select(0, self.slots)
 
+    def with_canvas(self, i: int, keys: torch.Tensor, values: torch.Tensor):
+        """The keys and values the canvas attends in layer i (a decoder step's, a fused
+        pass's): the cached columns lo..hi followed by the canvas's `keys`/`values`
+        (B, KV, L, D), as one view of the buffer. The canvas's are written in the columns
+        hi..hi+L past every row's tokens (RowKV.reserve'd by the engine), so no layer copies
+        the rows' cached K/V (transformers concatenates them); the engine puts back what
+        those columns held (`restore`) after the forward: the canvas's K/V are never kept."""
+        k, v = self.kv.keys[i], self.kv.values[i]
+        s, lo, hi = self.slots, self.lo[self.types[i]], self.hi
+        assert isinstance(s, slice), "the canvas's K/V go in place only over contiguous slots"
+        end = hi + keys.shape[2]
+        for buf, new in ((k, keys), (v, values)):
+            scratch = buf[s, :, hi:end]
+            self._saved.append((scratch, scratch.clone()))
+            scratch.copy_(new)
+        return k[s, :, lo:end], v[s, :, lo:end]
+
+    def restore(self) -> None:
+        """What `with_canvas` overwrote, back."""
+        for scratch, old in self._saved:
+            scratch.copy_(old)
+        self._saved = []
+
     def update(self, keys: torch.Tensor, values: torch.Tensor, layer_idx: int, *args, **kwargs):
         """The encoder's write: the new K/V into the rows' slots, then the keys they attend
         (in a fused pass, followed by the canvas's K/V, not written)."""
@@ -118,10 +143,9 @@ class Pass:
         idx = torch.arange(slots.start, slots.stop, device=keys.device) if isinstance(slots, slice) else slots
         t = self.cols.shape[1]
         self.kv.write(layer_idx, idx, self.cols, keys[:, :, :t], values[:, :, :t], self.pick)
-        k, v = self._view(layer_idx)
         if not self.canvas:
-            return k, v
-        return torch.cat([k, keys[:, :, t:]], dim=-2), torch.cat([v, values[:, :, t:]], dim=-2)
+            return self._view(layer_idx)
+        return self.with_canvas(layer_idx, keys[:, :, t:], values[:, :, t:])
 
 
 __all__ = ["Pass", "RowKV"]
