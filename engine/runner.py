@@ -329,9 +329,9 @@ class ModelRunner:
         n = len(q0)
         T = int((q1 - q0).max())
         # compiled: the whole batch's steady step (every row caught up); a block start's whole rows, like
-        # vLLM's prefills, run eager rather than compile a graph per width
-        steady = not self.cfg.mode.caches or bool(((q1 - q0) <= rows(self.step_columns(b))).all())
-        compiles = self.compiles and group is None and steady
+        # vLLM's prefills, run eager
+        compiles = self.compiles and group is None and (
+            not self.cfg.mode.caches or bool(((q1 - q0) <= self.step_columns(b)).all()))
         box = self.bucket(n, T, W) if compiles else None
         if box is not None:
             T = box.queries
@@ -397,24 +397,18 @@ class ModelRunner:
 
     def run(self, b: Batch, p: ForwardPlan, inputs: Optional[List[torch.Tensor]] = None) -> Tuple[torch.Tensor, float]:
         """(logits, seconds): the index tensors go to the device (`upload`, unless `prepare`
-        did), then the model runs."""
-        W, T = b.width, p.T
+        did), then the model runs: compiled on a bucket (eager on the same inputs once the
+        compiled step gave up), else on the plan's rows as they are."""
         got = inputs if inputs is not None else self.upload(p)
-        qc_d, pos_d, at_d, real_d = got[0], got[1], got[2], got[3].bool()
-        write_d = None if p.write is None else got[4].bool()
-        ids, idx = b.ids, None
-        if p.group is not None:
-            idx = got[-1][:, 0]
-            ids = ids[idx]
+        args, kw = (self.bucket_inputs if p.compiled else self.inputs)(b, p, got)
         timer = self.timer.start(p.cells)
         t0, c0 = time.perf_counter(), time.thread_time()
         with torch.inference_mode():
-            if p.compiled:  # the bucket's logits (eager on the same inputs once the compiled step gave up)
-                args, kw = self.bucket_inputs(b, p, got)
-                logits = self.run_compiled(args, kw)
-                logits = (self.model(*args, **kw) if logits is None else logits)[:len(b.rows)]
-            else:
-                logits = self.run_eager(b, p, ids, idx, qc_d, pos_d, at_d, real_d, write_d)
+            logits = self.run_compiled(args, kw) if p.compiled else None
+            if logits is None:
+                logits = self.model(*args, **kw)
+            if p.compiled:  # the real rows
+                logits = logits[:len(b.rows)]
             if self.cfg.profile and self.device.type == "cuda":  # exact forward_s, at the cost of a stall
                 torch.cuda.synchronize()
         seconds = time.perf_counter() - t0
@@ -422,15 +416,21 @@ class ModelRunner:
         timer.stop(seconds)
         return logits, seconds
 
-    def run_eager(self, b: Batch, p: ForwardPlan, ids, idx, qc_d, pos_d, at_d, real_d, write_d) -> torch.Tensor:
-        """The forward of a plan's rows as they are, not padded to a bucket."""
+    def inputs(self, b: Batch, p: ForwardPlan, got: List[torch.Tensor]) -> Tuple[tuple, dict]:
+        """The model's arguments for the plan's rows as they are (not padded to a bucket)."""
         W, T = b.width, p.T
+        qc_d, pos_d, at_d, real_d = got[0], got[1], got[2], got[3].bool()
+        ids, idx = b.ids, None
+        if p.group is not None:
+            idx = got[-1][:, 0]
+            ids = ids[idx]
         tokens = torch.where(real_d, ids.gather(1, qc_d), self.mcfg.pad_token_id)
         qmask = b.mask.rows(qc_d, idx)
         if b.cache is None:
-            return self.model(tokens, pos_d, qmask[..., W - T:], logits_at=at_d)
-        kw = dict(write=write_d, runs=p.runs, cols=None if p.contiguous else qc_d, logits_at=at_d)
-        return self.model(tokens, pos_d, qmask, b.cache, W - T, **kw)
+            return (tokens, pos_d, qmask[..., W - T:]), dict(logits_at=at_d)
+        write_d = None if p.write is None else got[4].bool()
+        return (tokens, pos_d, qmask, b.cache, W - T), dict(
+            write=write_d, runs=p.runs, cols=None if p.contiguous else qc_d, logits_at=at_d)
 
     def bucket_inputs(self, b: Batch, p: ForwardPlan, got: List[torch.Tensor]) -> Tuple[tuple, dict]:
         """The compiled step's arguments, padded to its bucket (`plan`): the batch's token ids
