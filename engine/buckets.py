@@ -1,19 +1,20 @@
 """The compiled step's shapes (EngineConfig.compile_decode): rows, query columns and key
 width padded up to a small fixed ladder of sizes.
 
-Why: a compiled graph, and on CUDA the CUDA graph it captures, serves one set of input
-shapes, and a batch's rows and width change at almost every layout. As vLLM pads a decode
-batch to one of its cudagraph capture sizes, the step pads each size up to the next rung
-of a ladder, so a whole run compiles (and captures) one graph per rung it reaches. The
-padding is invisible (engine.runner): padded rows attend to no key and store nothing,
-padded query columns store nothing, padded keys are masked out, so tokens do not change.
+Why: a CUDA graph replays one set of input shapes, and a batch's rows and width change at
+almost every layout. As vLLM pads a decode batch to one of its cudagraph capture sizes,
+the step pads each size up to the next rung of a ladder, so a whole run captures one CUDA
+graph per bucket it reaches (inductor compiles a graph or two for them all: engine.runner).
+The padding is invisible (engine.runner.plan): padded rows attend to no key and store
+nothing, padded query columns store nothing, padded keys are masked out, so tokens do not
+change.
 
 Rows: 1-4, then 4 rungs an octave (5, 6, 7, 8, 10, 12, 14, 16, 20, ...; capped at
 max_batch_size; under a fifth of the rows are padding). Keys: in blocks of L on the same
-ladder (1-4 blocks, 5, 6, 7, 8, 10, ... blocks). Query columns: the
-block step's L (+1 for shifted logits) as it is; wider steps (a block start, the masked
-suffix under refresh) on the keys' ladder, never wider than the keys; without a cache the
-query is the whole row, as wide as the keys."""
+ladder (1-4 blocks, 5, 6, 7, 8, 10, ... blocks). Query columns: the block step's L (+1
+for shifted logits) as it is; a wider step's (the masked suffix under refresh or
+persistent on the full canvas) on the keys' ladder, never wider than the keys; without a
+cache the query is the whole row, as wide as the keys."""
 from __future__ import annotations
 
 from dataclasses import dataclass
