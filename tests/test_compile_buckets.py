@@ -86,7 +86,7 @@ def _run(model, prompts, params, compile_decode: bool, **cfg):
 @pytest.mark.parametrize("cache,canvas", [("none", "full"), ("refresh", "full"), ("dual", "full"),
                                           ("persistent", "block")])
 def test_compiled_steps_stay_on_their_buckets(cache, canvas):
-    w = _skewed(10)
+    w = _skewed(8)
     cfg = dict(block_length=w.block_length, steps_per_block=w.steps_per_block, cache=cache, canvas=canvas,
                token_budget=384, max_batch_size=12)
     _, _, eager = _run(w.model, w.prompts, w.params, False, **cfg)
