@@ -138,12 +138,13 @@ class PlantedStops(nn.Module):
         hit = qcols == first[:, None]
         tok = torch.where(hit.any(1), ids[local, hit.to(torch.uint8).argmax(1)], torch.full_like(first, -1))
         is_marker = (tok >= self.markers.marker_base) & (tok < self.markers.marker_base + self.markers.n_markers)
-        if not bool(is_marker.all()):
+        need = ~is_marker & keys_valid.any(1)  # a compiled step's padded rows see no key (engine.buckets)
+        if bool(need.any()):
             if cache is None:
                 raise RuntimeError("PlantedStops: a row's first token is neither forwarded nor cached")
-            cache_rows = local if rows is None else rows
-            from_v = self._marker_from_v(cache.v[0][cache_rows, :, first, :].flatten(1))
-            tok = torch.where(is_marker, tok, from_v)
+            cache_rows = (local if rows is None else rows)[need]
+            tok = tok.clone()
+            tok[need] = self._marker_from_v(cache.v[0][cache_rows, :, first[need], :].flatten(1))
         return tok - self.markers.marker_base
 
     def _marker_from_v(self, v: torch.Tensor) -> torch.Tensor:

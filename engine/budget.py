@@ -12,7 +12,8 @@ deliberately conservative (every term is an upper bound on what the engine alloc
     kv          = copies * 2 * n_kv_heads * head_dim * bytes * (SLACK * n_layers + 1/2)
     copies      = 1 with a cache (refresh, dual, persistent), 0 with none. The K/V live in
                   slots that outlive batches (engine/slots.py): per layer one K and one V
-                  storage of SLACK x token_budget cells (SLACK = 1.05), allocated once and
+                  storage of SLACK x token_budget cells (SLACK = 1.05; x engine.buckets.ROOM
+                  with compile_decode, room for its shape buckets' padding), allocated once and
                   viewed by each batch, so a join, leave or width change moves only the
                   rows that must move and never builds a second box. The "+ 1/2" is one
                   layer's K (or V) of transient while rows are copied to a new shape
@@ -48,6 +49,7 @@ import torch
 from .config import DEFAULT_TOKEN_BUDGET, EngineConfig
 from .models import ModelConfig
 from .modes import MODES, cache_mode
+from .buckets import ROOM as BUCKET_ROOM
 from .slots import SLACK
 
 KV_COPIES = {name: m.kv_copies for name, m in MODES.items()}  # K/V buffers alive at the peak (engine.modes)
@@ -67,11 +69,18 @@ def kv_bytes_per_token(cfg: ModelConfig, dtype: torch.dtype) -> int:
     return cfg.kv_bytes_per_token(dtype_bytes(dtype))
 
 
-def kv_peak_bytes_per_token(cfg: ModelConfig, dtype: torch.dtype, cache: str = "refresh") -> int:
+def kv_slack(compile_decode: bool = False) -> float:
+    """K/V columns the slots hold per column of token budget: SLACK, and with compile_decode
+    room for its shape buckets' padding (engine.buckets.ROOM)."""
+    return SLACK * (BUCKET_ROOM if compile_decode else 1.0)
+
+
+def kv_peak_bytes_per_token(cfg: ModelConfig, dtype: torch.dtype, cache: str = "refresh",
+                            compile_decode: bool = False) -> int:
     """K/V bytes per column of batch area at the engine's peak: KV_COPIES buffers and one
     layer's transient."""
     kv = kv_bytes_per_token(cfg, dtype)
-    return cache_mode(cache).kv_copies * (math.ceil(SLACK * kv) + kv // (2 * cfg.n_layers))
+    return cache_mode(cache).kv_copies * (math.ceil(kv_slack(compile_decode) * kv) + kv // (2 * cfg.n_layers))
 
 
 def activation_bytes_per_token(cfg: ModelConfig, dtype: torch.dtype, max_width: Optional[int] = None) -> int:
@@ -124,7 +133,7 @@ def plan_token_budget(free_bytes: int, cfg: ModelConfig, dtype: torch.dtype = to
                       min_prompt_len: int = 1, max_batch_size: Optional[int] = None,
                       max_width: Optional[int] = None, margin_frac: float = 0.10,
                       reserve_bytes: int = 512 << 20, max_area: Optional[int] = None,
-                      weights_bytes: Optional[int] = None) -> MemoryPlan:
+                      weights_bytes: Optional[int] = None, compile_decode: bool = False) -> MemoryPlan:
     """The largest token budget A with `bytes_for(A) <= free_bytes`, at most `max_area`
     (the largest box the engine can form: more is memory it never fills).
 
@@ -138,7 +147,7 @@ def plan_token_budget(free_bytes: int, cfg: ModelConfig, dtype: torch.dtype = to
     weights = 0 if weights_loaded else (weight_bytes(cfg, dtype) if weights_bytes is None else weights_bytes)
     margin = max(int(reserve_bytes), int(margin_frac * free_bytes))
     plan = MemoryPlan(token_budget=0, free_bytes=free_bytes, weights_bytes=weights, margin_bytes=margin,
-                      kv_per_token=kv_peak_bytes_per_token(cfg, dtype, cache),
+                      kv_per_token=kv_peak_bytes_per_token(cfg, dtype, cache, compile_decode),
                       activations_per_token=activation_bytes_per_token(cfg, dtype, max_width),
                       logits_per_row=logits_bytes_per_row(cfg, dtype, block_length),
                       min_row_width=min_prompt_len + block_length, max_rows=max_batch_size)
@@ -188,7 +197,8 @@ def engine_plan(mcfg: ModelConfig, dtype: torch.dtype, config: EngineConfig, fre
         weights, local = shard.weights, shard.local
     return plan_token_budget(usable, local, dtype, config.cache, config.block_length, weights_loaded=weights_loaded,
                              max_batch_size=config.max_batch_size, margin_frac=0.0,
-                             max_area=config.max_batch_size * mcfg.max_seq_len, weights_bytes=weights)
+                             max_area=config.max_batch_size * mcfg.max_seq_len, weights_bytes=weights,
+                             compile_decode=config.compile_decode)
 
 
 # --- tensor parallel: one rank's memory ---------------------------------------------------

@@ -473,9 +473,13 @@ class EngineConfig:
         "engine's own forwards; set it, e.g. to a run's recorded EngineStats.forward_overhead_cells, for the "
         "same forwards, padding and tokens on every run)")})
     compile_decode: bool = field(default=False, metadata={"help": (
-        "dual cache: run the block-only step through torch.compile with dynamic shapes (CUDA: mode "
-        "reduce-overhead, a CUDA graph per rows x width shape; CPU: inductor), the same tokens; eager again, "
-        "counted in EngineStats.compile_fallbacks, if dynamo hits its recompile limit; off: eager")})
+        "run each step's whole-batch forward through torch.compile with static shapes, under every cache mode: "
+        "rows, query columns and key width padded up to a small ladder of buckets (engine.buckets; the padding "
+        "is masked out, the same tokens), the K/V views marked static, so that CUDA (mode reduce-overhead) "
+        "captures one CUDA graph per bucket and replays it; CPU: inductor. The K/V slots hold 1.25x more "
+        "for the padding (the token budget planned accordingly); a step whose bucket does not fit runs eager "
+        "(EngineStats.uncompiled_steps), and every step does once dynamo hits its recompile limit "
+        "(EngineStats.compile_fallbacks); off: eager")})
     profile: bool = field(default=False, metadata={"help": (
         "synchronize the device after every forward so forward_s is exact (costs throughput on a GPU; "
         "off, the host runs ahead of the device)")})

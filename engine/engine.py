@@ -29,7 +29,7 @@ from typing import Any, FrozenSet, List, Optional, Tuple
 import torch
 
 from .batch import Batch, relayout
-from .budget import resolve_token_budget
+from .budget import kv_slack, resolve_token_budget
 from .config import EngineConfig
 from .core import EngineCore
 from .decoders import rule_for
@@ -79,8 +79,10 @@ class Engine(EngineCore):
         self.scheduler = make_scheduler(config, self.shape)
         self.runner = ModelRunner(model, config, self.stats)
         self.slots = None if not config.mode.caches else KVSlots(
-            self.mcfg, config.token_budget, model.dtype, self.device, max_rows=config.max_batch_size)
+            self.mcfg, config.token_budget, model.dtype, self.device, max_rows=config.max_batch_size,
+            slack=kv_slack(config.compile_decode))
         self.stats.kv_budget_bytes = 0 if self.slots is None else config.token_budget * self.slots.cell_bytes
+        self.runner.slots = self.slots  # compiled steps view whole shape buckets of them
         err = prefix_cache.refusal(self.mcfg.family, self.mcfg.block_causal, config, self.full_canvas)
         if err:
             raise ValueError(err)
@@ -194,7 +196,7 @@ class Engine(EngineCore):
         moving = [(f, t) for f, t in moves if b.rows[t] in keep]
         slots.move(moving, widest([t for _, t in moving]))
         kept = [i for i, r in enumerate(b.rows) if r in keep]
-        slots.fit(len(b.rows), b.width, kept, widest(kept))
+        slots.fit(*self.runner.room(len(b.rows), b.width), kept, widest(kept))  # compile_decode: its bucket
         shifted = [i for i in kept if b.rows[i] in self._grown] if not self.full_canvas else []
         slots.shift(shifted, widest(shifted), L)
         if self.prefix is not None:  # joining rows start after their cached prompt blocks

@@ -10,8 +10,10 @@ from dataclasses import dataclass
 from typing import Any, List, Optional, Tuple
 
 import torch
+import torch.nn.functional as F
 
 from .batch import Batch
+from .buckets import Box, ShapeBuckets
 from .config import EngineConfig
 from .models import DLLM
 from .stats import EngineStats, ForwardFit, ForwardTimer
@@ -30,8 +32,8 @@ ATTENTION_OVERHEAD_KEYS_DEVICE = 2048
 # launches, per-layer host work); it keeps catch-up from splitting into tiny groups.
 FORWARD_OVERHEAD_CELLS = 256
 
-# Graphs the compiled block-only step may make before it gives up and runs eager (dynamo's
-# own limit, 8, is per code object: every model of the process shares it).
+# Graphs the compiled step may make before it gives up and runs eager (dynamo's own limit, 8,
+# is per code object: every model of the process shares it).
 COMPILE_RECOMPILE_LIMIT = 32
 
 
@@ -109,8 +111,8 @@ class ForwardPlan:
     group: Optional[List[int]]
     T: int  # query columns per row
     contiguous: bool  # every row's queries end at the box's edge: one slice of columns
-    compiled: bool  # runs through the compiled block-only step (EngineConfig.compile_decode)
-    qc: torch.Tensor  # [n, T] query columns
+    box: Optional[Box]  # the bucket it is padded to when it runs compiled (EngineConfig.compile_decode)
+    qc: torch.Tensor  # [n, T] query columns (n, T: the box's rows and queries when compiled)
     real: torch.Tensor  # [n, T] which are real (not padding)
     write: Optional[torch.Tensor]  # [n, T] which to store (None: all)
     at: torch.Tensor  # [n, NB L] query columns whose logits are read
@@ -121,7 +123,13 @@ class ForwardPlan:
     pad_keys: int  # (query, left-pad key) pairs attended
     pad_keys_unskipped: int  # the same, had every row attended the whole box
     prompt_fwd: torch.Tensor  # [n] prompt columns computed
-    cached_after: torch.Tensor  # [n] cached columns once it ran
+    cached_after: torch.Tensor  # [n] cached columns once it ran (the real rows)
+    vc: Optional[torch.Tensor] = None  # [n, T] compiled: the query columns in the box's keys, all distinct
+    uncompiled: bool = False  # a steady step compile_decode runs eager (its bucket does not fit, or it gave up)
+
+    @property
+    def compiled(self) -> bool:
+        return self.box is not None
 
 
 class ModelRunner:
@@ -132,28 +140,52 @@ class ModelRunner:
         self.fit = ForwardFit()  # forward time = a + b * cells, from this engine's own forwards
         self.timer = ForwardTimer(self.fit, self.device, exact=self.cfg.profile)
         self.attention_overhead = ATTENTION_OVERHEAD_KEYS.get(self.device.type, ATTENTION_OVERHEAD_KEYS_DEVICE)
-        self._decode = None  # the compiled block-only step (EngineConfig.compile_decode); False: given up
-        # the compiled block-only step runs under the dual cache only (its later steps are block-only)
-        self.compiles = cfg.compile_decode and cfg.mode.caches_suffix
+        self._decode = None  # the compiled step (EngineConfig.compile_decode); False: given up
+        self.compiles = cfg.compile_decode
+        self.buckets = ShapeBuckets(cfg.block_length, self.shift, cfg.max_batch_size)
+        self.backend = "inductor"  # torch.compile's backend (tests give one that records the graphs)
+        self.slots = None  # the engine's K/V slots (engine.slots), which compiled steps view whole buckets of
         self._ahead = None  # (batch, key, plan, uploaded inputs) of the last whole-batch plan
         self.prepared_hits = 0  # whole-batch forwards that ran a plan made before them (a step before, or `prepare`)
 
     def decode_model(self):
-        """The model compiled for the dual cache's block-only step: (rows, L) queries over a
-        (rows, width) cache. Compiled with dynamic shapes, so one graph serves every batch
-        layout (a few specialisations: one row, a cache view that is the whole buffer);
-        static shapes hit dynamo's recompile limit after 8 layouts. On CUDA `reduce-overhead` records one CUDA graph per shape
-        and replays it with the step's inputs copied in (not yet measured on a GPU:
-        bench/gpu/run.sh's blockserve+step+compile run does). Its logits are read before
-        the next step."""
+        """The model compiled for the steady step's whole-batch forward, whose shapes are padded to
+        buckets (engine.buckets). Compiled with dynamic shapes, as vLLM compiles once for every
+        batch size: inductor compiles a graph or two (dynamo specialises a size of 1) where
+        static shapes compiled one per bucket, and the CUDA graphs stay one per bucket, since
+        CUDA-graph trees record one per distinct set of sizes. The K/V views it writes into are marked static
+        (KVSlots.static_box), so on CUDA `reduce-overhead` captures each bucket's graph rather
+        than skipping a graph that mutates inputs, and replays it with only the step's small
+        inputs copied in (not yet measured on a GPU: bench/gpu/run.sh's blockserve+step+compile
+        run does). Its logits are read before the next step."""
         if self._decode is None:
-            cuda = self.device.type == "cuda"
-            self._decode = torch.compile(self.model, mode="reduce-overhead" if cuda else None, dynamic=True)
+            inductor_cuda = self.device.type == "cuda" and self.backend == "inductor"
+            self._decode = torch.compile(self.model, backend=self.backend, dynamic=True,
+                                         mode="reduce-overhead" if inductor_cuda else None)
         return self._decode
 
-    def run_compiled(self, *args, **kwargs) -> Optional[torch.Tensor]:
-        """The compiled step, or None once dynamo would give up on it (its recompile limit:
-        then this runner runs eager from here on, counted in EngineStats.compile_fallbacks,
+    def room(self, rows: int, width: int) -> Tuple[int, int]:
+        """The rows and width the K/V slots keep room for: a compiled step's bucket when it
+        fits in the slots' planned area (KVSlots.slack x token_budget), else the box."""
+        if not self.compiles:
+            return rows, width
+        box = self.buckets.box(rows, 1, width, cached=True)
+        fits = box.rows * box.keys <= int(self.slots.slack * self.slots.budget)
+        return (box.rows, box.keys) if fits else (rows, width)
+
+    def bucket(self, rows: int, T: int, width: int) -> Optional[Box]:
+        """The bucket a steady whole-batch step runs compiled in, or None (eager) when it does not
+        fit in the K/V slots' current shape or compiling gave up."""
+        if self._decode is False:
+            return None
+        box = self.buckets.box(rows, T, width, cached=self.slots is not None)
+        if self.slots is not None and (box.rows > self.slots.rows_cap or box.keys > self.slots.cols_cap):
+            return None
+        return box
+
+    def run_compiled(self, args: tuple, kwargs: dict) -> Optional[torch.Tensor]:
+        """The compiled step's logits, or None once dynamo would give up on it (its recompile
+        limit: then this runner runs eager from here on, counted in EngineStats.compile_fallbacks,
         rather than dynamo falling back per call unseen)."""
         if self._decode is False:
             return None
@@ -200,7 +232,7 @@ class ModelRunner:
         brought up to date take theirs from it, as the reference's block-start forward over
         the whole row is also the block's first step (Fast-dLLM's dual cache); the other
         rows run in one forward. With compile_decode every row runs in that forward, so
-        that the step keeps one shape per layout."""
+        that it is the whole batch's, which runs compiled."""
         caught = self.catch_up(b, rejoin=self.compiles)
         if not caught or self.compiles:
             return self.forward(b)
@@ -213,6 +245,11 @@ class ModelRunner:
             out[indices(group, out.device)] = logits
         return out
 
+    def step_columns(self, b: Batch) -> torch.Tensor:
+        """[B] the columns a row computes at a steady step (caught up): its block, and its
+        suffix unless the dual cache holds it (a cached mode only)."""
+        return self.cfg.mode.later_step_columns(b.nact * self.cfg.block_length + self.shift, b.tail, None)
+
     def catch_up(self, b: Batch, rejoin: bool) -> List[Tuple[List[int], torch.Tensor]]:
         """Forward the rows with a long uncached stretch first, in sub-batches of similar
         stretch (catch_up_groups), so the batch's forward stays about one block wide;
@@ -223,8 +260,7 @@ class ModelRunner:
             return []
         q0, q1, _ = self.windows(b)
         L = self.cfg.block_length
-        # once caught up, a row computes its block, and its suffix unless the dual cache holds it
-        after = mode.later_step_columns(b.nact * L + self.shift, b.tail, None)
+        after = self.step_columns(b)
         overhead = self.overhead_cells()
         self.stats.forward_overhead_cells = overhead
         if not bool(((q1 - q0) > after).any()):  # no row has more to compute than its step: no catch-up
@@ -280,18 +316,35 @@ class ModelRunner:
         columns; otherwise (dual cache mid-block) each row's columns are gathered. Rows
         attend to views of their K/V slots, one attention per run of consecutive slots of
         similar key width (key_runs): a run's keys start at its first row's first real
-        column, so left padding before it is not computed."""
+        column, so left padding before it is not computed. A compiled forward (the whole
+        batch's, with compile_decode) is padded to its bucket instead (engine.buckets):
+        more query columns on the left, more keys on the left of the box (the slots'
+        columns before it, masked out), more rows (slots after the batch's, attending to
+        nothing), none of them stored."""
         L, W, shift = self.cfg.block_length, b.width, self.shift
         pick = slice(None) if group is None else torch.tensor(group)
         rows = lambda t: t[pick]  # noqa: E731 - this forward's rows of a [B, ...] host tensor
         q0, q1, fresh = (rows(t) for t in self.windows(b))
         start = rows(b.start)
+        n = len(q0)
         T = int((q1 - q0).max())
+        # compiled: the whole batch's steady step (every row caught up); a block start's whole rows, like
+        # vLLM's prefills, run eager
+        compiles = self.compiles and group is None and (
+            not self.cfg.mode.caches or bool(((q1 - q0) <= self.step_columns(b)).all()))
+        box = self.bucket(n, T, W) if compiles else None
+        if box is not None:
+            T = box.queries
         first = q1 - T  # [n] each row's first query column, right-aligned at q1
         qcols = first[:, None] + torch.arange(T)[None]
         qc = qcols.clamp(min=0)
         real = qcols >= q0[:, None]
         write = real & (qcols >= fresh[:, None])
+        vc = None
+        if box is not None:  # columns in the box's keys (box.keys - W more on the left); a query
+            # column left of them wraps to the right of the row's window (not stored): all distinct
+            vc = qcols + (box.keys - W)
+            vc = torch.where(vc < 0, vc + T, vc)
         # clamped: a row's window position with no column before it (D2F's unused units, a block
         # opening a row under blocks at absolute positions) reads one it does not use
         at = (rows(b.window_start)[:, None] - shift - first[:, None] + torch.arange(b.n_window * L)[None]).clamp(min=0)
@@ -300,18 +353,18 @@ class ModelRunner:
             at[:, 0] += rows(b.row_params.first_position & (b.step > 0)).long()
         cached = b.cache is not None
         contiguous = bool((q1 == W).all())
-        # the compiled block-only step (dual cache, mid-block) attends whole boxes: one shape per layout
-        compiled = self.compiles and not contiguous and group is None
         slots = list(range(len(b.rows))) if group is None else group
         runs = None
-        if cached and not compiled:  # a function of the layout's row starts: planned once per layout and group
+        if cached and box is None:  # a function of the layout's row starts: planned once per layout and group
             key = None if group is None else tuple(group)
             if key not in b.runs_cache:
                 got = key_runs(slots, start.tolist(), W, self.attention_overhead)
                 ks = torch.cat([torch.full((hi - lo,), k) for lo, hi, k in got]) if got else None
                 b.runs_cache[key] = (got, 0 if ks is None else int((start - ks).sum()))
             runs, pad_per_query = b.runs_cache[key]
-        if runs:  # pad keys attended: before each row's first real column, from its run's first key
+        if box is not None:  # pad keys attended: the whole bucket's, every key of a padded row's
+            pad_keys = T * (int(start.sum()) + n * (box.keys - W) + (box.rows - n) * box.keys)
+        elif runs:  # pad keys attended: before each row's first real column, from its run's first key
             pad_keys = T * pad_per_query
         elif cached:
             pad_keys = T * int(start.sum())
@@ -320,54 +373,79 @@ class ModelRunner:
         # prompt columns computed (with a cache: stored) by this forward
         lo = torch.maximum(first, torch.maximum(q0, fresh) if cached else q0)
         plen = rows(b.prompt_len)
+        pos = (qc - start[:, None]).clamp(min=0)
+        if box is not None:  # padded rows: column 0 (read as pad), not stored, logits of position 0
+            pad = lambda t: F.pad(t, (0, 0, 0, box.rows - n))  # noqa: E731
+            qc, real, write, at, pos = pad(qc), pad(real), pad(write), pad(at), pad(pos)
+            vc = torch.cat([vc, torch.arange(T).expand(box.rows - n, T)])
         return ForwardPlan(
-            pick=pick, group=group, T=T, contiguous=contiguous, compiled=compiled, qc=qc, real=real,
-            write=None if bool(write.all()) and not compiled else write,  # compiled: always a tensor
-            at=at, pos=(qc - start[:, None]).clamp(min=0), runs=runs,
-            cells=len(q0) * T, n_real=int(real.sum()), pad_keys=pad_keys, pad_keys_unskipped=T * int(start.sum()),
+            pick=pick, group=group, T=T, contiguous=contiguous, box=box, qc=qc, real=real,
+            write=None if bool(write.all()) and box is None else write,  # compiled: always a tensor
+            at=at, pos=pos, runs=runs, cells=len(qc) * T, n_real=int(real.sum()), pad_keys=pad_keys,
+            pad_keys_unskipped=T * int(start.sum()),
             prompt_fwd=(torch.minimum(q1, start + plen) - torch.maximum(lo, start)).clamp(min=0),
-            cached_after=rows(b.block_start) - start)
+            cached_after=rows(b.block_start) - start, vc=vc, uncompiled=compiles and box is None)
 
     def upload(self, p: ForwardPlan) -> List[torch.Tensor]:
         """The plan's index tensors on the device, in one copy (pinned and non-blocking on CUDA)."""
         parts = [p.qc, p.pos, p.at, p.real.long()] + ([] if p.write is None else [p.write.long()])
+        if p.vc is not None:
+            parts.append(p.vc)
         if p.group is not None:
             parts.append(p.pick[:, None])
         return to_device(parts, self.device)
 
     def run(self, b: Batch, p: ForwardPlan, inputs: Optional[List[torch.Tensor]] = None) -> Tuple[torch.Tensor, float]:
         """(logits, seconds): the index tensors go to the device (`upload`, unless `prepare`
-        did), then the model runs."""
-        W, T = b.width, p.T
+        did), then the model runs: compiled on a bucket (eager on the same inputs once the
+        compiled step gave up), else on the plan's rows as they are."""
         got = inputs if inputs is not None else self.upload(p)
-        qc_d, pos_d, at_d, real_d = got[0], got[1], got[2], got[3].bool()
-        write_d = None if p.write is None else got[4].bool()
-        ids, idx = b.ids, None
-        if p.group is not None:
-            idx = got[-1][:, 0]
-            ids = ids[idx]
-        tokens = torch.where(real_d, ids.gather(1, qc_d), self.mcfg.pad_token_id)
-        qmask = b.mask.rows(qc_d, idx)
+        args, kw = (self.bucket_inputs if p.compiled else self.inputs)(b, p, got)
         timer = self.timer.start(p.cells)
         t0, c0 = time.perf_counter(), time.thread_time()
         with torch.inference_mode():
-            if b.cache is None:
-                logits = self.model(tokens, pos_d, qmask[..., W - T:], logits_at=at_d)
-            else:
-                args = (tokens, pos_d, qmask, b.cache, W - T)
-                kw = dict(write=write_d, runs=p.runs, cols=None if p.contiguous else qc_d, logits_at=at_d)
-                logits = None
-                if p.compiled:  # inputs of their own (no views of the upload): stable strides, no recompiles
-                    logits = self.run_compiled(*args, **{k: v.contiguous() if torch.is_tensor(v) else v
-                                                         for k, v in kw.items()})
-                if logits is None:
-                    logits = self.model(*args, **kw)
+            logits = self.run_compiled(args, kw) if p.compiled else None
+            if logits is None:
+                logits = self.model(*args, **kw)
+            if p.compiled:  # the real rows
+                logits = logits[:len(b.rows)]
             if self.cfg.profile and self.device.type == "cuda":  # exact forward_s, at the cost of a stall
                 torch.cuda.synchronize()
         seconds = time.perf_counter() - t0
         self.stats.forward_cpu_s += time.thread_time() - c0
         timer.stop(seconds)
         return logits, seconds
+
+    def inputs(self, b: Batch, p: ForwardPlan, got: List[torch.Tensor]) -> Tuple[tuple, dict]:
+        """The model's arguments for the plan's rows as they are (not padded to a bucket)."""
+        W, T = b.width, p.T
+        qc_d, pos_d, at_d, real_d = got[0], got[1], got[2], got[3].bool()
+        ids, idx = b.ids, None
+        if p.group is not None:
+            idx = got[-1][:, 0]
+            ids = ids[idx]
+        tokens = torch.where(real_d, ids.gather(1, qc_d), self.mcfg.pad_token_id)
+        qmask = b.mask.rows(qc_d, idx)
+        if b.cache is None:
+            return (tokens, pos_d, qmask[..., W - T:]), dict(logits_at=at_d)
+        write_d = None if p.write is None else got[4].bool()
+        return (tokens, pos_d, qmask, b.cache, W - T), dict(
+            write=write_d, runs=p.runs, cols=None if p.contiguous else qc_d, logits_at=at_d)
+
+    def bucket_inputs(self, b: Batch, p: ForwardPlan, got: List[torch.Tensor]) -> Tuple[tuple, dict]:
+        """The compiled step's arguments, padded to its bucket (`plan`): the batch's token ids
+        and mask with the box's extra rows (no key visible) and keys (masked out), and the
+        K/V slots' static view of the whole bucket."""
+        box, n, W = p.box, len(b.rows), b.width
+        qc_d, pos_d, at_d, real_d = got[0], got[1], got[2], got[3].bool()
+        write_d, vc_d = got[4].bool(), got[5]
+        ids = F.pad(b.ids, (0, 0, 0, box.rows - n))
+        tokens = torch.where(real_d, ids.gather(1, qc_d), self.mcfg.pad_token_id)
+        qmask = F.pad(b.mask.rows(qc_d[:n]), (box.keys - W, 0, 0, 0, 0, 0, 0, box.rows - n), value=False)
+        if b.cache is None:
+            return (tokens, pos_d, qmask), dict(logits_at=at_d)
+        cache = self.slots.static_box(box.rows, box.keys)
+        return (tokens, pos_d, qmask, cache, box.keys - box.queries), dict(write=write_d, cols=vc_d, logits_at=at_d)
 
     def account(self, b: Batch, p: ForwardPlan, seconds: float, catch_up: bool) -> None:
         """The batch's bookkeeping after the forward (what is cached, prompt columns
@@ -382,6 +460,8 @@ class ModelRunner:
         st.padded_cells += p.cells - p.n_real
         st.pad_key_cells += p.pad_keys
         st.pad_key_cells_unskipped += p.pad_keys_unskipped
+        if p.uncompiled:
+            st.uncompiled_steps += 1
         if catch_up:  # a catch-up sub-batch
             for k, v in (("forwards", 1), ("cells", p.cells), ("padded_cells", p.cells - p.n_real), ("seconds", seconds)):
                 st.catch_up[k] += v

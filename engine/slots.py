@@ -78,8 +78,9 @@ class KVSlots:
     as masked-out pad keys must (NaN * 0 poisons attention)."""
 
     def __init__(self, mcfg: ModelConfig, token_budget: int, dtype: torch.dtype, device,
-                 max_rows: Optional[int] = None):
+                 max_rows: Optional[int] = None, slack: float = SLACK):
         self.mcfg, self.budget, self.dtype, self.device = mcfg, token_budget, dtype, device
+        self.slack = slack  # columns held, as a multiple of token_budget (more with compile_decode: engine.buckets)
         self.max_rows = max_rows
         self.cell_bytes = mcfg.kv_bytes_per_token(dtype.itemsize)  # K and V of every layer, one column
         self.storage: List[torch.Tensor] = []  # K of every layer, then V
@@ -93,12 +94,14 @@ class KVSlots:
         # blocks (given the batch's area), and what moves them out of a new view's way
         self.reserve: Callable[[int], int] = lambda area: 0
         self.before_view: Optional[Callable[[int, int, bool], None]] = None
+        self._static: Dict[Tuple[int, int], KVCache] = {}  # static_box's caches of the current shape
 
     def _view(self, rows: int, cols: int) -> None:
         H, D, n = self.mcfg.n_kv_heads, self.mcfg.head_dim, self.mcfg.n_layers
         views = [t[: rows * H * cols * D].view(rows, H, cols, D) for t in self.storage]
         self.k, self.v = views[:n], views[n:]
         self.rows_cap, self.cols_cap = rows, cols
+        self._static = {}
 
     def fit(self, rows: int, width: int, keep: Sequence[int], keep_width: int) -> None:
         """Room for a `rows` x `width` box, keeping the last `keep_width` columns of the
@@ -111,7 +114,7 @@ class KVSlots:
         if rows <= self.rows_cap and width <= self.cols_cap:
             return
         area = rows * width
-        full = max(int(SLACK * self.budget), area)
+        full = max(int(self.slack * self.budget), area)
         room = max(full - self.reserve(area), area)
         if rows > self.rows_cap:  # more rows than slots: room in both dimensions
             R = max(rows, int(rows * math.sqrt(room / area)))
@@ -177,3 +180,16 @@ class KVSlots:
         """The batch's cache: views of the buffers, so forwards write into the slots."""
         c0 = self.cols_cap - width
         return KVCache([t[:rows, :, c0:] for t in self.k], [t[:rows, :, c0:] for t in self.v])
+
+    def static_box(self, rows: int, width: int) -> KVCache:
+        """`box`, for the compiled step (engine.buckets): its views marked as static inputs
+        (torch._dynamo.mark_static_address), whose addresses stay as long as the slots' shape,
+        so that the graph writes into them in place rather than treating them as fresh inputs
+        (on CUDA, CUDA-graph trees capture only then: cudagraph_utils' mutated inputs). One
+        cache per bucket and shape, made again only after a new shape."""
+        if (rows, width) not in self._static:
+            cache = self.box(rows, width)
+            for t in cache.k + cache.v:
+                torch._dynamo.mark_static_address(t)
+            self._static[(rows, width)] = cache
+        return self._static[(rows, width)]

@@ -45,6 +45,7 @@ class EngineStats:
     # up (dynamo's recompile limit) and the engine went on eager
     compiled_forwards: int = 0
     compile_fallbacks: int = 0
+    uncompiled_steps: int = 0  # steady steps compile_decode ran eager (a bucket beyond the K/V room, or given up)
     step_failures: int = 0  # steps that raised (their rows failed; engine.core logs them)
     # prefix caching (engine.prefix_cache): complete prompt blocks (and prompt tokens) of the
     # rows that joined a batch, those taken from the cache, blocks cached now, added, evicted,
