@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Sequence
+from unittest import mock
 
 import torch
 import torch.nn.functional as F
@@ -79,7 +80,8 @@ class _DeviceGuards(TorchFunctionMode):
 
 @dataclass
 class Call:
-    """One attention call's inputs, and what would keep the memory-efficient kernel off it."""
+    """One attention call's inputs, and what would keep the memory-efficient kernel off it;
+    on a real GPU the backend torch picks for it (`chosen`, SDPBackend's name)."""
 
     q: torch.Size
     k: torch.Size
@@ -87,6 +89,7 @@ class Call:
     dtype: torch.dtype
     enable_gqa: bool
     refusals: List[str]
+    chosen: Optional[str] = None
 
 
 class SdpaCalls(TorchFunctionMode):
@@ -102,8 +105,12 @@ class SdpaCalls(TorchFunctionMode):
             q, k, v = args[:3]
             mask = kwargs.get("attn_mask", args[3] if len(args) > 3 else None)
             gqa = bool(kwargs.get("enable_gqa", False))
+            chosen = None
+            if q.device.type == "cuda" and not isinstance(q, FakeTensor):  # a CUDA build's own dispatch
+                chosen = torch.nn.attention.SDPBackend(torch._fused_sdp_choice(
+                    q, k, v, mask, 0.0, False, enable_gqa=gqa)).name
             self.calls.append(Call(q.shape, k.shape, None if mask is None else mask.shape, q.dtype, gqa,
-                                   efficient_refusals(q, k, v, mask, gqa)))
+                                   efficient_refusals(q, k, v, mask, gqa), chosen))
         return func(*args, **kwargs)
 
 
@@ -147,59 +154,73 @@ def fake_model(cfg: ModelConfig, mode: FakeTensorMode, dtype: torch.dtype = torc
 
 
 @contextlib.contextmanager
-def fake_cuda_mode(mode: FakeTensorMode):
-    """Inside it, device work is faked on `cuda` and host work is real (module docstring)."""
+def fake_cuda_mode(mode: FakeTensorMode, synchronize: Optional[Callable[..., None]] = None):
+    """Inside it, device work is faked on `cuda` and host work is real (module docstring).
+    `torch.cuda.synchronize()` raises HostWait unless `synchronize` is given (a bench's own)."""
 
     def stall(device=None):
         raise HostWait("torch.cuda.synchronize() before the step's read")
 
-    with cuda_runtime(stall), mode, _HostReal(), CudaIndexing(), _Functions(None), _DeviceGuards():
+    with cuda_runtime(synchronize or stall), mode, _HostReal(), CudaIndexing(), _Functions(None), _DeviceGuards():
         yield
 
 
 def default_tokens(read_no: int, shape: torch.Size, mask_id: int) -> torch.Tensor:
-    """The read's values, as the harness's model "decodes": every other read leaves the
-    window masked (so the next step is a mid-block, cached one), the others fill it."""
+    """The read's values, standing in for what the model decodes. Every other read leaves the
+    window masked (so the next step is a mid-block, cached one); the others fill it."""
     return torch.full(tuple(shape), mask_id if read_no % 2 == 0 else 7, dtype=torch.long)
 
 
+@contextlib.contextmanager
+def fake_engines(mode: FakeTensorMode, synchronize: Optional[Callable[..., None]] = None,
+                 tokens: Callable[[int, torch.Size, int], torch.Tensor] = default_tokens):
+    """A fake CUDA session for models of `mode` (`fake_model`, made before it: faster outside
+    it). Yields the list of reads. Every Engine made inside runs its device work on fake CUDA.
+    Its designed read (`Engine._fetch`) returns `tokens(read number, shape, mask id)` and is
+    recorded, and a failing step raises rather than failing its rows. torch.cuda's memory and
+    sync-debug queries answer as an idle 80 GiB device would."""
+    reads: List[Read] = []
+
+    def read(self: Engine, t: torch.Tensor) -> torch.Tensor:
+        if not (isinstance(t, FakeTensor) and t.device.type == "cuda"):
+            raise HostWait(f"the step's read is of a host tensor ({type(t).__name__} on {t.device})")
+        self.stats.syncs += 1
+        reads.append(Read(t.shape, t.dtype, t.device))
+        with _disable_current_modes():
+            return tokens(len(reads) - 1, t.shape, self.mcfg.mask_token_id)
+
+    def raise_it(self: Engine, exc: Exception) -> None:  # the engine fails a step's rows and goes on: here it raises
+        raise exc
+
+    free = 80 << 30
+    queries = dict(reset_peak_memory_stats=lambda device=None: None, max_memory_allocated=lambda device=None: 0,
+                   mem_get_info=lambda device=None: (free, free), get_device_name=lambda device=None: "fake cuda",
+                   set_sync_debug_mode=lambda mode: None, get_sync_debug_mode=lambda: 0)
+    with mock.patch.multiple(torch.cuda, **queries), \
+            mock.patch.multiple(Engine, _fetch=read, _log_failure=raise_it), fake_cuda_mode(mode, synchronize):
+        yield reads
+
+
 class FakeCuda:
-    """Serve requests with `cfg`'s random-free fake model on fake CUDA in bfloat16 (module docstring)."""
+    """Serve requests with `cfg`'s fake model on fake CUDA in bfloat16 (module docstring)."""
 
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype = torch.bfloat16):
         self.cfg, self.dtype = cfg, dtype
 
     def serve(self, engine_cfg: EngineConfig, prompts: Sequence[Sequence[int]], params: SamplingParams,
-              max_steps: int = 64,
-              tokens: Callable[[int, torch.Size, int], torch.Tensor] = default_tokens) -> FakeRun:
-        """Add `prompts`, then step the engine until it is done or `max_steps` steps have run.
-        Each read returns `tokens(read number, shape, mask id)`."""
+              max_steps: int = 64) -> FakeRun:
+        """Add `prompts`, then step the engine until it is done or `max_steps` steps have run."""
+        calls = SdpaCalls()
         mode = FakeTensorMode(allow_non_fake_inputs=True)
         model = fake_model(self.cfg, mode, self.dtype)
-        calls = SdpaCalls()
-        with fake_cuda_mode(mode), calls:
-            run = FakeRun(Engine(model, engine_cfg))
-            e = run.engine
-
-            def read(t: torch.Tensor) -> torch.Tensor:
-                if not (isinstance(t, FakeTensor) and t.device.type == "cuda"):
-                    raise HostWait(f"the step's read is of a host tensor ({type(t).__name__} on {t.device})")
-                e.stats.syncs += 1
-                run.reads.append(Read(t.shape, t.dtype, t.device))
-                with _disable_current_modes():
-                    return tokens(len(run.reads) - 1, t.shape, self.cfg.mask_token_id)
-
-            e._fetch = read
-
-            def raise_it(exc: Exception) -> None:  # the engine fails a step's rows and goes on: here it raises
-                raise exc
-            e._log_failure = raise_it
+        with fake_engines(mode) as reads, calls:
+            run = FakeRun(Engine(model, engine_cfg), reads)
             for p in prompts:
-                e.add_request(list(p), params)
+                run.engine.add_request(list(p), params)
             for _ in range(max_steps):
-                if not e.has_unfinished():
+                if not run.engine.has_unfinished():
                     break
-                e.step()
+                run.engine.step()
         run.attention = calls.calls
         return run
 
