@@ -239,8 +239,10 @@ def main(argv=None) -> Dict[str, Any]:
         "workload": {"prompt_tokens": [64, 512], "new_tokens": NEW_TOKENS, "block_length": BLOCK,
                      "steps_per_block": STEPS, "cache": "dual", "canvas": "block", "advance": "step"}})
     failed: List[Tuple[str, str]] = []
-    for part, fn in [("attention", lambda: rep.data.__setitem__("attention", attention_part(target, a.families.split(","))))] + [
-            (f"throughput {s}", lambda s=s: throughput_part(target, s, deadline, rep)) for s in a.shapes.split(",")]:
+    families = a.families.split(",")
+    parts = [("attention", lambda: rep.data.__setitem__("attention", attention_part(target, families)))]
+    parts += [(f"throughput {s}", lambda s=s: throughput_part(target, s, deadline, rep)) for s in a.shapes.split(",")]
+    for part, fn in parts:
         try:
             fn()
         except Exception as e:  # noqa: BLE001 - a part that fails is reported; the others still run

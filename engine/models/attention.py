@@ -4,8 +4,8 @@ On the CPU a layer calls SDPA the way it always has. The boolean mask is made ad
 per forward, and GQA goes through `enable_gqa`. torch's CPU flash kernel takes both.
 
 On CUDA, torch 2.13 picks a backend per call (aten/src/ATen/native/transformers/cuda/sdp_utils.cpp).
-The default order is flash, memory-efficient, math, cuDNN; with cuDNN > 9.15 on Hopper, cuDNN
-goes first. Flash takes no mask at all. Memory-efficient takes a mask, but its 2.13 checks
+The default order is flash, memory-efficient, math, cuDNN; where torch prefers cuDNN (a recent
+cuDNN on Hopper), cuDNN goes first. Flash takes no mask at all. Memory-efficient takes a mask, but its 2.13 checks
 want as many K/V heads as query heads. So a masked GQA call (Dream, SDAR, LLaDA2, Fast-dLLM v2)
 would fall to math, which materialises the [T, K] scores in float32, unless cuDNN is preferred
 and takes it. So on CUDA the call is shaped for the memory-efficient kernel, which every
@@ -22,7 +22,7 @@ family can use:
 
 `efficient_refusals` transcribes the memory-efficient backend's checks: sdp_utils on sm80+ and
 the kernel's own check_supported. A CPU test asserts every family's call meets them on fake
-CUDA (tests/test_gpu_shape.py). bench/gpu/run.sh prints the backend torch actually picks on
+CUDA (tests/test_fake_cuda_step.py). bench/gpu/run.sh prints the backend torch actually picks on
 the GPU.
 """
 from __future__ import annotations
@@ -153,7 +153,8 @@ def efficient_refusals(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: 
         if mask.dtype != q.dtype:
             out.append(f"mask dtype {mask.dtype} is not q's {q.dtype} (converted at every call, or refused)")
         want = (q.shape[0], q.shape[1], q.shape[2], k.shape[2])
-        if mask.dim() not in (2, 4) or any(m not in (1, w) for m, w in zip(mask.shape[-mask.dim():], want[-mask.dim():])):
+        n = mask.dim()
+        if n not in (2, 4) or any(m not in (1, w) for m, w in zip(mask.shape[-n:], want[-n:])):
             out.append(f"mask {tuple(mask.shape)} does not broadcast to {want}")
         if not is_aligned(mask):
             out.append(f"mask strides {mask.stride()} / offset {mask.storage_offset()} are not aligned to {ALIGN} "
