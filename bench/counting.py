@@ -410,6 +410,7 @@ class StandInCuda(TorchDispatchMode):
         self._pinned: List[torch.Tensor] = []  # kept alive: their storage pointers are never reused
         self._pinned_ptrs: set = set()
         self._functions = _Functions(self)
+        self._runtimes: List[Any] = []
 
     # --- counting ---------------------------------------------------------------------
     def count(self, kind: str) -> None:
@@ -431,9 +432,10 @@ class StandInCuda(TorchDispatchMode):
             got.update(self.where - before)
 
     # --- entering -----------------------------------------------------------------------
-    def __enter__(self):
-        self._runtime = cuda_runtime(lambda device=None: self.count("synchronize"))
-        self._runtime.__enter__()
+    def __enter__(self):  # re-entered (on_device fuses under it): one runtime patch per entry, undone in turn
+        runtime = cuda_runtime(lambda device=None: self.count("synchronize"))
+        runtime.__enter__()
+        self._runtimes.append(runtime)
         super().__enter__()
         self._functions.__enter__()
         return self
@@ -441,7 +443,7 @@ class StandInCuda(TorchDispatchMode):
     def __exit__(self, *exc):
         self._functions.__exit__(*exc)
         out = super().__exit__(*exc)
-        self._runtime.__exit__(*exc)
+        self._runtimes.pop().__exit__(*exc)
         return out
 
     def move(self, module: torch.nn.Module) -> torch.nn.Module:

@@ -105,3 +105,32 @@ def test_folded_gqa_attends_as_enable_gqa_does():
     assert got.shape == (n, T, H, D)
     torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
     torch.testing.assert_close(got_kept, want_kept, rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("family", ["llada", "dream", "llada2"])
+def test_the_cuda_path_gives_the_cpu_tokens(family, monkeypatch):
+    """In float64, rows of four widths, each attending in a run of its own (no overhead
+    allowance), so every run's first key is rounded down on CUDA. The stand-in device takes
+    the CUDA path on CPU values: the mask folded and aligned, GQA folded, first keys rounded.
+    It decodes the CPU's tokens."""
+    from engine import Engine, build_model
+    from engine import runner
+
+    def serve(stand_in: bool):
+        model = build_model(gpu_shape.config(family), dtype=torch.float64)
+        cfg = EngineConfig(block_length=8, steps_per_block=4, canvas="block", advance="step", token_budget=4096,
+                           max_batch_size=4)
+        params = SamplingParams(max_new_tokens=16, policy="fixed", ignore_eos=True)
+        with StandInCuda() if stand_in else torch.no_grad() as s:
+            if stand_in:
+                s.move(model)
+            e = Engine(model, cfg)
+            for n in (5, 13, 30, 47):
+                e.add_request(list(range(40, 40 + n)), params)
+            outs = []
+            while e.has_unfinished():
+                outs += e.step()
+        return sorted((o.request_id, o.token_ids) for o in outs)
+
+    monkeypatch.setattr(runner, "ATTENTION_OVERHEAD_KEYS_DEVICE", 0)
+    assert serve(True) == serve(False)
