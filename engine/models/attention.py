@@ -79,14 +79,14 @@ def additive_mask(mask: torch.Tensor, dtype: torch.dtype, g: int = 1) -> torch.T
 
 def keep_rows(mask: torch.Tensor, keep: torch.Tensor, T: int, g: int) -> torch.Tensor:
     """The rows of `additive_mask`'s output (for a forward of T query columns, g heads folded)
-    for the query columns `keep` [B, n], the last layer's. The result is aligned on CUDA."""
+    for the query columns `keep` [B, n], the last layer's. On CUDA the rows are copied into
+    aligned storage, always: a test of the gather's strides would be a guard on the key
+    width under torch.compile."""
     if mask.shape[2] == 1:
         return mask
     idx = keep if g == 1 else (keep[:, None, :] + T * torch.arange(g, device=keep.device)[None, :, None]).flatten(1)
     out = mask.gather(2, idx[:, None, :, None].expand(-1, 1, -1, mask.shape[-1]))
-    if not fused(mask.device) or is_aligned(out):
-        return out
-    return aligned_empty(out.shape, out.dtype, out.device).copy_(out)
+    return aligned_empty(out.shape, out.dtype, out.device).copy_(out) if fused(mask.device) else out
 
 
 def key_aligned(runs: Optional[Sequence[Tuple[int, int, int]]], device) -> Optional[Sequence[Tuple[int, int, int]]]:
