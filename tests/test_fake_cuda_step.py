@@ -134,3 +134,27 @@ def test_the_cuda_path_gives_the_cpu_tokens(family, monkeypatch):
 
     monkeypatch.setattr(runner, "ATTENTION_OVERHEAD_KEYS_DEVICE", 0)
     assert serve(True) == serve(False)
+
+
+def test_the_harness_refuses_what_a_gpu_would_stall_on():
+    """Host values stay real inside the session; what a GPU would stall on, or refuse, raises."""
+    from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicOutputShapeException, FakeTensorMode
+
+    from bench.gpu.fake_cuda import HostWait, fake_engines
+
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    with fake_engines(mode):
+        host = torch.tensor([3, 0, 5])
+        assert host.nonzero().flatten().tolist() == [0, 2] and host.pin_memory().tolist() == [3, 0, 5]
+        dev = torch.zeros(3, dtype=torch.long, device="cuda")
+        assert dev.device.type == "cuda"
+        with pytest.raises(HostWait):
+            dev.cpu()  # a device -> host copy before the read
+        with pytest.raises(DataDependentOutputException):
+            dev.sum().item()
+        with pytest.raises(DynamicOutputShapeException):
+            torch.ops.aten.nonzero.default(dev)  # (Tensor.nonzero's binding refuses a CPU build's cuda first)
+        with pytest.raises(Exception, match="device"):
+            dev + host  # a host tensor in a device op
+        with pytest.raises(HostWait):
+            torch.cuda.synchronize()
