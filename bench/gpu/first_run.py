@@ -202,7 +202,8 @@ def throughput_part(target: Target, shape: str, deadline: float, rep: Report) ->
                 d = one_run(w, spec, deadline_s=max(10.0, min(60.0, 0.4 * left)), timed=not target.fake)
                 runs.append(d)
                 rep.save()
-                print(f"{label:26s} {d['tokens_per_s'] or 0:9.1f} tok/s  steps {d['steps']:4d}  "
+                rate = "  (untimed)" if d["tokens_per_s"] is None else f"{d['tokens_per_s']:9.1f} tok/s"
+                print(f"{label:26s} {rate}  steps {d['steps']:4d}  "
                       f"sync warnings/step {d['sync_warnings_per_step'] or 0:.2f}  syncs/step {d['syncs_per_step']}  "
                       f"graph replays {d['graph_replays']}  compiled fwd {d['compiled_forwards']}"
                       + (f"  [{d['error']}]" if d["error"] else ""), flush=True)
