@@ -137,8 +137,8 @@ class CudaIndexing(TorchFunctionMode):
     """Python indexing (`t[...]`, `t[...] = v`) of tensors on a CUDA device, on a build
     without CUDA: torch's C++ indexing enters a CUDA device guard, which such a build
     cannot, so the indexing is spelled here with the aten ops a CUDA build runs for it
-    (select, slice, unsqueeze, index, index_put_, copy_). What it does not handle (a
-    boolean index: data-dependent; several advanced indices) is refused."""
+    (select, slice, unsqueeze, index, index_put_, copy_). A boolean index (data-dependent)
+    is refused."""
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -147,15 +147,15 @@ class CudaIndexing(TorchFunctionMode):
                 view, adv = _basic_index(args[0], args[1])
                 if func is torch.Tensor.__getitem__:
                     return view if adv is None else torch.ops.aten.index.Tensor(view, adv)
-                value = args[2]
+                value = args[2]  # aten ops, not Tensor methods: their bindings take a device guard too
                 if adv is not None:
-                    value = value if torch.is_tensor(value) else torch.tensor(value, dtype=view.dtype,
-                                                                            device=view.device)
+                    value = value if torch.is_tensor(value) else aten._to_copy.default(
+                        torch.tensor(value, dtype=view.dtype), device=view.device)
                     torch.ops.aten.index_put_(view, adv, value.to(view.dtype))
                 elif torch.is_tensor(value):
-                    view.copy_(value)
+                    aten.copy_.default(view, value)
                 else:
-                    view.fill_(value)
+                    aten.fill_.Scalar(view, value)
                 return None
         return func(*args, **kwargs)
 
@@ -177,11 +177,10 @@ def _basic_index(t: torch.Tensor, idx):
         elif isinstance(i, slice):
             start, stop, step = i.indices(out.shape[dim])
             out, dim = torch.ops.aten.slice.Tensor(out, dim, start, max(start, stop), step), dim + 1
-        else:  # an advanced index (a tensor or a list): one, as the engine uses them
-            if adv is not None:
-                raise NotImplementedError("several advanced indices")
+        else:  # an advanced index (a tensor or a list); several index as aten.index does (numpy's rules)
             i = i if torch.is_tensor(i) else torch.tensor(i, device=out.device)
-            adv, dim = [None] * dim + [i], dim + 1
+            adv = adv or []
+            adv, dim = adv + [None] * (dim - len(adv)) + [i], dim + 1
     return out, adv
 
 
@@ -357,6 +356,25 @@ class _Functions(torch.overrides.TorchFunctionMode):
                                      non_blocking=non_blocking)
 
 
+@contextlib.contextmanager
+def cuda_runtime(synchronize):
+    """torch.cuda's runtime on a CPU-only build, as far as the engine uses it: no lazy init
+    (factories' device check), an H100's capability (transformers picks its kernels by it),
+    host-timed events that are complete once recorded, and `synchronize` (the caller's)."""
+    cuda = torch.cuda
+    saved = {"Event": cuda.Event, "synchronize": cuda.synchronize, "_lazy_init": cuda._lazy_init,
+             "get_device_capability": cuda.get_device_capability}
+    cuda.get_device_capability = lambda device=None: (9, 0)
+    cuda.Event = _StandInEvent
+    cuda._lazy_init = lambda: None
+    cuda.synchronize = synchronize
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            setattr(cuda, k, v)
+
+
 REPEATS = {aten.repeat_interleave.Tensor, aten.repeat_interleave.self_Tensor}  # data-dependent without output_size
 INDEXING = {aten.index.Tensor, aten.index_put_.default, aten.index_put.default, aten._index_put_impl_.default}
 
@@ -392,7 +410,7 @@ class StandInCuda(TorchDispatchMode):
         self._pinned: List[torch.Tensor] = []  # kept alive: their storage pointers are never reused
         self._pinned_ptrs: set = set()
         self._functions = _Functions(self)
-        self._saved: Dict[str, Any] = {}
+        self._runtimes: List[Any] = []
 
     # --- counting ---------------------------------------------------------------------
     def count(self, kind: str) -> None:
@@ -414,14 +432,10 @@ class StandInCuda(TorchDispatchMode):
             got.update(self.where - before)
 
     # --- entering -----------------------------------------------------------------------
-    def __enter__(self):
-        cuda = torch.cuda
-        self._saved = {"Event": cuda.Event, "synchronize": cuda.synchronize, "_lazy_init": cuda._lazy_init,
-                       "get_device_capability": cuda.get_device_capability}
-        cuda.get_device_capability = lambda device=None: (9, 0)  # an H100's (transformers picks its kernels by it)
-        cuda.Event = _StandInEvent
-        cuda._lazy_init = lambda: None  # factories' device check: nothing to initialise
-        cuda.synchronize = lambda device=None: self.count("synchronize")
+    def __enter__(self):  # re-entered (on_device fuses under it): one runtime patch per entry, undone in turn
+        runtime = cuda_runtime(lambda device=None: self.count("synchronize"))
+        runtime.__enter__()
+        self._runtimes.append(runtime)
         super().__enter__()
         self._functions.__enter__()
         return self
@@ -429,8 +443,7 @@ class StandInCuda(TorchDispatchMode):
     def __exit__(self, *exc):
         self._functions.__exit__(*exc)
         out = super().__exit__(*exc)
-        for k, v in self._saved.items():
-            setattr(torch.cuda, k, v)
+        self._runtimes.pop().__exit__(*exc)
         return out
 
     def move(self, module: torch.nn.Module) -> torch.nn.Module:

@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from . import attention
 from .config import ModelConfig
 from .fusion import Fusing, fuse
 from .moe import MLP, experts_forward, plus_linear, swiglu
@@ -159,7 +160,8 @@ class Layer(Fusing):
     def forward(self, h, rope: Rope, mask, cache: Optional[KVCache], idx: int, offset: int,
                 write: Optional[torch.Tensor] = None, runs: Optional[Sequence[Tuple[int, int, int]]] = None,
                 cols: Optional[torch.Tensor] = None, keep: Optional[torch.Tensor] = None):
-        """`mask` [B, 1, T|1, K] additive, in h's dtype (DLLM.forward prepares it once).
+        """`mask` [B, 1, T|1, K] additive, in h's dtype (DLLM.forward prepares it once; on
+        CUDA [B, 1, g*T|1, K], GQA folded: engine.models.attention).
         `keep` [B, n]: the query columns whose output is wanted (the last layer's, for
         the logits read): K/V are computed and stored for every column, attention and the
         MLP only for these, and the output is [B, n, d]."""
@@ -168,17 +170,15 @@ class Layer(Fusing):
         q, k, v = self.qkv(x, rope)
         kv = cache.attend(idx, k, v, offset, mask.shape[-1], write, runs, cols) if cache is not None else (k, v)
         if keep is not None:
+            mask = attention.keep_rows(mask, keep, h.shape[1], attention.group(H, Hkv, q.device))
             h = h.gather(1, keep[..., None].expand(-1, -1, h.shape[-1]))
             q = q.gather(2, keep[:, None, :, None].expand(-1, q.shape[1], -1, q.shape[-1]))
-            if mask.shape[2] != 1:
-                mask = mask.gather(2, keep[:, None, :, None].expand(-1, 1, -1, mask.shape[-1]))
         B, T, _ = h.shape
         a, o = [], 0
         for kr, vr in kv if isinstance(kv, list) else [kv]:  # one attention per run of cache rows
             part = slice(o, o + kr.shape[0])
             keys = mask[part][..., mask.shape[-1] - kr.shape[2]:]  # the run's keys (left padding skipped)
-            # [n, T, H, D]: attention's output laid out as the o projection reads it, a view
-            a.append(F.scaled_dot_product_attention(q[part], kr, vr, attn_mask=keys, enable_gqa=Hkv != H).transpose(1, 2))
+            a.append(attention.attend(q[part], kr, vr, keys))  # [n, T, H, D], as the o projection reads it
             o += kr.shape[0]
         a = a[0] if len(a) == 1 else torch.cat(a)
         h = plus_linear(h, a.reshape(B, T, H * D), self.o)
@@ -216,13 +216,6 @@ class Layer(Fusing):
         if self.tp is not None:  # the ranks' experts and shared partials, summed before the residual joins
             return h + self.tp.all_reduce(experts(None if self.shared is None else self.shared(x)))
         return experts(h if self.shared is None else self.shared(x, h))  # h: this layer's own, added into in place
-
-
-def additive(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """A boolean mask (True = may attend) as the additive one attention reads, in the
-    inputs' dtype (0 or -inf): made once per forward, where SDPA would convert a boolean
-    mask at every call."""
-    return torch.full_like(mask, float("-inf"), dtype=dtype).masked_fill_(mask, 0.0)
 
 
 def _embedding(num: int, dim: int) -> nn.Embedding:
@@ -285,7 +278,10 @@ class DLLM(nn.Module):
         h = self.embed(ids)
         cfg = self.config
         rope = Rope.at(pos, cfg.rotary_dim, cfg.head_dim, cfg.rope_theta, h.dtype)
-        mask = additive(mask, h.dtype)  # once per forward, not per layer and attention call
+        first = self.layers[0].cfg  # a tensor-parallel rank's layers hold its own heads
+        g = attention.group(first.n_heads, first.n_kv_heads, h.device)
+        mask = attention.additive_mask(mask, h.dtype, g)  # once per forward, not per layer and attention call
+        runs = attention.key_aligned(runs, h.device)
         if write is not None:
             write = write[:, None, :, None]
         keep = logits_at
