@@ -32,7 +32,7 @@ numbers come from this project's 2-core shared VM with one torch thread; read th
 per CPU-second of the benchmark's process (tokens per CPU-second), which co-tenants' load
 does not move, rather than wall-clock rates. Ratios are between runs of the same
 requests in the same invocation (rounds interleaved, median of the per-round ratios).
-No GPU run has been made yet: `bash bench/gpu/run.sh` on one H200 writes `gpu_bench.json`.
+No GPU run has been made yet: `bash bench/gpu/run.sh` on one H200 writes `first_run.json` (backends, tokens/s, host waits, CUDA-graph replays; `VARIANT=llada` writes `gpu_bench.json`, the skewed benchmark).
 Tensor parallel: `VARIANT=tp bash bench/gpu/run.sh` on a machine with >= 2 GPUs runs `bench/gpu/tp_bench.py` (the
 engine-level comparison of tests/test_tensor_parallel.py over NCCL) and writes `tp_bench.json`; not run yet.
 Prefix caching at LLaDA2.0-mini's whole shape: `VARIANT=prefix bash bench/gpu/run.sh` runs `bench/gpu/prefix_gpu.py`

@@ -9,7 +9,7 @@ import re
 from dataclasses import dataclass
 from typing import Any, Mapping, Optional
 
-from .regular import refusal
+from .regular import MAX_GROUP_DEPTH, group_depth, refusal
 
 KINDS = ("regex", "choice", "json", "json_object")
 REFUSED = {"grammar": "a context-free grammar is not supported yet (regular languages only: regex, choice, json, "
@@ -73,13 +73,13 @@ def parse(value: Any) -> Optional[Constraint]:
     if kind == "regex":
         if not isinstance(spec, str) or not spec:
             raise ValueError(f"structured_outputs.regex must be a non-empty string, got {spec!r:.80}")
+        if group_depth(spec) > MAX_GROUP_DEPTH:
+            raise ValueError(f"structured_outputs.regex {spec!r:.80}: its groups are nested too deeply to parse "
+                             f"(more than {MAX_GROUP_DEPTH} levels)")
         try:
             re.compile(spec)
         except re.error as e:
             raise ValueError(f"structured_outputs.regex {spec!r:.80} is not a regular expression ({e})") from None
-        except RecursionError:
-            raise ValueError(f"structured_outputs.regex {spec!r:.80}: its groups are nested too deeply to parse") \
-                from None
         why = refusal(spec)
         if why:
             raise ValueError(f"structured_outputs.regex {spec!r:.80}: {why}")

@@ -19,6 +19,10 @@ MAX_CODE = 0x10FFFF
 # pieces (`(a?){60000}`) bounded too, whatever its DFA's size
 NFA_PER_STATE = 64
 WORK_PER_STATE = 128
+# groups a user's regex may nest: Python's parser recurses per level, so past a few hundred
+# it raises RecursionError at the default limit but not after torch's inductor has raised
+# the limit; a fixed bound keeps the answer the same in every process
+MAX_GROUP_DEPTH = 100
 
 Intervals = Tuple[Tuple[int, int], ...]  # sorted, disjoint, inclusive code point ranges
 
@@ -60,9 +64,33 @@ def parse(regex: str):
         raise ValueError("its groups are nested too deeply to parse") from None
 
 
+def group_depth(regex: str) -> int:
+    """How deeply `regex`'s groups nest, counted without recursing: escapes and the
+    parentheses inside character classes are skipped."""
+    depth = deepest = i = 0
+    while i < len(regex):
+        c = regex[i]
+        if c == "\\":
+            i += 1
+        elif c == "[":
+            i += 2 if regex[i + 1:i + 2] == "^" else 1
+            i += regex[i:i + 1] == "]"  # a leading ] is literal
+            while i < len(regex) and regex[i] != "]":
+                i += 2 if regex[i] == "\\" else 1
+        elif c == "(":
+            depth += 1
+            deepest = max(deepest, depth)
+        elif c == ")":
+            depth -= 1
+        i += 1
+    return deepest
+
+
 def refusal(regex: str) -> Optional[str]:
-    """Why `regex` is no regular expression a DFA can compile, or None. A ValueError when
-    it does not parse."""
+    """Why a user's `regex` is no regular expression a DFA can compile, or None. A
+    ValueError when it does not parse or nests deeper than MAX_GROUP_DEPTH."""
+    if group_depth(regex) > MAX_GROUP_DEPTH:
+        raise ValueError(f"its groups are nested too deeply to parse (more than {MAX_GROUP_DEPTH} levels)")
     return _refusal(parse(regex))
 
 
