@@ -40,7 +40,6 @@ import ray
 from common.model_source import model_name
 from common.schema import OUTPUT_SCHEMA, STOP_TEXT, as_table
 from actors.row_values import RowValueError, parse_sampling, parse_seed
-from engine.models.families import Serving  # torch-free
 
 from .engine_build import load_engine, resolve_device, resolve_dtype, warm_up  # noqa: F401 - resolve_dtype: callers import it from here
 from .engine_loop import EngineLoop, error_output
@@ -110,7 +109,7 @@ class DLLMEngineActor:
         self.ranks = RankGroup(spec) if spec.tensor_parallel_size > 1 else None
         self.model, self.budget, self.engine_config, factory = load_engine(
             spec, ckpt, self.device, self.model_dir, lambda: self._tokenizer, tp=self.ranks and self.ranks.tp)
-        if spec.warmup and ckpt.serving != Serving.CANVAS:
+        if spec.warmup and ckpt.serving.warms_up:
             self._warmup()
         self._batch_seq = itertools.count()
         self._in_flight = 0
@@ -240,10 +239,10 @@ class DLLMEngineActor:
             params = dataclasses.replace(params, seed=row_seed(own, seed, self.sampling.seed, row_id))
         except RowValueError as e:  # a bad per-row value fails that row only, naming the field
             return None, str(e)
-        if params.stop and self.checkpoint.serving == Serving.MASKED and not self._ensure_tokenizer():
+        uses_tokenizer = self.checkpoint.serving.uses_tokenizer  # the canvas engine reads neither field
+        if params.stop and uses_tokenizer and not self._ensure_tokenizer():
             return None, "stop strings need the model's tokenizer, and the model has none; use stop_token_ids"
-        if params.structured_outputs is not None and self.checkpoint.serving == Serving.MASKED \
-                and not self._ensure_tokenizer():
+        if params.structured_outputs is not None and uses_tokenizer and not self._ensure_tokenizer():
             return None, "structured_outputs need the model's tokenizer, and the model has none"
         return params, ""
 

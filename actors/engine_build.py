@@ -5,11 +5,10 @@ model and its engine factory (`load_engine`), the warm-up. Shared by the engine 
 torch loads when these run, not at import."""
 from __future__ import annotations
 
-import dataclasses
 import logging
 from typing import Any, Callable
 
-from engine.models.families import Serving  # torch-free
+from engine.engines import engine_for  # torch-free at import
 
 from .spec import EngineSpec
 
@@ -40,29 +39,10 @@ def load_engine(spec: EngineSpec, ckpt: Any, device: Any, weights_dir: str, toke
     of `ckpt` on `device`: what an engine actor (and each other rank of a tensor-parallel
     engine, given its `tp`: engine.parallel) loads. `tokenizer`: the tokenizer an engine is
     built with, read when one is built (loaded at the first row with stop strings)."""
-    from engine import Engine, load_model
-
     dtype = resolve_dtype(spec.dtype, device)
-    shard = {} if tp is None else {"tp": tp}  # one device: load_model's call as it always was
-    config = spec.engine
-    if ckpt.serving == Serving.CANVAS:  # DiffusionGemma: transformers' own class, served by engine.canvas
-        from engine.budget import fixed_budget
-        from engine.canvas import CanvasParams, CanvasServe, load_diffusion_gemma
-
-        budget = fixed_budget(config)  # the canvas engine plans none
-        defaults = CanvasParams.from_generation(ckpt.generation)
-        model = load_diffusion_gemma(ckpt, dtype, str(device), weights_dir=weights_dir, **shard)
-        return model, budget, config, lambda: CanvasServe(model, defaults, config)
-    from engine.budget import resolve_token_budget
-
-    model, _ = load_model(ckpt, dtype=dtype, device=device, tokenizer=False, weights_dir=weights_dir, **shard)
-    # once, with the weights loaded and before any engine (warm-up and restarts alike); a
-    # shard's model config is already its rank's: planned as one device (as Engine does)
-    budget = resolve_token_budget(config if tp is None else dataclasses.replace(config, tensor_parallel_size=1),
-                                  model.config, model.dtype, device)
-    config = dataclasses.replace(config, token_budget=budget.token_budget)
-    return model, budget, config, lambda: Engine(model, config, tokenizer=tokenizer(),
-                                                 record_batches=spec.record_batches)
+    built = engine_for(ckpt.serving).build(ckpt, spec.engine, dtype=dtype, device=device, weights_dir=weights_dir,
+                                           tokenizer=tokenizer, record_batches=spec.record_batches, tp=tp)
+    return built.model, built.budget, built.config, built.factory
 
 
 def warm_up(model: Any, engine_config: Any) -> None:

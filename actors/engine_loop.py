@@ -83,22 +83,28 @@ class EngineLoop:
     def _run(self) -> None:
         while not self._stop.is_set() and self.broken is None:
             self._wake.clear()
-            engine = self.engine
-            if not engine.has_unfinished():
-                self._wake.wait(self._idle_wait_s)
-                continue
+            self._step(self.engine)
+
+    def _step(self, engine: "Engine") -> None:
+        """One pass of the engine thread, the same on one device and on rank 0 of a
+        tensor-parallel engine (actors/tensor_parallel.LockstepLoop): wait while `engine` is
+        idle, else step it, hand its outputs back and call the step hook; a step that
+        raises goes to `_recover`."""
+        if not engine.has_unfinished():
+            self._wake.wait(self._idle_wait_s)
+            return
+        try:
+            outs = engine.step()
+        except Exception as e:  # noqa: BLE001 - fail the rows in flight, keep serving
+            self._recover(e)
+            return
+        for out in outs:
+            self._resolve(out)
+        if self._on_step is not None:
             try:
-                outs = engine.step()
-            except Exception as e:  # noqa: BLE001 - fail the rows in flight, keep serving
-                self._recover(e)
-                continue
-            for out in outs:
-                self._resolve(out)
-            if self._on_step is not None:
-                try:
-                    self._on_step(engine, outs)
-                except Exception:  # noqa: BLE001 - metrics must never stop generation
-                    logger.exception("engine step hook failed")
+                self._on_step(engine, outs)
+            except Exception:  # noqa: BLE001 - metrics must never stop generation
+                logger.exception("engine step hook failed")
 
     def _recover(self, error: Exception) -> None:
         """A step raised: its batch state is unknown, so every request in flight gets the

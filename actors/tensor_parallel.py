@@ -184,7 +184,7 @@ class LockstepLoop(EngineLoop):
     def _hand_over(self, request_id: Any, prompt: Sequence[int], params: SamplingParams) -> None:
         """Queue the request for the next step's broadcast (every rank adds it then), its seed filled in."""
         with self._lock:
-            if request_id in self._futures:  # not failed meanwhile by a failed step (_fail_in_flight)
+            if request_id in self._futures:  # not failed meanwhile by a failed step (_recover)
                 self._queue.append((request_id, list(prompt), fill_seed(params)))
 
     def _run(self) -> None:
@@ -204,30 +204,17 @@ class LockstepLoop(EngineLoop):
                         return
                 engine = self.engine
                 add_all(engine, adds, self._resolve)
-                if not engine.has_unfinished():
-                    self._wake.wait(self._idle_wait_s)
-                    continue
-                try:
-                    outs = engine.step()
-                except Exception as e:  # noqa: BLE001 - fail the rows in flight; every rank rebuilds
-                    self._fail_in_flight(e)
-                    continue
-                for out in outs:
-                    self._resolve(out)
-                if self._on_step is not None:
-                    try:
-                        self._on_step(engine, outs)
-                    except Exception:  # noqa: BLE001 - metrics must never stop generation
-                        logger.exception("engine step hook failed")
+                self._step(engine)  # EngineLoop's body; a failed step: _recover below
         except Exception as e:  # noqa: BLE001 - a collective failed (a rank gone, or timed out): the group is lost
             logger.exception("tensor-parallel engine loop failed")
             self._break(f"tensor-parallel group failed: {type(e).__name__}: {e}")
             if self._on_lost is not None:
                 self._on_lost(e)  # rank 0's process exits: Ray restarts the whole group
 
-    def _fail_in_flight(self, error: Exception) -> None:
+    def _recover(self, error: Exception) -> None:
         """A step raised: the requests in flight (and those queued for it) get the error, and
-        the next order raises the epoch (see the module docstring)."""
+        the next order raises the epoch, at which every rank builds a fresh engine (see the
+        module docstring), rather than this rank alone rebuilding now as EngineLoop does."""
         logger.error("engine step failed; failing in-flight requests", exc_info=True)
         with self._lock:
             failed, self._futures, self._queue = self._futures, {}, []
@@ -320,7 +307,6 @@ class TensorParallelFollower:
         self._tokenizer: Any = None
 
     def run(self) -> int:
-        from engine.models.families import Serving
         from engine.parallel import init_tensor_parallel
 
         from .engine_build import load_engine, resolve_device, warm_up
@@ -331,13 +317,13 @@ class TensorParallelFollower:
         device = resolve_device(spec.device)
         self._dir = ckpt.weights_dir()
         model, _, config, factory = load_engine(spec, ckpt, device, self._dir, lambda: self._tokenizer, tp=tp)
-        if spec.warmup and ckpt.serving == Serving.MASKED:
+        if spec.warmup and ckpt.serving.warms_up:
             warm_up(model, config)  # as rank 0 does: its forwards are collectives too
-        masked = ckpt.serving == Serving.MASKED
+        text_stops = ckpt.serving.uses_tokenizer
         logger.info("tensor-parallel engine: rank %d of %d loaded on %s", self.rank, self.size, device)
 
         def before_add(engine: Any, params: SamplingParams) -> None:
-            if params.stop and masked:  # stop strings are decided on the text, as on rank 0
+            if params.stop and text_stops:  # stop strings are decided on the text, as on rank 0
                 engine.tokenizer = self._tokenizer_of(ckpt)
 
         return follow(tp, factory, before_add)

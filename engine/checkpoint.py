@@ -29,10 +29,11 @@ from common.storage import StorageOptions
 
 from .config import Attention, enum_value
 from .models.config import ModelConfig
-from .models.families import Family, Serving, family_for
+from .models.families import Family, family_for
 from .models.families.base import ConfigRefused
 from .models.headers import CheckpointError, TensorInfo, check_weights
 from .models.lora import AdapterError, AdapterPlan, plan_adapter
+from .serving import Serving
 from .models.stops import TokenizerFacts, stop_ids
 
 CONFIG = "config.json"
@@ -99,14 +100,14 @@ class Checkpoint:
         stops = stop_ids(hf, generation, tok)
         cfg.stop_ids = list(stops) or None
         tensors: Dict[str, TensorInfo] = {}
-        if weights and family.serving == Serving.MASKED:
+        if weights and family.serving.own_weights:  # else transformers' own class reads them (engine.canvas)
             found = check_weights(files.root, cfg, files)
             tensors = {k: replace(v, file=v.file[len(files.root) + 1:]) for k, v in found.items()}
         plan = None
         if adapter:
-            if family.serving != Serving.MASKED:
-                raise AdapterError(f"an adapter (a LoRA merged into a masked-diffusion model) does not apply to "
-                                   f"{family.name} ({model}); drop --adapter")
+            refusal = family.serving.adapter_refusal(family, model)
+            if refusal:
+                raise AdapterError(refusal)
             try:
                 adapter_files = SourceFiles(adapter, storage)
             except ModelSourceError as e:
@@ -140,7 +141,7 @@ class Checkpoint:
         """engine.enable_prefix_caching (an EngineConfig) resolved for this model as its
         engine resolves it: auto (None) is on where the cache is exact
         (engine.prefix_cache.enabled; DiffusionGemma's causal encoder: always)."""
-        if self.serving == Serving.CANVAS:
+        if self.serving.exact_prefix_cache:
             return engine.enable_prefix_caching is not False
         from .prefix_cache import enabled
 
@@ -156,12 +157,9 @@ class Checkpoint:
 
 def _override(family: Family, attention: Attention) -> Attention:
     """The attention --attention asks for, where the family lets a run choose it."""
-    if family.serving != Serving.MASKED:
-        raise ConfigRefused(f"--attention {attention} applies to masked-diffusion models only; {family.name}'s "
-                            "attention is its own")
-    if family.attention is not None and attention != family.attention:
-        raise ConfigRefused(f"--attention {attention}: {family.name}'s decoding needs {family.attention} attention "
-                            "(its blocks and its K/V are laid out for it)")
+    refusal = family.serving.attention_refusal(family, attention)
+    if refusal:
+        raise ConfigRefused(refusal)
     return attention
 
 

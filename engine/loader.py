@@ -19,7 +19,6 @@ from safetensors.torch import save_file
 from .checkpoint import Checkpoint
 from .config import Attention
 from .models import DLLM, ModelConfig, checkpoint_names
-from .models.families import Serving
 from .models.families.base import ConfigRefused
 from .models.lora import read_adapter
 from .models.sharding import ShardPlan, shard_model
@@ -46,9 +45,9 @@ def load_model(source: Union[str, os.PathLike, Checkpoint], dtype: torch.dtype =
     rank's shard only (engine.models.sharding), each tensor read by its shard's byte ranges."""
     ckpt = source if isinstance(source, Checkpoint) else Checkpoint.open(
         str(source), adapter=None if adapter is None else str(adapter), attention=attention)
-    if ckpt.serving != Serving.MASKED:
-        raise ConfigRefused(f"{ckpt.model} is {ckpt.family.name}, served by engine.canvas "
-                            "(engine.canvas.load_diffusion_gemma), not by blockray's transformer")
+    refusal = ckpt.serving.weights_refusal(ckpt.family)
+    if refusal:
+        raise ConfigRefused(f"{ckpt.model}: {refusal}")
     root = weights_dir or ckpt.weights_dir()
     cfg = ckpt.config
     with torch.device("meta"):

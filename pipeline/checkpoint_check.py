@@ -12,9 +12,8 @@ from typing import Any, Dict, Optional
 from common.model_source import ModelSourceError, classify
 from common.storage import StorageOptions
 from engine.checkpoint import Checkpoint, CheckpointError
-from engine.models.families import Serving
+from engine.engines import engine_for
 from engine.models.lora import AdapterError
-from engine.reads import CANVAS, MASKED
 
 from .errors import CheckpointRefused
 
@@ -37,8 +36,7 @@ def check_settings(checkpoint: Checkpoint, sampling: Any, engine: Any) -> None:
     block_length, a masked-diffusion one with max_denoising_steps, ...) is refused, naming
     them; so is one whose every row the engine would refuse (`every_row_refusal`)."""
     where = f"{checkpoint.family.name}: {checkpoint.model}"
-    reads = CANVAS if checkpoint.serving == Serving.CANVAS else MASKED
-    err = reads.refusal(sampling, engine)
+    err = checkpoint.serving.reads.refusal(sampling, engine)
     if err:
         raise CheckpointRefused(f"{err} ({where})")
     err = prefix_caching_refusal(checkpoint, engine) if engine is not None else None
@@ -53,7 +51,7 @@ def prefix_caching_refusal(checkpoint: Checkpoint, engine: Any) -> Optional[str]
     """Why the masked-diffusion engine would refuse enable_prefix_caching for this model
     (a prompt whose prefix's K/V depend on what follows it: LLaDA, Dream, D2F; cache none;
     the full canvas), or None. DiffusionGemma's engine says what it reads (engine.reads)."""
-    if checkpoint.serving == Serving.CANVAS or not engine.enable_prefix_caching:
+    if checkpoint.serving.exact_prefix_cache or not engine.enable_prefix_caching:
         return None
     from engine.prefix_cache import refusal
 
@@ -67,19 +65,7 @@ def every_row_refusal(checkpoint: Checkpoint, sampling: Any, engine: Any) -> Opt
     resolved over its generation_config.json (entropy_bound=0, t_min >= t_max), a decoding
     rule the model's family does not allow (D2F on a bidirectional model, edit_threshold
     outside LLaDA2), max_new_tokens past the model's context or the token budget."""
-    if checkpoint.serving == Serving.CANVAS:  # imports torch and transformers: DiffusionGemma jobs only
-        from engine.canvas.params import CanvasParams, budget_refusal
-
-        knobs = CanvasParams.from_generation(checkpoint.generation).override(sampling)
-        return knobs.validate() or budget_refusal(1, sampling.max_new_tokens,
-                                                  checkpoint.family.canvas_length(checkpoint.hf), engine.fixed_token_budget())
-    from engine.decoders import settings_refusal
-    from engine.rules import Traits
-    from engine.sequence import RowShape
-
-    cfg = checkpoint.config
-    shape = RowShape(engine.block_length, engine.full_canvas(cfg.block_causal))
-    return settings_refusal(sampling, Traits(cfg.family, cfg, shape, engine))
+    return engine_for(checkpoint.serving).every_row_refusal(checkpoint, sampling, engine)
 
 
 def stop_sources(checkpoint: Checkpoint, override: Optional[list] = None) -> Dict[str, str]:

@@ -200,7 +200,6 @@ def check_gpu_memory(config: DLLMProcessorConfig, checkpoint: Any, cluster: Clus
     gpu_memory_utilization other than the default is refused: nothing would read it.
     Unknown GPU memory, or DiffusionGemma's canvas engine (which plans no budget): not checked."""
     from engine.config import EngineConfig
-    from engine.models.families import Serving
 
     gpus = cluster.total.get("GPU", 0.0) if cluster.knows("GPU") else 0.0
     util = config.engine.gpu_memory_utilization
@@ -211,7 +210,7 @@ def check_gpu_memory(config: DLLMProcessorConfig, checkpoint: Any, cluster: Clus
                            "it (the token budget is --token-budget, else the CPU default); leave it at the default",
                            "gpu_memory_utilization")
         return
-    if cluster.gpu_memory is None or checkpoint.serving != Serving.MASKED:
+    if cluster.gpu_memory is None or not checkpoint.serving.plans_memory:
         return
     import torch  # a GPU job's driver only
 

@@ -88,10 +88,10 @@ def load_diffusion_gemma(source: Any, dtype: torch.dtype = torch.bfloat16, devic
     from transformers import DiffusionGemmaConfig, DiffusionGemmaForBlockDiffusion
 
     from ..checkpoint import Checkpoint
-    from ..models.families import Serving
+    from ..serving import CANVAS
 
     ckpt = source if isinstance(source, Checkpoint) else Checkpoint.open(str(source))
-    if ckpt.serving != Serving.CANVAS:
+    if ckpt.serving != CANVAS:
         raise ValueError(f"{ckpt.model}: model_type {ckpt.hf.get('model_type')!r} is not diffusion_gemma")
     sharded = tp is not None and tp.size > 1
     experts = "eager" if dtype == torch.float64 or sharded else None  # sharded: the loop that skips others' experts

@@ -38,8 +38,6 @@ import pyarrow.compute as pc
 import ray.data
 
 from engine.config import Attention, SamplingParams  # dataclasses only: no torch
-from engine.models.families import Serving
-from engine.models.families.diffusion_gemma import DEFAULT_MAX_DENOISING_STEPS
 
 from ..config import DLLMProcessorConfig
 from actors.row_values import RowValueError, parse_sampling
@@ -151,7 +149,8 @@ def max_width(cfg: DLLMProcessorConfig, checkpoint: Any) -> int:
 
 
 def cost_shape(cfg: DLLMProcessorConfig, checkpoint: Any) -> Dict[str, Any]:
-    """What a block is, as the engine serving the model runs it. A DiffusionGemma block is
+    """What a block is, as the engine serving the model runs it (its serving mode says:
+    engine.serving.Serving.block). A DiffusionGemma block is
     a canvas (`canvas_length`) of at most `max_denoising_steps` decoder steps (the request's
     knob, else generation_config.json's, else transformers' default); the encoder writes
     the prompt once and every committed canvas once, the last one never: cache
@@ -159,12 +158,7 @@ def cost_shape(cfg: DLLMProcessorConfig, checkpoint: Any) -> Dict[str, Any]:
     canvases. An upper bound of what the canvas engine forwards (its `cells`), reached
     when no canvas stops early and no row ends before max_tokens; a preempted row's
     recompute is not charged."""
-    if checkpoint.serving == Serving.CANVAS:
-        steps = cfg.sampling.max_denoising_steps or checkpoint.generation.get("max_denoising_steps")
-        return dict(block_length=checkpoint.family.canvas_length(checkpoint.hf),
-                    steps_per_block=int(steps or DEFAULT_MAX_DENOISING_STEPS), cache="persistent", full_canvas=False)
-    return dict(block_length=cfg.engine.block_length, steps_per_block=cfg.engine.steps_per_block,
-                cache=cfg.engine.cache, full_canvas=full_canvas(cfg, checkpoint))
+    return checkpoint.serving.block(checkpoint, cfg.sampling, cfg.engine)
 
 
 def cost_model(cfg: DLLMProcessorConfig, device: str = "cpu", checkpoint: Any = None) -> Roofline:

@@ -18,6 +18,8 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Dict, FrozenSet, Iterable, List, Mapping, Optional, Tuple
 
+from ...serving import MASKED, Serving  # torch-free: which engine serves a family
+
 # Keys of any Hugging Face config.json that say how a file was written or which code loads
 # it, never what the network computes (beside transformers' PreTrainedConfig's own, which
 # `common_inert` reads from transformers' source).
@@ -101,15 +103,6 @@ TRANSFORMER_SHARDING = {"q": Shard.COLUMN, "k": Shard.KV, "v": Shard.KV, "qkv_pr
                         "lm_head": Shard.VOCAB, "experts": Shard.EXPERT}
 
 
-class Serving(enum.StrEnum):
-    """Which engine serves a family: MASKED (engine.engine.Engine: masked diffusion over
-    blockray's own transformer) or CANVAS (engine.canvas: DiffusionGemma through
-    transformers' own class)."""
-
-    MASKED = "masked"
-    CANVAS = "canvas"
-
-
 def _first(v: Any) -> Any:
     return v[0] if isinstance(v, list) and v else v
 
@@ -175,9 +168,10 @@ class Family:
     examples: str  # published checkpoints, for messages
     honoured: FrozenSet[str]
     fixed: Mapping[str, Tuple[Any, ...]]
-    top_weights: Mapping[str, str]  # internal name -> checkpoint key
-    layer_prefix: str  # "model.layers.{i}."
-    layer_weights: Mapping[str, str]  # internal module -> checkpoint module
+    # the weights of blockray's transformer (serving.own_weights; a masked family must name them)
+    top_weights: Mapping[str, str] = field(default_factory=dict)  # internal name -> checkpoint key
+    layer_prefix: str = ""  # "model.layers.{i}."
+    layer_weights: Mapping[str, str] = field(default_factory=dict)  # internal module -> checkpoint module
     ignored: FrozenSet[str] = frozenset()
     layout: Optional[str] = None  # transformers model whose config class the checkpoint's config.json uses
     aliases: Tuple[str, ...] = ()  # other model_type spellings of config.json
@@ -192,11 +186,14 @@ class Family:
     confidence: Confidence = Confidence.MODEL
     editing: bool = False  # LLaDA2.1's token editing (SamplingParams.edit_threshold)
     attention: Optional[str] = None  # the attention its layout requires (None: config.json's dllm_attention)
-    serving: Serving = Serving.MASKED
+    serving: Serving = MASKED  # which engine serves it (engine.serving), asked rather than compared
     defaults: Mapping[str, Any] = field(default_factory=dict)  # ids published loops default to
     mask_token: Optional[str] = None  # the added token that is the mask where config.json names no mask id
     # tensor parallelism: internal module name -> Shard (anything unnamed is replicated)
     sharding: Mapping[str, Shard] = field(default_factory=lambda: dict(TRANSFORMER_SHARDING))
+
+    def __post_init__(self) -> None:
+        self.serving.check_family(self)
 
     # --- decoding traits ----------------------------------------------------------------
     def prefix_cache_refusal(self, block_causal: bool) -> Optional[str]:
@@ -324,7 +321,11 @@ class Family:
 
     def param_shapes(self, cfg: Any) -> Dict[str, Tuple[int, ...]]:
         """{internal parameter name: shape} of the model `cfg` describes (the DLLM's own
-        parameters, in its order; engine.loader checks the two agree)."""
+        parameters, in its order; engine.loader checks the two agree). ConfigRefused for a
+        family whose weights blockray's transformer does not hold (serving.own_weights)."""
+        refusal = self.serving.weights_refusal(self)
+        if refusal:
+            raise ConfigRefused(refusal)
         d, E = cfg.hidden_size, cfg.embedding_size
         out: Dict[str, Tuple[int, ...]] = {"embed.weight": (E, d)}
         for i in range(cfg.n_layers):

@@ -5,7 +5,8 @@ writes a K/V cache and a bidirectional denoiser over a random canvas with
 self-conditioning. Not a masked-diffusion model: there is no mask token and no block
 schedule. Its network is transformers' own DiffusionGemmaForBlockDiffusion (native in
 transformers, never remote code), which reads every key of config.json, driven by
-engine.canvas (Serving.CANVAS). The ModelConfig parsed here is approximate (its text
+engine.canvas (serving mode CANVAS, engine.serving: it names no weights of blockray's
+transformer). The ModelConfig parsed here is approximate (its text
 backbone's widths, layer count, heads, vocabulary and context; the MoE width one token
 computes as a dense MLP): what the sorter's cost model and the preflight's vocabulary
 check need; it never builds a network. Torch-free."""
@@ -13,7 +14,8 @@ from __future__ import annotations
 
 from typing import Any, Dict, Mapping, Optional
 
-from .base import ConfigRefused, Family, Serving, Shard
+from ...serving import CANVAS
+from .base import ConfigRefused, Family, Shard
 
 # transformers' DiffusionGemmaGenerationConfig default (checked by tests/test_diffusion_gemma.py):
 # read here without importing transformers, since the sorter runs in data-side workers.
@@ -49,18 +51,21 @@ class DiffusionGemmaFamily(Family):
     def to_hf(self, cfg: Any) -> Dict[str, Any]:
         return {"model_type": self.model_type}  # approximate: never written back as a checkpoint
 
-    def param_shapes(self, cfg: Any) -> Dict[str, Any]:
-        raise ConfigRefused("DiffusionGemma's weights are read by transformers' own class (engine.canvas), "
-                            "not by blockray's transformer")
-
     @staticmethod
     def canvas_length(hf: Mapping[str, Any]) -> int:
         return int(hf.get("canvas_length", 256))
 
+    @staticmethod
+    def denoising_steps(sampling: Any, generation: Mapping[str, Any]) -> int:
+        """The most decoder steps a canvas takes: the request's max_denoising_steps, else
+        generation_config.json's, else transformers' default (the sorter's cost model)."""
+        steps = sampling.max_denoising_steps or generation.get("max_denoising_steps")
+        return int(steps or DEFAULT_MAX_DENOISING_STEPS)
+
 
 DIFFUSION_GEMMA = DiffusionGemmaFamily(
     name="DiffusionGemma", model_type="diffusion_gemma", examples="google/diffusiongemma-26B-A4B-it",
-    honoured=frozenset(), fixed={}, top_weights={}, layer_prefix="", layer_weights={}, serving=Serving.CANVAS,
+    honoured=frozenset(), fixed={}, serving=CANVAS,
     # tensor parallel (engine.canvas.sharding), by transformers' module names; embedding and LM head replicated
     sharding={"q_proj": Shard.COLUMN, "k_proj": Shard.KV, "v_proj": Shard.KV, "o_proj": Shard.ROW,
               "gate_proj": Shard.COLUMN, "up_proj": Shard.COLUMN, "down_proj": Shard.ROW, "experts": Shard.EXPERT})
