@@ -40,6 +40,9 @@ class StorageOptions:
     region: Optional[str] = None
     anon: bool = False
     extra: Dict[str, Any] = field(default_factory=dict)
+    # Set by resolved(): the environment was read into this copy, so resolving it again
+    # (a run's preflight, then its processor) returns it as it is, reading nothing.
+    from_environment: bool = field(default=False, repr=False, compare=False)
 
     def __repr__(self) -> str:
         """Credentials never reach logs or error messages: only whether they are set."""
@@ -55,8 +58,14 @@ class StorageOptions:
     __str__ = __repr__
 
     def resolved(self, environ: Optional[Mapping[str, str]] = None) -> "StorageOptions":
-        """A copy with every unset field filled from the environment."""
-        env = os.environ if environ is None else environ
+        """A copy with every unset field filled from the environment (`environ`, else
+        os.environ); itself when it is such a copy already and no `environ` is given:
+        a run resolves its options once (pipeline/run_spec.py)."""
+        if self.from_environment and environ is None:
+            return self
+        return self._filled(os.environ if environ is None else environ)
+
+    def _filled(self, env: Mapping[str, str]) -> "StorageOptions":
         return StorageOptions(
             endpoint_url=self.endpoint_url or env.get("AWS_ENDPOINT_URL_S3") or env.get("AWS_ENDPOINT_URL"),
             key=self.key or env.get("AWS_ACCESS_KEY_ID"),
@@ -65,13 +74,14 @@ class StorageOptions:
             region=self.region or env.get("AWS_DEFAULT_REGION") or env.get("AWS_REGION"),
             anon=self.anon,
             extra=dict(self.extra),
+            from_environment=True,
         )
 
     def fsspec_kwargs(self, protocol: str) -> Dict[str, Any]:
         """Constructor kwargs for the fsspec filesystem of `protocol`."""
         if protocol not in _S3_PROTOCOLS:
             return dict(self.extra)
-        opts = self.resolved()
+        opts = self._filled(os.environ)  # this process's environment fills what is still unset
         kw: Dict[str, Any] = {}
         if opts.anon:
             kw["anon"] = True

@@ -306,6 +306,26 @@ def parse_resources(items) -> "dict | None":
     return out or None
 
 
+def build_spec(args: argparse.Namespace, num_gpus_in_cluster: float, run_id: str = ""):
+    """The run the flags ask for (pipeline/run_spec.RunSpec), its processor config built
+    here, once, against a cluster with `num_gpus_in_cluster` GPUs (the one the preflight
+    checks it against); the storage options and --chat-template read once."""
+    from common.storage import StorageOptions
+
+    from .run_spec import MAX_ERROR_FRACTION, RunSpec
+
+    storage = StorageOptions(endpoint_url=args.endpoint_url, region=args.region, key=args.access_key_id).resolved()
+    return RunSpec(
+        input=args.input if len(args.input) > 1 else args.input[0],
+        output=args.output or os.path.join(DEFAULT_OUTPUT_ROOT, time.strftime("%Y%m%d-%H%M%S")),
+        config=build_config(args, num_gpus_in_cluster, storage), storage=storage, limit=args.limit,
+        id_column=args.id_column, reference_column=args.reference_column, overwrite=args.overwrite,
+        resume=args.resume, rows_per_file=args.rows_per_file or None, allow_duplicate_ids=args.allow_duplicate_ids,
+        max_error_fraction=MAX_ERROR_FRACTION if args.max_error_fraction is None else args.max_error_fraction,
+        resume_mismatch=args.resume_mismatch, run_id=run_id, report=args.report, input_format=args.input_format,
+        output_format=args.output_format)
+
+
 # --- running it -------------------------------------------------------------------------
 
 def main(argv: Optional[Sequence[str]] = None, runner: Optional[Callable[[argparse.Namespace], int]] = None) -> int:
@@ -349,10 +369,10 @@ def run_job(args: argparse.Namespace) -> int:
 
     from actors.metrics import new_run_id
 
-    from .preflight import MAX_ERROR_FRACTION, JobError, preflight
+    from .preflight import JobError, preflight
     from .resources import connected_cluster, local_cluster
     from .signals import Interrupted, StopOnSignal, stop_cleanly
-    from common.storage import StorageOptions, describe_error
+    from common.storage import describe_error
 
     if args.secret_access_key is not None:  # never echo the value
         return fail("--secret-access-key is no longer accepted: a job's command line is shown by `ray job list` "
@@ -361,14 +381,6 @@ def run_job(args: argparse.Namespace) -> int:
                     "nodes, or an instance role).")
     run_id = new_run_id()
     print(f"blockray run {run_id} (the `run` tag of its metrics)", flush=True)
-    output = args.output or os.path.join(DEFAULT_OUTPUT_ROOT, time.strftime("%Y%m%d-%H%M%S"))
-    storage = StorageOptions(endpoint_url=args.endpoint_url, region=args.region, key=args.access_key_id)
-    job_input = args.input if len(args.input) > 1 else args.input[0]
-    options = dict(storage=storage, limit=args.limit, id_column=args.id_column, overwrite=args.overwrite,
-                   resume=args.resume, allow_duplicate_ids=args.allow_duplicate_ids,
-                   max_error_fraction=MAX_ERROR_FRACTION if args.max_error_fraction is None
-                   else args.max_error_fraction, resume_mismatch=args.resume_mismatch,
-                   input_format=args.input_format, output_format=args.output_format)
     job: Dict[str, Any] = {}  # what the clean stop on a signal releases
     stop = StopOnSignal(cleanup=lambda signum: stop_cleanly(job.get("checked")))
     stop.install()  # Ctrl-C / SIGTERM: a clean stop, exit 130 / 143 (pipeline/signals.py)
@@ -383,8 +395,7 @@ def run_job(args: argparse.Namespace) -> int:
             return fail(ray_failed.format(describe_error(e)))
         try:  # fail fast, before a local Ray or any engine starts: bad options, input, output, model or pool
             cluster = connected_cluster() if address else local_cluster(args.num_cpus)
-            checked = job["checked"] = preflight(job_input, output, build_config(args, cluster.gpus, storage),
-                                                 run_id=run_id, cluster=cluster, **options)
+            checked = job["checked"] = preflight(build_spec(args, cluster.gpus, run_id), cluster=cluster)
         except (JobError, ValueError) as e:
             return fail(str(e))
         if checked.ids_note:
@@ -403,7 +414,7 @@ def run_job(args: argparse.Namespace) -> int:
             except Exception as e:  # noqa: BLE001 - not a bug of blockray: say what to try
                 return fail(ray_failed.format(describe_error(e)))
         announce(context, local=not address)
-        return _run_on_ray(args, run_id, output, storage, job_input, options, checked, stop)
+        return _run_on_ray(checked, stop)
     except Interrupted as e:
         stop_cleanly(job.get("checked"))
         return fail(f"interrupted ({e}): the part files already written are complete and kept; rerun with the "
@@ -414,24 +425,21 @@ def run_job(args: argparse.Namespace) -> int:
             job["checked"].release()
 
 
-def _run_on_ray(args: argparse.Namespace, run_id: str, output: str, storage: Any, job_input: Any,
-                options: Dict[str, Any], checked: Any, stop: Any) -> int:
+def _run_on_ray(checked: Any, stop: Any) -> int:
+    """The run the preflight checked (`checked.spec`, whose config is the one built from the
+    flags), on the Ray this process is connected to."""
     import ray
 
     from .run import ErrorFractionExceeded, JobError, run_offline
 
+    spec = checked.spec
     stop.install()  # again: ray.init replaces SIGTERM's handler with one that aborts
     try:
-        try:
-            config = build_config(args, ray.cluster_resources().get("GPU", 0), storage)
-        except ValueError as e:  # an option's value (the config dataclasses check them)
-            return fail(str(e))
-        print(f"blockray offline eval: run={run_id} model={args.model} engines={config.num_engines} "
+        config = spec.config
+        print(f"blockray offline eval: run={spec.run_id} model={config.model} engines={config.num_engines} "
               f"engine={json.dumps(dataclasses.asdict(config.engine))} "
               f"sampling={json.dumps(dataclasses.asdict(config.sampling))}", flush=True)
-        summary = run_offline(job_input, output, config, reference_column=args.reference_column,
-                              rows_per_file=args.rows_per_file or None, preflighted=checked, run_id=run_id,
-                              report=args.report, **options)
+        summary = run_offline(spec, preflighted=checked)
     except ErrorFractionExceeded as e:
         print_summary(e.summary)
         return fail(str(e))
@@ -459,4 +467,4 @@ def entry_point() -> None:
     sys.exit(main())
 
 
-__all__ = ["main", "parse_args", "build_parser", "build_config", "parse_resources", "run_job", "add_config_options", "entry_point"]
+__all__ = ["main", "parse_args", "build_parser", "build_config", "build_spec", "parse_resources", "run_job", "add_config_options", "entry_point"]

@@ -15,24 +15,18 @@ import pyarrow as pa
 from common.storage import StorageOptions, describe_error, get_filesystem, protocol_of
 from common.tokenizer import load_tokenizer
 
-from .config import JOB_BOUNDS, DLLMProcessorConfig
+from .config import DLLMProcessorConfig
 from .errors import CheckpointRefused, JobError
 from .output_lock import OutputLock, OutputLocked
 from . import openai_batch
 from .reader import DEFAULT_ID_COLUMN, DuplicateIds, InputError, PromptParquetDatasource
 from .resources import Cluster, check_gpu_memory, check_resources
 from .run_record import RECORD_FILE, build_record, check_resume, read_json, run_history
-from .stages import resolve_chat_template, template_of
+from .run_spec import MAX_ERROR_FRACTION, RunSpec, as_spec, check_options  # noqa: F401 - re-exported
+from .stages import template_of
 from .writer import OUTPUT_FORMATS, PART_SUFFIX, accepted_parts, check_output, completed_keys, prepare_output, write_json
 
 SUMMARY_FILE = "summary.json"
-
-# Default share of rows that may fail before the job reports failure: none. Anchored on
-# ray.data.llm, whose processors fail the job on the first failed row unless
-# should_continue_on_error=True. Here the run still finishes and writes every row (the
-# error rows say why), but the exit code tells the truth; --max-error-fraction 1.0 is
-# should_continue_on_error=True.
-MAX_ERROR_FRACTION = 0.0
 
 
 @dataclass
@@ -54,6 +48,8 @@ class Preflight:
     id_column: str = DEFAULT_ID_COLUMN  # the column holding the ids (derived ones included)
     ids_note: Optional[str] = None  # when the ids are derived, <file>:<row>: what that means (the summary says it)
     output_format: str = "parquet"  # pipeline/writer.py OUTPUT_FORMATS
+    spec: Optional[RunSpec] = None  # what was checked: the run goes on with this one
+    chat_template: Optional[str] = None  # the template prompts are rendered with (None: none), read once here
 
     def release(self) -> None:
         if self.lock is not None:
@@ -161,15 +157,12 @@ def check_prompt_type(source: PromptParquetDatasource, column: str, option: str)
                        "prompt", option, "input")
 
 
-def check_chat_template(config: DLLMProcessorConfig, names: List[str], checkpoint: Any) -> Optional[str]:
-    """The chat template the run will render with, or None when it renders none. Raises
-    JobError when one is asked for (apply_chat_template=True, or auto with only a messages
-    column) and neither --chat-template nor the tokenizer has one, or when the
-    --chat-template file is missing."""
-    try:
-        given = resolve_chat_template(config.chat_template)
-    except (OSError, ValueError) as e:
-        raise JobError(str(e).removesuffix(" (--chat-template)"), "chat_template") from e
+def check_chat_template(config: DLLMProcessorConfig, given: Optional[str], names: List[str],
+                        checkpoint: Any) -> Optional[str]:
+    """The chat template the run will render with (`given`: the --chat-template text, as
+    RunSpec read it; else the tokenizer's), or None when it renders none. Raises JobError
+    when one is asked for (apply_chat_template=True, or auto with only a messages column)
+    and there is none."""
     wanted = config.apply_chat_template is True or (
         config.apply_chat_template is None and config.messages_column in names)
     if not wanted:
@@ -295,121 +288,142 @@ def check_tensor_parallel(config: DLLMProcessorConfig, checkpoint: Any) -> None:
                        "(or be a multiple of them) and MLP widths", "tensor_parallel_size") from e
 
 
-def check_options(**values: Any) -> None:
-    """The job's own numeric options within their bounds (config.JOB_BOUNDS), else a
-    JobError naming the first that is not."""
-    for name, value in values.items():
-        err = JOB_BOUNDS[name].error(name, value)
-        if err:
-            raise JobError(err, name)
-
-
-def preflight(input: Union[str, List[str]], output: str, config: DLLMProcessorConfig, *,
-              storage: Optional[StorageOptions] = None, limit: Optional[int] = None, id_column: Optional[str] = None,
-              overwrite: bool = False, resume: bool = True, allow_duplicate_ids: bool = False,
-              max_error_fraction: float = MAX_ERROR_FRACTION, resume_mismatch: str = "refuse",
-              run_id: str = "", cluster: Optional[Cluster] = None, input_format: str = "auto",
-              output_format: str = "parquet") -> Preflight:
-    """The job-level checks, before any engine (or Ray) work: output apart from the input,
-    input readable with a prompt column of a usable type in every file, agreeing column
-    types and unique ids (`id_column`, else "id" when the input has it, else <file>:<row>),
-    model and tokenizer loadable, settings the model's engine serves, the engine pool and
-    the model's memory within `cluster` (what the run's Ray has or will have:
-    pipeline/resources.py), output writable. `input_format` (reader.INPUT_FORMATS, auto by
-    the files) and `output_format` (writer.OUTPUT_FORMATS): an OpenAI batch file is refused
-    here when a line is no request (not JSON, no custom_id, a repeated one), naming the
-    line. Raises JobError naming the option to fix. Nothing in the output is removed
+def preflight(spec: Union[RunSpec, str, List[str]], output: Optional[str] = None,
+              config: Optional[DLLMProcessorConfig] = None, *, cluster: Optional[Cluster] = None,
+              **settings: Any) -> Preflight:
+    """The job-level checks of `spec` (pipeline/run_spec.py; or input, output, config and
+    its other fields as keywords), before any engine (or Ray) work: output apart from the
+    input, input readable with a prompt column of a usable type in every file, agreeing
+    column types and unique ids (`id_column`, else "id" when the input has it, else
+    <file>:<row>), model and tokenizer loadable, settings the model's engine serves, the
+    engine pool and the model's memory within `cluster` (what the run's Ray has or will
+    have: pipeline/resources.py), output writable. `input_format` (reader.INPUT_FORMATS,
+    auto by the files) and `output_format` (writer.OUTPUT_FORMATS): an OpenAI batch file is
+    refused here when a line is no request (not JSON, no custom_id, a repeated one), naming
+    the line. Raises JobError naming the option to fix. Nothing in the output is removed
     (overwrite) or created until every other check has passed: the output is prepared
     last, under this run's lease on it (`Preflight.lock`, released by run_offline), with
     the run record a resume is checked against (`resume_mismatch="allow"` mixes settings
     on purpose)."""
-    check_options(limit=limit, max_error_fraction=max_error_fraction)
-    resume = resume and not overwrite
+    spec = as_spec(spec, output, config, settings)
+    out_fs, out_path, lock = _check_output(spec)
+    source, id_column, ids_note, needs_tokenizer = _check_input(spec)
+    names = source.schema.names if source.schema is not None else []
+    checkpoint, template = _check_model_for(spec, cluster, source.format, names, needs_tokenizer)
+    record = build_record(spec.config, checkpoint, template)
+    parts, done, changed = _check_resume(spec, out_fs, out_path, id_column, record)
     try:
-        out_fs, out_path = get_filesystem(output, storage)
+        duplicates = source.scan_ids(exclude_ids=done)
+    except Exception as e:  # noqa: BLE001
+        raise JobError(f"input ids cannot be read: {describe_error(e)}", "input", "id_column") from e
+    if duplicates and not spec.allow_duplicate_ids:
+        raise JobError(f"input has {duplicates.count} duplicated id(s) in column {id_column!r} "
+                       f"({duplicates.extra_rows} extra rows), first: {', '.join(map(repr, duplicates.first))}; "
+                       "make ids unique, or pass --allow-duplicate-ids to generate every row and report them",
+                       "input", "id_column")
+    history = run_history(read_json(out_fs, f"{out_path.rstrip('/')}/{SUMMARY_FILE}")) if spec.resumes else []
+    _take_output(spec, lock, out_fs, out_path, parts, record)
+    return Preflight(source, done, out_fs, out_path, duplicates, checkpoint, lock, record, history, changed,
+                     id_column, ids_note, spec.output_format, spec, template)
+
+
+def _check_output(spec: RunSpec) -> Tuple[fsspec.AbstractFileSystem, str, OutputLock]:
+    """The output's filesystem and path, apart from the input and reachable, and its lease
+    (not taken yet: once every check has passed); nothing changed there."""
+    output = spec.output
+    try:
+        out_fs, out_path = get_filesystem(output, spec.storage)
     except Exception as e:  # noqa: BLE001
         raise JobError(f"output {output} cannot be used: {type(e).__name__}: {e}", "output") from e
-    check_separate(input, output, out_fs, out_path, storage)
+    check_separate(spec.input, output, out_fs, out_path, spec.storage)
     try:
-        check_output(out_fs, out_path, overwrite=overwrite, resume=resume)  # reachable; changes nothing
+        check_output(out_fs, out_path, overwrite=spec.overwrite, resume=spec.resumes)  # reachable; changes nothing
     except Exception as e:  # noqa: BLE001
         raise JobError(f"output {output} cannot be used: {type(e).__name__}: {e}", "output") from e
-    lock = OutputLock(out_fs, out_path, run_id)
+    lock = OutputLock(out_fs, out_path, spec.run_id)
     try:
         lock.check()  # changes nothing: taken once every check has passed
     except OutputLocked as e:
         raise JobError(f"{e}", "output") from e
     except Exception:  # noqa: BLE001 - an output that cannot be read: the write probe below names why
         pass
-    check_output_format(output_format, [], output)
-    check_duplicates_output(allow_duplicate_ids, output_format)
-    named, id_column = id_column, id_column or DEFAULT_ID_COLUMN
+    check_output_format(spec.output_format, [], output)
+    check_duplicates_output(spec.allow_duplicate_ids, spec.output_format)
+    return out_fs, out_path, lock
+
+
+def _check_input(spec: RunSpec) -> Tuple[PromptParquetDatasource, str, Optional[str], bool]:
+    """(the input, its id column, the note on derived ids, whether prompts are text)."""
+    config = spec.config
+    named, id_column = spec.id_column, spec.id_column or DEFAULT_ID_COLUMN
     try:
-        source = PromptParquetDatasource(input, storage, id_column=id_column, limit=limit, input_format=input_format)
+        source = PromptParquetDatasource(spec.input, spec.storage, id_column=id_column, limit=spec.limit,
+                                         input_format=spec.input_format)
     except InputError as e:
         raise JobError(f"{e}", "input") from e
-    if source.format == "openai-batch":  # its ids are its custom_ids
-        named = id_column = check_batch_input(config, named)
-    names = source.schema.names if source.schema is not None else []
-    if source.format == "openai-batch":  # every line has a prompt, or its own error
-        needs_tokenizer, ids_note = True, None
-    else:
-        needs_tokenizer = check_columns(source, config)
-        ids_note = check_ids(source, named)
+    if source.format == "openai-batch":  # its ids are its custom_ids; every line has a prompt, or its own error
+        return source, check_batch_input(config, named), None, True
+    needs_tokenizer = check_columns(source, config)
+    return source, id_column, check_ids(source, named), needs_tokenizer
+
+
+def _check_model_for(spec: RunSpec, cluster: Optional[Cluster], input_format: str, names: List[str],
+                     needs_tokenizer: bool) -> Tuple[Any, Optional[str]]:
+    """(the model's Checkpoint, the chat template prompts are rendered with): the model,
+    its settings and tensor-parallel split, the template, the pool and its memory."""
+    config = spec.config
     engine = config.engine
     if cluster is not None and engine.token_budget is None and config.engine_resources(cluster.gpus)["device"] == "cpu":
         engine = dataclasses.replace(engine, token_budget=engine.fixed_token_budget())  # CPU engines plan none
-    checkpoint = check_model(config.model, needs_tokenizer, storage, config.adapter, config.attention,
+    checkpoint = check_model(config.model, needs_tokenizer, spec.storage, config.adapter, config.attention,
                              config.sampling, engine, config.revision)
     check_tensor_parallel(config, checkpoint)
-    template = check_chat_template(config, names, checkpoint)
-    if (source.format == "openai-batch" and template is None and config.messages_column in names
+    template = check_chat_template(config, spec.chat_template, names, checkpoint)
+    if (input_format == "openai-batch" and template is None and config.messages_column in names
             and config.apply_chat_template is not False):
         raise JobError(f"the input's {openai_batch.CHAT} lines need a chat template, and the tokenizer of "
                        f"{config.model} has none: give one with --chat-template PATH", "chat_template")
-    record = build_record(config, checkpoint, template)
     if cluster is not None:
         check_resources(config, cluster)
         check_gpu_memory(config, checkpoint, cluster)
+    return checkpoint, template
+
+
+def _check_resume(spec: RunSpec, out_fs: fsspec.AbstractFileSystem, out_path: str, id_column: str,
+                  record: Dict[str, Any]) -> Tuple[List[str], List[str], List[str]]:
+    """(the part files kept, the ids they hold, the settings changed since they were
+    written): refused when they hold an id twice, or were written with other settings."""
+    where = out_fs.unstrip_protocol(out_path)
     try:
-        parts = accepted_parts(out_fs, out_path) if resume else []  # late parts left out (pipeline/writer.py)
+        parts = accepted_parts(out_fs, out_path) if spec.resumes else []  # late parts left out (pipeline/writer.py)
         keys = completed_keys(out_fs, out_path, id_column, parts)
     except Exception as e:  # noqa: BLE001
-        raise JobError(f"output {output}: its part files cannot be read to resume: {describe_error(e)}; "
+        raise JobError(f"output {spec.output}: its part files cannot be read to resume: {describe_error(e)}; "
                        "--overwrite starts afresh", "output") from e
-    check_output_format(output_format, parts, out_fs.unstrip_protocol(out_path))
-    done = [i for i, _ in keys]  # one per output row: a row of n samples is n rows
-    if len(keys) != len(set(keys)) and not allow_duplicate_ids:  # (id, sample_index) written twice
-        raise JobError(f"output {out_fs.unstrip_protocol(out_path)} already holds duplicate ids; "
-                       "rerun with --overwrite", "output")
+    check_output_format(spec.output_format, parts, where)
+    if len(keys) != len(set(keys)) and not spec.allow_duplicate_ids:  # (id, sample_index) written twice
+        raise JobError(f"output {where} already holds duplicate ids; rerun with --overwrite", "output")
     changed: List[str] = []
     if keys:
-        changed, refusal = check_resume(out_fs, out_path, record, resume_mismatch, out_fs.unstrip_protocol(out_path))
+        changed, refusal = check_resume(out_fs, out_path, record, spec.resume_mismatch, where)
         if refusal:
             raise JobError(f"{refusal}", "output", "resume_mismatch")
-    try:
-        duplicates = source.scan_ids(exclude_ids=done)
-    except Exception as e:  # noqa: BLE001
-        raise JobError(f"input ids cannot be read: {describe_error(e)}", "input", "id_column") from e
-    if duplicates and not allow_duplicate_ids:
-        raise JobError(f"input has {duplicates.count} duplicated id(s) in column {id_column!r} "
-                       f"({duplicates.extra_rows} extra rows), first: {', '.join(map(repr, duplicates.first))}; "
-                       "make ids unique, or pass --allow-duplicate-ids to generate every row and report them",
-                       "input", "id_column")
-    history = run_history(read_json(out_fs, f"{out_path.rstrip('/')}/{SUMMARY_FILE}")) if resume else []
+    return parts, [i for i, _ in keys], changed  # one id per output row: a row of n samples is n rows
+
+
+def _take_output(spec: RunSpec, lock: OutputLock, out_fs: fsspec.AbstractFileSystem, out_path: str,
+                 parts: List[str], record: Dict[str, Any]) -> None:
+    """Take the output's lease, then prepare it (overwrite, resume) and write the record."""
     try:
         lock.acquire()
     except OutputLocked as e:
         raise JobError(f"{e}", "output") from e
     except Exception as e:  # noqa: BLE001
-        raise JobError(f"output {output} is not writable: {describe_error(e)}", "output") from e
+        raise JobError(f"output {spec.output} is not writable: {describe_error(e)}", "output") from e
     try:
-        prepare_output(out_fs, out_path, overwrite=overwrite, resume=resume, writer=lock.writer_id, parts=parts)
+        prepare_output(out_fs, out_path, overwrite=spec.overwrite, resume=spec.resumes, writer=lock.writer_id,
+                       parts=parts)
         write_json((out_fs, out_path), RECORD_FILE, record)
     except Exception as e:  # noqa: BLE001
         lock.release()
-        raise JobError(f"output {output} cannot be used: {type(e).__name__}: {e}", "output") from e
-    return Preflight(source, done, out_fs, out_path, duplicates, checkpoint, lock, record, history, changed,
-                     id_column, ids_note, output_format)
-
-
+        raise JobError(f"output {spec.output} cannot be used: {type(e).__name__}: {e}", "output") from e

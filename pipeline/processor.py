@@ -35,7 +35,8 @@ from common.schema import ENGINE_RETRIES, OUTPUT_SCHEMA, PRE_ERROR, TOKEN_IDS
 from common.storage import StorageOptions
 
 from .config import DLLMProcessorConfig
-from .errors import UserFunctionError
+from .errors import JobError, UserFunctionError
+from .run_spec import UNREAD, read_chat_template
 from .sorting import order_dataset
 from .sorting.order import max_width
 from .stages import DetokenizeUDF, TokenizeUDF, chat_stage_kwargs
@@ -130,6 +131,16 @@ class DLLMProcessor:
     storage: Optional[StorageOptions] = None  # where a remote model (s3://…) is read from
     run_id: str = field(default_factory=new_run_id)  # the `run` tag of the engines' metrics
     checkpoint: Any = None  # the model read once (engine.checkpoint.Checkpoint): every stage and engine gets it
+    # the template chat turns are rendered with, as read on the driver (None: the tokenizer's); UNREAD: read
+    # config.chat_template here, once
+    chat_template: Any = UNREAD
+
+    def __post_init__(self) -> None:
+        if self.chat_template is UNREAD:
+            try:
+                self.chat_template = read_chat_template(self.config.chat_template)
+            except JobError as e:
+                raise ValueError(e.message) from None
 
     def engine_resources(self) -> Dict[str, Any]:
         """num_gpus / num_cpus / device of each engine actor, resolved against the cluster."""
@@ -218,13 +229,13 @@ class DLLMProcessor:
         return TokenizeUDF(
             run_id=self.run_id, checkpoint=self.checkpoint, prompt_column=cfg.prompt_column,
             prompt_token_ids_column=cfg.prompt_token_ids_column, messages_column=cfg.messages_column,
-            add_special_tokens=cfg.add_special_tokens, chat=chat_stage_kwargs(cfg),
+            add_special_tokens=cfg.add_special_tokens, chat=chat_stage_kwargs(cfg, self.chat_template),
             max_prompt_tokens=max_width(cfg, self.checkpoint), models=served_names(cfg))
 
 
 def build_processor(config: DLLMProcessorConfig, preprocess: Optional[RowFn] = None,
                     postprocess: Optional[RowFn] = None, *, storage: Optional[StorageOptions] = None,
-                    run_id: Optional[str] = None, checkpoint: Any = None) -> DLLMProcessor:
+                    run_id: Optional[str] = None, checkpoint: Any = None, chat_template: Any = UNREAD) -> DLLMProcessor:
     """A callable that maps a Dataset of prompts to a Dataset of generations.
 
     `preprocess(row) -> dict` runs first and its fields are merged into the row (e.g.
@@ -237,9 +248,12 @@ def build_processor(config: DLLMProcessorConfig, preprocess: Optional[RowFn] = N
     `run_id`: the engines' `run` metrics tag (default: a fresh one).
     `checkpoint`: the model's Checkpoint when the caller's preflight opened it (the job
     does); else the model is opened and checked here, once.
+    `chat_template`: the template's text when the caller read it (the job's preflight:
+    the template rendering, the tokenizer's included; None: none); else config.chat_template
+    is read here, once.
     Raises ValueError (one line) when the model cannot be served, before any actor starts.
     """
-    from .preflight import JobError, check_model, check_tensor_parallel
+    from .preflight import check_model, check_tensor_parallel
 
     storage = (storage or StorageOptions()).resolved()  # once, here: every actor talks to the same endpoint
     if checkpoint is None:
@@ -250,4 +264,4 @@ def build_processor(config: DLLMProcessorConfig, preprocess: Optional[RowFn] = N
             check_tensor_parallel(config, checkpoint)
         except JobError as e:
             raise ValueError(e.message) from None
-    return DLLMProcessor(config, preprocess, postprocess, storage, run_id or new_run_id(), checkpoint)
+    return DLLMProcessor(config, preprocess, postprocess, storage, run_id or new_run_id(), checkpoint, chat_template)

@@ -52,6 +52,7 @@ from .failures import users_to_fix
 from .output_lock import LOCK_FILE, LeaseLost
 from .preflight import (MAX_ERROR_FRACTION, SUMMARY_FILE, JobError, Preflight, check_columns,  # noqa: F401
                         check_model, check_options, check_separate, preflight)
+from .run_spec import UNREAD, RunSpec, as_spec
 from .reader import read_prompts
 from .resources import connected_cluster
 from .run_record import history_entry
@@ -76,66 +77,69 @@ def error_fraction_message(summary: Dict[str, Any], max_error_fraction: float) -
             f"its error: see {summary.get('summary_file')}")
 
 
-def run_offline(input: Union[str, List[str]], output: str, config: DLLMProcessorConfig, *,
-                storage: Optional[StorageOptions] = None, limit: Optional[int] = None, id_column: Optional[str] = None,
-                reference_column: Optional[str] = "reference", overwrite: bool = False, resume: bool = True,
-                rows_per_file: Optional[int] = 256, allow_duplicate_ids: bool = False,
-                max_error_fraction: float = MAX_ERROR_FRACTION, resume_mismatch: str = "refuse",
-                preflighted: Optional[Preflight] = None, run_id: Optional[str] = None,
-                report: bool = False, input_format: str = "auto", output_format: str = "parquet") -> Dict[str, Any]:
-    """Read prompts, generate, stream results to `output`, write `summary.json` beside
-    them and return the summary. With `resume` (default) ids already in `output`'s part
-    files are skipped; `overwrite` starts from scratch instead. `preflighted`: what
-    `preflight` returned for these same arguments, when the caller already ran it.
-    `report`: also write report.html (pipeline/report.py), with the engines' own stats
-    (the job, pipeline/cli.py, does unless --no-report). `id_column`: the input's ids
-    (default: "id" when the input has it, else each row's <file>:<row>, which the summary
-    states); a column named must be in every input file. `input_format`: auto (by the
-    files: pipeline/reader.py detect_format), parquet, jsonl, csv or openai-batch (ids:
-    custom_id); `output_format`: parquet or jsonl part files, or openai-batch (Parquet
-    parts, then results.jsonl in input order when the run ends: pipeline/openai_batch.py).
+def run_offline(spec: Union[RunSpec, str, List[str]], output: Optional[str] = None,
+                config: Optional[DLLMProcessorConfig] = None, *, preflighted: Optional[Preflight] = None,
+                **settings: Any) -> Dict[str, Any]:
+    """Read prompts, generate, stream results to the output, write `summary.json` beside
+    them and return the summary. `spec`: the run (pipeline/run_spec.py RunSpec), or its
+    input, output and config with its other fields as keywords (`storage`, `limit`,
+    `id_column`, `reference_column`, `overwrite`, `resume`, `rows_per_file`,
+    `allow_duplicate_ids`, `max_error_fraction`, `resume_mismatch`, `run_id`, `report`,
+    `input_format`, `output_format`). With `resume` (default) ids already in the output's
+    part files are skipped; `overwrite` starts from scratch instead. `preflighted`: what
+    `preflight` returned for this same run, when the caller already ran it (the run then
+    goes on with its spec, run id included). `report`: also write report.html
+    (pipeline/report.py), with the engines' own stats (the job, pipeline/cli.py, does
+    unless --no-report). `id_column`: the input's ids (default: "id" when the input has
+    it, else each row's <file>:<row>, which the summary states); a column named must be in
+    every input file. `input_format`: auto (by the files: pipeline/reader.py
+    detect_format), parquet, jsonl, csv or openai-batch (ids: custom_id); `output_format`:
+    parquet or jsonl part files, or openai-batch (Parquet parts, then results.jsonl in
+    input order when the run ends: pipeline/openai_batch.py).
 
     Raises JobError for what stops the run and the user must fix (pipeline/failures.py),
     ErrorFractionExceeded (a JobError, after summary.json is written) when more than
     `max_error_fraction` of the rows failed; any other exception is a bug in blockray and
     propagates as raised (Ray's wrapper included, its text holding the remote traceback)."""
     t0 = time.perf_counter()
-    check_options(rows_per_file=rows_per_file)
-    if run_id is None:  # the engines' `run` metrics tag, also in summary.json
-        from actors.metrics import new_run_id
-
-        run_id = new_run_id()
+    spec = as_spec(spec, output, config, settings)
+    if preflighted is not None and preflighted.spec is not None:
+        if not same_run(spec, preflighted.spec):
+            raise ValueError("preflighted: preflight's result for other settings than this run's")
+        spec = preflighted.spec  # its run id holds the output's lease
     checked = preflighted or preflight(  # the engine pool against the Ray connected to, if any yet
-        input, output, config, storage=storage, limit=limit, id_column=id_column, overwrite=overwrite,
-        resume=resume, allow_duplicate_ids=allow_duplicate_ids, max_error_fraction=max_error_fraction,
-        resume_mismatch=resume_mismatch, run_id=run_id, cluster=connected_cluster() if ray.is_initialized() else None,
-        input_format=input_format, output_format=output_format)
+        spec, cluster=connected_cluster() if ray.is_initialized() else None)
     try:
-        return _run(checked, input, config, storage, checked.id_column, reference_column, rows_per_file,
-                    max_error_fraction, run_id, t0, report)
+        return _run(checked, spec, t0)
     finally:
         checked.release()
 
 
-def _run(checked: Preflight, input: Union[str, List[str]], config: DLLMProcessorConfig,
-         storage: Optional[StorageOptions], id_column: str, reference_column: Optional[str],
-         rows_per_file: Optional[int], max_error_fraction: float, run_id: str, t0: float,
-         report: bool) -> Dict[str, Any]:
+def same_run(a: RunSpec, b: RunSpec) -> bool:
+    """The two specs ask for the same run, whatever their run ids."""
+    return a is b or all(getattr(a, f.name) == getattr(b, f.name) for f in dataclasses.fields(RunSpec)
+                         if f.name != "run_id")
+
+
+def _run(checked: Preflight, spec: RunSpec, t0: float) -> Dict[str, Any]:
     source, done, out_fs, out_path = checked.source, checked.done, checked.out_fs, checked.out_path
+    id_column, max_error_fraction, run_id = checked.id_column, spec.max_error_fraction, spec.run_id
+    config = spec.config
     if config.id_column != id_column:  # per-row seeds derive from the job's ids
         config = dataclasses.replace(config, id_column=id_column)
     if not config.collect_engine_stats:  # per-engine token budget (summary.json), busy time and padding (report)
         config = dataclasses.replace(config, collect_engine_stats=True)
 
     # --- run ------------------------------------------------------------------------------
-    stats_fn = functools.partial(block_stats, reference_column=reference_column)
+    stats_fn = functools.partial(block_stats, reference_column=spec.reference_column)
     write_returns: List[Dict[str, Any]] = []
     engines: Dict[Any, Any] = {}
     if source.num_rows:
         try:  # building the processor checks the model: inside, too
-            processor = build_processor_for(config, storage, run_id, checked.checkpoint)
-            ds = processor(read_prompts(input, rows_per_block=config.batch_size, source=source))
-            sink = write_results(ds, (out_fs, out_path), rows_per_file=rows_per_file, stats_fn=stats_fn,
+            processor = build_processor_for(config, spec.storage, run_id, checked.checkpoint,
+                                            chat_template=checked.chat_template)
+            ds = processor(read_prompts(spec.input, rows_per_block=config.batch_size, source=source))
+            sink = write_results(ds, (out_fs, out_path), rows_per_file=spec.rows_per_file, stats_fn=stats_fn,
                                  writer=checked.lock.writer_id, guard=checked.lock.guard(),
                                  part_format=checked.output_format)
             engines = engine_figures(processor)
@@ -155,7 +159,7 @@ def _run(checked: Preflight, input: Union[str, List[str]], config: DLLMProcessor
     summary = summarize(
         write_returns, wall_s,
         output=out_fs.unstrip_protocol(out_path),
-        input=input,
+        input=spec.input,
         model=config.model,
         run_id=run_id,
         num_engines=config.num_engines,
@@ -189,7 +193,7 @@ def _run(checked: Preflight, input: Union[str, List[str]], config: DLLMProcessor
         results = functools.partial(write_results_file, out_fs, out_path, source.input_ids(), id_column,
                                     config.served_name(), served_names(config)["served"], checked.lock.verify,
                                     token_texts(functools.partial(load_tokenizer, cp.metadata_dir(), cp.hf)))
-    finish(checked, summary, report, results)
+    finish(checked, summary, spec.report, results)
     if summary["status"] == "failed":
         raise ErrorFractionExceeded(error_fraction_message(summary, max_error_fraction), summary)
     return summary
@@ -260,14 +264,16 @@ def engine_figures(processor: Any) -> Dict[str, Dict[str, Any]]:
 
 
 def build_processor_for(config: DLLMProcessorConfig, storage: Optional[StorageOptions] = None,
-                        run_id: Optional[str] = None, checkpoint: Any = None):
+                        run_id: Optional[str] = None, checkpoint: Any = None, chat_template: Any = UNREAD):
     """The job's processor: error rows always pass (should_continue_on_error=True), every row
-    is written, and max_error_fraction judges the run once it has finished."""
+    is written, and max_error_fraction judges the run once it has finished. `chat_template`:
+    the template the preflight resolved (processor.build_processor)."""
     from .processor import build_processor
 
-    config = dataclasses.replace(config, should_continue_on_error=True)
-    return build_processor(config, storage=storage, run_id=run_id, checkpoint=checkpoint)
+    if not config.should_continue_on_error:
+        config = dataclasses.replace(config, should_continue_on_error=True)
+    return build_processor(config, storage=storage, run_id=run_id, checkpoint=checkpoint, chat_template=chat_template)
 
 
-__all__ = ["run_offline", "preflight", "Preflight", "SUMMARY_FILE", "JobError", "ErrorFractionExceeded",
+__all__ = ["run_offline", "RunSpec", "preflight", "Preflight", "SUMMARY_FILE", "JobError", "ErrorFractionExceeded",
            "MAX_ERROR_FRACTION", "check_model", "check_columns", "check_separate", "describe_error"]

@@ -86,15 +86,15 @@ def template_of(model: str, chat_template: Optional[str] = None, config: Optiona
     return getattr(tok, "chat_template", None) if tok is not None else None
 
 
-def chat_stage_kwargs(config: Any) -> Optional[Dict[str, Any]]:
-    """The `chat` argument of the tokenize stage for a DLLMProcessorConfig (the template
-    read here, on the driver), or None when chat templates are off
-    (`apply_chat_template=False`). With None (auto) the stage renders only the batches
-    that have the messages column, when there is a template. Rendering runs inside the
-    tokenize stage rather than in a stage of its own: one pass over each batch."""
+def chat_stage_kwargs(config: Any, chat_template: Optional[str]) -> Optional[Dict[str, Any]]:
+    """The `chat` argument of the tokenize stage for a DLLMProcessorConfig and the template
+    read on the driver (`chat_template`, its text; None: the tokenizer's), or None when chat
+    templates are off (`apply_chat_template=False`). With None (auto) the stage renders only
+    the batches that have the messages column, when there is a template. Rendering runs
+    inside the tokenize stage rather than in a stage of its own: one pass over each batch."""
     if config.apply_chat_template is False:
         return None
-    return dict(messages_column=config.messages_column, chat_template=resolve_chat_template(config.chat_template),
+    return dict(messages_column=config.messages_column, chat_template=chat_template,
                 mode=config.apply_chat_template, keep_prompt=config.keep_prompt,
                 template_kwargs=config.chat_template_kwargs)
 

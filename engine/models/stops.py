@@ -10,13 +10,13 @@ from dataclasses import dataclass, field
 from typing import Any, Dict, List, Mapping, Optional
 
 from common.model_source import SourceFiles
+from common.tokenizer import TOKENIZER_FILES  # noqa: F401 - re-exported: the one list of tokenizer files
 
 END_OF_TURN = ("<|eot_id|>", "<|im_end|>", "<end_of_turn>", "<|end|>")
 
 # Where the default stop ids come from, for --help and the README.
 STOP_IDS_HELP = ("config.json's and generation_config.json's eos_token_id (int or list) and the chat template's "
                  "end-of-turn token (<|eot_id|>, <|im_end|>) where the tokenizer defines it")
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
 
 
 @dataclass(frozen=True)
