@@ -20,8 +20,7 @@ import torch
 from .decoding import RowParams
 from .modes import CacheMode
 from .models import KVCache
-from .models.families.base import BlockLayout
-from .rules import Traits
+from .layout import Layout
 from .sequence import Request, RowShape
 from .transfer import to_device
 
@@ -147,13 +146,13 @@ def start_next_block(lens: torch.Tensor, tail: torch.Tensor, step: torch.Tensor,
     return lens, tail, torch.where(grew, 0, step), torch.where(grew, 0, busy), cached
 
 
-def relayout(old: Optional[Batch], rows: List[Request], grown: set, *, traits: Traits, device) -> Batch:
+def relayout(old: Optional[Batch], rows: List[Request], grown: set, *, layout: Layout, device) -> Batch:
     """The batch for `rows` (in slot order): kept rows are gathered from `old` (shifted
     to the new box, frozen if they were), rows in `grown` committed a block and start
     the next one, new rows are built from their tokens. `refresh` and `dual` recompute
     a row at every block start; `persistent` only ever computes the tokens it has not
     cached."""
-    mcfg, shape, mode, family = traits.model, traits.shape, traits.config.mode, traits.family
+    mcfg, shape, mode, family = layout.model, layout.shape, layout.config.mode, layout.family
     L, dev, full_canvas = shape.block_length, device, shape.full_canvas
     old_index: Dict[Request, int] = {r: i for i, r in enumerate(old.rows)} if old is not None else {}
     B = len(rows)
@@ -219,9 +218,9 @@ def relayout(old: Optional[Batch], rows: List[Request], grown: set, *, traits: T
     row_params = old.row_params if same_rows else RowParams.build(
         [r.params for r in rows], [r.noise_seed for r in rows], dev, first_position_default=family.first_position,
         threshold=family.threshold, confidence=family.confidence, floor_one=[r.rule.floor_one for r in rows],
-        caps=[r.rule.step_cap(r, L, traits.config.steps_per_block) for r in rows])
+        caps=[r.rule.step_cap(r, L, layout.steps) for r in rows])
     return Batch(rows=list(rows), ids=ids, lens=lens, tail=tail, prompt_len=prompt_len, cached=cached, step=step,
                  busy_steps=busy, prompt_fwd=fwd, frozen=frozen, masked=masked,
                  mask=AttentionMask.build(lens_d, plen_d, W, L, mcfg.block_causal,
-                                          family.blocks == BlockLayout.ABSOLUTE),
+                                          layout.absolute),
                  row_params=row_params, block_length=L, nact=nact, block_cols=blk)

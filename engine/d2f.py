@@ -31,9 +31,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, List, Optional, Sequence
 
-from .models.families.base import BlockLayout
+from .layout import Layout
 from .reads import D2F_SAMPLING, MASKED_SAMPLING
-from .rules import NOISE_MASK, BlockRule, Traits
+from .rules import NOISE_MASK, BlockRule
 
 if TYPE_CHECKING:
     import torch
@@ -124,28 +124,28 @@ class D2FRule(BlockRule):
     def applies(self, params: Any) -> bool:
         return params.block_add_threshold is not None
 
-    def unsupported(self, req: Any, traits: Traits) -> Optional[str]:
-        m, shape, why = traits.model, traits.shape, None
+    def unsupported(self, req: Any, layout: Layout) -> Optional[str]:
+        m, shape, why = layout.model, layout.shape, None
         if not m.block_causal:
             why = ("needs block-causal attention (its blocks are decoded against unfinished predecessors); this "
                    "model is bidirectional (config.json dllm_attention)")
         elif m.shift_logits:
             why = f"is implemented for unshifted logits (LLaDA); {m.model_type} reads each position from the one before"
-        elif traits.family.blocks != BlockLayout.AFTER_PROMPT:
-            why = f"is implemented for blocks after the prompt; {traits.family.name} places its blocks at absolute positions"
+        elif layout.absolute:
+            why = f"is implemented for blocks after the prompt; {layout.family.name} places its blocks at absolute positions"
         elif shape.full_canvas:
             why = "needs the block canvas (EngineConfig.canvas 'block' or 'auto')"
-        elif traits.config.mode.caches_suffix:
+        elif layout.config.mode.caches_suffix:
             why = "forwards every block in flight; cache 'dual' forwards one: use none, refresh or persistent"
         elif req.params.max_new_tokens < shape.block_length:
             why = (f"decodes max_new_tokens // block_length whole blocks: max_new_tokens={req.params.max_new_tokens} "
                    f"< block_length={shape.block_length}")
         return f"block_add_threshold (D2F decoding) {why}" if why else None
 
-    def start(self, req: Any, traits: Traits) -> D2FState:
-        p, L = req.params, traits.shape.block_length
+    def start(self, req: Any, layout: Layout) -> D2FState:
+        p, L = req.params, layout.shape.block_length
         return D2FState(float(p.block_add_threshold), float(p.decoded_token_threshold), L, self.blocks_needed(req, L),
-                        traits.model.mask_token_id, req.stop_ids)
+                        layout.model.mask_token_id, req.stop_ids)
 
     def blocks_needed(self, req: Any, block_length: int) -> int:
         return req.params.max_new_tokens // block_length  # D2F's count: whole blocks only

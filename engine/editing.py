@@ -16,8 +16,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, List, Optional
 
+from .layout import Layout
 from .reads import EDITING_SAMPLING, MASKED_SAMPLING
-from .rules import BlockRule, Traits
+from .rules import BlockRule
 
 if TYPE_CHECKING:
     import torch
@@ -42,9 +43,9 @@ class EditingRule(BlockRule):
     def applies(self, params: Any) -> bool:
         return params.edit_threshold is not None
 
-    def unsupported(self, req: Any, traits: Traits) -> Optional[str]:
-        if not traits.family.editing:
-            return (f"edit_threshold (LLaDA2.1 token editing) is not part of {traits.family.name}'s decoding; "
+    def unsupported(self, req: Any, layout: Layout) -> Optional[str]:
+        if not layout.family.editing:
+            return (f"edit_threshold (LLaDA2.1 token editing) is not part of {layout.family.name}'s decoding; "
                     "families with token editing: LLaDA2 (model_type 'llada2_moe')")
         return None
 

@@ -12,7 +12,7 @@ How a row is decoded is its decoding rule's (engine.rules; engine.decoders picks
 the request's SamplingParams): the engine calls every rule's hooks for the rows of that
 rule (select, after a step, commit) and names none itself. What the model's family
 says (where blocks start, its logit shift, its threshold rule) reaches the rules, the
-batch layout and the runner through `Traits`.
+batch layout and the runner through its `Layout` (engine.layout).
 
 The host decides from host copies of the batch's bookkeeping; the device is read once
 per denoising step (the block's tokens after it, which say who finished and who hit a
@@ -38,7 +38,8 @@ from .logprobs import collect, mask_stop_ids, record
 from .models import DLLM
 from .models.sharding import tensor_parallel_of
 from .reads import MASKED
-from .rules import Traits, row_refusal
+from .layout import Layout
+from .rules import row_refusal
 from . import prefix_cache
 from .runner import ModelRunner
 from .transfer import to_device
@@ -75,7 +76,7 @@ class Engine(EngineCore):
         self.device = model.device
         self.full_canvas = config.full_canvas(self.mcfg.block_causal)
         self.shape = RowShape(config.block_length, self.full_canvas)  # what a request's row holds
-        self.traits = Traits(self.mcfg.family, self.mcfg, self.shape, config)
+        self.layout = Layout(self.mcfg, self.shape, config)
         self.scheduler = make_scheduler(config, self.shape)
         self.runner = ModelRunner(model, config, self.stats)
         self.slots = None if not config.mode.caches else KVSlots(
@@ -117,7 +118,7 @@ class Engine(EngineCore):
         width against the context and the budget; then the rule's state of the row."""
         if req.params.stop and self.tokenizer is None:
             return "stop strings need a tokenizer (the engine has none); use stop_token_ids"
-        err = row_refusal(req, self.traits)
+        err = row_refusal(req, self.layout)
         if err:
             return err
         if req.params.structured_outputs is not None:
@@ -125,7 +126,7 @@ class Engine(EngineCore):
                                         self.tokenizer)
             if err:
                 return err
-        req.state = req.rule.start(req, self.traits)
+        req.state = req.rule.start(req, self.layout)
         params = req.params
         if (params.temperature and params.temperature > 0) or params.remasking == "random" \
                 or params.policy == "origin" or params.alg_temp > 0:
@@ -176,7 +177,7 @@ class Engine(EngineCore):
             return
         rows, moves = place(old.rows if old is not None else [], rows)
         if old is None or self._grown or self._relayout or rows != old.rows:  # Request compares by identity
-            b = self.batch = relayout(old, rows, self._grown, traits=self.traits, device=self.device)
+            b = self.batch = relayout(old, rows, self._grown, layout=self.layout, device=self.device)
             if self.slots is not None:
                 self._lay_out_kv(old, b, moves)
             self._grown, self._relayout = set(), False

@@ -6,13 +6,14 @@ step's policy is the row's (Fast-dLLM v2's family: ThresholdRule.GREATER_AT_LEAS
 the block is committed once it holds no mask, as any block."""
 from __future__ import annotations
 
-from typing import Any, List, Optional
+from typing import TYPE_CHECKING, Any, List, Optional
 
-import torch
-
+from .layout import Layout
 from .reads import MASKED_SAMPLING, SUB_BLOCK_SAMPLING
-from .rules import BlockRule, Traits
-from .transfer import indices
+from .rules import BlockRule
+
+if TYPE_CHECKING:  # torch-free at import: the preflight reads `applies` and `unsupported`
+    import torch
 
 
 class SubBlockRule(BlockRule):
@@ -22,8 +23,8 @@ class SubBlockRule(BlockRule):
     def applies(self, params: Any) -> bool:
         return params.sub_block_length is not None
 
-    def unsupported(self, req: Any, traits: Traits) -> Optional[str]:
-        L, s = traits.shape.block_length, req.params.sub_block_length
+    def unsupported(self, req: Any, layout: Layout) -> Optional[str]:
+        L, s = layout.shape.block_length, req.params.sub_block_length
         if L % s:
             return f"sub_block_length={s} must divide block_length={L}"
         return None
@@ -32,6 +33,10 @@ class SubBlockRule(BlockRule):
         """The masks of each row's leftmost sub-block that holds one."""
         if not rows:
             return is_mask
+        import torch
+
+        from .transfer import indices
+
         NB = b.n_window  # is_mask has NB units per row (D2F rows in the batch): a row's block is its last
         idx = indices([i * NB + NB - 1 for i in rows], is_mask.device)
         L = is_mask.shape[1]
