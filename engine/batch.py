@@ -63,7 +63,7 @@ class Batch:
         self.logprob_rows = [i for i, r in enumerate(self.rows) if r.params.logprobs is not None]
         self.stepwise = any(rule.stepwise for rule in self.groups)  # rows commit at any step: advance by steps
         # a rule reads the step's proposals at decoded positions too (LLaDA2.1's editing): propose them all
-        self.full_x0 = any(getattr(rule, "reads_all_proposals", False) for rule in self.groups)
+        self.full_x0 = any(rule.reads_all_proposals for rule in self.groups)
         self.live = None  # (rule, rows not frozen): Engine._live, found again once a row froze
         self.runs_cache: Dict[Any, Any] = {}  # engine.runner: a forward's attention runs per row group, per layout
         n = self.n_window * L

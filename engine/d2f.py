@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING, Any, List, Optional, Sequence
 from .layout import Layout
 from .reads import D2F_SAMPLING, MASKED_SAMPLING
 from .rules import NOISE_MASK, BlockRule
+from .step_view import StepView
 
 if TYPE_CHECKING:
     import torch
@@ -161,7 +162,7 @@ class D2FRule(BlockRule):
         st, L = req.state, req.state.block_length
         return [hash((seed, (st.first_active + j) * L, st.steps)) & NOISE_MASK for j in range(st.n_active)]
 
-    def select(self, b: Any, rows: List[int], sel: torch.Tensor, **step: torch.Tensor) -> torch.Tensor:
+    def select(self, view: StepView, rows: List[int], sel: torch.Tensor) -> torch.Tensor:
         """Its rows' blocks take D2F's rule: over threshold, or a complete block's most
         confident position."""
         import torch  # here: the module is torch-free at import (the preflight reads `unsupported`)
@@ -169,31 +170,31 @@ class D2FRule(BlockRule):
         from .decoding import select_d2f
         from .transfer import to_device
 
-        NB = b.n_window
-        units = torch.zeros(len(b.rows) * NB, dtype=torch.bool)
-        complete = torch.zeros(len(b.rows) * NB, dtype=torch.bool)
+        NB = view.n_window
+        units = torch.zeros(len(view.rows) * NB, dtype=torch.bool)
+        complete = torch.zeros(len(view.rows) * NB, dtype=torch.bool)
         for i in rows:
-            blocks = b.rows[i].state.active
+            blocks = view.rows[i].state.active
             units[i * NB:(i + 1) * NB] = True
             complete[(i + 1) * NB - len(blocks):(i + 1) * NB] = torch.tensor([blk.complete for blk in blocks])
         dev = sel.device
         complete, units = to_device([complete, units], dev)
-        mine = select_d2f(step["conf"], step["is_mask"], b.unit_params, complete)
+        mine = select_d2f(view.conf, view.is_mask, view.unit_params, complete)
         return torch.where(units[:, None], mine, sel)
 
-    def commit(self, engine: Any, b: Any, rows: List[int], blocks: torch.Tensor, done: torch.Tensor) -> None:
+    def commit(self, engine: Any, view: StepView, rows: List[int], blocks: torch.Tensor, done: torch.Tensor) -> None:
         """Every step: the blocks in flight take the step's tokens, leading finished blocks
         are committed (the row may leave), the next step's block is added (the row grows
         by L) and complete flags set."""
-        L = b.block_length
+        L = view.block_length
         for i in rows:
-            r = b.rows[i]
+            r = view.rows[i]
             st = r.state
             before = st.n_active
             committed = st.observe(blocks[i, -before * L:].tolist())
             r.num_steps = st.steps
-            r.prompt_forwarded = int(b.prompt_fwd[i])
-            if committed and engine.commit(b, i, committed):
+            r.prompt_forwarded = int(view.prompt_fwd[i])
+            if committed and engine.commit(i, committed):
                 engine.relayout()  # a frozen row's blocks stop being denoised
                 continue
             if st.plan():

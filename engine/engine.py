@@ -46,6 +46,7 @@ from .transfer import to_device
 from .scheduler import make_scheduler
 from .sequence import FinishReason, Request, RequestOutput, RowShape
 from .slots import KVSlots, place
+from .step_view import StepView
 from .structured.guide import StructuredOutputs
 from .structured.params import parse as parse_constraint
 
@@ -243,11 +244,12 @@ class Engine(EngineCore):
         *need_idx, step_dev = to_device([*units(b.masked).nonzero(as_tuple=True), step], self.device)
         x0, conf = propose(units(logits), rp, self._noise_keys(b), units(is_mask), need_idx, full_x0=b.full_x0)
         chosen = units(is_mask)
+        view = StepView.of(b, conf=conf, is_mask=units(is_mask), x0=x0, window=window, logits=logits)
         for rule, rows in live:  # each rule's rows: the positions their step may unmask
-            chosen = rule.candidates(b, rows, chosen)
+            chosen = rule.candidates(view, rows, chosen)
         sel = select(conf, chosen, step_dev, rp, L, S)
         for rule, rows in live:  # each rule's rows: its own selection
-            sel = rule.select(b, rows, sel, conf=conf, is_mask=units(is_mask), x0=x0, window=window, logits=logits)
+            sel = rule.select(view, rows, sel)
         if guide is not None:  # the step's commits of a constrained row, jointly completable
             sel, x0 = (t.reshape(B * NB, L) for t in guide.settle(sel.reshape(B, NB * L), x0.reshape(B, NB * L),
                                                                      conf.reshape(B, NB * L), logits))
@@ -264,8 +266,12 @@ class Engine(EngineCore):
         blocks = self._fetch(window)
         b.masked = (blocks == mask_id) & b.valid
         done = ~b.masked[:, -L:].any(1) | (b.step >= b.row_params.caps(L, S))
-        for rule, rows in live:
-            done = rule.after_step(b, rows, blocks, done)
+        view = StepView.of(b)
+        for rule, rows in live:  # each rule's verdict, applied here: no rule writes to the batch
+            verdict = rule.after_step(view, rows, blocks, done)
+            done = verdict.done
+            if verdict.busy is not None:
+                b.busy_steps += verdict.busy
         return done, blocks
 
     @staticmethod
@@ -301,13 +307,15 @@ class Engine(EngineCore):
 
     def _commit(self, done: torch.Tensor, blocks: torch.Tensor) -> None:
         """Every rule commits its rows' completed blocks (engine.rules); host values only."""
+        view = StepView.of(self.batch)
         for rule, rows in self._live(self.batch):
-            rule.commit(self, self.batch, rows, blocks, done)
+            rule.commit(self, view, rows, blocks, done)
 
     # --- what the rules' commit hooks call ---------------------------------------------
-    def commit(self, b: Batch, i: int, tokens: List[int]) -> bool:
-        """Append committed `tokens` to row i; True when its request finished (then a static
-        batch keeps it, frozen)."""
+    def commit(self, i: int, tokens: List[int]) -> bool:
+        """Append committed `tokens` to the batch's row i; True when its request finished
+        (then a static batch keeps it, frozen)."""
+        b = self.batch
         r = b.rows[i]
         r.prompt_forwarded = int(b.prompt_fwd[i])
         if not self._committed(r, tokens):

@@ -20,6 +20,7 @@ from .layout import Layout
 from .models.config import ModelConfig
 from .models.families.base import Family
 from .reads import MASKED_SAMPLING
+from .step_view import StepView, Verdict
 
 if TYPE_CHECKING:  # torch-free at import: the preflight checks a job's settings with these rules
     import torch
@@ -82,30 +83,32 @@ class BlockRule:
         it, step in the block)."""
         return [hash((seed, len(req.generated), step)) & NOISE_MASK]
 
-    def candidates(self, b: Any, rows: List[int], is_mask: torch.Tensor) -> torch.Tensor:
+    def candidates(self, view: StepView, rows: List[int], is_mask: torch.Tensor) -> torch.Tensor:
         """The masked positions [B NB, L] the step's policy may choose among; this rule's
         `rows` may narrow theirs (a sub-block of the block). All of them by default."""
         return is_mask
 
-    def select(self, b: Any, rows: List[int], sel: torch.Tensor, **step: torch.Tensor) -> torch.Tensor:
+    def select(self, view: StepView, rows: List[int], sel: torch.Tensor) -> torch.Tensor:
         """The step's selection [B NB, L] after the policies chose it; this rule's `rows`
-        (not frozen) may change theirs. `step`: conf, is_mask, x0, window, logits."""
+        (not frozen) may change theirs. The view holds the step's conf, is_mask, x0, window
+        and logits."""
         return sel
 
-    def after_step(self, b: Any, rows: List[int], blocks: torch.Tensor, done: torch.Tensor) -> torch.Tensor:
-        """`done` [B] (whose current block is complete) once the step's tokens are on the
-        host (`blocks`); a rule may keep a block open."""
-        return done
+    def after_step(self, view: StepView, rows: List[int], blocks: torch.Tensor, done: torch.Tensor) -> Verdict:
+        """Given `done` [B] (whose current block is complete) once the step's tokens are on
+        the host (`blocks`), this rule's verdict: a rule may keep a block open, and count
+        more busy steps. The engine applies it to the batch."""
+        return Verdict(done)
 
-    def commit(self, engine: Any, b: Any, rows: List[int], blocks: torch.Tensor, done: torch.Tensor) -> None:
+    def commit(self, engine: Any, view: StepView, rows: List[int], blocks: torch.Tensor, done: torch.Tensor) -> None:
         """Commit this rule's completed blocks (engine.commit), growing the rows that go on
         to their next block (engine.grow)."""
-        L, finished, busy = b.block_length, done.tolist(), b.busy_steps.tolist()
+        L, finished, busy = view.block_length, done.tolist(), view.busy_steps.tolist()
         for i in rows:
             if finished[i]:
-                r = b.rows[i]
+                r = view.rows[i]
                 r.num_steps += busy[i]
-                if not engine.commit(b, i, blocks[i, -L:].tolist()):
+                if not engine.commit(i, blocks[i, -L:].tolist()):
                     engine.grow(r)
 
 

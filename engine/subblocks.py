@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any, List, Optional
 from .layout import Layout
 from .reads import MASKED_SAMPLING, SUB_BLOCK_SAMPLING
 from .rules import BlockRule
+from .step_view import StepView
 
 if TYPE_CHECKING:  # torch-free at import: the preflight reads `applies` and `unsupported`
     import torch
@@ -29,7 +30,7 @@ class SubBlockRule(BlockRule):
             return f"sub_block_length={s} must divide block_length={L}"
         return None
 
-    def candidates(self, b: Any, rows: List[int], is_mask: torch.Tensor) -> torch.Tensor:
+    def candidates(self, view: StepView, rows: List[int], is_mask: torch.Tensor) -> torch.Tensor:
         """The masks of each row's leftmost sub-block that holds one."""
         if not rows:
             return is_mask
@@ -37,10 +38,10 @@ class SubBlockRule(BlockRule):
 
         from .transfer import indices
 
-        NB = b.n_window  # is_mask has NB units per row (D2F rows in the batch): a row's block is its last
+        NB = view.n_window  # is_mask has NB units per row (D2F rows in the batch): a row's block is its last
         idx = indices([i * NB + NB - 1 for i in rows], is_mask.device)
         L = is_mask.shape[1]
-        sub = indices([b.rows[i].params.sub_block_length for i in rows], is_mask.device)
+        sub = indices([view.rows[i].params.sub_block_length for i in rows], is_mask.device)
         part = torch.arange(L, device=is_mask.device)[None] // sub[:, None]  # [n, L] sub-block of each position
         m = is_mask[idx]
         first = torch.where(m, part, L).min(1).values  # the leftmost sub-block with a mask
