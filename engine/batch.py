@@ -57,10 +57,9 @@ class Batch:
         self.groups: Dict[Any, List[int]] = {}  # decoding rule -> its rows (engine.rules)
         for i, r in enumerate(self.rows):
             self.groups.setdefault(r.rule, []).append(i)
-        # the rows that ask for min_tokens / logprobs (engine.logprobs), found once per layout:
-        # most batches have none, and the step then does nothing for either
-        self.min_token_rows = [i for i, r in enumerate(self.rows) if r.params.min_tokens]
-        self.logprob_rows = [i for i, r in enumerate(self.rows) if r.params.logprobs is not None]
+        # the step's logits processors over this layout (engine.processors.Processing): the rows
+        # each asks for, found once (most batches have none, and the step then does nothing for them)
+        self.processing: Any = None
         self.stepwise = any(rule.stepwise for rule in self.groups)  # rows commit at any step: advance by steps
         # a rule reads the step's proposals at decoded positions too (LLaDA2.1's editing): propose them all
         self.full_x0 = any(rule.reads_all_proposals for rule in self.groups)

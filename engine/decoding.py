@@ -13,6 +13,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import torch
 
 from .models.families.base import Confidence, ThresholdRule
+from .noise import draws_confidence, draws_tokens, perturbs_confidence
 from .selection import (DREAM_EPS, NO_CAP, POLICIES, POLICY_IDS, Candidates, Selection,  # noqa: F401 - re-exported
                         fixed_schedule, policies_with, threshold_policy, timestep_schedule, transfer_fraction)
 from .transfer import to_device
@@ -305,7 +306,7 @@ def propose(logits: torch.Tensor, rp: RowParams, noise_keys: Optional[Sequence[O
             continue
         gen = torch.Generator(device=dev).manual_seed(key)
         p = rp.params[i]
-        if p.temperature > 0:
+        if draws_tokens(p):
             if not full_x0:
                 drew = torch.zeros(x0.shape[0], dtype=torch.bool, device=dev) if drew is None else drew
                 drew[i] = True
@@ -316,9 +317,9 @@ def propose(logits: torch.Tensor, rp: RowParams, noise_keys: Optional[Sequence[O
             else:
                 r = restrict(logits[i].to(torch.float64), float(p.temperature), max(0, int(p.top_k)), float(p.top_p))
                 x0[i] = (r - float(p.temperature) * torch.log(-torch.log(noise))).argmax(-1)
-        if p.remasking == "random" or p.policy == "origin":
+        if draws_confidence(p):
             drawn[i] = torch.rand(x0.shape[1], generator=gen, dtype=torch.float64, device=dev)
-        if p.alg_temp > 0:  # Gumbel noise: the top-k of conf / alg_temp + G is Dream's multinomial draw
+        if perturbs_confidence(p):  # Gumbel noise: the top-k of conf / alg_temp + G is Dream's multinomial draw
             gumbel[i] = -torch.log(-torch.log(torch.rand(x0.shape[1], generator=gen, dtype=torch.float64,
                                                          device=dev)))
     x0_at = x0[idx]  # the drawn proposals, or every proposal (full_x0)

@@ -34,13 +34,14 @@ from .config import EngineConfig
 from .core import EngineCore
 from .decoders import rule_for
 from .decoding import propose, select
-from .logprobs import collect, mask_stop_ids, record
+from .logprobs import collect
 from .models import DLLM
 from .models.sharding import tensor_parallel_of
 from .reads import MASKED
 from .layout import Layout
 from .rules import row_refusal
 from . import prefix_cache
+from .processors import Processing, StepLogits, default_processors, draws_noise
 from .runner import ModelRunner
 from .transfer import to_device
 from .scheduler import make_scheduler
@@ -101,6 +102,7 @@ class Engine(EngineCore):
         # accelerator that host work runs while the device computes; on a CPU it would only move it
         self.overlap = self.device.type == "cuda"
         self.structured = StructuredOutputs(model.config.vocab_size, self.device, config)  # engine.structured
+        self.processors = default_processors(self.structured)  # the step's per-row features (engine.processors)
 
     # --- requests -----------------------------------------------------------------
     def stop_ids(self, params) -> List[int]:
@@ -129,8 +131,7 @@ class Engine(EngineCore):
                 return err
         req.state = req.rule.start(req, self.layout)
         params = req.params
-        if (params.temperature and params.temperature > 0) or params.remasking == "random" \
-                or params.policy == "origin" or params.alg_temp > 0:
+        if draws_noise(params):
             if params.seed is None and self.tp is not None:  # a rank's own draw would differ from the others'
                 return ("seed is required under tensor_parallel_size > 1 (every rank must draw the same noise; "
                         "the Ray side fills each row's seed on rank 0 before it broadcasts the requests)")
@@ -232,13 +233,13 @@ class Engine(EngineCore):
             is_mask &= b.valid_dev
         logits = self.runner.step_logits(b)
         live = self._live(b)
-        live_rows = {i for _, rows in live for i in rows} if b.min_token_rows or b.logprob_rows else set()
-        unmask_stops = mask_stop_ids(b, [i for i in b.min_token_rows if i in live_rows], logits)  # min_tokens
+        if b.processing is None:
+            b.processing = Processing(self.processors, b)
+        procs = StepLogits(b, window, is_mask, logits, live, self._fetch) if b.processing.active else None
+        if procs is not None:  # min_tokens, the structured-outputs guide: the logits proposals come from
+            b.processing.before(procs)
         rp = b.unit_params
         units = lambda t: t.reshape(B * NB, L, *t.shape[2:])  # noqa: E731
-        guide = self.structured.guide(b, window, is_mask)  # structured outputs: only allowed tokens are proposed
-        if guide is not None:
-            guide.mask_logits(logits)
         # the masked positions (host values) and the step counts: one pinned, non-blocking upload
         step = b.step.repeat_interleave(NB) if NB > 1 else b.step
         *need_idx, step_dev = to_device([*units(b.masked).nonzero(as_tuple=True), step], self.device)
@@ -250,12 +251,9 @@ class Engine(EngineCore):
         sel = select(conf, chosen, step_dev, rp, L, S)
         for rule, rows in live:  # each rule's rows: its own selection
             sel = rule.select(view, rows, sel)
-        if guide is not None:  # the step's commits of a constrained row, jointly completable
-            sel, x0 = (t.reshape(B * NB, L) for t in guide.settle(sel.reshape(B, NB * L), x0.reshape(B, NB * L),
-                                                                     conf.reshape(B, NB * L), logits))
-        if unmask_stops is not None:
-            unmask_stops()  # the logprobs are the model's own
-        record(b, [i for i in b.logprob_rows if i in live_rows], sel, x0, logits, self._fetch)
+        if procs is not None:  # the guide settles, min_tokens' mask goes, logprobs are recorded
+            procs.conf = conf
+            sel, x0 = b.processing.after(procs, sel, x0)
         window = torch.where(sel.reshape(B, NB * L), x0.reshape(B, NB * L), window)
         b.ids.scatter_(1, cols, window)
         b.busy_steps += b.masked.any(1).long()
