@@ -20,8 +20,7 @@ import torch
 from .decoding import RowParams
 from .modes import CacheMode
 from .models import KVCache
-from .models.families.base import BlockLayout
-from .rules import Traits
+from .layout import Layout
 from .sequence import Request, RowShape
 from .transfer import to_device
 
@@ -58,13 +57,12 @@ class Batch:
         self.groups: Dict[Any, List[int]] = {}  # decoding rule -> its rows (engine.rules)
         for i, r in enumerate(self.rows):
             self.groups.setdefault(r.rule, []).append(i)
-        # the rows that ask for min_tokens / logprobs (engine.logprobs), found once per layout:
-        # most batches have none, and the step then does nothing for either
-        self.min_token_rows = [i for i, r in enumerate(self.rows) if r.params.min_tokens]
-        self.logprob_rows = [i for i, r in enumerate(self.rows) if r.params.logprobs is not None]
+        # the step's logits processors over this layout (engine.processors.Processing): the rows
+        # each asks for, found once (most batches have none, and the step then does nothing for them)
+        self.processing: Any = None
         self.stepwise = any(rule.stepwise for rule in self.groups)  # rows commit at any step: advance by steps
         # a rule reads the step's proposals at decoded positions too (LLaDA2.1's editing): propose them all
-        self.full_x0 = any(getattr(rule, "reads_all_proposals", False) for rule in self.groups)
+        self.full_x0 = any(rule.reads_all_proposals for rule in self.groups)
         self.live = None  # (rule, rows not frozen): Engine._live, found again once a row froze
         self.runs_cache: Dict[Any, Any] = {}  # engine.runner: a forward's attention runs per row group, per layout
         n = self.n_window * L
@@ -147,16 +145,34 @@ def start_next_block(lens: torch.Tensor, tail: torch.Tensor, step: torch.Tensor,
     return lens, tail, torch.where(grew, 0, step), torch.where(grew, 0, busy), cached
 
 
-def relayout(old: Optional[Batch], rows: List[Request], grown: set, *, traits: Traits, device) -> Batch:
-    """The batch for `rows` (in slot order): kept rows are gathered from `old` (shifted
-    to the new box, frozen if they were), rows in `grown` committed a block and start
-    the next one, new rows are built from their tokens. `refresh` and `dual` recompute
-    a row at every block start; `persistent` only ever computes the tokens it has not
-    cached."""
-    mcfg, shape, mode, family = traits.model, traits.shape, traits.config.mode, traits.family
-    L, dev, full_canvas = shape.block_length, device, shape.full_canvas
+@dataclass
+class Rows:
+    """The host bookkeeping of a re-layout's rows ([B] each; `masked` [B, L]): kept rows'
+    from the old batch (`src` their old index, -1 for a new row; `grew`: kept rows starting
+    their next block), new rows' from their requests."""
+
+    src: torch.Tensor
+    kept: torch.Tensor
+    grew: Optional[torch.Tensor]  # None: no row is kept
+    lens: torch.Tensor
+    tail: torch.Tensor
+    cached: torch.Tensor
+    step: torch.Tensor
+    busy: torch.Tensor
+    fwd: torch.Tensor
+    frozen: torch.Tensor
+    masked: torch.Tensor
+
+    @property
+    def any_kept(self) -> bool:
+        return self.grew is not None
+
+
+def keep_rows(old: Optional[Batch], rows: List[Request], grown: set, shape: RowShape, mode: CacheMode) -> Rows:
+    """Step 1 of relayout: kept rows' bookkeeping gathered from `old` (frozen if they were),
+    the rows in `grown` starting their next block (start_next_block), new rows' fresh."""
+    L, B = shape.block_length, len(rows)
     old_index: Dict[Request, int] = {r: i for i, r in enumerate(old.rows)} if old is not None else {}
-    B = len(rows)
     src = torch.tensor([old_index.get(r, -1) for r in rows])
     kept = src >= 0
     lens = torch.tensor([shape.width(r) for r in rows])
@@ -166,62 +182,114 @@ def relayout(old: Optional[Batch], rows: List[Request], grown: set, *, traits: T
     fwd = torch.tensor([r.prompt_forwarded for r in rows])
     frozen = torch.zeros(B, dtype=torch.bool)
     masked = torch.ones(B, L, dtype=torch.bool)  # a new or grown row's block is all masks
-    any_kept = bool(kept.any())
-    if any_kept:
-        s = src.clamp(min=0)
-        old_lens = old.lens[s]
-        grew = torch.tensor([r in grown for r in rows]) & kept
-        k_lens, k_tail, k_step, k_busy, k_cached = start_next_block(
-            old_lens, old.tail[s], old.step[s], old.busy_steps[s], old.cached[s], grew, shape, mode)
-        lens, tail = torch.where(kept, k_lens, lens), torch.where(kept, k_tail, tail)
-        step, busy = torch.where(kept, k_step, 0), torch.where(kept, k_busy, 0)
-        if mode.caches:
-            cached = torch.where(kept, k_cached, 0)
-        fwd = torch.where(kept, old.prompt_fwd[s], fwd)
-        frozen = kept & old.frozen[s]
-        masked = torch.where((kept & ~grew)[:, None], old.masked[s][:, -L:], masked) & ~frozen[:, None]
-    nact = torch.tensor([r.n_active for r in rows])
-    window = torch.zeros(B, max(1, int(nact.max())) * L, dtype=torch.bool)
+    if not bool(kept.any()):
+        return Rows(src, kept, None, lens, tail, cached, step, busy, fwd, frozen, masked)
+    s = src.clamp(min=0)
+    grew = torch.tensor([r in grown for r in rows]) & kept
+    k_lens, k_tail, k_step, k_busy, k_cached = start_next_block(
+        old.lens[s], old.tail[s], old.step[s], old.busy_steps[s], old.cached[s], grew, shape, mode)
+    lens, tail = torch.where(kept, k_lens, lens), torch.where(kept, k_tail, tail)
+    step, busy = torch.where(kept, k_step, 0), torch.where(kept, k_busy, 0)
+    if mode.caches:
+        cached = torch.where(kept, k_cached, 0)
+    fwd = torch.where(kept, old.prompt_fwd[s], fwd)
+    frozen = kept & old.frozen[s]
+    masked = torch.where((kept & ~grew)[:, None], old.masked[s][:, -L:], masked) & ~frozen[:, None]
+    return Rows(src, kept, grew, lens, tail, cached, step, busy, fwd, frozen, masked)
+
+
+def window_masks(rows: List[Request], masked: torch.Tensor, frozen: torch.Tensor, nact: torch.Tensor,
+                 shape: RowShape, mask_id: int) -> torch.Tensor:
+    """Step 2: which positions of each row's window [B, NB L] hold the mask: its current
+    block's (`masked` [B, L]), and a stepwise rule's blocks in flight (D2F: masks may be in
+    any of them), none in a frozen row."""
+    L = shape.block_length
+    window = torch.zeros(len(rows), max(1, int(nact.max())) * L, dtype=torch.bool)
     window[:, -L:] = masked
     for i, r in enumerate(rows):
-        if r.rule.stepwise:  # its blocks in flight may hold masks in any of them
+        if r.rule.stepwise:
             n = window.shape[1] - r.n_active * L
-            tokens = r.rule.in_flight(r, shape, mcfg.mask_token_id)
-            window[i, n:] = (torch.tensor(tokens, dtype=torch.long) == mcfg.mask_token_id) & ~frozen[i]
-    masked = window
+            tokens = r.rule.in_flight(r, shape, mask_id)
+            window[i, n:] = (torch.tensor(tokens, dtype=torch.long) == mask_id) & ~frozen[i]
+    return window
+
+
+def fresh_tokens(rows: List[Request], kept: torch.Tensor, width: int, shape: RowShape, mask_id: int,
+                 pad_id: int) -> torch.Tensor:
+    """Step 3a: the new rows' tokens [B, W] (host), right-aligned; pads elsewhere."""
+    fresh = torch.full((len(rows), width), pad_id, dtype=torch.long)
+    for i in torch.nonzero(~kept).flatten().tolist():
+        r = rows[i]
+        fresh[i, width - shape.width(r):] = torch.tensor(r.prompt + r.generated + r.rule.in_flight(r, shape, mask_id))
+    return fresh
+
+
+def token_matrix(old: Optional[Batch], book: Rows, fresh: torch.Tensor, up: List[torch.Tensor],
+                 layout: Layout) -> torch.Tensor:
+    """Step 3b: the batch's token ids [B, W] (device) from the uploaded parts `up`: new
+    rows' fresh tokens, kept rows' old columns shifted to the new box (old column c lands
+    at c + new start - old start), a grown row's new block L fresh masks (the full canvas
+    holds them already)."""
+    kept_d, *moves = up
+    ids = torch.where(kept_d.bool()[:, None], layout.pad_id, fresh)
+    if book.any_kept:
+        s_d, src_col, keep_cols, grew_d = moves
+        ids = torch.where(keep_cols.bool(), old.ids[s_d].gather(1, src_col), ids)
+        if not layout.full_canvas:
+            L, W = layout.block_length, ids.shape[1]
+            ids[:, W - L:] = torch.where(grew_d.bool()[:, None], layout.mask_id, ids[:, W - L:])
+    return ids
+
+
+def scrub_frozen(ids: torch.Tensor, blk: torch.Tensor, frozen_d: torch.Tensor, mask_id: int, pad_id: int) -> None:
+    """Step 4: a frozen row's window holds its last committed tokens: its masks become pads
+    (nothing to denoise), in place."""
+    cur = ids.gather(1, blk)
+    ids.scatter_(1, blk, torch.where(frozen_d.bool()[:, None] & (cur == mask_id), pad_id, cur))
+
+
+def row_params(old: Optional[Batch], rows: List[Request], same_rows: bool, layout: Layout, device) -> RowParams:
+    """Step 5: the rows' decoding parameters (the old batch's when its rows are the same)."""
+    if same_rows:
+        return old.row_params
+    family, L = layout.family, layout.block_length
+    return RowParams.build(
+        [r.params for r in rows], [r.noise_seed for r in rows], device, first_position_default=family.first_position,
+        threshold=family.threshold, confidence=family.confidence, floor_one=[r.rule.floor_one for r in rows],
+        caps=[r.rule.step_cap(r, L, layout.steps) for r in rows])
+
+
+def relayout(old: Optional[Batch], rows: List[Request], grown: set, *, layout: Layout, device) -> Batch:
+    """The batch for `rows` (in slot order): kept rows are gathered from `old` (shifted
+    to the new box, frozen if they were), rows in `grown` committed a block and start
+    the next one, new rows are built from their tokens. `refresh` and `dual` recompute
+    a row at every block start; `persistent` only ever computes the tokens it has not
+    cached. Its steps: keep_rows, window_masks, fresh_tokens and token_matrix (after one
+    pinned, non-blocking upload of every host value the device needs), scrub_frozen,
+    row_params, and the attention mask."""
+    shape, mask_id, pad_id, L = layout.shape, layout.mask_id, layout.pad_id, layout.block_length
+    book = keep_rows(old, rows, grown, shape, layout.config.mode)
+    nact = torch.tensor([r.n_active for r in rows])
+    masked = window_masks(rows, book.masked, book.frozen, nact, shape, mask_id)
+    lens, tail, kept = book.lens, book.tail, book.kept
     W = int(lens.max())
-    col = torch.arange(W)[None]
-    start = W - lens
     n = masked.shape[1]  # the window: a frozen D2F row may have masks in every block it had in flight
     same_rows = old is not None and rows == old.rows  # Request compares by identity
     prompt_len = old.prompt_len if same_rows else torch.tensor([r.prompt_len for r in rows])
-    # every host value the device needs, in one pinned, non-blocking upload
-    fresh = torch.full((B, W), mcfg.pad_token_id, dtype=torch.long)  # new rows' tokens
-    for i in torch.nonzero(~kept).flatten().tolist():
-        r = rows[i]
-        inflight = r.rule.in_flight(r, shape, mcfg.mask_token_id)
-        fresh[i, W - shape.width(r):] = torch.tensor(r.prompt + r.generated + inflight)
-    parts = [lens, prompt_len, (W - tail - n)[:, None] + torch.arange(n)[None], fresh, kept.long(), frozen.long()]
-    if any_kept:  # old column c of a kept row lands at c + (new start) - (old start)
-        src_col = (col - start[:, None] + (old.width - old_lens)[:, None]).clamp(0, old.width - 1)
-        parts += [s, src_col, (kept[:, None] & (col >= start[:, None])).long(), grew.long()]
-    lens_d, plen_d, blk, fresh, kept_d, frozen_d, *moves = to_device(parts, dev)
-    ids = torch.where(kept_d.bool()[:, None], mcfg.pad_token_id, fresh)
-    if any_kept:
-        s_d, src_col, keep_cols, grew_d = moves
-        ids = torch.where(keep_cols.bool(), old.ids[s_d].gather(1, src_col), ids)
-        if not full_canvas:  # a grown row's new block: L fresh masks (the full canvas holds them already)
-            ids[:, W - L:] = torch.where(grew_d.bool()[:, None], mcfg.mask_token_id, ids[:, W - L:])
-    if bool(frozen.any()):  # a frozen row's block holds its last committed tokens: nothing to denoise
-        cur = ids.gather(1, blk)
-        ids.scatter_(1, blk, torch.where(frozen_d.bool()[:, None] & (cur == mcfg.mask_token_id), mcfg.pad_token_id,
-                                         cur))
-    row_params = old.row_params if same_rows else RowParams.build(
-        [r.params for r in rows], [r.noise_seed for r in rows], dev, first_position_default=family.first_position,
-        threshold=family.threshold, confidence=family.confidence, floor_one=[r.rule.floor_one for r in rows],
-        caps=[r.rule.step_cap(r, L, traits.config.steps_per_block) for r in rows])
-    return Batch(rows=list(rows), ids=ids, lens=lens, tail=tail, prompt_len=prompt_len, cached=cached, step=step,
-                 busy_steps=busy, prompt_fwd=fwd, frozen=frozen, masked=masked,
-                 mask=AttentionMask.build(lens_d, plen_d, W, L, mcfg.block_causal,
-                                          family.blocks == BlockLayout.ABSOLUTE),
-                 row_params=row_params, block_length=L, nact=nact, block_cols=blk)
+    fresh = fresh_tokens(rows, kept, W, shape, mask_id, pad_id)
+    parts = [lens, prompt_len, (W - tail - n)[:, None] + torch.arange(n)[None], fresh, kept.long(),
+             book.frozen.long()]
+    if book.any_kept:
+        col, s = torch.arange(W)[None], book.src.clamp(min=0)
+        start, old_start = W - lens, old.width - old.lens[s]
+        src_col = (col - start[:, None] + old_start[:, None]).clamp(0, old.width - 1)
+        parts += [s, src_col, (kept[:, None] & (col >= start[:, None])).long(), book.grew.long()]
+    lens_d, plen_d, blk, fresh_d, kept_d, frozen_d, *moves = to_device(parts, device)
+    ids = token_matrix(old, book, fresh_d, [kept_d, *moves], layout)
+    if bool(book.frozen.any()):
+        scrub_frozen(ids, blk, frozen_d, mask_id, pad_id)
+    return Batch(rows=list(rows), ids=ids, lens=lens, tail=tail, prompt_len=prompt_len, cached=book.cached,
+                 step=book.step, busy_steps=book.busy, prompt_fwd=book.fwd, frozen=book.frozen, masked=masked,
+                 mask=AttentionMask.build(lens_d, plen_d, W, L, layout.model.block_causal, layout.absolute),
+                 row_params=row_params(old, rows, same_rows, layout, device), block_length=L, nact=nact,
+                 block_cols=blk)

@@ -31,9 +31,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, List, Optional, Sequence
 
-from .models.families.base import BlockLayout
+from .layout import Layout
 from .reads import D2F_SAMPLING, MASKED_SAMPLING
-from .rules import NOISE_MASK, BlockRule, Traits
+from .rules import NOISE_MASK, BlockRule
+from .step_view import StepView
 
 if TYPE_CHECKING:
     import torch
@@ -124,28 +125,28 @@ class D2FRule(BlockRule):
     def applies(self, params: Any) -> bool:
         return params.block_add_threshold is not None
 
-    def unsupported(self, req: Any, traits: Traits) -> Optional[str]:
-        m, shape, why = traits.model, traits.shape, None
+    def unsupported(self, req: Any, layout: Layout) -> Optional[str]:
+        m, shape, why = layout.model, layout.shape, None
         if not m.block_causal:
             why = ("needs block-causal attention (its blocks are decoded against unfinished predecessors); this "
                    "model is bidirectional (config.json dllm_attention)")
         elif m.shift_logits:
             why = f"is implemented for unshifted logits (LLaDA); {m.model_type} reads each position from the one before"
-        elif traits.family.blocks != BlockLayout.AFTER_PROMPT:
-            why = f"is implemented for blocks after the prompt; {traits.family.name} places its blocks at absolute positions"
+        elif layout.absolute:
+            why = f"is implemented for blocks after the prompt; {layout.family.name} places its blocks at absolute positions"
         elif shape.full_canvas:
             why = "needs the block canvas (EngineConfig.canvas 'block' or 'auto')"
-        elif traits.config.mode.caches_suffix:
+        elif layout.config.mode.caches_suffix:
             why = "forwards every block in flight; cache 'dual' forwards one: use none, refresh or persistent"
         elif req.params.max_new_tokens < shape.block_length:
             why = (f"decodes max_new_tokens // block_length whole blocks: max_new_tokens={req.params.max_new_tokens} "
                    f"< block_length={shape.block_length}")
         return f"block_add_threshold (D2F decoding) {why}" if why else None
 
-    def start(self, req: Any, traits: Traits) -> D2FState:
-        p, L = req.params, traits.shape.block_length
+    def start(self, req: Any, layout: Layout) -> D2FState:
+        p, L = req.params, layout.shape.block_length
         return D2FState(float(p.block_add_threshold), float(p.decoded_token_threshold), L, self.blocks_needed(req, L),
-                        traits.model.mask_token_id, req.stop_ids)
+                        layout.model.mask_token_id, req.stop_ids)
 
     def blocks_needed(self, req: Any, block_length: int) -> int:
         return req.params.max_new_tokens // block_length  # D2F's count: whole blocks only
@@ -161,7 +162,7 @@ class D2FRule(BlockRule):
         st, L = req.state, req.state.block_length
         return [hash((seed, (st.first_active + j) * L, st.steps)) & NOISE_MASK for j in range(st.n_active)]
 
-    def select(self, b: Any, rows: List[int], sel: torch.Tensor, **step: torch.Tensor) -> torch.Tensor:
+    def select(self, view: StepView, rows: List[int], sel: torch.Tensor) -> torch.Tensor:
         """Its rows' blocks take D2F's rule: over threshold, or a complete block's most
         confident position."""
         import torch  # here: the module is torch-free at import (the preflight reads `unsupported`)
@@ -169,31 +170,31 @@ class D2FRule(BlockRule):
         from .decoding import select_d2f
         from .transfer import to_device
 
-        NB = b.n_window
-        units = torch.zeros(len(b.rows) * NB, dtype=torch.bool)
-        complete = torch.zeros(len(b.rows) * NB, dtype=torch.bool)
+        NB = view.n_window
+        units = torch.zeros(len(view.rows) * NB, dtype=torch.bool)
+        complete = torch.zeros(len(view.rows) * NB, dtype=torch.bool)
         for i in rows:
-            blocks = b.rows[i].state.active
+            blocks = view.rows[i].state.active
             units[i * NB:(i + 1) * NB] = True
             complete[(i + 1) * NB - len(blocks):(i + 1) * NB] = torch.tensor([blk.complete for blk in blocks])
         dev = sel.device
         complete, units = to_device([complete, units], dev)
-        mine = select_d2f(step["conf"], step["is_mask"], b.unit_params, complete)
+        mine = select_d2f(view.conf, view.is_mask, view.unit_params, complete)
         return torch.where(units[:, None], mine, sel)
 
-    def commit(self, engine: Any, b: Any, rows: List[int], blocks: torch.Tensor, done: torch.Tensor) -> None:
+    def commit(self, engine: Any, view: StepView, rows: List[int], blocks: torch.Tensor, done: torch.Tensor) -> None:
         """Every step: the blocks in flight take the step's tokens, leading finished blocks
         are committed (the row may leave), the next step's block is added (the row grows
         by L) and complete flags set."""
-        L = b.block_length
+        L = view.block_length
         for i in rows:
-            r = b.rows[i]
+            r = view.rows[i]
             st = r.state
             before = st.n_active
             committed = st.observe(blocks[i, -before * L:].tolist())
             r.num_steps = st.steps
-            r.prompt_forwarded = int(b.prompt_fwd[i])
-            if committed and engine.commit(b, i, committed):
+            r.prompt_forwarded = int(view.prompt_fwd[i])
+            if committed and engine.commit(i, committed):
                 engine.relayout()  # a frozen row's blocks stop being denoised
                 continue
             if st.plan():

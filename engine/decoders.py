@@ -6,8 +6,9 @@ from typing import Any, Optional
 
 from .d2f import D2F
 from .editing import EDITING
+from .layout import Layout
 from .reads import refusal, unread
-from .rules import BLOCK, BlockRule, Traits, row_refusal
+from .rules import BLOCK, BlockRule, row_refusal
 from .sequence import Request
 from .subblocks import SUB_BLOCKS
 
@@ -18,8 +19,8 @@ def rule_for(params: Any) -> BlockRule:
     return next(r for r in RULES if r.applies(params))
 
 
-def settings_refusal(params: Any, traits: Traits) -> Optional[str]:
-    """Why a masked-diffusion engine with `traits` refuses every row decoded with `params`
+def settings_refusal(params: Any, layout: Layout) -> Optional[str]:
+    """Why a masked-diffusion engine with `layout` refuses every row decoded with `params`
     (SamplingParams), or None: its own checks (Engine.sampling_reads, then Engine.check)
     of the shortest row there is, one token. Torch-free: the job's preflight runs it."""
     rule = rule_for(params)
@@ -28,4 +29,4 @@ def settings_refusal(params: Any, traits: Traits) -> Optional[str]:
         return err
     req = Request("settings", [0], params, [])
     req.rule = rule
-    return row_refusal(req, traits)
+    return row_refusal(req, layout)

@@ -1,86 +1,95 @@
-"""Decoding policies, vectorised over the batch: which masked positions of each row's
-current block get a token this denoising step. Each row carries its own policy and
-parameters, so one forward serves requests with different settings. The rules follow
-the reference code of each model family (LLaDA's `generate`, Fast-dLLM's
-`get_transfer_index` / `get_transfer_index_dynamic`, Fast-dLLM's Dream block
-decoding, Dream's `diffusion_generate` with its `alg`s); see SamplingParams for what each
-one does."""
+"""Decoding, vectorised over the batch: each row's proposals and their confidence
+(`propose`), and which masked positions of each row's current block get a token this
+denoising step (`select`: each row's policy, engine.selection). Each row carries its own
+policy and parameters, so one forward serves requests with different settings. The
+rules follow the reference code of each model family (LLaDA's `generate`, Fast-dLLM's
+`get_transfer_index` / `get_transfer_index_dynamic`, Fast-dLLM's Dream block decoding,
+Dream's `diffusion_generate` with its `alg`s); see SamplingParams for what each one does."""
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import List, Optional, Sequence
+from dataclasses import dataclass, field, fields
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
 from .models.families.base import Confidence, ThresholdRule
+from .noise import draws_confidence, draws_tokens, perturbs_confidence
+from .selection import (DREAM_EPS, NO_CAP, POLICIES, POLICY_IDS, Candidates, Selection,  # noqa: F401 - re-exported
+                        fixed_schedule, policies_with, threshold_policy, timestep_schedule, transfer_fraction)
 from .transfer import to_device
 
-FIXED, THRESHOLD, FACTOR, TIMESTEP, ORIGIN, ENTROPY_BOUND = 0, 1, 2, 3, 4, 5
-POLICY_IDS = {"fixed": FIXED, "threshold": THRESHOLD, "factor": FACTOR, "timestep": TIMESTEP, "origin": ORIGIN,
-              "entropy_bound": ENTROPY_BOUND}
 LOW_CONFIDENCE, RANDOM, ENTROPY, MARGIN, SEQUENTIAL = 0, 1, 2, 3, 4
 REMASKING_IDS = {"low_confidence": LOW_CONFIDENCE, "random": RANDOM, "entropy": ENTROPY, "margin": MARGIN,
                  "sequential": SEQUENTIAL}
-DREAM_EPS = 1e-3  # Dream's generation_config.eps: the last timestep of its schedule
-NO_CAP = 2**31  # RowParams.floor_steps of a row whose floor's steps max_new_tokens does not cap
+ENTROPY_BOUND = POLICY_IDS["entropy_bound"]  # propose computes its entropies
 ENTROPY_BOUND_DEFAULT = 0.35  # JetEngine's eb_threshold
 ENTROPY_EPS = 1e-12  # JetEngine clamps probabilities at this before p log p
 
+REAL = ("threshold", "factor", "temperature", "top_p", "entropy_bound")  # Columns' float64 fields
+INTS = ("policy", "remasking", "first_position", "top_k", "cap")  # Columns' integer fields
+
 
 @dataclass
-class DeviceParams:
-    """RowParams' per-row values as device tensors, for the vectorised policies."""
+class Columns:
+    """The rows' decoding values by name, [B] each: on the host (the loop decides from
+    them without reading the device) or on the device (`upload`: one copy, not ten)."""
 
-    policy: torch.Tensor
-    threshold: torch.Tensor
+    threshold: torch.Tensor  # float64
     factor: torch.Tensor
     temperature: torch.Tensor
-    remasking: torch.Tensor
-    first_position: torch.Tensor  # bool
     top_p: torch.Tensor
-    top_k: torch.Tensor
-    cap: torch.Tensor  # a rule's own step cap (-1: the policy's, step_cap)
     entropy_bound: torch.Tensor
+    policy: torch.Tensor  # long: the row's engine.selection.POLICIES index
+    remasking: torch.Tensor  # long: REMASKING_IDS
+    first_position: torch.Tensor  # bool: the block's first step commits only its first position
+    top_k: torch.Tensor  # long
+    cap: torch.Tensor  # long: a rule's own step cap (-1: the policy's, step_cap)
 
-    @classmethod
-    def upload(cls, real: torch.Tensor, ints: torch.Tensor, device) -> "DeviceParams":
-        """From the host's [5, B] float64 and [5, B] long stacks: one pinned, non-blocking copy
-        (the float64 bits as int64), not ten."""
-        r, i = to_device([real.view(torch.long), ints], device)
-        r = r.view(torch.float64)
-        return cls(policy=i[0], threshold=r[0], factor=r[1], temperature=r[2], remasking=i[1],
-                   first_position=i[2].bool(), top_p=r[3], top_k=i[3], cap=i[4], entropy_bound=r[4])
+    def upload(self, device) -> "Columns":
+        """These values on `device`: one pinned, non-blocking copy (the float64 bits as int64)."""
+        real = torch.stack([getattr(self, n) for n in REAL]).view(torch.long)
+        ints = torch.stack([getattr(self, n).long() for n in INTS])
+        r, i = to_device([real, ints], device)
+        vals = {**dict(zip(REAL, r.view(torch.float64))), **dict(zip(INTS, i))}
+        vals["first_position"] = vals["first_position"].bool()
+        return Columns(**vals)
+
+    def take(self, index: torch.Tensor) -> "Columns":
+        return Columns(**{f.name: getattr(self, f.name)[index] for f in fields(self)})
+
+
+# DeviceParams was RowParams' device half: the same named columns
+DeviceParams = Columns
 
 
 @dataclass
 class RowParams:
-    """Per-row decoding parameters, built once per batch layout: host values (the loop
-    decides from them without reading the device) and, in `dev`, their device tensors."""
+    """Per-row decoding parameters, built once per batch layout: host values (`host`) and
+    their device tensors (`dev`), by name; `extra`: the device values the family's
+    threshold policy declared (Selection.row_values)."""
 
     params: List  # the rows' SamplingParams
     seeds: List[Optional[int]]  # noise seed per row, None when the row draws no noise
-    real: torch.Tensor  # host [5, B] float64: threshold, factor, temperature, top_p, entropy_bound
-    ints: torch.Tensor  # host [5, B] long: policy, remasking, first_position, top_k, cap
-    dev: DeviceParams
+    host: Columns
+    dev: Columns
     any_entropy: bool
     any_margin: bool
     any_sequential: bool
     # Confidence.SAMPLED (Dream's sample_tokens): proposals drawn, and ranked, from the
     # tempered, top-p then top-k restricted distribution
     sampled: bool = False
-    # ThresholdRule.SCHEDULE_FLOOR (LLaDA2's generate()) and BLOCK_FLOOR (SDAR's): strictly
-    # greater, a floor of k per step over at most `floor_steps` steps per row (LLaDA2.0's
-    # steps = min(steps, gen_length): max_new_tokens; SDAR: no cap) and the rows whose floor
-    # is 1 (a decoding rule's: LLaDA2.1's token editing loop)
-    floor: bool = False
-    floor_steps: Optional[torch.Tensor] = None
-    floor_one: Optional[torch.Tensor] = None
-    strict: bool = False  # ThresholdRule.GREATER_AT_LEAST_TOP1: > rather than >= (at least the most confident)
+    threshold: Selection = field(default_factory=lambda: threshold_policy(ThresholdRule.AT_LEAST_TOP1))
+    extra: Dict[str, torch.Tensor] = field(default_factory=dict)
 
     @property
     def policy(self) -> torch.Tensor:
         """Host [B] policy ids."""
-        return self.ints[0]
+        return self.host.policy
+
+    @property
+    def selections(self) -> Tuple[Selection, ...]:
+        """The policy of each id, the `threshold` one the family's."""
+        return policies_with(self.threshold)
 
     def caps(self, block_length: int, steps: int, dev: bool = False) -> torch.Tensor:
         """[B] steps after which a row's block is committed whatever it holds: its rule's
@@ -89,8 +98,8 @@ class RowParams:
         memo = self.__dict__.setdefault("_memo", {})
         key = ("caps", block_length, steps, dev)
         if key not in memo:
-            policy, cap = (self.dev.policy, self.dev.cap) if dev else (self.policy, self.ints[4])
-            memo[key] = torch.where(cap >= 0, cap, step_cap(policy, block_length, steps))
+            cols = self.dev if dev else self.host
+            memo[key] = torch.where(cols.cap >= 0, cols.cap, step_cap(cols.policy, block_length, steps))
         return memo[key]
 
     @property
@@ -104,82 +113,58 @@ class RowParams:
     @property
     def first_position(self) -> torch.Tensor:
         """Host bool [B]: the block's first step commits only its first position."""
-        return self.ints[2].bool()
+        return self.host.first_position
 
     @classmethod
     def build(cls, params: Sequence, seeds: Sequence[Optional[int]], device, first_position_default: bool = False,
-              threshold: ThresholdRule = ThresholdRule.AT_LEAST_TOP1,
+              threshold: Any = ThresholdRule.AT_LEAST_TOP1,
               floor_one: Optional[Sequence[bool]] = None, caps: Optional[Sequence[Optional[int]]] = None,
               confidence: Confidence = Confidence.MODEL) -> "RowParams":
-        first = [first_position_default if p.first_position is None else bool(p.first_position) for p in params]
-        floor = threshold in (ThresholdRule.SCHEDULE_FLOOR, ThresholdRule.BLOCK_FLOOR)
-        capped = threshold == ThresholdRule.SCHEDULE_FLOOR
-        real = torch.tensor([[float(p.threshold) for p in params], [float(p.factor) for p in params],
-                             [float(p.temperature) for p in params], [float(p.top_p) for p in params],
-                             [ENTROPY_BOUND_DEFAULT if p.entropy_bound is None else float(p.entropy_bound)
-                              for p in params]],
-                            dtype=torch.float64).reshape(5, len(params))
-        ints = torch.tensor([[POLICY_IDS[p.policy] for p in params], [REMASKING_IDS[p.remasking] for p in params],
-                             [int(f) for f in first], [max(0, int(p.top_k)) for p in params],
-                             [-1 if c is None else int(c) for c in (caps or [None] * len(params))]],
-                            dtype=torch.long).reshape(5, len(params))
-        floor_steps = floor_one = None
-        if floor:  # the floor's per-row values, in one pinned, non-blocking copy
-            floor_steps, floor_one = to_device([torch.tensor([p.max_new_tokens if capped else NO_CAP for p in params]),
-                                                torch.tensor([int(f) for f in floor_one or [False] * len(params)])],
-                                               device)
-            floor_one = floor_one.bool()
-        return cls(params=list(params), seeds=list(seeds), real=real, ints=ints,
-                   dev=DeviceParams.upload(real, ints, device),
+        """`threshold`: the family's (a ThresholdRule, or an engine.selection.Selection)."""
+        B = len(params)
+        f64 = lambda vals: torch.tensor(vals, dtype=torch.float64).reshape(B)  # noqa: E731
+        i64 = lambda vals: torch.tensor(vals, dtype=torch.long).reshape(B)  # noqa: E731
+        host = Columns(
+            threshold=f64([float(p.threshold) for p in params]), factor=f64([float(p.factor) for p in params]),
+            temperature=f64([float(p.temperature) for p in params]), top_p=f64([float(p.top_p) for p in params]),
+            entropy_bound=f64([ENTROPY_BOUND_DEFAULT if p.entropy_bound is None else float(p.entropy_bound)
+                               for p in params]),
+            policy=i64([POLICY_IDS[p.policy] for p in params]),
+            remasking=i64([REMASKING_IDS[p.remasking] for p in params]),
+            first_position=torch.tensor([first_position_default if p.first_position is None
+                                         else bool(p.first_position) for p in params], dtype=torch.bool).reshape(B),
+            top_k=i64([max(0, int(p.top_k)) for p in params]),
+            cap=i64([-1 if c is None else int(c) for c in (caps or [None] * B)]))
+        policy = threshold_policy(threshold)
+        values = policy.row_values(params, list(floor_one or [False] * B))
+        extra = dict(zip(values, to_device(list(values.values()), device))) if values else {}
+        return cls(params=list(params), seeds=list(seeds), host=host, dev=host.upload(device),
                    any_entropy=any(p.remasking == "entropy" for p in params),
                    any_margin=any(p.remasking == "margin" for p in params),
-                   any_sequential=any(p.remasking == "sequential" for p in params), floor=floor,
-                   sampled=confidence == Confidence.SAMPLED,
-                   floor_steps=floor_steps, strict=threshold == ThresholdRule.GREATER_AT_LEAST_TOP1,
-                   floor_one=floor_one)
+                   any_sequential=any(p.remasking == "sequential" for p in params),
+                   sampled=confidence == Confidence.SAMPLED, threshold=policy, extra=extra)
 
     def take(self, index: torch.Tensor) -> "RowParams":
         """The parameters of rows `index` (a host tensor): one entry per decoding unit
         when rows hold several blocks in flight (D2F)."""
         ix = index.tolist()
-        real, ints = self.real[:, index], self.ints[:, index]
+        host = self.host.take(index)
         dev_index = index.to(self.dev.policy.device)
-        pick = lambda t: None if t is None else t[dev_index]  # noqa: E731 - the floor's device tensors
-        return RowParams(params=[self.params[i] for i in ix], seeds=[self.seeds[i] for i in ix], real=real, ints=ints,
-                         dev=DeviceParams.upload(real, ints, self.dev.policy.device),
-                         any_entropy=self.any_entropy, any_margin=self.any_margin,
-                         any_sequential=self.any_sequential, sampled=self.sampled, floor=self.floor,
-                         floor_steps=pick(self.floor_steps), floor_one=pick(self.floor_one), strict=self.strict)
-
-
-def fixed_schedule(step: torch.Tensor, block_length: int, steps: int) -> torch.Tensor:
-    """LLaDA's schedule: L tokens over S steps as evenly as possible, earliest steps take
-    the remainder. `step` [B] is each row's step index inside its block."""
-    base, rem = divmod(block_length, steps)
-    return base + (step < rem).long()
-
-
-def transfer_fraction(step: torch.Tensor, steps: int) -> torch.Tensor:
-    """Dream's 1 - t_{s+1} / t_s at step s, t = linspace(1, eps, S+1) in float32 as Dream
-    computes it."""
-    t = torch.linspace(1, DREAM_EPS, steps + 1, device=step.device)
-    s = step.clamp(max=steps - 1)
-    return 1 - t[s + 1] / t[s]
-
-
-def timestep_schedule(step: torch.Tensor, n_mask: torch.Tensor, steps: int) -> torch.Tensor:
-    """Dream's schedule: at step s, int(n * (1 - t_{s+1} / t_s)) of the n masks left; all
-    of them at the last step."""
-    k = (n_mask.float() * transfer_fraction(step, steps)).long()
-    return torch.where(step >= steps - 1, n_mask, k)
+        return RowParams(params=[self.params[i] for i in ix], seeds=[self.seeds[i] for i in ix], host=host,
+                         dev=host.upload(self.dev.policy.device), any_entropy=self.any_entropy,
+                         any_margin=self.any_margin, any_sequential=self.any_sequential, sampled=self.sampled,
+                         threshold=self.threshold, extra={k: v[dev_index] for k, v in self.extra.items()})
 
 
 def step_cap(policy: torch.Tensor, block_length: int, steps: int) -> torch.Tensor:
     """[B] steps after which a row's block is committed whatever it holds: S for the
-    scheduled policies (fixed, timestep, origin), max(S, L) for threshold, factor and
-    entropy_bound.
+    scheduled policies (fixed, timestep, origin: Selection.scheduled), max(S, L) for
+    threshold, factor and entropy_bound.
     `policy`: RowParams.policy (host) or RowParams.dev.policy."""
-    scheduled = (policy == FIXED) | (policy == TIMESTEP) | (policy == ORIGIN)
+    scheduled = torch.zeros_like(policy, dtype=torch.bool)
+    for i, p in enumerate(POLICIES):
+        if p.scheduled:
+            scheduled = scheduled | (policy == i)
     return torch.where(scheduled, steps, max(steps, block_length))
 
 
@@ -309,11 +294,11 @@ def propose(logits: torch.Tensor, rp: RowParams, noise_keys: Optional[Sequence[O
     n, flat, at = idx[0].shape[0], logits.reshape(-1, V), idx[0] * L + idx[1]
     x0 = logits.argmax(-1) if full_x0 else torch.zeros(logits.shape[:-1], dtype=torch.long, device=dev)
     processed = x0_raw = None  # Dream's processed float64 logits at `need`, the argmax of the raw ones
-    if rp.sampled and bool(((rp.real[2] > 0) | (rp.real[3] < 1) | (rp.ints[3] > 0)).any()):  # host values
+    if rp.sampled and bool(((rp.host.temperature > 0) | (rp.host.top_p < 1) | (rp.host.top_k > 0)).any()):  # host values
         lg = flat.index_select(0, at).to(torch.float64)
         x0_raw = None if full_x0 else lg.argmax(-1)  # float -> float64 is exact: the float64 argmax
         processed = dream_logits(lg, rp.dev.temperature[idx[0]], rp.dev.top_p[idx[0]], rp.dev.top_k[idx[0]],
-                                 any_top_p=bool((rp.real[3] < 1).any()), k_max=int(rp.ints[3].max()))  # host values
+                                 any_top_p=bool((rp.host.top_p < 1).any()), k_max=int(rp.host.top_k.max()))  # host values
     drawn, gumbel = {}, {}
     drew = None  # [B] rows whose x0 was drawn (temperature > 0), when x0 is not proposed everywhere
     for i, key in enumerate(noise_keys or ()):
@@ -321,7 +306,7 @@ def propose(logits: torch.Tensor, rp: RowParams, noise_keys: Optional[Sequence[O
             continue
         gen = torch.Generator(device=dev).manual_seed(key)
         p = rp.params[i]
-        if p.temperature > 0:
+        if draws_tokens(p):
             if not full_x0:
                 drew = torch.zeros(x0.shape[0], dtype=torch.bool, device=dev) if drew is None else drew
                 drew[i] = True
@@ -332,9 +317,9 @@ def propose(logits: torch.Tensor, rp: RowParams, noise_keys: Optional[Sequence[O
             else:
                 r = restrict(logits[i].to(torch.float64), float(p.temperature), max(0, int(p.top_k)), float(p.top_p))
                 x0[i] = (r - float(p.temperature) * torch.log(-torch.log(noise))).argmax(-1)
-        if p.remasking == "random" or p.policy == "origin":
+        if draws_confidence(p):
             drawn[i] = torch.rand(x0.shape[1], generator=gen, dtype=torch.float64, device=dev)
-        if p.alg_temp > 0:  # Gumbel noise: the top-k of conf / alg_temp + G is Dream's multinomial draw
+        if perturbs_confidence(p):  # Gumbel noise: the top-k of conf / alg_temp + G is Dream's multinomial draw
             gumbel[i] = -torch.log(-torch.log(torch.rand(x0.shape[1], generator=gen, dtype=torch.float64,
                                                          device=dev)))
     x0_at = x0[idx]  # the drawn proposals, or every proposal (full_x0)
@@ -387,59 +372,14 @@ def propose(logits: torch.Tensor, rp: RowParams, noise_keys: Optional[Sequence[O
 
 def select(conf: torch.Tensor, is_mask: torch.Tensor, step: torch.Tensor, rp: RowParams,
            block_length: int, steps: int) -> torch.Tensor:
-    """Boolean [B, L]: positions to unmask this step."""
+    """Boolean [B, L]: positions to unmask this step, each row's by its own policy
+    (engine.selection; only the policies some row uses are computed)."""
     conf = torch.where(is_mask, conf, torch.full_like(conf, -torch.inf))
-    present = rp.policies  # only the policies some row uses are computed (host values)
-    rank = _ranks(conf) if present != [ORIGIN] else None
-    n_mask = is_mask.sum(1) if FACTOR in present or TIMESTEP in present else None
-    sorted_conf = conf.sort(dim=1, descending=True).values if FACTOR in present or ENTROPY_BOUND in present else None
-
-    def by_fixed():  # fixed: the k_s most confident masked positions
-        return rank < fixed_schedule(step, block_length, steps)[:, None]
-
-    def by_threshold():
-        # threshold: every confident position, at least the most confident one (the schedule
-        # floor, LLaDA2's generate() and SDAR's block_diffusion_generate: confidence strictly
-        # greater, at least k: the schedule over min(steps, max_new_tokens) steps in LLaDA2.0's,
-        # over steps in SDAR's, 1 in 2.1's loop, the editing rows')
-        if rp.floor:
-            s_row = rp.floor_steps.clamp(max=steps)
-            k = torch.where(rp.floor_one, 1, block_length // s_row + (step < block_length % s_row).long())
-            return (conf > rp.dev.threshold[:, None]) | (rank < k[:, None])
-        if rp.strict:  # Fast-dLLM v2
-            return (conf > rp.dev.threshold[:, None]) | (rank == 0)
-        return (conf >= rp.dev.threshold[:, None]) | (rank == 0)
-
-    def by_factor():
-        # factor (get_transfer_index_dynamic): k = how many leading sorted confidences pass
-        # 1 - f/(n+1) (the first always passes); the reference then takes k, but 1 when
-        # k == 0 and all n masks when k >= n - 1
-        n = torch.arange(1, conf.shape[1] + 1, device=conf.device, dtype=torch.float64)
-        bar = 1.0 - rp.dev.factor[:, None] / (n + 1.0)
-        bar[:, 0] = -1.0
-        k = (sorted_conf >= bar).long().cumprod(dim=1).sum(dim=1)
-        n_take = torch.where(k == 0, 1, torch.where(k >= n_mask - 1, n_mask, k))
-        return rank < n_take[:, None]
-
-    def by_entropy_bound():
-        # entropy_bound (JetEngine's entropy_bounded): the lowest-entropy masks (conf is minus the
-        # entropy) while the running sum of their entropies stays below the bound; at least one
-        k_bound = ((-sorted_conf).cumsum(dim=1) < rp.dev.entropy_bound[:, None]).sum(dim=1).clamp(min=1)
-        return rank < k_bound[:, None]
-
-    def by_timestep():
-        return rank < timestep_schedule(step, n_mask, steps)[:, None]
-
-    def by_origin():
-        # origin (Dream's alg="origin"): each mask independently, when its uniform draw (its
-        # confidence) is below 1 - t_{s+1} / t_s
-        return conf < transfer_fraction(step, steps).double()[:, None]
-
-    rules = {FIXED: by_fixed, THRESHOLD: by_threshold, FACTOR: by_factor, ORIGIN: by_origin,
-             ENTROPY_BOUND: by_entropy_bound, TIMESTEP: by_timestep}
+    cand = Candidates(conf, is_mask, step, rp, block_length, steps)
+    chosen = rp.selections
     sel = None
-    for pid in present:  # each row takes its own policy's selection
-        mine = rules[pid]()
+    for pid in rp.policies:  # host values
+        mine = chosen[pid].choose(cand)
         sel = mine if sel is None else torch.where(rp.dev.policy[:, None] == pid, mine, sel)
     # scheduled policies fill the block by step S; threshold, factor and entropy_bound run until it is
     # full (at most L steps, one token at least per step), forced at step max(S, L) only

@@ -16,8 +16,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, List, Optional
 
+from .layout import Layout
 from .reads import EDITING_SAMPLING, MASKED_SAMPLING
-from .rules import BlockRule, Traits
+from .rules import BlockRule
+from .step_view import StepView, Verdict
 
 if TYPE_CHECKING:
     import torch
@@ -42,9 +44,9 @@ class EditingRule(BlockRule):
     def applies(self, params: Any) -> bool:
         return params.edit_threshold is not None
 
-    def unsupported(self, req: Any, traits: Traits) -> Optional[str]:
-        if not traits.family.editing:
-            return (f"edit_threshold (LLaDA2.1 token editing) is not part of {traits.family.name}'s decoding; "
+    def unsupported(self, req: Any, layout: Layout) -> Optional[str]:
+        if not layout.family.editing:
+            return (f"edit_threshold (LLaDA2.1 token editing) is not part of {layout.family.name}'s decoding; "
                     "families with token editing: LLaDA2 (model_type 'llada2_moe')")
         return None
 
@@ -52,18 +54,18 @@ class EditingRule(BlockRule):
         """A bound the published loop does not have (see the module docstring)."""
         return block_length * max(steps, block_length) + req.params.max_post_steps
 
-    def select(self, b: Any, rows: List[int], sel: torch.Tensor, **step: torch.Tensor) -> torch.Tensor:
+    def select(self, view: StepView, rows: List[int], sel: torch.Tensor) -> torch.Tensor:
         """The step's mask commits plus its edits: the decoded tokens it rewrites. A row's
         state starts afresh at its block's first step; a finished block is left alone."""
-        logits, x0, window, is_mask = step["logits"], step["x0"], step["window"], step["is_mask"]
-        L = b.block_length
+        logits, x0, window, is_mask = view.logits, view.x0, view.window, view.is_mask
+        L = view.block_length
         live = []
-        for i, st in zip(rows, b.step[rows].tolist()):
-            r = b.rows[i]
+        for i, st in zip(rows, view.step[rows].tolist()):
+            r = view.rows[i]
             if st == 0 or r.state is None:
                 r.state = EditState()
             if not r.state.done:
-                r.state.had_mask = bool(b.masked[i, -L:].any())
+                r.state.had_mask = bool(view.masked[i, -L:].any())
                 live.append(i)
         if not live:
             return sel
@@ -73,33 +75,34 @@ class EditingRule(BlockRule):
 
         idx = indices(live, logits.device)
         p = torch.softmax(logits[idx].to(torch.float64), dim=-1).gather(-1, x0[idx][..., None]).squeeze(-1)
-        lead = indices([0 if b.rows[i].generated else len(b.rows[i].lead) for i in live], logits.device)
-        thr = indices([float(b.rows[i].params.edit_threshold) for i in live], logits.device, torch.float64)
+        lead = indices([0 if view.rows[i].generated else len(view.rows[i].lead) for i in live], logits.device)
+        thr = indices([float(view.rows[i].params.edit_threshold) for i in live], logits.device, torch.float64)
         editable = ~is_mask[idx] & (torch.arange(L, device=logits.device)[None] >= lead[:, None])
         edits = torch.zeros_like(is_mask)
         edits[idx] = editable & (p > thr[:, None]) & (x0[idx] != window[idx])
         return sel | edits
 
-    def after_step(self, b: Any, rows: List[int], blocks: torch.Tensor, done: torch.Tensor) -> torch.Tensor:
+    def after_step(self, view: StepView, rows: List[int], blocks: torch.Tensor, done: torch.Tensor) -> Verdict:
         """Whether each editing row's block is final, as the published loop decides: after
         a step that started with no mask and edited nothing, or once the block holds no
         mask after max_post_steps steps that started with none (or at the step cap).
-        `blocks` [B, L]: the host tokens."""
-        done = done.clone()
-        caps = b.row_params.ints[4]  # this rule's step_cap
+        `blocks` [B, L]: the host tokens. An editing-only step is a step of the request
+        (num_steps): counted in the verdict's `busy`."""
+        done, busy = done.clone(), view.busy_steps.new_zeros(done.shape)
+        caps = view.params.host.cap  # this rule's step_cap
         for i in rows:
-            r = b.rows[i]
+            r = view.rows[i]
             st, tokens = r.state, blocks[i].tolist()
             if not st.done:
                 if not st.had_mask:
                     st.post_steps += 1
-                    b.busy_steps[i] += 1  # an editing-only step is a step of the request (num_steps)
-                masked = bool(b.masked[i].any())
+                    busy[i] = 1
+                masked = bool(view.masked[i].any())
                 st.done = (not st.had_mask and tokens == st.tokens) or (
-                    not masked and st.post_steps >= r.params.max_post_steps) or int(b.step[i]) >= int(caps[i])
+                    not masked and st.post_steps >= r.params.max_post_steps) or int(view.step[i]) >= int(caps[i])
                 st.tokens = tokens
             done[i] = st.done
-        return done
+        return Verdict(done, busy)
 
 
 EDITING = EditingRule()

@@ -12,7 +12,7 @@ How a row is decoded is its decoding rule's (engine.rules; engine.decoders picks
 the request's SamplingParams): the engine calls every rule's hooks for the rows of that
 rule (select, after a step, commit) and names none itself. What the model's family
 says (where blocks start, its logit shift, its threshold rule) reaches the rules, the
-batch layout and the runner through `Traits`.
+batch layout and the runner through its `Layout` (engine.layout).
 
 The host decides from host copies of the batch's bookkeeping; the device is read once
 per denoising step (the block's tokens after it, which say who finished and who hit a
@@ -34,17 +34,20 @@ from .config import EngineConfig
 from .core import EngineCore
 from .decoders import rule_for
 from .decoding import propose, select
-from .logprobs import collect, mask_stop_ids, record
+from .logprobs import collect
 from .models import DLLM
 from .models.sharding import tensor_parallel_of
 from .reads import MASKED
-from .rules import Traits, row_refusal
+from .layout import Layout
+from .rules import row_refusal
 from . import prefix_cache
+from .processors import Processing, StepLogits, default_processors, draws_noise
 from .runner import ModelRunner
 from .transfer import to_device
 from .scheduler import make_scheduler
 from .sequence import FinishReason, Request, RequestOutput, RowShape
 from .slots import KVSlots, place
+from .step_view import StepView
 from .structured.guide import StructuredOutputs
 from .structured.params import parse as parse_constraint
 
@@ -75,7 +78,7 @@ class Engine(EngineCore):
         self.device = model.device
         self.full_canvas = config.full_canvas(self.mcfg.block_causal)
         self.shape = RowShape(config.block_length, self.full_canvas)  # what a request's row holds
-        self.traits = Traits(self.mcfg.family, self.mcfg, self.shape, config)
+        self.layout = Layout(self.mcfg, self.shape, config)
         self.scheduler = make_scheduler(config, self.shape)
         self.runner = ModelRunner(model, config, self.stats)
         self.slots = None if not config.mode.caches else KVSlots(
@@ -99,6 +102,7 @@ class Engine(EngineCore):
         # accelerator that host work runs while the device computes; on a CPU it would only move it
         self.overlap = self.device.type == "cuda"
         self.structured = StructuredOutputs(model.config.vocab_size, self.device, config)  # engine.structured
+        self.processors = default_processors(self.structured)  # the step's per-row features (engine.processors)
 
     # --- requests -----------------------------------------------------------------
     def stop_ids(self, params) -> List[int]:
@@ -117,7 +121,7 @@ class Engine(EngineCore):
         width against the context and the budget; then the rule's state of the row."""
         if req.params.stop and self.tokenizer is None:
             return "stop strings need a tokenizer (the engine has none); use stop_token_ids"
-        err = row_refusal(req, self.traits)
+        err = row_refusal(req, self.layout)
         if err:
             return err
         if req.params.structured_outputs is not None:
@@ -125,10 +129,9 @@ class Engine(EngineCore):
                                         self.tokenizer)
             if err:
                 return err
-        req.state = req.rule.start(req, self.traits)
+        req.state = req.rule.start(req, self.layout)
         params = req.params
-        if (params.temperature and params.temperature > 0) or params.remasking == "random" \
-                or params.policy == "origin" or params.alg_temp > 0:
+        if draws_noise(params):
             if params.seed is None and self.tp is not None:  # a rank's own draw would differ from the others'
                 return ("seed is required under tensor_parallel_size > 1 (every rank must draw the same noise; "
                         "the Ray side fills each row's seed on rank 0 before it broadcasts the requests)")
@@ -176,7 +179,7 @@ class Engine(EngineCore):
             return
         rows, moves = place(old.rows if old is not None else [], rows)
         if old is None or self._grown or self._relayout or rows != old.rows:  # Request compares by identity
-            b = self.batch = relayout(old, rows, self._grown, traits=self.traits, device=self.device)
+            b = self.batch = relayout(old, rows, self._grown, layout=self.layout, device=self.device)
             if self.slots is not None:
                 self._lay_out_kv(old, b, moves)
             self._grown, self._relayout = set(), False
@@ -230,29 +233,27 @@ class Engine(EngineCore):
             is_mask &= b.valid_dev
         logits = self.runner.step_logits(b)
         live = self._live(b)
-        live_rows = {i for _, rows in live for i in rows} if b.min_token_rows or b.logprob_rows else set()
-        unmask_stops = mask_stop_ids(b, [i for i in b.min_token_rows if i in live_rows], logits)  # min_tokens
+        if b.processing is None:
+            b.processing = Processing(self.processors, b)
+        procs = StepLogits(b, window, is_mask, logits, live, self._fetch) if b.processing.active else None
+        if procs is not None:  # min_tokens, the structured-outputs guide: the logits proposals come from
+            b.processing.before(procs)
         rp = b.unit_params
         units = lambda t: t.reshape(B * NB, L, *t.shape[2:])  # noqa: E731
-        guide = self.structured.guide(b, window, is_mask)  # structured outputs: only allowed tokens are proposed
-        if guide is not None:
-            guide.mask_logits(logits)
         # the masked positions (host values) and the step counts: one pinned, non-blocking upload
         step = b.step.repeat_interleave(NB) if NB > 1 else b.step
         *need_idx, step_dev = to_device([*units(b.masked).nonzero(as_tuple=True), step], self.device)
         x0, conf = propose(units(logits), rp, self._noise_keys(b), units(is_mask), need_idx, full_x0=b.full_x0)
         chosen = units(is_mask)
+        view = StepView.of(b, conf=conf, is_mask=units(is_mask), x0=x0, window=window, logits=logits)
         for rule, rows in live:  # each rule's rows: the positions their step may unmask
-            chosen = rule.candidates(b, rows, chosen)
+            chosen = rule.candidates(view, rows, chosen)
         sel = select(conf, chosen, step_dev, rp, L, S)
         for rule, rows in live:  # each rule's rows: its own selection
-            sel = rule.select(b, rows, sel, conf=conf, is_mask=units(is_mask), x0=x0, window=window, logits=logits)
-        if guide is not None:  # the step's commits of a constrained row, jointly completable
-            sel, x0 = (t.reshape(B * NB, L) for t in guide.settle(sel.reshape(B, NB * L), x0.reshape(B, NB * L),
-                                                                     conf.reshape(B, NB * L), logits))
-        if unmask_stops is not None:
-            unmask_stops()  # the logprobs are the model's own
-        record(b, [i for i in b.logprob_rows if i in live_rows], sel, x0, logits, self._fetch)
+            sel = rule.select(view, rows, sel)
+        if procs is not None:  # the guide settles, min_tokens' mask goes, logprobs are recorded
+            procs.conf = conf
+            sel, x0 = b.processing.after(procs, sel, x0)
         window = torch.where(sel.reshape(B, NB * L), x0.reshape(B, NB * L), window)
         b.ids.scatter_(1, cols, window)
         b.busy_steps += b.masked.any(1).long()
@@ -263,8 +264,12 @@ class Engine(EngineCore):
         blocks = self._fetch(window)
         b.masked = (blocks == mask_id) & b.valid
         done = ~b.masked[:, -L:].any(1) | (b.step >= b.row_params.caps(L, S))
-        for rule, rows in live:
-            done = rule.after_step(b, rows, blocks, done)
+        view = StepView.of(b)
+        for rule, rows in live:  # each rule's verdict, applied here: no rule writes to the batch
+            verdict = rule.after_step(view, rows, blocks, done)
+            done = verdict.done
+            if verdict.busy is not None:
+                b.busy_steps += verdict.busy
         return done, blocks
 
     @staticmethod
@@ -300,13 +305,15 @@ class Engine(EngineCore):
 
     def _commit(self, done: torch.Tensor, blocks: torch.Tensor) -> None:
         """Every rule commits its rows' completed blocks (engine.rules); host values only."""
+        view = StepView.of(self.batch)
         for rule, rows in self._live(self.batch):
-            rule.commit(self, self.batch, rows, blocks, done)
+            rule.commit(self, view, rows, blocks, done)
 
     # --- what the rules' commit hooks call ---------------------------------------------
-    def commit(self, b: Batch, i: int, tokens: List[int]) -> bool:
-        """Append committed `tokens` to row i; True when its request finished (then a static
-        batch keeps it, frozen)."""
+    def commit(self, i: int, tokens: List[int]) -> bool:
+        """Append committed `tokens` to the batch's row i; True when its request finished
+        (then a static batch keeps it, frozen)."""
+        b = self.batch
         r = b.rows[i]
         r.prompt_forwarded = int(b.prompt_fwd[i])
         if not self._committed(r, tokens):

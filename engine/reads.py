@@ -11,11 +11,17 @@ from typing import Any, FrozenSet, List, Optional
 
 from .config import EngineConfig, SamplingParams
 
+# Read by the step's logits processors (engine.processors), each declaring its own, and by
+# the noise every row may draw (engine.processors.draws_noise)
+MIN_TOKENS_SAMPLING = frozenset({"min_tokens"})
+STRUCTURED_SAMPLING = frozenset({"structured_outputs"})
+LOGPROB_SAMPLING = frozenset({"logprobs"})
+NOISE_SAMPLING = frozenset({"temperature", "remasking", "policy", "alg_temp", "seed"})
 # Read by every masked-diffusion decoding rule (engine.rules)
 MASKED_SAMPLING = frozenset({"max_new_tokens", "policy", "threshold", "factor", "temperature", "stop_token_ids",
                              "seed", "remasking", "first_position", "top_p", "top_k", "stop", "entropy_bound",
-                             "alg_temp", "min_tokens", "ignore_eos", "include_stop_str_in_output", "logprobs",
-                             "structured_outputs"})
+                             "alg_temp", "ignore_eos", "include_stop_str_in_output"}) \
+    | MIN_TOKENS_SAMPLING | STRUCTURED_SAMPLING | LOGPROB_SAMPLING | NOISE_SAMPLING
 EDITING_SAMPLING = frozenset({"edit_threshold", "max_post_steps"})  # engine.editing
 D2F_SAMPLING = frozenset({"block_add_threshold", "decoded_token_threshold"})  # engine.d2f
 SUB_BLOCK_SAMPLING = frozenset({"sub_block_length"})  # engine.subblocks

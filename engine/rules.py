@@ -9,36 +9,33 @@ rule in its batch, at the same points of every step; it names no rule itself.
 - `D2FRule` (engine.d2f): several blocks in flight, committed at any step.
 
 A row's rule comes from its SamplingParams (engine.decoders.rule_for: the first rule that
-`applies`); what the model's family allows (its decoding traits) each rule checks in
+`applies`); what the model's family allows (its decoding layout) each rule checks in
 `unsupported`."""
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, FrozenSet, List, Optional
 
 from .config import EngineConfig
+from .layout import Layout
 from .models.config import ModelConfig
-from .models.families.base import BlockLayout, Family
+from .models.families.base import Family
 from .reads import MASKED_SAMPLING
+from .step_view import StepView, Verdict
 
 if TYPE_CHECKING:  # torch-free at import: the preflight checks a job's settings with these rules
     import torch
 
-    from .batch import Batch
     from .sequence import Request, RowShape
 
 NOISE_MASK = 2**62 - 1
 
 
-@dataclass(frozen=True)
-class Traits:
-    """What the engine serving a row is: the model's family (decoding traits) and config,
-    the rows' shape and the engine's config; read by the rules' checks."""
-
-    family: Family
-    model: ModelConfig
-    shape: "RowShape"
-    config: EngineConfig
+def Traits(family: Family, model: ModelConfig, shape: "RowShape", config: EngineConfig) -> Layout:  # noqa: N802
+    """The old name and arguments of engine.layout.Layout, for pipeline.checkpoint_check
+    until it builds a Layout itself: `family` must be the model's own."""
+    if family is not model.family:
+        raise ValueError(f"family {family.name} is not the model's ({model.family.name})")
+    return Layout(model, shape, config)
 
 
 class BlockRule:
@@ -56,11 +53,11 @@ class BlockRule:
         """Whether SamplingParams `params` ask for this rule."""
         return True
 
-    def unsupported(self, req: "Request", traits: Traits) -> Optional[str]:
+    def unsupported(self, req: "Request", layout: Layout) -> Optional[str]:
         """Why the engine cannot serve `req` with this rule, or None."""
         return None
 
-    def start(self, req: "Request", traits: Traits) -> Any:
+    def start(self, req: "Request", layout: Layout) -> Any:
         """The row's state for this rule (Request.state), once its request is valid."""
         return None
 
@@ -86,65 +83,67 @@ class BlockRule:
         it, step in the block)."""
         return [hash((seed, len(req.generated), step)) & NOISE_MASK]
 
-    def candidates(self, b: "Batch", rows: List[int], is_mask: torch.Tensor) -> torch.Tensor:
+    def candidates(self, view: StepView, rows: List[int], is_mask: torch.Tensor) -> torch.Tensor:
         """The masked positions [B NB, L] the step's policy may choose among; this rule's
         `rows` may narrow theirs (a sub-block of the block). All of them by default."""
         return is_mask
 
-    def select(self, b: "Batch", rows: List[int], sel: torch.Tensor, **step: torch.Tensor) -> torch.Tensor:
+    def select(self, view: StepView, rows: List[int], sel: torch.Tensor) -> torch.Tensor:
         """The step's selection [B NB, L] after the policies chose it; this rule's `rows`
-        (not frozen) may change theirs. `step`: conf, is_mask, x0, window, logits."""
+        (not frozen) may change theirs. The view holds the step's conf, is_mask, x0, window
+        and logits."""
         return sel
 
-    def after_step(self, b: "Batch", rows: List[int], blocks: torch.Tensor, done: torch.Tensor) -> torch.Tensor:
-        """`done` [B] (whose current block is complete) once the step's tokens are on the
-        host (`blocks`); a rule may keep a block open."""
-        return done
+    def after_step(self, view: StepView, rows: List[int], blocks: torch.Tensor, done: torch.Tensor) -> Verdict:
+        """Given `done` [B] (whose current block is complete) once the step's tokens are on
+        the host (`blocks`), this rule's verdict: a rule may keep a block open, and count
+        more busy steps. The engine applies it to the batch."""
+        return Verdict(done)
 
-    def commit(self, engine: Any, b: "Batch", rows: List[int], blocks: torch.Tensor, done: torch.Tensor) -> None:
+    def commit(self, engine: Any, view: StepView, rows: List[int], blocks: torch.Tensor, done: torch.Tensor) -> None:
         """Commit this rule's completed blocks (engine.commit), growing the rows that go on
         to their next block (engine.grow)."""
-        L, finished, busy = b.block_length, done.tolist(), b.busy_steps.tolist()
+        L, finished, busy = view.block_length, done.tolist(), view.busy_steps.tolist()
         for i in rows:
             if finished[i]:
-                r = b.rows[i]
+                r = view.rows[i]
                 r.num_steps += busy[i]
-                if not engine.commit(b, i, blocks[i, -L:].tolist()):
+                if not engine.commit(i, blocks[i, -L:].tolist()):
                     engine.grow(r)
 
 
 BLOCK = BlockRule()
 
 
-def split_prompt(req: "Request", traits: Traits) -> None:
+def split_prompt(req: "Request", layout: Layout) -> None:
     """Under BlockLayout.ABSOLUTE (LLaDA2), move the prompt's tail after its last whole
     block into `req.lead`: it opens the first decoded block, and is never unmasked."""
-    L = traits.shape.block_length
+    L = layout.shape.block_length
     r = len(req.prompt) % L
-    if traits.family.blocks == BlockLayout.ABSOLUTE and r:
+    if layout.absolute and r:
         req.prompt, req.lead = req.prompt[:-r], req.prompt[-r:]
 
 
-def row_refusal(req: "Request", traits: Traits) -> Optional[str]:
-    """Why a masked-diffusion engine with `traits` cannot serve `req` (its rule chosen),
+def row_refusal(req: "Request", layout: Layout) -> Optional[str]:
+    """Why a masked-diffusion engine with `layout` cannot serve `req` (its rule chosen),
     or None: the prompt placed as the family lays out blocks, the rule's checks, the row's
     width against the model's context and the token budget. The engine's own check
     (Engine.check), and the preflight's on the shortest row there is
     (engine.decoders.settings_refusal): settings every row would be refused for fail the
     job before it starts."""
-    split_prompt(req, traits)
+    split_prompt(req, layout)
     if req.params.entropy_bound is not None and req.params.policy != "entropy_bound":
         return (f"entropy_bound is read by policy 'entropy_bound' only, and this row's policy is "
                 f"{req.params.policy!r}: set policy 'entropy_bound' or leave entropy_bound unset")
-    err = req.rule.unsupported(req, traits)
+    err = req.rule.unsupported(req, layout)
     if err:
         return err
-    shape, p = traits.shape, len(req.prompt + req.lead)
+    shape, p = layout.shape, len(req.prompt + req.lead)
     width, blocks, L, context = shape.final_width(req), shape.blocks_needed(req), shape.block_length, \
-        traits.model.max_seq_len
+        layout.model.max_seq_len
     if width > context:
         return f"prompt of {p} tokens + {blocks} blocks of {L} exceeds the model context of {context} tokens"
-    if traits.config.token_budget is not None and width > traits.config.token_budget:  # None: not resolved yet
+    if layout.config.token_budget is not None and width > layout.config.token_budget:  # None: not resolved yet
         return (f"request needs {width} tokens of batch budget alone (prompt {p} + {blocks} blocks of {L}), "
-                f"more than token_budget={traits.config.token_budget}")
+                f"more than token_budget={layout.config.token_budget}")
     return None

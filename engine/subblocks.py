@@ -6,13 +6,15 @@ step's policy is the row's (Fast-dLLM v2's family: ThresholdRule.GREATER_AT_LEAS
 the block is committed once it holds no mask, as any block."""
 from __future__ import annotations
 
-from typing import Any, List, Optional
+from typing import TYPE_CHECKING, Any, List, Optional
 
-import torch
-
+from .layout import Layout
 from .reads import MASKED_SAMPLING, SUB_BLOCK_SAMPLING
-from .rules import BlockRule, Traits
-from .transfer import indices
+from .rules import BlockRule
+from .step_view import StepView
+
+if TYPE_CHECKING:  # torch-free at import: the preflight reads `applies` and `unsupported`
+    import torch
 
 
 class SubBlockRule(BlockRule):
@@ -22,20 +24,24 @@ class SubBlockRule(BlockRule):
     def applies(self, params: Any) -> bool:
         return params.sub_block_length is not None
 
-    def unsupported(self, req: Any, traits: Traits) -> Optional[str]:
-        L, s = traits.shape.block_length, req.params.sub_block_length
+    def unsupported(self, req: Any, layout: Layout) -> Optional[str]:
+        L, s = layout.shape.block_length, req.params.sub_block_length
         if L % s:
             return f"sub_block_length={s} must divide block_length={L}"
         return None
 
-    def candidates(self, b: Any, rows: List[int], is_mask: torch.Tensor) -> torch.Tensor:
+    def candidates(self, view: StepView, rows: List[int], is_mask: torch.Tensor) -> torch.Tensor:
         """The masks of each row's leftmost sub-block that holds one."""
         if not rows:
             return is_mask
-        NB = b.n_window  # is_mask has NB units per row (D2F rows in the batch): a row's block is its last
+        import torch
+
+        from .transfer import indices
+
+        NB = view.n_window  # is_mask has NB units per row (D2F rows in the batch): a row's block is its last
         idx = indices([i * NB + NB - 1 for i in rows], is_mask.device)
         L = is_mask.shape[1]
-        sub = indices([b.rows[i].params.sub_block_length for i in rows], is_mask.device)
+        sub = indices([view.rows[i].params.sub_block_length for i in rows], is_mask.device)
         part = torch.arange(L, device=is_mask.device)[None] // sub[:, None]  # [n, L] sub-block of each position
         m = is_mask[idx]
         first = torch.where(m, part, L).min(1).values  # the leftmost sub-block with a mask
