@@ -68,12 +68,12 @@ class BlockEngine(ServingEngine):
         """A decoding rule the family does not allow (D2F on a bidirectional model,
         edit_threshold outside LLaDA2), max_new_tokens past the context or the budget."""
         from .decoders import settings_refusal
-        from .rules import Traits
+        from .layout import Layout
         from .sequence import RowShape
 
         cfg = checkpoint.config
         shape = RowShape(engine.block_length, engine.full_canvas(cfg.block_causal))
-        return settings_refusal(sampling, Traits(cfg.family, cfg, shape, engine))
+        return settings_refusal(sampling, Layout(cfg, shape, engine))
 
 
 class CanvasEngines(ServingEngine):

@@ -15,10 +15,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, FrozenSet, List, Optional
 
-from .config import EngineConfig
 from .layout import Layout
-from .models.config import ModelConfig
-from .models.families.base import Family
 from .reads import MASKED_SAMPLING
 from .step_view import StepView, Verdict
 
@@ -28,14 +25,6 @@ if TYPE_CHECKING:  # torch-free at import: the preflight checks a job's settings
     from .sequence import Request, RowShape
 
 NOISE_MASK = 2**62 - 1
-
-
-def Traits(family: Family, model: ModelConfig, shape: "RowShape", config: EngineConfig) -> Layout:  # noqa: N802
-    """The old name and arguments of engine.layout.Layout, for pipeline.checkpoint_check
-    until it builds a Layout itself: `family` must be the model's own."""
-    if family is not model.family:
-        raise ValueError(f"family {family.name} is not the model's ({model.family.name})")
-    return Layout(model, shape, config)
 
 
 class BlockRule:

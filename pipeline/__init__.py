@@ -17,6 +17,7 @@ _EXPORTS = {
     "read_prompts": ".reader",
     "write_results": ".writer",
     "run_offline": ".run",
+    "RunSpec": ".run_spec",
     "StorageOptions": "common.storage",
     "get_filesystem": "common.storage",
     "block_stats": ".summary",

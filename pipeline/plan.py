@@ -12,7 +12,6 @@ it does not."""
 from __future__ import annotations
 
 import argparse
-import sys
 from typing import Optional, Sequence
 
 SIZES = (1, 2, 4, 8)

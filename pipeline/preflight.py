@@ -274,10 +274,8 @@ def check_tensor_parallel(config: DLLMProcessorConfig, checkpoint: Any) -> None:
     (engine.models.sharding.ShardPlan: query and K/V heads, MLP widths), read from its
     config.json alone: no weights loaded, before Ray. DiffusionGemma's canvas engine cuts
     its own shards (engine/canvas/sharding.py) and refuses at load, also as the user's."""
-    from engine.models.families import Serving
-
     size = config.engine.tensor_parallel_size
-    if size == 1 or checkpoint.serving != Serving.MASKED:
+    if size == 1 or not checkpoint.serving.own_weights:
         return
     from engine.models.sharding import ShardingRefused, ShardPlan  # imports torch: tensor-parallel jobs only
 

@@ -20,7 +20,6 @@ import pipeline.run_spec
 import pipeline.stages
 from common.storage import StorageOptions
 from conftest import ROOT, read_parts
-from engine import EngineConfig, SamplingParams
 from pipeline.config import DLLMProcessorConfig
 from pipeline.errors import JobError
 from pipeline.run_spec import RunSpec, as_spec

@@ -16,7 +16,7 @@ import functools
 import importlib.util
 import os
 from dataclasses import dataclass, field
-from typing import Any, Dict, FrozenSet, Iterable, List, Mapping, Optional, Tuple
+from typing import Any, Dict, FrozenSet, Iterable, List, Mapping, Optional, Tuple, Union
 
 from ...serving import MASKED, Serving  # torch-free: which engine serves a family
 
@@ -182,7 +182,8 @@ class Family:
     shift_logits: bool = False  # token i predicted at position i-1 (Dream: adapted from an AR model)
     first_position: bool = False  # decoding default: a block's first step commits its first position only
     blocks: BlockLayout = BlockLayout.AFTER_PROMPT
-    threshold: ThresholdRule = ThresholdRule.AT_LEAST_TOP1
+    # the `threshold` policy: a ThresholdRule, or a Selection of the family's own (engine.selection)
+    threshold: Union[ThresholdRule, Any] = ThresholdRule.AT_LEAST_TOP1
     confidence: Confidence = Confidence.MODEL
     editing: bool = False  # LLaDA2.1's token editing (SamplingParams.edit_threshold)
     attention: Optional[str] = None  # the attention its layout requires (None: config.json's dllm_attention)
