@@ -195,7 +195,16 @@ class SamplingParams:
     `decoded_token_threshold`, and `threshold` is D2F's skip_threshold (a token is
     committed when its probability is strictly greater). D2F decodes
     max_new_tokens // block_length whole blocks, with policy "threshold" and
-    low_confidence remasking, on block-causal models only."""
+    low_confidence remasking, on block-causal models only.
+
+    d3LLM (engine.multi_block): `multi_block=True` decodes SGLang's FullAttnMultiBlock: all
+    max_new_tokens masks present from the start (a multiple of block_length), every column
+    recomputed at every step (cache none), greedy; block k+1 is active once block k's
+    decoded fraction reaches `block_add_threshold` (None: 0.1) and fully active once it
+    reaches `decoded_token_threshold`; every mask up to the last active block whose
+    entropy is strictly below `entropy_threshold` is committed, and the first fully active
+    block still holding masks commits its lowest-entropy mask when it committed none.
+    Bidirectional models (LLaDA, Dream) only."""
 
     max_new_tokens: int = field(default=64, metadata={"bounds": at_least(1, integer=True), "help": (
         "tokens to generate at most per row (vLLM: max_tokens); rounded up to whole blocks")})
@@ -235,10 +244,19 @@ class SamplingParams:
         "samples per row, with seeds derived from the row's (output rows carry sample_index)")})
     block_add_threshold: Optional[float] = field(default=None, metadata={"bounds": within(0, 1), "help": (
         "D2F pipelined decoding (block-causal models): add the next block once the last one's decoded "
-        "fraction reaches this; threshold is then D2F's skip_threshold (none: one block at a time)")})
+        "fraction reaches this; threshold is then D2F's skip_threshold (none: one block at a time); "
+        "multi_block: activate the next block once its predecessor's decoded fraction reaches this (none: 0.1)")})
     decoded_token_threshold: float = field(default=0.95, metadata={"bounds": within(0, 1), "help": (
         "D2F: a block forces its most confident token only once its predecessor's decoded fraction reaches "
-        "this")})
+        "this; multi_block: a block is fully active (may be forced) from then on")})
+    # d3LLM's multi-block decoding (engine.multi_block); False: off
+    multi_block: bool = field(default=False, metadata={"help": (
+        "d3LLM's multi-block decoding (SGLang's FullAttnMultiBlock; bidirectional LLaDA / Dream models, cache "
+        "none): every block's masks present, a block activated once its predecessor's decoded fraction reaches "
+        "block_add_threshold (none: 0.1), every mask up to the last active block committed when its entropy "
+        "is below entropy_threshold, the first fully active unfinished block forced to its lowest-entropy mask")})
+    entropy_threshold: float = field(default=0.4, metadata={"bounds": above(0), "help": (
+        "multi_block: commit every eligible mask whose entropy (nats) is strictly below this")})
     # Fast-dLLM v2's sub-blocks (engine.subblocks); None: the whole block at once.
     sub_block_length: Optional[int] = field(default=None, metadata={"bounds": at_least(1, integer=True), "help": (
         "Fast-dLLM v2's small blocks: a step unmasks only the leftmost sub-block of this many positions that "
@@ -384,7 +402,7 @@ class SamplingParams:
             return f"stop must be a list of non-empty strings, got {self.stop!r}"
         if self.min_tokens > self.max_new_tokens:
             return f"min_tokens={self.min_tokens} must be at most max_new_tokens={self.max_new_tokens}"
-        for name in ("ignore_eos", "include_stop_str_in_output"):
+        for name in ("ignore_eos", "include_stop_str_in_output", "multi_block"):
             if not isinstance(getattr(self, name), bool):
                 return f"{name} must be true or false, got {getattr(self, name)!r}"
         if self.structured_outputs is not None:
@@ -407,7 +425,7 @@ class SamplingParams:
     @property
     def d2f(self) -> bool:
         """D2F pipelined block decoding (several blocks in flight)."""
-        return self.block_add_threshold is not None
+        return self.block_add_threshold is not None and not self.multi_block
 
 
 # The token budget of an engine on a device without a memory query (CPU), when

@@ -7,12 +7,13 @@ from typing import Any, Optional
 from .d2f import D2F
 from .editing import EDITING
 from .layout import Layout
+from .multi_block import MULTI_BLOCK
 from .reads import refusal, unread
 from .rules import BLOCK, BlockRule, row_refusal
 from .sequence import Request
 from .subblocks import SUB_BLOCKS
 
-RULES = (D2F, EDITING, SUB_BLOCKS, BLOCK)
+RULES = (MULTI_BLOCK, D2F, EDITING, SUB_BLOCKS, BLOCK)
 
 
 def rule_for(params: Any) -> BlockRule:

@@ -25,6 +25,12 @@ MASKED_SAMPLING = frozenset({"max_new_tokens", "policy", "threshold", "factor", 
 EDITING_SAMPLING = frozenset({"edit_threshold", "max_post_steps"})  # engine.editing
 D2F_SAMPLING = frozenset({"block_add_threshold", "decoded_token_threshold"})  # engine.d2f
 SUB_BLOCK_SAMPLING = frozenset({"sub_block_length"})  # engine.subblocks
+# d3LLM's multi-block decoding (engine.multi_block): greedy, its own selection (no policy, remasking,
+# temperature); the length, the stops and the seed (read, unused at temperature 0) as every rule
+MULTI_BLOCK_SAMPLING = frozenset({"multi_block", "block_add_threshold", "decoded_token_threshold",
+                                  "entropy_threshold"})
+MULTI_BLOCK_ROW = frozenset({"max_new_tokens", "stop_token_ids", "stop", "ignore_eos", "include_stop_str_in_output",
+                             "seed"}) | MULTI_BLOCK_SAMPLING
 # DiffusionGemma's canvas engine (engine.canvas): transformers' knobs
 CANVAS_SAMPLING = frozenset({"max_new_tokens", "seed", "max_denoising_steps", "entropy_bound", "t_min", "t_max",
                              "stability_threshold", "confidence_threshold"})
@@ -36,7 +42,8 @@ CANVAS_ENGINE = frozenset({"token_budget", "scheduler", "max_batch_size", "enabl
 # who reads a field, for the refusal's message
 READERS = ((MASKED_SAMPLING, "masked-diffusion models"), (EDITING_SAMPLING, "LLaDA2.1 token editing (edit_threshold)"),
            (D2F_SAMPLING, "D2F decoding (block_add_threshold)"),
-           (SUB_BLOCK_SAMPLING, "sub-block decoding (Fast-dLLM v2)"), (CANVAS_SAMPLING, "DiffusionGemma"))
+           (SUB_BLOCK_SAMPLING, "sub-block decoding (Fast-dLLM v2)"),
+           (MULTI_BLOCK_SAMPLING, "d3LLM multi-block decoding (multi_block)"), (CANVAS_SAMPLING, "DiffusionGemma"))
 
 
 def unread(obj: Any, reads: FrozenSet[str]) -> List[str]:
@@ -72,6 +79,7 @@ class Reads:
         return refusal(bad, self.name)
 
 
-MASKED = Reads("the masked-diffusion engine", MASKED_SAMPLING | EDITING_SAMPLING | D2F_SAMPLING | SUB_BLOCK_SAMPLING,
+MASKED = Reads("the masked-diffusion engine",
+               MASKED_SAMPLING | EDITING_SAMPLING | D2F_SAMPLING | SUB_BLOCK_SAMPLING | MULTI_BLOCK_SAMPLING,
                MASKED_ENGINE)
 CANVAS = Reads("DiffusionGemma's canvas engine", CANVAS_SAMPLING, CANVAS_ENGINE)

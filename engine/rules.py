@@ -7,6 +7,7 @@ rule in its batch, at the same points of every step; it names no rule itself.
   (engine.decoding), the block committed once it holds no mask (or its step cap).
 - `EditingRule` (engine.editing): LLaDA2.1's token editing on top of it.
 - `D2FRule` (engine.d2f): several blocks in flight, committed at any step.
+- `MultiBlockRule` (engine.multi_block): d3LLM's multi-block decoding, every block in flight.
 
 A row's rule comes from its SamplingParams (engine.decoders.rule_for: the first rule that
 `applies`); what the model's family allows (its decoding layout) each rule checks in
