@@ -330,3 +330,21 @@ def test_selection_by_hand():
                            logits=lg[None].double())
     sel = MULTI_BLOCK.select(view, [0], torch.zeros(3, 4, dtype=torch.bool))
     assert sel.flatten().nonzero().flatten().tolist() == [2, 5]  # forced in block 0, threshold in block 1
+
+
+def test_the_preflight_refuses_settings_every_row_would_fail():
+    """The job's preflight (engine.decoders.settings_refusal, torch-free) refuses
+    multi_block under a cache before any row runs, and passes it without one."""
+    from engine.decoders import settings_refusal
+    from engine.layout import Layout
+    from engine.sequence import RowShape
+
+    def layout(model_type="llada", **kw):
+        cfg = ModelConfig.tiny(model_type, **kw.pop("model", {}))
+        return Layout(cfg, RowShape(L, not cfg.block_causal), EngineConfig(block_length=L, **kw))
+
+    sp = SamplingParams(max_new_tokens=8, multi_block=True)
+    assert "set cache 'none'" in settings_refusal(sp, layout())  # EngineConfig's default cache: refresh
+    assert settings_refusal(sp, layout(cache="none")) is None
+    assert settings_refusal(sp, layout("Dream", cache="none")) is None
+    assert "block-causal" in settings_refusal(sp, layout(cache="none", model=dict(dllm_attention="block_causal")))
