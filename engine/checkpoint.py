@@ -32,12 +32,13 @@ import json
 import os
 import shutil
 from dataclasses import dataclass, field, replace
-from typing import Any, Dict, Optional
+from typing import Any, Dict, Optional, Tuple
 
 from filelock import FileLock
 
 from common.model_source import (COMPLETE_MARKER, ModelSource, ModelSourceError, SourceFiles, SourceKind, cache_dir,
                                  cache_root, resolve_model)
+from common.model_source import _LOCK_TIMEOUT_S, _complete, _is_weight  # fetch_remote's rules for its node copies
 from common.storage import StorageOptions
 from common.tokenizer import load_tokenizer
 
@@ -214,7 +215,7 @@ class NodeCachedFiles(SourceFiles):
         return super().bytes(rel)
 
 
-def _copy_dirs(files: SourceFiles) -> tuple:
+def _copy_dirs(files: SourceFiles) -> Tuple[str, str]:
     """(the full copy, the metadata-only copy) fetch_remote keeps of this remote model."""
     full = cache_dir(files.source.spec.rstrip("/"))
     return full, full + "-meta"
@@ -236,30 +237,15 @@ def _verified_copies(files: SourceFiles) -> Dict[str, str]:
     return found
 
 
-def _complete(folder: str, wanted: Dict[str, Any]) -> bool:
-    """The copy at `folder` records exactly `wanted` (a listing's FileStats), all present."""
-    try:
-        with open(os.path.join(folder, COMPLETE_MARKER), encoding="utf-8") as f:
-            recorded = json.load(f)["files"]
-    except (OSError, ValueError, KeyError, TypeError):
-        return False
-    return recorded == {r: dataclasses.asdict(s) for r, s in wanted.items()} and all(
-        os.path.isfile(os.path.join(folder, r)) and os.path.getsize(os.path.join(folder, r)) == s.size
-        for r, s in wanted.items())
-
-
-WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")  # as common.model_source leaves out of -meta
-
-
 def write_node_copy(files: SourceFiles) -> str:
     """This node's metadata-only copy of a remote model (where fetch_remote keeps it, with
     its marker, under its lock), written from the bytes `files` read (the few not read yet
     are read once here): fetch_remote finds it complete and fetches nothing. A full or
     metadata copy already verified against this listing is used as it is."""
     full, meta = _copy_dirs(files)
-    wanted = {r: s for r, s in files.files.items() if not r.endswith(WEIGHT_SUFFIXES)}
+    wanted = {r: s for r, s in files.files.items() if not _is_weight(r)}
     os.makedirs(cache_root(), exist_ok=True)
-    with FileLock(full + ".lock", timeout=3600):
+    with FileLock(full + ".lock", timeout=_LOCK_TIMEOUT_S):
         if _complete(full, files.files):
             return full
         if _complete(meta, wanted):
@@ -268,10 +254,13 @@ def write_node_copy(files: SourceFiles) -> str:
         shutil.rmtree(tmp, ignore_errors=True)
         try:
             for rel in sorted(wanted):
-                dest = os.path.join(tmp, rel)
+                data, dest = files.bytes(rel) or b"", os.path.join(tmp, rel)
+                if len(data) != wanted[rel].size:  # changed since it was listed: the next look-up fetches it
+                    raise ModelSourceError(f"model {files.model}: {rel} is {len(data)} bytes as read, "
+                                           f"{wanted[rel].size} as listed; run again")
                 os.makedirs(os.path.dirname(dest), exist_ok=True)
                 with open(dest, "wb") as f:
-                    f.write(files.bytes(rel) or b"")
+                    f.write(data)
             with open(os.path.join(tmp, COMPLETE_MARKER), "w", encoding="utf-8") as f:
                 json.dump({"url": files.source.spec.rstrip("/"), "from": "the preflight's reads",
                            "files": {r: dataclasses.asdict(s) for r, s in wanted.items()}}, f)
