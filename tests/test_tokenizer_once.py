@@ -144,3 +144,24 @@ def test_a_pickled_checkpoint_carries_neither_the_files_nor_the_drivers_folder(t
     copy = pickle.loads(pickle.dumps(ckpt))
     assert copy._files is None and copy._metadata is None and copy == ckpt
     assert copy.metadata_dir() == ckpt.metadata_dir()  # fetch_remote finds the copy the driver wrote
+
+
+def test_the_tokenizer_check_still_refuses_what_does_not_load(tiny_model_dir, tmp_path):
+    """Checkpoint.load_tokenizer keeps the preflight's check: a tokenizer.json that is JSON
+    but no tokenizer, and a model without tokenizer files, are refused naming --model."""
+    from pipeline.errors import JobError
+    from pipeline.preflight import check_model
+
+    broken = tmp_path / "broken"
+    shutil.copytree(tiny_model_dir, broken)
+    (broken / "tokenizer.json").write_text(json.dumps({"added_tokens": []}))
+    with pytest.raises(JobError, match=r"model: the tokenizer in .*broken does not load: ") as e:
+        check_model(str(broken), needs_tokenizer=True)
+    assert e.value.options == ("model",)
+    bare = tmp_path / "bare"
+    shutil.copytree(tiny_model_dir, bare)
+    for name in TOKENIZER_FILES:
+        (bare / name).unlink()
+    with pytest.raises(JobError, match=r"model: .*bare has no tokenizer files, needed for text prompts"):
+        check_model(str(bare), needs_tokenizer=True)
+    assert check_model(str(bare), needs_tokenizer=False).tokenizer.present is False  # token-id prompts need none
