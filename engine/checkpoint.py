@@ -159,7 +159,8 @@ class Checkpoint:
     def load_tokenizer(self) -> Any:
         """The model's tokenizer (None: it has none), loaded from metadata_dir once per
         process (common.tokenizer.load_tokenizer) with config.json and tokenizer_config.json
-        as this Checkpoint parsed them: neither is read again for it."""
+        as this Checkpoint parsed them: blockray reads neither again (transformers' own load
+        reads the tokenizer files, once)."""
         return load_tokenizer(self.metadata_dir(), self.hf, self.tokenizer.config)
 
     def weights_dir(self) -> str:
