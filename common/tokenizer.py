@@ -38,12 +38,15 @@ def _tokenizer_config(model_dir: str) -> Dict[str, Any]:
     return cfg if isinstance(cfg, dict) else {}
 
 
-def tokenizer_class(model_dir: str, config: Optional[Dict[str, Any]] = None) -> Tuple[Optional[str], Optional[str]]:
+def tokenizer_class(model_dir: str, config: Optional[Dict[str, Any]] = None,
+                    tokenizer_config: Optional[Dict[str, Any]] = None) -> Tuple[Optional[str], Optional[str]]:
     """(the transformers class to load with, or None for AutoTokenizer; the remote class
-    it stands in for). Raises NeedsRemoteCode when no transformers class reads the files."""
+    it stands in for). Raises NeedsRemoteCode when no transformers class reads the files.
+    `tokenizer_config`: tokenizer_config.json as the caller parsed it (a run's Checkpoint:
+    TokenizerFacts.config), else read here."""
     import transformers
 
-    cfg = _tokenizer_config(model_dir)
+    cfg = _tokenizer_config(model_dir) if tokenizer_config is None else tokenizer_config
     cls = cfg.get("tokenizer_class")
     if not cls or hasattr(transformers, cls) or hasattr(transformers, cls.removesuffix("Fast")):
         return ("TokenizersBackend" if plain_tokenizer(model_dir, config, cfg) else None), None
@@ -154,22 +157,24 @@ def encode_bounded(tok: Any, text: str, max_tokens: Optional[int], add_special_t
 _LOADED: Dict[str, Any] = {}  # model_dir -> its tokenizer (or None): each process reads the files once
 
 
-def load_tokenizer(model_dir: str, config: Optional[Dict[str, Any]] = None):
+def load_tokenizer(model_dir: str, config: Optional[Dict[str, Any]] = None,
+                   tokenizer_config: Optional[Dict[str, Any]] = None):
     """The tokenizer in `model_dir`, or None when it has no tokenizer files: the one
     loader of every layer (stages, preflight, the engine's stop strings), cached per
-    process, so each actor reads the files once. `config`: the model's config.json as
-    the caller read it (a run's Checkpoint), so that neither this nor transformers reads
-    it again (AutoTokenizer is given the config it would have loaded)."""
+    process, so each actor reads the files once. `config` and `tokenizer_config`: the
+    model's config.json and tokenizer_config.json as the caller parsed them (a run's
+    Checkpoint: Checkpoint.load_tokenizer), so that only transformers' own load reads the
+    folder (AutoTokenizer is given the config it would have loaded)."""
     if model_dir not in _LOADED:
-        _LOADED[model_dir] = _load(model_dir, config) if has_tokenizer(model_dir) else None
+        _LOADED[model_dir] = _load(model_dir, config, tokenizer_config) if has_tokenizer(model_dir) else None
     return _LOADED[model_dir]
 
 
-def _load(model_dir: str, config: Optional[Dict[str, Any]]):
+def _load(model_dir: str, config: Optional[Dict[str, Any]], tokenizer_config: Optional[Dict[str, Any]]):
     import transformers
     from transformers.utils import logging as hf_logging
 
-    target, _ = tokenizer_class(model_dir, config)
+    target, _ = tokenizer_class(model_dir, config, tokenizer_config)
     level = hf_logging.get_verbosity()
     hf_logging.set_verbosity_error()  # silence "model of type llada" noise from config.json
     try:

@@ -13,7 +13,6 @@ import fsspec
 import pyarrow as pa
 
 from common.storage import StorageOptions, describe_error, get_filesystem, protocol_of
-from common.tokenizer import load_tokenizer
 
 from .config import DLLMProcessorConfig
 from .errors import CheckpointRefused, JobError
@@ -58,14 +57,16 @@ class Preflight:
 
 def check_tokenizer(checkpoint: Any) -> None:
     """Load the tokenizer once, as the stages will (never with remote code): a model that
-    needs its own code, or whose tokenizer does not load, is refused here, not in a stage."""
+    needs its own code, or whose tokenizer does not load, is refused here, not in a stage.
+    Checkpoint.load_tokenizer: with the files the Checkpoint already parsed, so that only
+    transformers' load reads them again (and a remote model's are not fetched again)."""
     from common.tokenizer import NeedsRemoteCode
 
     model = checkpoint.model
     if not checkpoint.tokenizer.present:
         raise JobError(f"model: {model} has no tokenizer files, needed for text prompts", "model")
     try:
-        load_tokenizer(checkpoint.metadata_dir(), checkpoint.hf)
+        checkpoint.load_tokenizer()
     except NeedsRemoteCode as e:
         raise JobError(f"model: {e}", "model") from e
     except Exception as e:  # noqa: BLE001
