@@ -253,7 +253,7 @@ class DLLMEngineActor:
             from common.tokenizer import load_tokenizer
 
             try:
-                self._tokenizer = load_tokenizer(self.model_dir, self.checkpoint.hf)
+                self._tokenizer = load_tokenizer(self.model_dir, self.checkpoint.hf, self.checkpoint.tokenizer.config)
             except Exception:  # noqa: BLE001 - no tokenizer: such rows fail, the rest run
                 logger.warning("no tokenizer for stop strings in %s", self.model_dir, exc_info=True)
             if self._tokenizer is None:

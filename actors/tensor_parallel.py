@@ -332,5 +332,5 @@ class TensorParallelFollower:
         if self._tokenizer is None:
             from common.tokenizer import load_tokenizer
 
-            self._tokenizer = load_tokenizer(self._dir, ckpt.hf)
+            self._tokenizer = load_tokenizer(self._dir, ckpt.hf, ckpt.tokenizer.config)
         return self._tokenizer

@@ -26,19 +26,13 @@ already fetched, or those bytes are read from a verified copy already on the nod
 files cross the network once (tests/test_tokenizer_once.py counts both)."""
 from __future__ import annotations
 
-import dataclasses
 import hashlib
-import json
 import os
-import shutil
 from dataclasses import dataclass, field, replace
-from typing import Any, Dict, Optional, Tuple
+from typing import Any, Dict, Optional
 
-from filelock import FileLock
-
-from common.model_source import (COMPLETE_MARKER, ModelSource, ModelSourceError, SourceFiles, SourceKind, cache_dir,
-                                 cache_root, resolve_model)
-from common.model_source import _LOCK_TIMEOUT_S, _complete, _is_weight  # fetch_remote's rules for its node copies
+from common.model_source import (ModelSource, ModelSourceError, NodeCachedFiles, SourceFiles, SourceKind,
+                                 resolve_model, write_node_copy)
 from common.storage import StorageOptions
 from common.tokenizer import load_tokenizer
 
@@ -191,85 +185,6 @@ class Checkpoint:
 
     def __repr__(self) -> str:
         return f"Checkpoint({self.model!r}, {self.family.name}, fingerprint {self.fingerprint[:12]})"
-
-
-class NodeCachedFiles(SourceFiles):
-    """SourceFiles that reads a remote model's small file from this node's verified copy
-    (common.model_source.fetch_remote's, or write_node_copy's) when the copy's marker records
-    the size and version the listing gives: the CLI fetches the copy (blockray.json) before
-    the preflight opens the Checkpoint, and each file then crosses the network once. The
-    bytes are the same (same store version), so the fingerprint is too."""
-
-    def __init__(self, model: str, storage: Optional[StorageOptions] = None, revision: Optional[str] = None):
-        super().__init__(model, storage, revision)
-        self._copied = _verified_copies(self) if self.source.kind is SourceKind.REMOTE else {}
-
-    def bytes(self, rel: str) -> Optional[bytes]:
-        if rel in self._copied and rel not in self._whole:
-            try:
-                with open(self._copied[rel], "rb") as f:
-                    data = f.read()
-            except OSError:
-                data = None  # the copy changed under us: read the source
-            if data is not None and len(data) == self.files[rel].size:
-                self._whole[rel] = data
-        return super().bytes(rel)
-
-
-def _copy_dirs(files: SourceFiles) -> Tuple[str, str]:
-    """(the full copy, the metadata-only copy) fetch_remote keeps of this remote model."""
-    full = cache_dir(files.source.spec.rstrip("/"))
-    return full, full + "-meta"
-
-
-def _verified_copies(files: SourceFiles) -> Dict[str, str]:
-    """{relative path: local path} of the files of a node copy whose marker records the
-    same FileStat as `files`' listing (a copy of an older version is left alone)."""
-    found: Dict[str, str] = {}
-    for folder in _copy_dirs(files):
-        try:
-            with open(os.path.join(folder, COMPLETE_MARKER), encoding="utf-8") as f:
-                recorded = json.load(f)["files"]
-        except (OSError, ValueError, KeyError, TypeError):
-            continue
-        for rel, stat in (recorded.items() if isinstance(recorded, dict) else ()):
-            if rel in files.files and stat == dataclasses.asdict(files.files[rel]):
-                found.setdefault(rel, os.path.join(folder, rel))
-    return found
-
-
-def write_node_copy(files: SourceFiles) -> str:
-    """This node's metadata-only copy of a remote model (where fetch_remote keeps it, with
-    its marker, under its lock), written from the bytes `files` read (the few not read yet
-    are read once here): fetch_remote finds it complete and fetches nothing. A full or
-    metadata copy already verified against this listing is used as it is."""
-    full, meta = _copy_dirs(files)
-    wanted = {r: s for r, s in files.files.items() if not _is_weight(r)}
-    os.makedirs(cache_root(), exist_ok=True)
-    with FileLock(full + ".lock", timeout=_LOCK_TIMEOUT_S):
-        if _complete(full, files.files):
-            return full
-        if _complete(meta, wanted):
-            return meta
-        tmp = f"{meta}.tmp-{os.getpid()}"
-        shutil.rmtree(tmp, ignore_errors=True)
-        try:
-            for rel in sorted(wanted):
-                data, dest = files.bytes(rel) or b"", os.path.join(tmp, rel)
-                if len(data) != wanted[rel].size:  # changed since it was listed: the next look-up fetches it
-                    raise ModelSourceError(f"model {files.model}: {rel} is {len(data)} bytes as read, "
-                                           f"{wanted[rel].size} as listed; run again")
-                os.makedirs(os.path.dirname(dest), exist_ok=True)
-                with open(dest, "wb") as f:
-                    f.write(data)
-            with open(os.path.join(tmp, COMPLETE_MARKER), "w", encoding="utf-8") as f:
-                json.dump({"url": files.source.spec.rstrip("/"), "from": "the preflight's reads",
-                           "files": {r: dataclasses.asdict(s) for r, s in wanted.items()}}, f)
-            shutil.rmtree(meta, ignore_errors=True)
-            os.replace(tmp, meta)
-        finally:
-            shutil.rmtree(tmp, ignore_errors=True)
-    return meta
 
 
 def _override(family: Family, attention: Attention) -> Attention:

@@ -57,7 +57,7 @@ def load_model(source: Union[str, os.PathLike, Checkpoint], dtype: torch.dtype =
     lora = read_adapter(ckpt.adapter_dir(), ckpt.adapter) if ckpt.adapter is not None else None
     if tp is not None and tp.size > 1:
         model = _load_shard(ckpt, root, dtype, device, lora, tp)
-        return model, (load_tokenizer(root, ckpt.hf) if tokenizer else None)
+        return model, (load_tokenizer(root, ckpt.hf, ckpt.tokenizer.config) if tokenizer else None)
     state = {}
     handles: Dict[str, object] = {}
     try:
@@ -73,7 +73,7 @@ def load_model(source: Union[str, os.PathLike, Checkpoint], dtype: torch.dtype =
         handles.clear()
     model.load_state_dict(state, assign=True, strict=True)
     model.eval()
-    return model, (load_tokenizer(root, ckpt.hf) if tokenizer else None)
+    return model, (load_tokenizer(root, ckpt.hf, ckpt.tokenizer.config) if tokenizer else None)
 
 
 @dataclass

@@ -184,15 +184,13 @@ def _run(checked: Preflight, spec: RunSpec, t0: float) -> Dict[str, Any]:
     summary["engines"] = engines
     results = None
     if checked.output_format == "openai-batch":
-        from common.tokenizer import load_tokenizer
-
         from .openai_batch import token_texts, write_results_file
         from .processor import served_names
 
         cp = checked.checkpoint
         results = functools.partial(write_results_file, out_fs, out_path, source.input_ids(), id_column,
                                     config.served_name(), served_names(config)["served"], checked.lock.verify,
-                                    token_texts(functools.partial(load_tokenizer, cp.metadata_dir(), cp.hf)))
+                                    token_texts(cp.load_tokenizer))
     finish(checked, summary, spec.report, results)
     if summary["status"] == "failed":
         raise ErrorFractionExceeded(error_fraction_message(summary, max_error_fraction), summary)
