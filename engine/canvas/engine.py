@@ -45,7 +45,9 @@ from typing import Any, List, Optional, Sequence
 
 import torch
 
+from ..admission import AdmissionOrder, fits, preempt
 from ..config import SchedulerKind, enum_value
+from ..core import prompt_refusal
 from ..transfer import to_device
 from ..sequence import FinishReason, RequestOutput
 from .denoiser import Denoiser, refusal
@@ -70,6 +72,7 @@ class _Row:
     generated: List[int] = field(default_factory=list)
     num_steps: int = 0  # decoder steps before its current stay in the batch
     joined_at: int = 0  # decoder_forwards when it (re)joined
+    seq: int = 0  # admission order (engine.admission: the newest is preempted first)
     slot: Optional[int] = None  # its place in the batch while active
     saved: Optional[dict] = None  # a preempted row's canvas in progress (its state tensors' rows)
     chain: list = field(default_factory=list)  # the prefix-cache blocks it holds
@@ -124,6 +127,7 @@ class CanvasEngine:
         self.kv = RowKV(len(self.layer_types), self.device)
         self.waiting: List[_Row] = []
         self.active: List[_Row] = []  # admission order (the newest is preempted first)
+        self._order = AdmissionOrder()
         self.rows: List[_Row] = []  # slot order (the batch's)
         self._state = {k: None for k in _STATE}
         self.sc: Optional[torch.Tensor] = None  # (B, L, V) previous step's processed logits
@@ -145,23 +149,29 @@ class CanvasEngine:
     def add_request(self, request_id: Any, prompt_ids: Sequence[int], max_tokens: int, seed: int,
                     params: Any = None) -> None:
         p = self.defaults.override(params) if params is not None else self.defaults
-        err = p.validate()
         prompt = [int(t) for t in prompt_ids]
-        if err is None and (not isinstance(max_tokens, int) or max_tokens < 1):
-            err = f"max_tokens must be an integer >= 1, got {max_tokens!r}"
-        if err is None and not prompt:
-            err = "empty prompt"
-        if err is None and any(not 0 <= t < self.V for t in prompt):
-            err = f"prompt token ids must be in [0, {self.V})"
-        if err is None and self.image_token_id is not None and self.image_token_id in prompt:
-            err = "the prompt holds image tokens; blockray serves DiffusionGemma text only"
-        if err is None:
-            err = budget_refusal(len(prompt), max_tokens, self.L, self.token_budget)
+        err = self.refusal(prompt, max_tokens, p)
         if err is not None:
             self.outputs.append(RequestOutput(request_id, prompt, [], FinishReason.ERROR, error=err))
             return
         self.waiting.append(_Row(request_id, prompt, max_tokens, p, torch.Generator().manual_seed(int(seed)),
                                  keys=self.prefix.keys(prompt) if self.prefix is not None else []))
+
+    def refusal(self, prompt: List[int], max_tokens: Any, params: CanvasParams) -> Optional[str]:
+        """Why a row cannot be served, or None: its knobs, max_tokens, the prompt checks
+        every engine makes (engine.core.prompt_refusal), image tokens, and its full width
+        (prompt + whole canvases) against the token budget, so the oldest row always fits
+        alone (engine.admission.preempt keeps it)."""
+        err = params.validate()
+        if err is None and (not isinstance(max_tokens, int) or max_tokens < 1):
+            err = f"max_tokens must be an integer >= 1, got {max_tokens!r}"
+        if err is None:
+            err = prompt_refusal(prompt, self.V)
+        if err is None and self.image_token_id is not None and self.image_token_id in prompt:
+            err = "the prompt holds image tokens; blockray serves DiffusionGemma text only"
+        if err is None:
+            err = budget_refusal(len(prompt), max_tokens, self.L, self.token_budget)
+        return err
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.active)
@@ -197,11 +207,9 @@ class CanvasEngine:
             need = area + row.cur_len + self.L
             if self._leader_waits(row, leading):
                 break
-            if self.active or joining:
-                while need + self._cached() > self.token_budget and self.prefix is not None and self.prefix.evict():
-                    pass
-                if need + self._cached() > self.token_budget:
-                    break
+            # into an empty batch a row goes whatever the cache holds (refusal checked its full width)
+            if (self.active or joining) and not fits(need, self.token_budget, self._cached, self._evict):
+                break
             self.waiting.pop(0)
             joining.append(row)
             area = need
@@ -223,23 +231,23 @@ class CanvasEngine:
         leading.add(first)
         return False
 
+    def _evict(self) -> bool:
+        """One cached block no row holds goes (least recently used leaf): True if one went."""
+        return self.prefix is not None and self.prefix.evict()
+
     def _preempt(self) -> None:
-        """Recompute preemption (vLLM's policy): while the admitted rows (and the prefix
-        cache) outgrow the token budget, unheld cached blocks go first, then the newest row
-        gives back its K/V and waits at the front of the queue. The oldest row always
-        stays: it fits alone (add_request checked its full width)."""
-        leaving = []
-        while self._area(self.active) + self._cached() > self.token_budget:
-            if self.prefix is not None and self.prefix.evict():
-                continue
-            if len(self.active) > 1:
-                row = self.active.pop()
-                self._save(row)
-                leaving.append(row)
-                self.preemptions += 1
-                self.waiting.insert(0, row)
-            elif not (self.prefix is not None and self.prefix.evict(held=True)):
-                break
+        """Recompute preemption (engine.admission.preempt, the block engine's rule): while
+        the admitted rows (and the prefix cache) outgrow the token budget, unheld cached
+        blocks go first, then the newest row gives back its K/V and waits at the front of
+        the queue. The oldest row always stays (refusal checked its full width); alone, it
+        evicts the blocks it holds itself if it must (it keeps their K/V in its slot)."""
+        def evict() -> bool:
+            return self._evict() or (len(self.active) <= 1 and self.prefix is not None and self.prefix.evict(held=True))
+        leaving = preempt(self.active, lambda: self._area(self.active) + self._cached() > self.token_budget, evict)
+        for row in leaving:
+            self._save(row)
+            self.preemptions += 1
+            self.waiting.insert(0, row)
         if leaving:
             self._leave(leaving)
 
@@ -325,6 +333,7 @@ class CanvasEngine:
         B = len(self.rows)
         for i, r in enumerate(rows):
             r.slot = B + i
+            self._order.stamp(r)
         self.active += rows
         self.rows += rows
         self._layout = None
@@ -500,9 +509,7 @@ class CanvasEngine:
         for j in range(len(row.chain), len(row.keys)):
             blk = pc.blocks.get(row.keys[j])
             if blk is None:
-                while self._area(self.active) + self._cached() + pc.block > self.token_budget and pc.evict():
-                    pass
-                if self._area(self.active) + self._cached() + pc.block > self.token_budget:
+                if not fits(self._area(self.active) + pc.block, self.token_budget, self._cached, pc.evict):
                     break
                 if parent is not None and parent.key not in pc.blocks:
                     break  # its parent was evicted: the chain is broken
