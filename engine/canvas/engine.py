@@ -98,7 +98,66 @@ def _entropy(logits: torch.Tensor) -> torch.Tensor:
 
 
 class CanvasEngine:
-    """Serves DiffusionGemma requests; `model` is transformers' DiffusionGemmaForBlockDiffusion."""
+    """Serves DiffusionGemma requests; `model` is transformers' DiffusionGemmaForBlockDiffusion.
+    engine.canvas.serve.CanvasServe makes it an EngineCore (engine.core) for the actor.
+
+    What it shares with the block engine (EngineCore + engine.scheduler), by calling the
+    same code:
+    - the admission order and recompute preemption (engine.admission.preempt: cached
+      blocks first, then the newest admitted row; the oldest never goes), and the budget
+      test with eviction (engine.admission.fits), in `_preempt`, `_admit` and `_keep`;
+    - a prompt's checks (engine.core.prompt_refusal: empty, ids outside the vocabulary),
+      in `refusal`; under CanvasServe, `refusal` is its EngineCore `check`, so a bad row
+      is refused at intake and comes back through EngineCore's error path;
+    - under CanvasServe: intake, SamplingParams validation and the refusal of fields it
+      does not read (engine.reads.CANVAS), the step wrapper that fails the active rows
+      when a step raises (`fail`), and the counting of outputs (EngineCore.output);
+    - `sequential` is the same rule: one row at a time, in arrival order.
+
+    Where it differs from EngineCore's engine (engine.engine + BlockServeScheduler), and why:
+    1. A row's cost is what it holds, `cur_len + L` (prompt, committed canvases, the
+       canvas being denoised; `_area` sums them), not the padded box |A| x max width:
+       a row's decoder forward is its L canvas positions over its own slot's K/V (right
+       padded, positions per row), never a left-padded box of whole rows whose padding
+       is computed, so there is no padding for the budget to charge.
+    2. Its queue is first come, first served (a preempted row goes back to its front),
+       and admission stops at the first row that does not fit; the block engine sorts its
+       queue by width and fills the box with the widest row that adds no padding. With no
+       box (1.), sorting by width would buy nothing and would reorder arrivals.
+    3. Into an empty batch the first row goes in whatever the prefix cache holds
+       (`refusal` checked that its full width fits the budget alone): the cache's blocks
+       may be the very ones it is about to copy; the next step's `_preempt` evicts
+       unheld blocks if the budget needs it. The block engine evicts first, sparing the
+       candidate's own blocks (PrefixCache.make_room(keep=...)).
+    4. Any row may be preempted at any step: rows' canvases end at different steps, so
+       there is no "block boundary" to prefer (the block engine's `can_preempt`), and a
+       preempted row keeps its canvas in progress (its state tensors, self-conditioning
+       logits and generator: `_save`), dropping only its K/V, which one encoder pass over
+       prompt + committed canvases rebuilds; the block engine's row redoes its current
+       block instead. Both are exact (tested against transformers' and the published loops).
+    5. Left alone, the oldest row may evict prefix blocks it holds itself (`_preempt`):
+       a canvas row holds its cached blocks for its whole stay (their K/V are copied into
+       its slot, so evicting them loses nothing of its own); the block engine pins blocks
+       only from admission until it copies them.
+    6. Its prefix cache (engine.canvas.prefix) is at canvas granularity (blocks of
+       canvas_length tokens), keeps each block's K/V as its own tensors, and is exact
+       for any family it serves (a causal encoder: on unless refused); the block engine's
+       (engine.prefix_cache) keeps chunks inside the K/V slots' storage and is decided per
+       family and cache mode. Rows joining together that lack the same block leave it to
+       the first and join a step later (`_leader_waits`), rather than the block engine's
+       extra catch-up forward of a leader: a step here is ONE forward.
+    7. `static` admits only into an empty batch and lets finished rows leave at once; the
+       block engine's static baseline keeps them in the batch, frozen and computed, as
+       Fast-dLLM's lock step does. No refill until the group is done holds in both; a
+       finished canvas row kept would only cost a decoder row (rows are independent).
+    8. Its token budget is the given one or the default (EngineConfig.fixed_token_budget,
+       set by CanvasServe), never planned from GPU memory: engine.budget models blockray's
+       transformer and its KV slots (engine.slots), not transformers' DiffusionGemma and
+       this engine's per-row buffers (engine.canvas.kv).
+    9. Finished rows leave at the end of their step, all in one `_leave` (the last slots
+       move into the holes, K/V copied once) and a row's tokens are cut at EOS or
+       max_tokens per canvas (`_ends`); the block engine's rows finish through their
+       decoding rule's commit and its stop strings (no tokenizer here)."""
 
     def __init__(self, model, defaults: CanvasParams, scheduler: SchedulerKind = SchedulerKind.BLOCKSERVE,
                  max_batch_size: int = 64, token_budget: int = 65536, stop_token_ids: Optional[Sequence[int]] = None,
