@@ -20,10 +20,11 @@ when it joins or leaves. One device -> host read per step: which canvases ended,
 their tokens.
 
 Rows grow by a canvas per commit, so the admitted rows can outgrow the token budget.
-Then, like vLLM's recompute preemption, the most recently admitted rows are preempted
-(their K/V dropped; tokens, canvas in progress and generator kept) to the front of the
-waiting queue, and re-admitted by one encoder pass over prompt + committed canvases
-when they fit again. No row is ever dropped or mixed; the oldest row always stays.
+Then, like vLLM's recompute preemption (engine.admission: the block engine's rule), the
+most recently admitted rows are preempted (their K/V dropped; tokens, canvas in progress
+and generator kept) to the front of the waiting queue, and re-admitted by one encoder
+pass over prompt + committed canvases when they fit again. No row is ever dropped or
+mixed; the oldest row always stays.
 
 With `enable_prefix_caching`, complete prompt blocks (canvas_length tokens) are kept in
 a prefix cache (engine.canvas.prefix) counted in the token budget: a row whose leading
