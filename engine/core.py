@@ -30,6 +30,19 @@ from .stats import EngineStats
 logger = logging.getLogger(__name__)
 
 
+def prompt_refusal(prompt: Sequence[int], vocab_size: Optional[int]) -> Optional[str]:
+    """Why a prompt's token ids cannot be served, or None: empty, or an id outside the
+    vocabulary (None: not checked). Every engine's check (EngineCore.prepare; the canvas
+    engine's own, engine.canvas.engine.CanvasEngine.refusal, when it runs alone)."""
+    if not prompt:
+        return "empty prompt"
+    if vocab_size is not None:
+        bad = [t for t in prompt if not 0 <= t < vocab_size]
+        if bad:
+            return f"token id {bad[0]} outside the vocabulary [0, {vocab_size})"
+    return None
+
+
 class EngineCore:
     reads: Reads  # what this engine reads of SamplingParams and EngineConfig (engine.reads)
 
@@ -69,15 +82,7 @@ class EngineCore:
         the checks every engine makes, then the engine's own (`check`)."""
         reads, who = self.sampling_reads(req)
         err = req.params.validate() or refusal(unread(req.params, reads), who)
-        if err:
-            return err
-        if not req.prompt:
-            return "empty prompt"
-        if self.vocab_size is not None:
-            bad = [t for t in req.prompt if not 0 <= t < self.vocab_size]
-            if bad:
-                return f"token id {bad[0]} outside the vocabulary [0, {self.vocab_size})"
-        return self.check(req)
+        return err or prompt_refusal(req.prompt, self.vocab_size) or self.check(req)
 
     def sampling_reads(self, req: Request) -> Tuple[FrozenSet[str], str]:
         """The SamplingParams fields this engine reads for `req`, and who reads them (for the

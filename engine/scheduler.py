@@ -8,6 +8,7 @@ import itertools
 from collections import deque
 from typing import Callable, List
 
+from .admission import AdmissionOrder, fits, preempt
 from .config import EngineConfig, SchedulerKind
 from .sequence import Request, RowShape
 
@@ -21,7 +22,7 @@ class Scheduler:
     def __init__(self, cfg: EngineConfig, shape: RowShape):
         self.cfg, self.shape = cfg, shape
         self.active: List[Request] = []
-        self._admitted = itertools.count()
+        self._order = AdmissionOrder()  # req.seq: LIFO preemption (engine.admission)
         self.preemptions = 0
         self.prefix = None  # engine.prefix_cache.PrefixCache: its cached blocks count in the budget
 
@@ -54,7 +55,7 @@ class Scheduler:
         return bool(self.active) or self.num_pending() > 0
 
     def _admit(self, req: Request) -> None:
-        req.seq = next(self._admitted)
+        self._order.stamp(req)
         self.active.append(req)
         if self.prefix is not None:
             self.prefix.acquire(req)
@@ -83,13 +84,12 @@ class BlockServeScheduler(Scheduler):
         budget = self.cfg.token_budget
         if self.prefix is not None:  # the rows' growth first takes room from unreferenced cached blocks
             self.prefix.make_room(batch_cost(self.active, self.shape))
-        while len(self.active) > 1 and batch_cost(self.active, self.shape) + self._cached() > budget:
-            # rows at a block boundary go back first; if growth still breaks the budget
-            # (step advance: the others are mid-block), a mid-block row goes back too and
-            # redoes its block later (same tokens: a block is a function of its prefix)
-            movable = [r for r in self.active[1:] if can_preempt(r)] or self.active[1:]
-            victim = max(movable, key=lambda r: r.seq)
-            self.active.remove(victim)
+        # the newest rows go back (engine.admission.preempt), those at a block boundary first;
+        # if growth still breaks the budget (step advance: the others are mid-block), a
+        # mid-block row goes back too and redoes its block later (same tokens: a block is a
+        # function of its prefix)
+        for victim in preempt(self.active, lambda: batch_cost(self.active, self.shape) + self._cached() > budget,
+                              movable=can_preempt):
             self.add(victim)
             self.preemptions += 1
         box = max((self.shape.width(r) for r in self.active), default=0)
@@ -98,9 +98,9 @@ class BlockServeScheduler(Scheduler):
             width, _, cand = self.pending[max(i, 0)]
             new_box = max(box, width)
             need = (len(self.active) + 1) * new_box
-            if need + self._cached() > budget and self.prefix is not None:  # evict, sparing its own blocks if it can
-                self.prefix.make_room(need, keep=cand) or self.prefix.make_room(need)
-            if need + self._cached() > budget:
+            evict = None if self.prefix is None else (  # sparing its own blocks if it can
+                lambda: self.prefix.make_room(need, keep=cand) or self.prefix.make_room(need))
+            if not fits(need, budget, self._cached, evict):
                 break
             self.pending.pop(max(i, 0))
             self._admit(cand)

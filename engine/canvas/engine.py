@@ -20,10 +20,11 @@ when it joins or leaves. One device -> host read per step: which canvases ended,
 their tokens.
 
 Rows grow by a canvas per commit, so the admitted rows can outgrow the token budget.
-Then, like vLLM's recompute preemption, the most recently admitted rows are preempted
-(their K/V dropped; tokens, canvas in progress and generator kept) to the front of the
-waiting queue, and re-admitted by one encoder pass over prompt + committed canvases
-when they fit again. No row is ever dropped or mixed; the oldest row always stays.
+Then, like vLLM's recompute preemption (engine.admission: the block engine's rule), the
+most recently admitted rows are preempted (their K/V dropped; tokens, canvas in progress
+and generator kept) to the front of the waiting queue, and re-admitted by one encoder
+pass over prompt + committed canvases when they fit again. No row is ever dropped or
+mixed; the oldest row always stays.
 
 With `enable_prefix_caching`, complete prompt blocks (canvas_length tokens) are kept in
 a prefix cache (engine.canvas.prefix) counted in the token budget: a row whose leading
@@ -45,7 +46,9 @@ from typing import Any, List, Optional, Sequence
 
 import torch
 
+from ..admission import AdmissionOrder, fits, preempt
 from ..config import SchedulerKind, enum_value
+from ..core import prompt_refusal
 from ..transfer import to_device
 from ..sequence import FinishReason, RequestOutput
 from .denoiser import Denoiser, refusal
@@ -70,6 +73,7 @@ class _Row:
     generated: List[int] = field(default_factory=list)
     num_steps: int = 0  # decoder steps before its current stay in the batch
     joined_at: int = 0  # decoder_forwards when it (re)joined
+    seq: int = 0  # admission order (engine.admission: the newest is preempted first)
     slot: Optional[int] = None  # its place in the batch while active
     saved: Optional[dict] = None  # a preempted row's canvas in progress (its state tensors' rows)
     chain: list = field(default_factory=list)  # the prefix-cache blocks it holds
@@ -95,7 +99,66 @@ def _entropy(logits: torch.Tensor) -> torch.Tensor:
 
 
 class CanvasEngine:
-    """Serves DiffusionGemma requests; `model` is transformers' DiffusionGemmaForBlockDiffusion."""
+    """Serves DiffusionGemma requests; `model` is transformers' DiffusionGemmaForBlockDiffusion.
+    engine.canvas.serve.CanvasServe makes it an EngineCore (engine.core) for the actor.
+
+    What it shares with the block engine (EngineCore + engine.scheduler), by calling the
+    same code:
+    - the admission order and recompute preemption (engine.admission.preempt: cached
+      blocks first, then the newest admitted row; the oldest never goes), and the budget
+      test with eviction (engine.admission.fits), in `_preempt`, `_admit` and `_keep`;
+    - a prompt's checks (engine.core.prompt_refusal: empty, ids outside the vocabulary),
+      in `refusal`; under CanvasServe, `refusal` is its EngineCore `check`, so a bad row
+      is refused at intake and comes back through EngineCore's error path;
+    - under CanvasServe: intake, SamplingParams validation and the refusal of fields it
+      does not read (engine.reads.CANVAS), the step wrapper that fails the active rows
+      when a step raises (`fail`), and the counting of outputs (EngineCore.output);
+    - `sequential` is the same rule: one row at a time, in arrival order.
+
+    Where it differs from EngineCore's engine (engine.engine + BlockServeScheduler), and why:
+    1. A row's cost is what it holds, `cur_len + L` (prompt, committed canvases, the
+       canvas being denoised; `_area` sums them), not the padded box |A| x max width:
+       a row's decoder forward is its L canvas positions over its own slot's K/V (right
+       padded, positions per row), never a left-padded box of whole rows whose padding
+       is computed, so there is no padding for the budget to charge.
+    2. Its queue is first come, first served (a preempted row goes back to its front),
+       and admission stops at the first row that does not fit; the block engine sorts its
+       queue by width and fills the box with the widest row that adds no padding. With no
+       box (1.), sorting by width would buy nothing and would reorder arrivals.
+    3. Into an empty batch the first row goes in whatever the prefix cache holds
+       (`refusal` checked that its full width fits the budget alone): the cache's blocks
+       may be the very ones it is about to copy; the next step's `_preempt` evicts
+       unheld blocks if the budget needs it. The block engine evicts first, sparing the
+       candidate's own blocks (PrefixCache.make_room(keep=...)).
+    4. Any row may be preempted at any step: rows' canvases end at different steps, so
+       there is no "block boundary" to prefer (the block engine's `can_preempt`), and a
+       preempted row keeps its canvas in progress (its state tensors, self-conditioning
+       logits and generator: `_save`), dropping only its K/V, which one encoder pass over
+       prompt + committed canvases rebuilds; the block engine's row redoes its current
+       block instead. Both are exact (tested against transformers' and the published loops).
+    5. Left alone, the oldest row may evict prefix blocks it holds itself (`_preempt`):
+       a canvas row holds its cached blocks for its whole stay (their K/V are copied into
+       its slot, so evicting them loses nothing of its own); the block engine pins blocks
+       only from admission until it copies them.
+    6. Its prefix cache (engine.canvas.prefix) is at canvas granularity (blocks of
+       canvas_length tokens), keeps each block's K/V as its own tensors, and is exact
+       for any family it serves (a causal encoder: on unless refused); the block engine's
+       (engine.prefix_cache) keeps chunks inside the K/V slots' storage and is decided per
+       family and cache mode. Rows joining together that lack the same block leave it to
+       the first and join a step later (`_leader_waits`), rather than the block engine's
+       extra catch-up forward of a leader: a step here is ONE forward.
+    7. `static` admits only into an empty batch and lets finished rows leave at once; the
+       block engine's static baseline keeps them in the batch, frozen and computed, as
+       Fast-dLLM's lock step does. No refill until the group is done holds in both; a
+       finished canvas row kept would only cost a decoder row (rows are independent).
+    8. Its token budget is the given one or the default (EngineConfig.fixed_token_budget,
+       set by CanvasServe), never planned from GPU memory: engine.budget models blockray's
+       transformer and its KV slots (engine.slots), not transformers' DiffusionGemma and
+       this engine's per-row buffers (engine.canvas.kv).
+    9. Finished rows leave at the end of their step, all in one `_leave` (the last slots
+       move into the holes, K/V copied once) and a row's tokens are cut at EOS or
+       max_tokens per canvas (`_ends`); the block engine's rows finish through their
+       decoding rule's commit and its stop strings (no tokenizer here)."""
 
     def __init__(self, model, defaults: CanvasParams, scheduler: SchedulerKind = SchedulerKind.BLOCKSERVE,
                  max_batch_size: int = 64, token_budget: int = 65536, stop_token_ids: Optional[Sequence[int]] = None,
@@ -124,6 +187,7 @@ class CanvasEngine:
         self.kv = RowKV(len(self.layer_types), self.device)
         self.waiting: List[_Row] = []
         self.active: List[_Row] = []  # admission order (the newest is preempted first)
+        self._order = AdmissionOrder()
         self.rows: List[_Row] = []  # slot order (the batch's)
         self._state = {k: None for k in _STATE}
         self.sc: Optional[torch.Tensor] = None  # (B, L, V) previous step's processed logits
@@ -145,23 +209,29 @@ class CanvasEngine:
     def add_request(self, request_id: Any, prompt_ids: Sequence[int], max_tokens: int, seed: int,
                     params: Any = None) -> None:
         p = self.defaults.override(params) if params is not None else self.defaults
-        err = p.validate()
         prompt = [int(t) for t in prompt_ids]
-        if err is None and (not isinstance(max_tokens, int) or max_tokens < 1):
-            err = f"max_tokens must be an integer >= 1, got {max_tokens!r}"
-        if err is None and not prompt:
-            err = "empty prompt"
-        if err is None and any(not 0 <= t < self.V for t in prompt):
-            err = f"prompt token ids must be in [0, {self.V})"
-        if err is None and self.image_token_id is not None and self.image_token_id in prompt:
-            err = "the prompt holds image tokens; blockray serves DiffusionGemma text only"
-        if err is None:
-            err = budget_refusal(len(prompt), max_tokens, self.L, self.token_budget)
+        err = self.refusal(prompt, max_tokens, p)
         if err is not None:
             self.outputs.append(RequestOutput(request_id, prompt, [], FinishReason.ERROR, error=err))
             return
         self.waiting.append(_Row(request_id, prompt, max_tokens, p, torch.Generator().manual_seed(int(seed)),
                                  keys=self.prefix.keys(prompt) if self.prefix is not None else []))
+
+    def refusal(self, prompt: List[int], max_tokens: Any, params: CanvasParams) -> Optional[str]:
+        """Why a row cannot be served, or None: its knobs, max_tokens, the prompt checks
+        every engine makes (engine.core.prompt_refusal), image tokens, and its full width
+        (prompt + whole canvases) against the token budget, so the oldest row always fits
+        alone (engine.admission.preempt keeps it)."""
+        err = params.validate()
+        if err is None and (not isinstance(max_tokens, int) or max_tokens < 1):
+            err = f"max_tokens must be an integer >= 1, got {max_tokens!r}"
+        if err is None:
+            err = prompt_refusal(prompt, self.V)
+        if err is None and self.image_token_id is not None and self.image_token_id in prompt:
+            err = "the prompt holds image tokens; blockray serves DiffusionGemma text only"
+        if err is None:
+            err = budget_refusal(len(prompt), max_tokens, self.L, self.token_budget)
+        return err
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.active)
@@ -197,11 +267,9 @@ class CanvasEngine:
             need = area + row.cur_len + self.L
             if self._leader_waits(row, leading):
                 break
-            if self.active or joining:
-                while need + self._cached() > self.token_budget and self.prefix is not None and self.prefix.evict():
-                    pass
-                if need + self._cached() > self.token_budget:
-                    break
+            # into an empty batch a row goes whatever the cache holds (refusal checked its full width)
+            if (self.active or joining) and not fits(need, self.token_budget, self._cached, self._evict):
+                break
             self.waiting.pop(0)
             joining.append(row)
             area = need
@@ -223,23 +291,23 @@ class CanvasEngine:
         leading.add(first)
         return False
 
+    def _evict(self) -> bool:
+        """One cached block no row holds goes (least recently used leaf): True if one went."""
+        return self.prefix is not None and self.prefix.evict()
+
     def _preempt(self) -> None:
-        """Recompute preemption (vLLM's policy): while the admitted rows (and the prefix
-        cache) outgrow the token budget, unheld cached blocks go first, then the newest row
-        gives back its K/V and waits at the front of the queue. The oldest row always
-        stays: it fits alone (add_request checked its full width)."""
-        leaving = []
-        while self._area(self.active) + self._cached() > self.token_budget:
-            if self.prefix is not None and self.prefix.evict():
-                continue
-            if len(self.active) > 1:
-                row = self.active.pop()
-                self._save(row)
-                leaving.append(row)
-                self.preemptions += 1
-                self.waiting.insert(0, row)
-            elif not (self.prefix is not None and self.prefix.evict(held=True)):
-                break
+        """Recompute preemption (engine.admission.preempt, the block engine's rule): while
+        the admitted rows (and the prefix cache) outgrow the token budget, unheld cached
+        blocks go first, then the newest row gives back its K/V and waits at the front of
+        the queue. The oldest row always stays (refusal checked its full width); alone, it
+        evicts the blocks it holds itself if it must (it keeps their K/V in its slot)."""
+        def evict() -> bool:
+            return self._evict() or (len(self.active) <= 1 and self.prefix is not None and self.prefix.evict(held=True))
+        leaving = preempt(self.active, lambda: self._area(self.active) + self._cached() > self.token_budget, evict)
+        for row in leaving:
+            self._save(row)
+            self.preemptions += 1
+            self.waiting.insert(0, row)
         if leaving:
             self._leave(leaving)
 
@@ -325,6 +393,7 @@ class CanvasEngine:
         B = len(self.rows)
         for i, r in enumerate(rows):
             r.slot = B + i
+            self._order.stamp(r)
         self.active += rows
         self.rows += rows
         self._layout = None
@@ -500,9 +569,7 @@ class CanvasEngine:
         for j in range(len(row.chain), len(row.keys)):
             blk = pc.blocks.get(row.keys[j])
             if blk is None:
-                while self._area(self.active) + self._cached() + pc.block > self.token_budget and pc.evict():
-                    pass
-                if self._area(self.active) + self._cached() + pc.block > self.token_budget:
+                if not fits(self._area(self.active) + pc.block, self.token_budget, self._cached, pc.evict):
                     break
                 if parent is not None and parent.key not in pc.blocks:
                     break  # its parent was evicted: the chain is broken

@@ -33,14 +33,16 @@ class CanvasServe(EngineCore):
         self._arrival: Dict[Any, float] = {}
 
     def check(self, req: Request) -> Optional[str]:
+        """The canvas engine's own checks (CanvasEngine.refusal: its knobs, image tokens, the
+        token budget), at intake as every engine's: a bad row never reaches its queue."""
         if req.params.seed is None and self.tp is not None:  # a rank's own draw would differ from the others'
             return ("seed is required under tensor_parallel_size > 1 (every rank must draw the same noise; "
                     "the Ray side fills each row's seed on rank 0 before it broadcasts the requests)")
-        return None
+        c = self.canvas
+        return c.refusal(req.prompt, req.params.max_new_tokens, c.defaults.override(req.params))
 
     def admit(self, req: Request) -> None:
-        """Hand a valid request to the canvas engine (its own checks: image tokens, the
-        token budget, transformers' knobs)."""
+        """Hand a valid request (`check` passed) to the canvas engine."""
         seed = req.params.seed if req.params.seed is not None else random.getrandbits(62)
         self._arrival[req.request_id] = req.arrival
         self.canvas.add_request(req.request_id, req.prompt, req.params.max_new_tokens, seed, req.params)
