@@ -10,6 +10,7 @@ from typing import Any, Dict, Mapping
 from .base import BlockLayout, ConfigRefused, Confidence, Family, FamilyNotSupported, Serving, Shard, ThresholdRule
 from .diffusion_gemma import DIFFUSION_GEMMA
 from .dream import DREAM
+from .dream_reasoner import DREAM_REASONER
 from .fast_dllm_v2 import FAST_DLLM_V2
 from .llada import LLADA
 from .llada2_moe import LLADA2_MOE
@@ -34,7 +35,8 @@ def register(family: Family) -> Family:
     return family
 
 
-for _family in (LLADA_MOE, LLADA, DREAM, LLADA2_MOE, DIFFUSION_GEMMA, SDAR, SDAR_MOE, FAST_DLLM_V2):
+# DreamReasoner before Dream: its config.json says model_type 'Dream' too (recognised by its keys)
+for _family in (LLADA_MOE, LLADA, DREAM_REASONER, DREAM, LLADA2_MOE, DIFFUSION_GEMMA, SDAR, SDAR_MOE, FAST_DLLM_V2):
     register(_family)
 
 
