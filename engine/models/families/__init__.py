@@ -16,6 +16,7 @@ from .llada import LLADA
 from .llada2_moe import LLADA2_MOE
 from .llada_moe import LLADA_MOE
 from .sdar import SDAR, SDAR_MOE
+from .stable_diffcoder import STABLE_DIFFCODER
 
 FAMILIES: Dict[str, Family] = {}
 
@@ -25,6 +26,9 @@ _NOT_IMPLEMENTED = (
      and "hidden_size" in hf,
      "a 'llada' config.json with Hugging Face style keys but no experts (neither LLaDA's nor LLaDA-MoE's layout)"),
     (lambda hf: "gemma" in str(hf.get("model_type", "")).lower(), "Gemma (autoregressive)"),
+    # Stable-DiffCoder says 'llama' too: only its architecture / auto_map make it served
+    (lambda hf: hf.get("model_type") == "llama",
+     "an autoregressive Llama (model_type 'llama' without Stable-DiffCoder's architecture StableDiffcoderForCausalLM)"),
 )
 
 
@@ -36,7 +40,8 @@ def register(family: Family) -> Family:
 
 
 # DreamReasoner before Dream: its config.json says model_type 'Dream' too (recognised by its keys)
-for _family in (LLADA_MOE, LLADA, DREAM_REASONER, DREAM, LLADA2_MOE, DIFFUSION_GEMMA, SDAR, SDAR_MOE, FAST_DLLM_V2):
+for _family in (LLADA_MOE, LLADA, DREAM_REASONER, DREAM, LLADA2_MOE, DIFFUSION_GEMMA, SDAR, SDAR_MOE, FAST_DLLM_V2,
+                STABLE_DIFFCODER):
     register(_family)
 
 
