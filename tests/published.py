@@ -57,6 +57,18 @@ def folders() -> List[str]:
     return sorted(d for d in os.listdir(VENDORED) if os.path.isfile(os.path.join(VENDORED, d, "config.json")))
 
 
+# the first line of SOURCE.md after its title in a folder whose config.json is rebuilt from located
+# values (no byte copy of it is reachable): tests/test_published.py builds it from config.json alone
+REBUILT_MARK = "REBUILT FROM LOCATED VALUES"
+
+
+def rebuilt(folder: str) -> bool:
+    """Whether the folder's config.json is rebuilt from located values (its SOURCE.md says
+    so), not a byte copy of the published file."""
+    with open(path(folder, "SOURCE.md"), encoding="utf-8") as f:
+        return REBUILT_MARK in f.read()
+
+
 def path(folder: str, name: str = "") -> str:
     return os.path.join(VENDORED, folder, name)
 
@@ -182,9 +194,12 @@ def _fast_dllm_v2(hf: Dict[str, Any]) -> Dict[str, Any]:
     return dict(_dream(hf), layer_types=hf["layer_types"][:LAYERS])
 
 
+# "Dream" covers DreamReasoner's config.json too (Qwen's size keys; its head_dim null stays null);
+# "llama": Stable-DiffCoder's (Llama's size keys are Qwen2's)
 SHRINK: Dict[str, Callable[[Dict[str, Any]], Dict[str, Any]]] = {"llada": _llada, "Dream": _dream,
                                                                  "llada2_moe": _llada2, "sdar": _sdar,
-                                                                 "sdar_moe": _sdar, "Fast_dLLM_Qwen": _fast_dllm_v2}
+                                                                 "sdar_moe": _sdar, "Fast_dLLM_Qwen": _fast_dllm_v2,
+                                                                 "llama": _dream}
 
 
 def _rule(hf: Dict[str, Any]) -> Callable[[Dict[str, Any]], Dict[str, Any]]:
@@ -391,6 +406,6 @@ def build_from_config(hf: Dict[str, Any], root: str, seed: int = 0) -> str:
     return root
 
 
-__all__ = ["build", "build_from_config", "folders", "shrink", "config", "tokenizer_config", "added_tokens", "published_ids", "mask_token",
+__all__ = ["build", "build_from_config", "folders", "rebuilt", "REBUILT_MARK", "shrink", "config", "tokenizer_config", "added_tokens", "published_ids", "mask_token",
            "chat_template", "remote_code_files", "kept_names", "bpe_vocab", "token_text", "VENDORED", "SHARED",
            "IDS_PUBLISHED_ELSEWHERE", "MASK_TOKENS_ELSEWHERE", "ADDED_TOKENS_JSON_DIFFERS", "MERGES", "SHRINK"]
