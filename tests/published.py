@@ -52,13 +52,23 @@ MERGES = ["Ġ t", "h e", "Ġt he", "Ġ a", "i n", "e r", "o n", "Ġ c", "o p", "
 
 # --- the vendored folders --------------------------------------------------------------
 
-def folders() -> List[str]:
-    """The vendored folders holding a config.json (a published file set), sorted."""
+def _with_config() -> List[str]:
     return sorted(d for d in os.listdir(VENDORED) if os.path.isfile(os.path.join(VENDORED, d, "config.json")))
 
 
-# the first line of SOURCE.md after its title in a folder whose config.json is rebuilt from located
-# values (no byte copy of it is reachable): tests/test_published.py builds it from config.json alone
+def folders() -> List[str]:
+    """The vendored folders holding a config.json (a published file set, byte for byte), sorted."""
+    return [d for d in _with_config() if not rebuilt(d)]
+
+
+def rebuilt_folders() -> List[str]:
+    """The folders whose config.json is rebuilt from located values (no byte copy reachable:
+    SOURCE.md says so), sorted; built with build_from_config (no tokenizer files)."""
+    return [d for d in _with_config() if rebuilt(d)]
+
+
+# what SOURCE.md says in a folder whose config.json is rebuilt from located values (no byte copy of
+# it is reachable): tests/test_published.py builds it from config.json alone
 REBUILT_MARK = "REBUILT FROM LOCATED VALUES"
 
 
@@ -406,6 +416,6 @@ def build_from_config(hf: Dict[str, Any], root: str, seed: int = 0) -> str:
     return root
 
 
-__all__ = ["build", "build_from_config", "folders", "rebuilt", "REBUILT_MARK", "shrink", "config", "tokenizer_config", "added_tokens", "published_ids", "mask_token",
+__all__ = ["build", "build_from_config", "folders", "rebuilt", "rebuilt_folders", "REBUILT_MARK", "shrink", "config", "tokenizer_config", "added_tokens", "published_ids", "mask_token",
            "chat_template", "remote_code_files", "kept_names", "bpe_vocab", "token_text", "VENDORED", "SHARED",
            "IDS_PUBLISHED_ELSEWHERE", "MASK_TOKENS_ELSEWHERE", "ADDED_TOKENS_JSON_DIFFERS", "MERGES", "SHRINK"]

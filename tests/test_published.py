@@ -31,15 +31,14 @@ NOT_SERVED: set = set()  # none today (SDAR / SDAR-MoE were, until issue 38)
 
 FOLDERS = published.folders()
 # config.json rebuilt from located values (SOURCE.md says so; no byte copy reachable, no tokenizer files)
-REBUILT = [f for f in FOLDERS if published.rebuilt(f)]
-BYTE_COPIES = [f for f in FOLDERS if f not in REBUILT]
+REBUILT = published.rebuilt_folders()
 
 
 def model_type(folder: str) -> str:
     return published.config(folder)["model_type"]
 
 
-SERVED_FOLDERS = [f for f in BYTE_COPIES if model_type(f) in SERVED]
+SERVED_FOLDERS = [f for f in FOLDERS if model_type(f) in SERVED]
 REBUILT_SERVED = [f for f in REBUILT if model_type(f) in SERVED]
 NOT_SERVED_FOLDERS = [f for f in FOLDERS if model_type(f) in NOT_SERVED]
 
@@ -138,7 +137,7 @@ def test_vendored_files_are_the_published_files():
         pytest.skip(f"{published.SHARED} is absent (a clean clone): the vendored copies are the reference")
     shared = sorted(d for d in os.listdir(published.SHARED)
                     if os.path.isfile(os.path.join(published.SHARED, d, "config.json")))
-    assert BYTE_COPIES == shared
+    assert FOLDERS == shared
     for folder in REBUILT:  # rebuilt only where the shared copies hold no config.json to vendor
         assert os.path.isfile(os.path.join(published.SHARED, folder, "SOURCE.md")), folder
         assert not os.path.isfile(os.path.join(published.SHARED, folder, "config.json")), folder
@@ -156,7 +155,8 @@ def test_every_vendored_folder_is_classified():
     """Each vendored set says where it comes from, and its model_type is one blockray
     serves or one it is known not to (so a new set is never silently skipped)."""
     assert FOLDERS and all(os.path.isfile(published.path(f, "SOURCE.md")) for f in FOLDERS)
-    assert {f: model_type(f) for f in FOLDERS if model_type(f) not in SERVED | NOT_SERVED} == {}
+    assert {f: model_type(f) for f in FOLDERS + REBUILT if model_type(f) not in SERVED | NOT_SERVED} == {}
+    assert all(os.path.isfile(published.path(f, "SOURCE.md")) for f in REBUILT)
     assert SERVED_FOLDERS
 
 
