@@ -416,6 +416,7 @@ def build_from_config(hf: Dict[str, Any], root: str, seed: int = 0) -> str:
     return root
 
 
-__all__ = ["build", "build_from_config", "folders", "rebuilt", "rebuilt_folders", "REBUILT_MARK", "shrink", "config", "tokenizer_config", "added_tokens", "published_ids", "mask_token",
+__all__ = ["build", "build_from_config", "folders", "rebuilt", "rebuilt_folders", "REBUILT_MARK",
+           "shrink", "config", "tokenizer_config", "added_tokens", "published_ids", "mask_token",
            "chat_template", "remote_code_files", "kept_names", "bpe_vocab", "token_text", "VENDORED", "SHARED",
            "IDS_PUBLISHED_ELSEWHERE", "MASK_TOKENS_ELSEWHERE", "ADDED_TOKENS_JSON_DIFFERS", "MERGES", "SHRINK"]

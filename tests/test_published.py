@@ -72,8 +72,8 @@ def settings(folder: str) -> Tuple[EngineConfig, SamplingParams]:
     family's model_type (DreamReasoner's config.json says "Dream", Stable-DiffCoder's "llama")."""
     return {"llada2_moe": (PERSISTENT_ENGINE, LLADA2_SAMPLING), "sdar": (PERSISTENT_ENGINE, SDAR_SAMPLING),
             "sdar_moe": (PERSISTENT_ENGINE, SDAR_SAMPLING), "Fast_dLLM_Qwen": (FAST_DLLM_V2_ENGINE, FAST_DLLM_V2_SAMPLING),
-            "dream_reasoner": (BLOCK32_ENGINE, BLOCK32_SAMPLING), "stable_diffcoder": (BLOCK32_ENGINE, BLOCK32_SAMPLING)
-            }.get(ModelConfig.from_hf(published.config(folder)).model_type, (ENGINE, SAMPLING))
+            "dream_reasoner": (BLOCK32_ENGINE, BLOCK32_SAMPLING),
+            "stable_diffcoder": (BLOCK32_ENGINE, BLOCK32_SAMPLING)}.get(ModelConfig.from_hf(published.config(folder)).model_type, (ENGINE, SAMPLING))
 
 
 # --- what the published files say --------------------------------------------------------

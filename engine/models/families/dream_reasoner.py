@@ -58,7 +58,8 @@ class DreamReasonerFamily(Family):
 
 
 DREAM_REASONER = DreamReasonerFamily(
-    name="DreamReasoner", model_type="dream_reasoner", layout="qwen3", examples="Dream-org/DreamReasoner-8B",
+    name="DreamReasoner", model_type="dream_reasoner", layout="qwen3",
+    examples="Dream-org/DreamReasoner-8B (config.json model_type 'Dream', architectures DreamForCausalLM)",
     honoured=frozenset({"vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
                         "num_key_value_heads", "head_dim", "intermediate_size", "rope_theta", "rope_parameters",
                         "rms_norm_eps", "tie_word_embeddings", "max_position_embeddings", "layer_types"}),

@@ -55,7 +55,8 @@ class StableDiffCoderFamily(Family):
 
 STABLE_DIFFCODER = StableDiffCoderFamily(
     name="Stable-DiffCoder", model_type="stable_diffcoder", layout="llama",
-    examples="ByteDance-Seed/Stable-DiffCoder-8B-Instruct",
+    examples="ByteDance-Seed/Stable-DiffCoder-8B-Instruct (config.json model_type 'llama', "
+             "architectures StableDiffcoderForCausalLM)",
     honoured=frozenset({"vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
                         "num_key_value_heads", "head_dim", "intermediate_size", "rope_theta", "rope_parameters",
                         "rms_norm_eps", "tie_word_embeddings", "max_position_embeddings"}),
