@@ -20,7 +20,10 @@ the last step) is SDAR's rule, ThresholdRule.BLOCK_FLOOR. Diffulex's `dream_reas
 sampler (strictly greater than accept_threshold, else the most confident one when the
 previous block is semi-complete) is the same rule when one block is decoded at a time (its
 previous block is then complete) and steps_per_block = block_length; blockray decodes one
-block at a time (Diffulex's multi-block buffer is not served)."""
+block at a time (Diffulex's multi-block buffer is not served). Diffulex also sets the mask
+token's logit to -inf before the softmax; the HF loop does not, and neither does blockray
+(the two agree wherever the model gives the mask probability 0, as tests/test_dream_reasoner.py's
+model does)."""
 from __future__ import annotations
 
 from typing import Any, Dict, Mapping

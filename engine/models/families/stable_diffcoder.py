@@ -14,8 +14,10 @@ Decoding: no logit shift, block-causal attention over blocks at absolute positio
 prompt's last block padded with masks, as Diffulex lays a request out), and Diffulex's
 `stable_diffcoder` sampler: every mask whose confidence is strictly greater than
 accept_threshold, else the single most confident one (ThresholdRule.GREATER_AT_LEAST_TOP1),
-one block at a time. The mask is the tokenizer's `<[MASK_TOKEN]>` (id 5 in Diffulex's
-fixture; the Seed tokenizer iLLaDA shares masks with 5 too)."""
+one block at a time. Diffulex sets the mask token's logit to -inf before the softmax;
+blockray does not (the same tokens wherever the model gives the mask probability 0, as
+tests/test_stable_diffcoder.py's model does). The mask is the tokenizer's `<[MASK_TOKEN]>`
+(id 5 in Diffulex's fixture; the Seed tokenizer iLLaDA shares masks with 5 too)."""
 from __future__ import annotations
 
 from typing import Any, Dict, Mapping
