@@ -52,9 +52,31 @@ MERGES = ["Ġ t", "h e", "Ġt he", "Ġ a", "i n", "e r", "o n", "Ġ c", "o p", "
 
 # --- the vendored folders --------------------------------------------------------------
 
-def folders() -> List[str]:
-    """The vendored folders holding a config.json (a published file set), sorted."""
+def _with_config() -> List[str]:
     return sorted(d for d in os.listdir(VENDORED) if os.path.isfile(os.path.join(VENDORED, d, "config.json")))
+
+
+def folders() -> List[str]:
+    """The vendored folders holding a config.json (a published file set, byte for byte), sorted."""
+    return [d for d in _with_config() if not rebuilt(d)]
+
+
+def rebuilt_folders() -> List[str]:
+    """The folders whose config.json is rebuilt from located values (no byte copy reachable:
+    SOURCE.md says so), sorted; built with build_from_config (no tokenizer files)."""
+    return [d for d in _with_config() if rebuilt(d)]
+
+
+# what SOURCE.md says in a folder whose config.json is rebuilt from located values (no byte copy of
+# it is reachable): tests/test_published.py builds it from config.json alone
+REBUILT_MARK = "REBUILT FROM LOCATED VALUES"
+
+
+def rebuilt(folder: str) -> bool:
+    """Whether the folder's config.json is rebuilt from located values (its SOURCE.md says
+    so), not a byte copy of the published file."""
+    with open(path(folder, "SOURCE.md"), encoding="utf-8") as f:
+        return REBUILT_MARK in f.read()
 
 
 def path(folder: str, name: str = "") -> str:
@@ -182,9 +204,12 @@ def _fast_dllm_v2(hf: Dict[str, Any]) -> Dict[str, Any]:
     return dict(_dream(hf), layer_types=hf["layer_types"][:LAYERS])
 
 
+# "Dream" covers DreamReasoner's config.json too (Qwen's size keys; its head_dim null stays null);
+# "llama": Stable-DiffCoder's (Llama's size keys are Qwen2's)
 SHRINK: Dict[str, Callable[[Dict[str, Any]], Dict[str, Any]]] = {"llada": _llada, "Dream": _dream,
                                                                  "llada2_moe": _llada2, "sdar": _sdar,
-                                                                 "sdar_moe": _sdar, "Fast_dLLM_Qwen": _fast_dllm_v2}
+                                                                 "sdar_moe": _sdar, "Fast_dLLM_Qwen": _fast_dllm_v2,
+                                                                 "llama": _dream}
 
 
 def _rule(hf: Dict[str, Any]) -> Callable[[Dict[str, Any]], Dict[str, Any]]:
@@ -391,6 +416,7 @@ def build_from_config(hf: Dict[str, Any], root: str, seed: int = 0) -> str:
     return root
 
 
-__all__ = ["build", "build_from_config", "folders", "shrink", "config", "tokenizer_config", "added_tokens", "published_ids", "mask_token",
+__all__ = ["build", "build_from_config", "folders", "rebuilt", "rebuilt_folders", "REBUILT_MARK",
+           "shrink", "config", "tokenizer_config", "added_tokens", "published_ids", "mask_token",
            "chat_template", "remote_code_files", "kept_names", "bpe_vocab", "token_text", "VENDORED", "SHARED",
            "IDS_PUBLISHED_ELSEWHERE", "MASK_TOKENS_ELSEWHERE", "ADDED_TOKENS_JSON_DIFFERS", "MERGES", "SHRINK"]

@@ -24,10 +24,14 @@ from pipeline.run import JobError, preflight, run_offline
 
 # model_type of each vendored config.json: served today, or not (yet). A folder of another
 # model_type fails test_every_vendored_folder_is_classified until it is put in one of them.
-SERVED = {"llada", "Dream", "llada2_moe", "sdar", "sdar_moe", "Fast_dLLM_Qwen"}
+# ("Dream" covers DreamReasoner's config.json, told apart by its architecture; "llama" is served only as
+# Stable-DiffCoder, by its architecture: a plain Llama is refused, tests/test_stable_diffcoder.py)
+SERVED = {"llada", "Dream", "llada2_moe", "sdar", "sdar_moe", "Fast_dLLM_Qwen", "llama"}
 NOT_SERVED: set = set()  # none today (SDAR / SDAR-MoE were, until issue 38)
 
 FOLDERS = published.folders()
+# config.json rebuilt from located values (SOURCE.md says so; no byte copy reachable, no tokenizer files)
+REBUILT = published.rebuilt_folders()
 
 
 def model_type(folder: str) -> str:
@@ -35,6 +39,7 @@ def model_type(folder: str) -> str:
 
 
 SERVED_FOLDERS = [f for f in FOLDERS if model_type(f) in SERVED]
+REBUILT_SERVED = [f for f in REBUILT if model_type(f) in SERVED]
 NOT_SERVED_FOLDERS = [f for f in FOLDERS if model_type(f) in NOT_SERVED]
 
 ENGINE = EngineConfig(block_length=4, steps_per_block=4, cache="refresh", token_budget=2048, max_batch_size=8)
@@ -50,6 +55,11 @@ SDAR_SAMPLING = SamplingParams(max_new_tokens=8, threshold=0.9)
 FAST_DLLM_V2_ENGINE = EngineConfig(block_length=32, steps_per_block=32, cache="persistent", token_budget=2048,
                                    max_batch_size=8)
 FAST_DLLM_V2_SAMPLING = SamplingParams(max_new_tokens=8, threshold=0.9, sub_block_length=8)
+# DreamReasoner and Stable-DiffCoder as docs/usage.md runs them: blocks of 32 (DreamReasoner's config block_size,
+# Diffulex's default), one step per position, threshold 0.9 (generation_utils' and Diffulex's accept_threshold)
+BLOCK32_ENGINE = EngineConfig(block_length=32, steps_per_block=32, cache="persistent", token_budget=2048,
+                              max_batch_size=8)
+BLOCK32_SAMPLING = SamplingParams(max_new_tokens=8, threshold=0.9)
 USER = "copy: abc"
 MESSAGES = [[{"role": "user", "content": f"copy: {'abcdefgh'[: i % 8 + 1]}"}] for i in range(10)]
 # tokenizer_config.json tokenizer_class -> the class common.tokenizer reads it with
@@ -58,10 +68,12 @@ TOKENIZER_CLASS = {"PreTrainedTokenizerFast": "TokenizersBackend", "DreamTokeniz
 
 
 def settings(folder: str) -> Tuple[EngineConfig, SamplingParams]:
-    """The engine and sampling settings of the folder's family (small: each job ~10 s)."""
+    """The engine and sampling settings of the folder's family (small: each job ~10 s), by the
+    family's model_type (DreamReasoner's config.json says "Dream", Stable-DiffCoder's "llama")."""
     return {"llada2_moe": (PERSISTENT_ENGINE, LLADA2_SAMPLING), "sdar": (PERSISTENT_ENGINE, SDAR_SAMPLING),
-            "sdar_moe": (PERSISTENT_ENGINE, SDAR_SAMPLING), "Fast_dLLM_Qwen": (FAST_DLLM_V2_ENGINE, FAST_DLLM_V2_SAMPLING)
-            }.get(model_type(folder), (ENGINE, SAMPLING))
+            "sdar_moe": (PERSISTENT_ENGINE, SDAR_SAMPLING), "Fast_dLLM_Qwen": (FAST_DLLM_V2_ENGINE, FAST_DLLM_V2_SAMPLING),
+            "dream_reasoner": (BLOCK32_ENGINE, BLOCK32_SAMPLING),
+            "stable_diffcoder": (BLOCK32_ENGINE, BLOCK32_SAMPLING)}.get(ModelConfig.from_hf(published.config(folder)).model_type, (ENGINE, SAMPLING))
 
 
 # --- what the published files say --------------------------------------------------------
@@ -126,6 +138,11 @@ def test_vendored_files_are_the_published_files():
     shared = sorted(d for d in os.listdir(published.SHARED)
                     if os.path.isfile(os.path.join(published.SHARED, d, "config.json")))
     assert FOLDERS == shared
+    for folder in REBUILT:  # rebuilt only where the shared copies hold no config.json to vendor
+        assert os.path.isfile(os.path.join(published.SHARED, folder, "SOURCE.md")), folder
+        assert not os.path.isfile(os.path.join(published.SHARED, folder, "config.json")), folder
+        assert os.listdir(published.path(folder)) and set(os.listdir(published.path(folder))) == {"config.json",
+                                                                                                 "SOURCE.md"}, folder
     for folder in shared:
         names = sorted(os.listdir(os.path.join(published.SHARED, folder)))
         assert sorted(os.listdir(published.path(folder))) == names, folder
@@ -138,7 +155,8 @@ def test_every_vendored_folder_is_classified():
     """Each vendored set says where it comes from, and its model_type is one blockray
     serves or one it is known not to (so a new set is never silently skipped)."""
     assert FOLDERS and all(os.path.isfile(published.path(f, "SOURCE.md")) for f in FOLDERS)
-    assert {f: model_type(f) for f in FOLDERS if model_type(f) not in SERVED | NOT_SERVED} == {}
+    assert {f: model_type(f) for f in FOLDERS + REBUILT if model_type(f) not in SERVED | NOT_SERVED} == {}
+    assert all(os.path.isfile(published.path(f, "SOURCE.md")) for f in REBUILT)
     assert SERVED_FOLDERS
 
 
@@ -194,4 +212,38 @@ def test_published_checkpoint_loads_generates_and_runs_the_job(folder, ray_local
     rows = read_parts(out).to_pylist()
     assert sorted(r["id"] for r in rows) == [f"m{i}" for i in range(10)]
     assert {r["id"]: r["prompt"] for r in rows} == {f"m{i}": render(folder, m) for i, m in enumerate(MESSAGES)}
+    assert all(r["finish_reason"] in ("stop", "length") for r in rows)
+
+
+@pytest.mark.parametrize("folder", REBUILT_SERVED, ids=[f"{f}-rebuilt" for f in REBUILT_SERVED])
+def test_rebuilt_config_loads_generates_and_runs_the_job(folder, ray_local, tmp_path):
+    """A config.json rebuilt from located values (no tokenizer files located): tests/published.py
+    build_from_config (sizes shrunk, weights under the family's names), load_model (no
+    tokenizer), Engine.generate, the preflight and a 10-row job of pre-tokenized prompts, the
+    mask and stop ids config.json names, else the family's published defaults."""
+    hf = published.config(folder)
+    root = published.build_from_config(hf, str(tmp_path / folder))
+    model, tok = load_model(root, dtype=torch.float32)
+    cfg = model.config
+    assert tok is None and cfg.family.matches(hf) and cfg.model_type != hf["model_type"]  # told apart by its keys
+    assert cfg.mask_token_id == hf.get("mask_token_id", cfg.family.defaults["mask_token_id"])
+    eos = hf.get("eos_token_id", cfg.family.defaults["eos_token_id"])
+    assert cfg.stop_token_ids == [eos]
+    engine, sampling = settings(folder)
+    prompts = [[6 + j % 20 for j in range(3 + 4 * i)] for i in range(10)]  # ids 6..25: Stable-DiffCoder's toy vocab 32
+    outs = Engine(model, engine).generate(prompts[:2], sampling)
+    assert [o.error for o in outs] == [None, None]
+    assert all(o.finish_reason in ("stop", "length") and len(o.token_ids) <= 8 for o in outs)
+
+    inp, out = str(tmp_path / "in.parquet"), str(tmp_path / "out")
+    pq.write_table(pa.table({"id": [f"r{i}" for i in range(10)], "prompt_token_ids": prompts}), inp)
+    config = DLLMProcessorConfig(model=root, batch_size=5, engine=engine, sampling=sampling, enable_metrics=False)
+    assert preflight(inp, str(tmp_path / "checked"), config).source.num_rows == 10
+    summary = run_offline(inp, out, config)
+    assert (summary["rows"], summary["errors"], summary["status"]) == (10, 0, "ok")
+    # the summary names stop ids found in the files only (engine.checkpoint.Checkpoint.stops): a family's
+    # default eos, which the engine stops at (cfg.stop_token_ids above), is not listed there
+    assert set(summary["stop_token_ids"]) <= {str(eos)}
+    rows = read_parts(out).to_pylist()
+    assert sorted(r["id"] for r in rows) == [f"r{i}" for i in range(10)]
     assert all(r["finish_reason"] in ("stop", "length") for r in rows)

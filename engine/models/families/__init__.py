@@ -10,11 +10,13 @@ from typing import Any, Dict, Mapping
 from .base import BlockLayout, ConfigRefused, Confidence, Family, FamilyNotSupported, Serving, Shard, ThresholdRule
 from .diffusion_gemma import DIFFUSION_GEMMA
 from .dream import DREAM
+from .dream_reasoner import DREAM_REASONER
 from .fast_dllm_v2 import FAST_DLLM_V2
 from .llada import LLADA
 from .llada2_moe import LLADA2_MOE
 from .llada_moe import LLADA_MOE
 from .sdar import SDAR, SDAR_MOE
+from .stable_diffcoder import STABLE_DIFFCODER
 
 FAMILIES: Dict[str, Family] = {}
 
@@ -24,6 +26,9 @@ _NOT_IMPLEMENTED = (
      and "hidden_size" in hf,
      "a 'llada' config.json with Hugging Face style keys but no experts (neither LLaDA's nor LLaDA-MoE's layout)"),
     (lambda hf: "gemma" in str(hf.get("model_type", "")).lower(), "Gemma (autoregressive)"),
+    # Stable-DiffCoder says 'llama' too: only its architecture / auto_map make it served
+    (lambda hf: hf.get("model_type") == "llama",
+     "an autoregressive Llama (model_type 'llama' without Stable-DiffCoder's architecture StableDiffcoderForCausalLM)"),
 )
 
 
@@ -34,7 +39,9 @@ def register(family: Family) -> Family:
     return family
 
 
-for _family in (LLADA_MOE, LLADA, DREAM, LLADA2_MOE, DIFFUSION_GEMMA, SDAR, SDAR_MOE, FAST_DLLM_V2):
+# DreamReasoner before Dream: its config.json says model_type 'Dream' too (recognised by its keys)
+for _family in (LLADA_MOE, LLADA, DREAM_REASONER, DREAM, LLADA2_MOE, DIFFUSION_GEMMA, SDAR, SDAR_MOE, FAST_DLLM_V2,
+                STABLE_DIFFCODER):
     register(_family)
 
 
