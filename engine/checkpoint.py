@@ -111,6 +111,8 @@ class Checkpoint:
             ids[key] = "the tokenizer files"
         generation = files.json(GENERATION) or {}
         stops = stop_ids(hf, generation, tok)
+        if ids["eos_token_id"] != CONFIG and generation.get("eos_token_id") is None:  # the eos no file names
+            stops.setdefault(cfg.eos_token_id, ids["eos_token_id"])
         cfg.stop_ids = list(stops) or None
         tensors: Dict[str, TensorInfo] = {}
         if weights and family.serving.own_weights:  # else transformers' own class reads them (engine.canvas)
