@@ -199,6 +199,11 @@ def _sdar(hf: Dict[str, Any]) -> Dict[str, Any]:
     return out
 
 
+def _illada(hf: Dict[str, Any]) -> Dict[str, Any]:
+    """iLLaDA: Llama's size keys (GQA: one kv head)."""
+    return _dream(hf)
+
+
 def _fast_dllm_v2(hf: Dict[str, Any]) -> Dict[str, Any]:
     """Qwen2's size keys and one layer_types entry per kept layer."""
     return dict(_dream(hf), layer_types=hf["layer_types"][:LAYERS])
@@ -209,7 +214,7 @@ def _fast_dllm_v2(hf: Dict[str, Any]) -> Dict[str, Any]:
 SHRINK: Dict[str, Callable[[Dict[str, Any]], Dict[str, Any]]] = {"llada": _llada, "Dream": _dream,
                                                                  "llada2_moe": _llada2, "sdar": _sdar,
                                                                  "sdar_moe": _sdar, "Fast_dLLM_Qwen": _fast_dllm_v2,
-                                                                 "llama": _dream}
+                                                                 "llama": _dream, "illada": _illada}
 
 
 def _rule(hf: Dict[str, Any]) -> Callable[[Dict[str, Any]], Dict[str, Any]]:

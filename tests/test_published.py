@@ -25,8 +25,9 @@ from pipeline.run import JobError, preflight, run_offline
 # model_type of each vendored config.json: served today, or not (yet). A folder of another
 # model_type fails test_every_vendored_folder_is_classified until it is put in one of them.
 # ("Dream" covers DreamReasoner's config.json, told apart by its architecture; "llama" is served only as
-# Stable-DiffCoder, by its architecture: a plain Llama is refused, tests/test_stable_diffcoder.py)
-SERVED = {"llada", "Dream", "llada2_moe", "sdar", "sdar_moe", "Fast_dLLM_Qwen", "llama"}
+# Stable-DiffCoder, by its architecture: a plain Llama is refused, tests/test_stable_diffcoder.py; "illada": the
+# rebuilt iLLaDA config.json, recognised by its architecture ILLaDAForCausalLM, tests/test_illada.py)
+SERVED = {"llada", "Dream", "llada2_moe", "sdar", "sdar_moe", "Fast_dLLM_Qwen", "llama", "illada"}
 NOT_SERVED: set = set()  # none today (SDAR / SDAR-MoE were, until issue 38)
 
 FOLDERS = published.folders()
@@ -73,7 +74,9 @@ def settings(folder: str) -> Tuple[EngineConfig, SamplingParams]:
     return {"llada2_moe": (PERSISTENT_ENGINE, LLADA2_SAMPLING), "sdar": (PERSISTENT_ENGINE, SDAR_SAMPLING),
             "sdar_moe": (PERSISTENT_ENGINE, SDAR_SAMPLING), "Fast_dLLM_Qwen": (FAST_DLLM_V2_ENGINE, FAST_DLLM_V2_SAMPLING),
             "dream_reasoner": (BLOCK32_ENGINE, BLOCK32_SAMPLING),
-            "stable_diffcoder": (BLOCK32_ENGINE, BLOCK32_SAMPLING)}.get(ModelConfig.from_hf(published.config(folder)).model_type, (ENGINE, SAMPLING))
+            "stable_diffcoder": (BLOCK32_ENGINE, BLOCK32_SAMPLING),
+            "illada": (ENGINE, SAMPLING),  # LLaDA's generate() (its README: mask_id=5 reuses it): fixed schedule
+            }.get(ModelConfig.from_hf(published.config(folder)).model_type, (ENGINE, SAMPLING))
 
 
 # --- what the published files say --------------------------------------------------------
@@ -225,7 +228,9 @@ def test_rebuilt_config_loads_generates_and_runs_the_job(folder, ray_local, tmp_
     root = published.build_from_config(hf, str(tmp_path / folder))
     model, tok = load_model(root, dtype=torch.float32)
     cfg = model.config
-    assert tok is None and cfg.family.matches(hf) and cfg.model_type != hf["model_type"]  # told apart by its keys
+    assert tok is None and cfg.family.matches(hf)
+    if hf["model_type"] in ("Dream", "llama"):  # DreamReasoner, Stable-DiffCoder: told apart by their keys
+        assert cfg.model_type != hf["model_type"]
     assert cfg.mask_token_id == hf.get("mask_token_id", cfg.family.defaults["mask_token_id"])
     eos = hf.get("eos_token_id", cfg.family.defaults["eos_token_id"])
     assert cfg.stop_token_ids == [eos]

@@ -12,6 +12,7 @@ from .diffusion_gemma import DIFFUSION_GEMMA
 from .dream import DREAM
 from .dream_reasoner import DREAM_REASONER
 from .fast_dllm_v2 import FAST_DLLM_V2
+from .illada import ILLADA
 from .llada import LLADA
 from .llada2_moe import LLADA2_MOE
 from .llada_moe import LLADA_MOE
@@ -41,7 +42,7 @@ def register(family: Family) -> Family:
 
 # DreamReasoner before Dream: its config.json says model_type 'Dream' too (recognised by its keys)
 for _family in (LLADA_MOE, LLADA, DREAM_REASONER, DREAM, LLADA2_MOE, DIFFUSION_GEMMA, SDAR, SDAR_MOE, FAST_DLLM_V2,
-                STABLE_DIFFCODER):
+                STABLE_DIFFCODER, ILLADA):
     register(_family)
 
 
