@@ -20,6 +20,8 @@ routing blocks. The engine's mixed batches, under every scheduler with preemptio
 give the transcribed LLaDA2.0 / 2.1 loops' tokens over the block-routed reference."""
 from __future__ import annotations
 
+import json
+import os
 from types import SimpleNamespace
 
 import pytest
@@ -27,13 +29,11 @@ import torch
 import torch.nn.functional as F
 
 import published
-from bench.counting import LaunchCounter
-from engine import Engine, EngineConfig, ModelConfig, SamplingParams, build_model
+from engine import Engine, EngineConfig, ModelConfig, SamplingParams, build_model, load_model, save_model
 from engine.models import moe
 from engine.models.moe import routing_blocks
 from test_llada2 import (HEAD_SCALE, L, SETTINGS, PublishedLLaDA2, block_mask, generate_21, most_emitted,
                          reference, with_biases, workload)
-from test_moe_grouped import HostWaits
 from test_not_served import EDIT_TOKENS, llada2_2_flash_config
 
 torch.set_num_threads(1)
@@ -235,27 +235,6 @@ def published_layout() -> ModelConfig:
     return ModelConfig.from_hf(hf)
 
 
-def test_launches_are_fixed_whatever_the_routing_and_no_host_wait():
-    """LaunchCounter on 2 rows x 64 tokens (two routing blocks a row), twice with other
-    tokens: the same kernels per MoE layer, no data-dependent op."""
-    cfg = published_layout()
-    model = build_model(cfg, dtype=torch.float32)
-    routed = [i for i, layer in enumerate(model.layers) if layer.routed]
-    counts = []
-    with torch.inference_mode():
-        for seed in (0, 1):
-            ids = torch.randint(0, 1000, (2, 64), generator=torch.Generator().manual_seed(seed))
-            args = (ids, torch.arange(64).expand(2, 64), torch.ones(2, 1, 64, 64, dtype=torch.bool))
-            with LaunchCounter(model.layers) as count:
-                model(*args)
-            counts.append([count.calls[i]["launches"] for i in routed])
-            with HostWaits() as waits:
-                model(*args)
-            assert not waits.ops
-    assert counts[0] == counts[1] and len(set(counts[0])) == 1
-    print("LLaDA2.2 routed layer launches:", counts[0][0])
-
-
 @pytest.mark.parametrize("ranks", [2])
 def test_expert_parallel_partials_sum_to_the_whole(ranks):
     """Expert parallel: each rank routes every token the same way (the router is replicated,
@@ -273,3 +252,43 @@ def test_expert_parallel_partials_sum_to_the_whole(ranks):
                                      range(a, b), blocks=blocks)
                  for a, b in ((r * E // ranks, (r + 1) * E // ranks) for r in range(ranks))]
     torch.testing.assert_close(sum(parts), whole, rtol=1e-12, atol=1e-12)
+
+
+def ep_jobs(eos: int):
+    """The steps-4 rows of the workload (2.1 with and without edits, 2.0 at S = L)."""
+    prompts, jobs = workload()
+    pick = [i for i, (name, _) in enumerate(jobs) if SETTINGS[name][1] == 4]
+    return pick, [prompts[i] for i in pick], [SamplingParams(max_new_tokens=jobs[i][1], policy="threshold",
+                                                             stop_token_ids=[eos], **SETTINGS[jobs[i][0]][0])
+                                              for i in pick]
+
+
+def _ep_rank(rank: int, world: int, root: str, eos: int) -> None:
+    """One rank: its shard of the saved model (half the experts, heads, vocabulary), the jobs."""
+    from engine.parallel import destroy_tensor_parallel, init_tensor_parallel
+
+    torch.set_num_threads(1)
+    tp = init_tensor_parallel(rank, world, f"file://{os.path.join(root, 'rendezvous')}", "gloo")
+    model, _ = load_model(os.path.join(root, "model"), dtype=torch.float64, tokenizer=False, tp=tp)
+    _, prompts, params = ep_jobs(eos)
+    cfg = EngineConfig(block_length=L, steps_per_block=4, cache="persistent", token_budget=32, max_batch_size=4,
+                       tensor_parallel_size=world)
+    outs = Engine(model, cfg).generate(prompts, params)
+    with open(os.path.join(root, f"rank{rank}.json"), "w") as f:
+        json.dump(dict(tokens=[list(o.token_ids) for o in outs], own=list(model.layers[1].owned or [])), f)
+    destroy_tensor_parallel()
+
+
+def test_expert_parallel_2_gives_the_transcribed_tokens(pub, refs, tmp_path):
+    """Tensor parallel 2 over gloo (each rank half the experts, the router replicated, the
+    routing blocks its forward's): every rank decodes the block-routed loops' tokens."""
+    import torch.multiprocessing as mp
+
+    save_model(pub.model, str(tmp_path / "model"))
+    mp.start_processes(_ep_rank, args=(2, str(tmp_path), pub.eos), nprocs=2, join=True, start_method="spawn")
+    pick, _, _ = ep_jobs(pub.eos)
+    _, _, outs = refs
+    got = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    assert [g["own"] for g in got] == [list(range(0, EXPERTS // 2)), list(range(EXPERTS // 2, EXPERTS))]
+    for g in got:
+        assert g["tokens"] == [outs[i] for i in pick]
