@@ -32,8 +32,8 @@ import published
 from engine import Engine, EngineConfig, ModelConfig, SamplingParams, build_model, load_model, save_model
 from engine.models import moe
 from engine.models.moe import routing_blocks
-from test_llada2 import (HEAD_SCALE, L, SETTINGS, PublishedLLaDA2, block_mask, generate_21, most_emitted,
-                         reference, with_biases, workload)
+from test_llada2 import (HEAD_SCALE, L, SETTINGS, PublishedLLaDA2, block_mask, generate_20, generate_21, most_emitted,
+                         published_tokens, reference, with_biases, workload)
 from test_not_served import EDIT_TOKENS, llada2_2_flash_config
 
 torch.set_num_threads(1)
@@ -142,6 +142,37 @@ def test_routing_blocks_are_per_row_and_padding_apart():
     assert ids[1, 0] != ids[1, 1] and ids[1, 1] == ids[1, 4] and ids[1, 5] == ids[1, 7] != ids[1, 4]
     assert set(ids[2, :7].tolist()) == {pad} and ids[2, 7] != pad
     assert not set(ids[0].tolist()) & set(ids[1].tolist()) - {pad}  # never a block across rows
+
+
+def test_a_block_length_that_cuts_routing_blocks_is_refusable():
+    """MoESpec.block_length_refusal: what an engine must refuse (the published gate asserts
+    whole routing blocks; a block-only step of 2 positions would route half a block)."""
+    spec = ModelConfig.from_hf(llada2_2_tiny()).moe
+    assert spec.block_length_refusal(L) is None and spec.block_length_refusal(2 * L) is None
+    assert "not a multiple of the model's routing block_size=4" in spec.block_length_refusal(2)
+    flash = ModelConfig.from_hf({k: v for k, v in llada2_2_flash_config().items() if k not in EDIT_TOKENS})
+    assert flash.moe.block_length_refusal(16) is not None and flash.moe.block_length_refusal(64) is None
+
+
+def test_prefix_caching_gives_the_same_tokens(pub):
+    """Prompts sharing whole blocks of a preamble: their cached K/V (computed with the
+    preamble's own routing blocks) reused, the same tokens as without the prefix cache,
+    the transcribed LLaDA2.0 loop's."""
+    g = torch.Generator().manual_seed(5)
+    pre = torch.randint(0, 150000, (3 * L,), generator=g).tolist()
+    prompts = [pre[:n] + torch.randint(0, 150000, (k,), generator=g).tolist()
+               for n, k in ((L, 1), (2 * L, 3), (3 * L, 2), (2 * L + 1, 4), (3 * L, 5), (L - 1, 2))]
+    params = [SamplingParams(max_new_tokens=2 * L, stop_token_ids=[pub.eos], threshold=0.15) for _ in prompts]
+    outs = []
+    for on in (False, True):
+        eng = Engine(pub.model, EngineConfig(block_length=L, steps_per_block=4, cache="refresh", token_budget=96,
+                                             max_batch_size=2, enable_prefix_caching=on))
+        outs.append([o.token_ids for o in eng.generate(prompts, params)])
+        if on:
+            assert eng.stats.prefix_hit_blocks > 0
+    want = [published_tokens(generate_20(pub.ref, p, 2 * L, L, 4, 0.15, eos_id=pub.eos, mask_id=pub.mask), pub.eos)
+            for p in prompts]
+    assert outs[0] == outs[1] == want
 
 
 def test_block_routing_needs_the_blocks():

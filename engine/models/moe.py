@@ -4,7 +4,10 @@ float64 model); experts run as two grouped GEMMs over the experts stacked at loa
 (Layer.fuse_): the (token, expert) pairs sorted by expert, each expert's offset found on
 device, the outputs put back in token order and mixed by one batched matmul. A fixed
 number of kernels whatever the routing and no host wait (issue 51); float64 runs the
-reference per-expert loop (grouped_mm has no float64 kernel)."""
+reference per-expert loop (grouped_mm has no float64 kernel). LLaDA2.2's block routing
+(MoESpec.block_routed) admits expert_capacity experts per routing block of each row
+before each token's top-k: DLLM.forward finds each token's block once per forward
+(routing_blocks), and the admission is a fixed handful of kernels (admit)."""
 from __future__ import annotations
 
 from dataclasses import dataclass

@@ -40,9 +40,10 @@ class LLaDA2Family(Family):
         for key in EDIT_TOKENS:
             if key in hf:
                 raise ConfigRefused(
-                    f"config.json key {key!r} (= {hf[key]!r}) names a LLaDA2.2 Levenshtein edit token: its decoding "
-                    f"deletes positions (DELETE) and inserts masks (SPLIT), which blockray does not implement (LLaDA2.1's "
-                    f"token editing only rewrites in place); refusing rather than decoding LLaDA2.2 with LLaDA2.1's loop")
+                    f"config.json key {key!r} (= {hf[key]!r}) names a LLaDA2.2 Levenshtein edit token: its "
+                    f"decoding deletes positions (DELETE) and inserts masks (SPLIT), which blockray does not "
+                    f"implement (LLaDA2.1's token editing only rewrites in place); refusing rather than decoding "
+                    f"LLaDA2.2 with LLaDA2.1's loop")
         super().check_config(hf)
 
     def tokenizer_ids(self, hf: Mapping[str, Any], tokens: Mapping[str, int], eos: Optional[int]) -> Dict[str, Any]:

@@ -61,6 +61,18 @@ class MoESpec:
         """Whether experts are admitted per block of tokens (LLaDA2.2) before each token's top_k."""
         return self.expert_capacity is not None
 
+    def block_length_refusal(self, block_length: int) -> Optional[str]:
+        """Why an engine decoding blocks of `block_length` cannot run this routing, or None:
+        block routing admits experts per block_size positions, so every forward must hold
+        whole routing blocks at their absolute positions (the published gate asserts a
+        whole number of them); a block-only step over part of one would route it on part
+        of its tokens."""
+        if self.block_size is None or block_length % self.block_size == 0:
+            return None
+        return (f"block_length={block_length} is not a multiple of the model's routing block_size={self.block_size}: "
+                f"its MoE gate admits expert_capacity={self.expert_capacity} experts per block of {self.block_size} "
+                f"positions, and a step over part of a block would route it on part of its tokens")
+
     def ffn_width(self, layer: int) -> int:
         """Active MLP width of one token in `layer` (routed experts + shared, or dense)."""
         if self.dense_layers[layer]:
