@@ -243,18 +243,23 @@ def test_block_routing_changes_the_tokens(pub, refs):
     assert any(reference(other, p, name, n) != o for p, (name, n), o in zip(prompts, jobs, outs))
 
 
-def test_grouped_float32_gives_the_loops_tokens(monkeypatch):
-    """float32: the grouped experts and the per-expert loop, block-routed, the same tokens."""
+def test_grouped_float32_gives_the_float64_loops_tokens(pub, monkeypatch):
+    """The same weights in float32: the grouped experts, the float32 per-expert loop and the
+    float64 model (which runs the loop) decode the same tokens, block-routed."""
     model = tiny_model(torch.float32)
+    model.load_state_dict({k: v.float() for k, v in pub.model.state_dict().items()})
+    layer = model.layers[1]
+    assert moe.groupable(torch.empty(1, model.config.hidden_size), layer.w13, layer.w2)  # grouped_mm runs
     prompts = [[int(t) for t in torch.randint(3, 150000, (n,), generator=torch.Generator().manual_seed(n))]
                for n in (5, 11, 17)]
     params = [SamplingParams(max_new_tokens=16, policy="fixed", stop_token_ids=[]) for _ in prompts]
     ecfg = EngineConfig(block_length=L, steps_per_block=2, cache="persistent", max_batch_size=4)
     with torch.inference_mode():
         grouped = Engine(model, ecfg).generate(prompts, params)
+        exact = Engine(pub.model, ecfg).generate(prompts, params)
         monkeypatch.setattr(moe, "groupable", lambda *a: False)
         looped = Engine(model, ecfg).generate(prompts, params)
-    assert [o.token_ids for o in grouped] == [o.token_ids for o in looped]
+    assert [o.token_ids for o in grouped] == [o.token_ids for o in looped] == [o.token_ids for o in exact]
     assert all(len(o.token_ids) == 16 for o in grouped)
 
 
