@@ -75,7 +75,8 @@ def routing_blocks(pos: torch.Tensor, block_size: int) -> RoutingBlocks:
     absolute positions, as the published gate reshapes the whole sequence), never shared
     across rows. Left padding (blockray's runner gives it the position 0 of the row's first
     real column; any column whose position is not below the next one's) goes to the padding
-    block. Fixed shapes, on device: no host wait."""
+    block. A row's real positions are contiguous (every blockray forward's are): they touch
+    at most (T - 1) // block_size + 2 blocks. Fixed shapes, on device: no host wait."""
     B, T = pos.shape
     nb = (T - 1) // block_size + 2  # blocks a row's T increasing positions can touch
     blk = torch.div(pos, block_size, rounding_mode="floor")
