@@ -5,6 +5,7 @@ LLaDA-MoE-7B-A1B: 64 top-8) with tiny hidden sizes; the float32 grouped path giv
 reference per-expert loop's tokens (the loop float64 runs: grouped_mm has no float64)."""
 from __future__ import annotations
 
+import dataclasses
 from collections import Counter
 
 import pytest
@@ -32,6 +33,11 @@ torch.set_num_threads(1)
 LAYER_LAUNCHES = {"llada2": 37, "sdar_moe": 27, "llada_moe": 24}
 FFN_LAUNCHES = {"llada2": 28, "sdar_moe": 18, "llada_moe": 15}
 FAMILIES = sorted(LAYER_LAUNCHES)
+# LLaDA2.2's block routing (issue 54) in place of the groups: the block table filled, the
+# tokens' scores maxed into it per (row, block), its top-48 threshold, the shut experts
+# gathered back per token and masked (6 kernels for the groups' 5); the blocks themselves
+# are found once per forward (engine.models.moe.routing_blocks), outside the layers
+BLOCK_ROUTED_LAUNCHES, BLOCK_ROUTED_FFN_LAUNCHES = 38, 29
 
 
 def layout(family: str) -> ModelConfig:
@@ -82,6 +88,31 @@ def test_launches_per_moe_layer_are_fixed_whatever_the_routing(family):
             with LaunchCounter() as ffn:
                 model.layers[routed[0]].ffn(x, torch.zeros_like(x))
             assert ffn.total == FFN_LAUNCHES[name]
+
+
+def block_routed_layout() -> ModelConfig:
+    """LLaDA2's published layout with LLaDA2.2's block routing: 48 of 256 experts per 32 tokens."""
+    cfg = layout("llada2")
+    return dataclasses.replace(cfg, moe=dataclasses.replace(cfg.moe, expert_capacity=48, block_size=32))
+
+
+def test_block_routed_launches_are_fixed_whatever_the_routing():
+    """LLaDA2.2's layer on 2 rows of 64 tokens (two routing blocks each), with other tokens
+    (other blocks' admitted experts): the same kernels, no host wait."""
+    cfg = block_routed_layout()
+    model = build_model(cfg, dtype=torch.float32)
+    routed = [i for i, layer in enumerate(model.layers) if layer.routed]
+    with torch.inference_mode():
+        for seed in (0, 1):
+            with LaunchCounter(model.layers) as count, HostWaits() as waits:
+                model(*inputs(seed))
+            assert [count.calls[i]["launches"] for i in routed] == [BLOCK_ROUTED_LAUNCHES] * len(routed)
+            assert waits.ops == Counter()
+            x = torch.randn(2, 64, cfg.hidden_size, generator=torch.Generator().manual_seed(seed))
+            blocks = moe.routing_blocks(torch.arange(64).expand(2, 64), 32)
+            with LaunchCounter() as ffn:
+                model.layers[routed[0]].ffn(x, torch.zeros_like(x), blocks)
+            assert ffn.total == BLOCK_ROUTED_FFN_LAUNCHES
 
 
 @pytest.mark.parametrize("rotary", [16, 32])

@@ -4,9 +4,13 @@ float64 model); experts run as two grouped GEMMs over the experts stacked at loa
 (Layer.fuse_): the (token, expert) pairs sorted by expert, each expert's offset found on
 device, the outputs put back in token order and mixed by one batched matmul. A fixed
 number of kernels whatever the routing and no host wait (issue 51); float64 runs the
-reference per-expert loop (grouped_mm has no float64 kernel)."""
+reference per-expert loop (grouped_mm has no float64 kernel). LLaDA2.2's block routing
+(MoESpec.block_routed) admits expert_capacity experts per routing block of each row
+before each token's top-k: DLLM.forward finds each token's block once per forward
+(routing_blocks), and the admission is a fixed handful of kernels (admit)."""
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Optional, Tuple
 
 import torch
@@ -55,15 +59,60 @@ def plus_linear(h: Optional[torch.Tensor], x: torch.Tensor, lin: nn.Module) -> t
     return h + lin(x)
 
 
-def route(scores_logits: torch.Tensor, spec: MoESpec, bias, scaled: bool = True) -> Tuple[torch.Tensor, torch.Tensor]:
+@dataclass(frozen=True)
+class RoutingBlocks:
+    """Each token's routing block (block routing, MoESpec.block_routed): `ids` [N] in
+    [0, count), one id per (row, block of block_size positions) of a forward; the last id
+    gathers the padding, which must not join a real block's maximum."""
+
+    ids: torch.Tensor
+    count: int
+
+
+def routing_blocks(pos: torch.Tensor, block_size: int) -> RoutingBlocks:
+    """The routing blocks of a forward's tokens from their position ids [B, T]: a token's
+    block is its position // block_size within its row (the prompt's too: blocks at
+    absolute positions, as the published gate reshapes the whole sequence), never shared
+    across rows. Left padding (blockray's runner gives it the position 0 of the row's first
+    real column; any column whose position is not below the next one's) goes to the padding
+    block. A row's real positions are contiguous (every blockray forward's are): they touch
+    at most (T - 1) // block_size + 2 blocks. Fixed shapes, on device: no host wait."""
+    B, T = pos.shape
+    nb = (T - 1) // block_size + 2  # blocks a row's T increasing positions can touch
+    blk = torch.div(pos, block_size, rounding_mode="floor")
+    local = blk - blk[:, -1:] + (nb - 1)  # the last column is real, in the row's last block
+    pad = F.pad(pos[:, :-1] >= pos[:, 1:], (0, 1), value=False) | (local < 0)
+    ids = (local + torch.arange(B, device=pos.device)[:, None] * nb).masked_fill(pad, B * nb)
+    return RoutingBlocks(ids.reshape(-1), B * nb + 1)
+
+
+def admit(choice: torch.Tensor, blocks: RoutingBlocks, capacity: int) -> torch.Tensor:
+    """`choice` [N, E] with the experts its block does not admit at -inf: a block's score
+    per expert is the maximum of its tokens' scores, and the `capacity` best are admitted
+    (a tie at the boundary, which the published topk breaks arbitrarily, keeps both).
+    Six kernels whatever the blocks."""
+    table = choice.new_full((blocks.count, choice.shape[1]), float("-inf"))
+    table.scatter_reduce_(0, blocks.ids[:, None].expand_as(choice), choice, "amax")
+    shut = table < table.topk(capacity, -1).values[:, -1:]
+    return choice.masked_fill(shut.index_select(0, blocks.ids), float("-inf"))
+
+
+def route(scores_logits: torch.Tensor, spec: MoESpec, bias, scaled: bool = True,
+          blocks: Optional[RoutingBlocks] = None) -> Tuple[torch.Tensor, torch.Tensor]:
     """(experts [N, k], weights [N, k]) of router logits [N, E] (in the router's dtype), the
     weights times `spec.scaling` unless not `scaled` (the grouped mixture applies it in its
-    matmul, one kernel fewer)."""
+    matmul, one kernel fewer). `blocks`: each token's routing block, which a block-routed
+    spec needs (routing_blocks)."""
     scores = torch.softmax(scores_logits, -1) if spec.score == "softmax" else torch.sigmoid(scores_logits)
     choice = scores if bias is None else scores + bias.to(scores.dtype)
     if spec.bias_in_weights:
         scores = choice
-    if spec.topk_group < spec.n_group:  # keep the topk_group groups whose best two choices score highest
+    if spec.block_routed:  # LLaDA2.2: the block's admitted experts, whatever n_group says
+        if blocks is None:
+            raise ValueError("block routing (expert_capacity) needs each token's routing block: pass "
+                             "blocks=routing_blocks(positions, block_size)")
+        choice = admit(choice, blocks, spec.expert_capacity)
+    elif spec.topk_group < spec.n_group:  # keep the topk_group groups whose best two choices score highest
         N, E = choice.shape
         by_group = choice.view(N, spec.n_group, E // spec.n_group)
         groups = by_group.topk(2, -1).values.sum(-1)
@@ -106,7 +155,7 @@ def _grouped_mm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.T
 
 def experts_forward(x: torch.Tensor, router: torch.Tensor, bias, w13: torch.Tensor, w2: torch.Tensor,
                     spec: MoESpec, owned: Optional[range] = None, ids: Optional[torch.Tensor] = None,
-                    into: Optional[torch.Tensor] = None) -> torch.Tensor:
+                    into: Optional[torch.Tensor] = None, blocks: Optional[RoutingBlocks] = None) -> torch.Tensor:
     """The routed experts' mixture for x [..., d] with the experts stacked (Layer.fuse_):
     `w13` [E, 2f, d] (gate, then up), `w2` [E, d, f]. Every token is routed at once, the
     (token, expert) pairs sorted by expert, each expert's offset found on device
@@ -117,11 +166,13 @@ def experts_forward(x: torch.Tensor, router: torch.Tensor, bias, w13: torch.Tens
     engine.models.sharding): `w13`/`w2` hold only these experts; the other pairs sort last,
     past every group, and count zero: the rank's partial mixture. `ids`: arange(E) made
     once (Layer.fuse_); `into`: a tensor shaped like x (the shared expert's output) the
-    mixture is added to in place, instead of to zeros and then added."""
+    mixture is added to in place, instead of to zeros and then added. `blocks`: the
+    tokens' routing blocks under block routing (route)."""
     shape, flat = x.shape, x.reshape(-1, x.shape[-1])
     grouped = groupable(x, w13, w2)
     rd = compute_dtype(x.dtype)
-    chosen, weights = route(F.linear(flat.to(rd), router.to(rd)), spec, bias, scaled=not grouped)
+    chosen, weights = route(F.linear(flat.to(rd), router.to(rd)), spec, bias, scaled=not grouped,
+                            blocks=blocks)
     (N, k), n = chosen.shape, w13.shape[0]
     e = chosen.reshape(-1)
     if owned is not None:  # another rank's experts as one key past the owned ones

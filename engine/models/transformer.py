@@ -16,7 +16,7 @@ from torch import nn
 from . import attention
 from .config import ModelConfig
 from .fusion import Fusing, fuse
-from .moe import MLP, experts_forward, plus_linear, swiglu
+from .moe import MLP, RoutingBlocks, experts_forward, plus_linear, routing_blocks, swiglu
 from .ops import RMSNorm, Rope, rms_norm
 
 
@@ -159,7 +159,8 @@ class Layer(Fusing):
 
     def forward(self, h, rope: Rope, mask, cache: Optional[KVCache], idx: int, offset: int,
                 write: Optional[torch.Tensor] = None, runs: Optional[Sequence[Tuple[int, int, int]]] = None,
-                cols: Optional[torch.Tensor] = None, keep: Optional[torch.Tensor] = None):
+                cols: Optional[torch.Tensor] = None, keep: Optional[torch.Tensor] = None,
+                blocks: Optional[RoutingBlocks] = None):
         """`mask` [B, 1, T|1, K] additive, in h's dtype (DLLM.forward prepares it once; on
         CUDA [B, 1, g*T|1, K], GQA folded: engine.models.attention).
         `keep` [B, n]: the query columns whose output is wanted (the last layer's, for
@@ -183,7 +184,7 @@ class Layer(Fusing):
         a = a[0] if len(a) == 1 else torch.cat(a)
         h = plus_linear(h, a.reshape(B, T, H * D), self.o)
         x = self.mlp_norm(h)
-        return self.ffn(x, h)
+        return self.ffn(x, h, blocks)
 
     def heads(self, x: torch.Tensor):
         """The projection of the normed input [B, T, d] as its q and k heads [B, T, H + H_kv, D]
@@ -204,15 +205,16 @@ class Layer(Fusing):
         qk = rope(qk)
         return qk[:, :, :H].transpose(1, 2), qk[:, :, H:].transpose(1, 2), v.transpose(1, 2)
 
-    def ffn(self, x: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+    def ffn(self, x: torch.Tensor, h: torch.Tensor, blocks: Optional[RoutingBlocks] = None) -> torch.Tensor:
         """h + the MLP of x (the normed h): the residual joins the MLP's last matmul, or,
-        routed, the shared expert's, and the experts' mixture is added into that."""
+        routed, the shared expert's, and the experts' mixture is added into that.
+        `blocks`: x's tokens' routing blocks, under block routing (engine.models.moe)."""
         if hasattr(self, "gate"):
             return swiglu(x, self.w13, self.b13, self.down, h)
         if not self.routed:
             return self.dense(x, h)
         experts = lambda into: experts_forward(x, self.router.weight, self.expert_bias, self.w13, self.w2,  # noqa: E731
-                                               self.cfg.moe, self.owned, self.expert_ids, into)
+                                               self.cfg.moe, self.owned, self.expert_ids, into, blocks)
         if self.tp is not None:  # the ranks' experts and shared partials, summed before the residual joins
             return h + self.tp.all_reduce(experts(None if self.shared is None else self.shared(x)))
         return experts(h if self.shared is None else self.shared(x, h))  # h: this layer's own, added into in place
@@ -287,9 +289,14 @@ class DLLM(nn.Module):
         keep = logits_at
         if logits_last is not None:
             keep = torch.arange(ids.shape[1] - logits_last, ids.shape[1], device=ids.device).expand(ids.shape[0], -1)
+        blocks = kept = None
+        if cfg.moe is not None and cfg.moe.block_routed:  # once per forward; the last layer's MLP: the kept columns'
+            blocks = routing_blocks(pos, cfg.moe.block_size)
+            kept = blocks if keep is None else routing_blocks(pos.gather(1, keep), cfg.moe.block_size)
         last = len(self.layers) - 1
         for i, layer in enumerate(self.layers):
-            h = layer(h, rope, mask, cache, i, offset, write, runs, cols, keep=keep if i == last else None)
+            h = layer(h, rope, mask, cache, i, offset, write, runs, cols, keep=keep if i == last else None,
+                      blocks=kept if i == last else blocks)
         h = self.norm(h)
         logits = F.linear(h, self.embed.weight) if self.lm_head is None else self.lm_head(h)
         if self.tp is not None:  # vocab-parallel LM head: every rank gets every logit

@@ -5,6 +5,11 @@ RoPE, `attention.dense` (bias when use_bias), the first `first_k_dense_replace` 
 dense MLP, then MoE layers: sigmoid router scores in float32, `gate.expert_bias` for
 selection only, group-limited top-k (top-2 sum per group), weights renormalised and times
 routed_scaling_factor, a shared expert of moe_intermediate_size * num_shared_experts.
+LLaDA2.2's block routing (config `expert_capacity` > 0, `block_size`, default 32): per
+block of block_size positions, the expert_capacity experts with the best biased score
+over the block's tokens are admitted, each token takes its top-k among them, n_group /
+topk_group unused (engine.models.moe.route). LLaDA2.2's Levenshtein edits
+(`delete_token_id`, `split_token_id`) are not built: refused (check_config).
 
 Decoding traits: blocks at absolute positions (multiples of the block length from
 position 0: the prompt's tail opens the first decoded block), the prompt block-causal,
@@ -25,7 +30,22 @@ MODULES = {"attn_norm": "input_layernorm", "qkv_proj": "attention.query_key_valu
            "dense": "mlp", "shared": "mlp.shared_experts", "experts": "mlp.experts"}
 
 
+# LLaDA2.2's edit tokens: its decoding deletes and inserts positions, which no blockray rule does
+EDIT_TOKENS = ("delete_token_id", "split_token_id")
+
+
 class LLaDA2Family(Family):
+    def check_config(self, hf: Mapping[str, Any]) -> None:
+        """Family.check_config, and LLaDA2.2's edit tokens refused naming what they need."""
+        for key in EDIT_TOKENS:
+            if key in hf:
+                raise ConfigRefused(
+                    f"config.json key {key!r} (= {hf[key]!r}) names a LLaDA2.2 Levenshtein edit token: its "
+                    f"decoding deletes positions (DELETE) and inserts masks (SPLIT), which blockray does not "
+                    f"implement (LLaDA2.1's token editing only rewrites in place); refusing rather than decoding "
+                    f"LLaDA2.2 with LLaDA2.1's loop")
+        super().check_config(hf)
+
     def tokenizer_ids(self, hf: Mapping[str, Any], tokens: Mapping[str, int], eos: Optional[int]) -> Dict[str, Any]:
         """<|mask|> and the tokenizer's eos_token where config.json names neither (it does not)."""
         out: Dict[str, Any] = {}
@@ -51,13 +71,17 @@ class LLaDA2Family(Family):
             raise ConfigRefused(f"config.json num_shared_experts={shared!r}: the published block builds a "
                                 f"zero-width shared expert; blockray supports null or >= 1")
         first_dense = int(hf.get("first_k_dense_replace", 0))
+        # LLaDA2.2's gate dispatches on expert_capacity > 0 (absent or 0: 2.1's grouped top-k);
+        # block_size alone routes nothing
+        capacity = hf.get("expert_capacity") or None
+        block_size = int(hf.get("block_size") or 32) if capacity else None
         moe = MoESpec(num_experts=experts, top_k=hf.get("num_experts_per_tok", 2),
                       expert_size=hf["moe_intermediate_size"], dense_size=hf.get("intermediate_size") or -1,
                       dense_layers=tuple(i < first_dense for i in range(n)),
                       shared_size=hf["moe_intermediate_size"] * shared if shared else None, score="sigmoid",
                       expert_bias=True, bias_in_weights=False, renormalize=True,
                       scaling=float(hf.get("routed_scaling_factor", 2.5)), n_group=hf.get("n_group", 8),
-                      topk_group=hf.get("topk_group", 4))
+                      topk_group=hf.get("topk_group", 4), expert_capacity=capacity, block_size=block_size)
         kv = hf.get("num_key_value_heads") or H
         return dict(
             self._common(hf), vocab_size=hf["vocab_size"], hidden_size=d, n_layers=n, n_heads=H, n_kv_heads=kv,
@@ -79,7 +103,8 @@ class LLaDA2Family(Family):
                     routed_scaling_factor=m.scaling, use_qk_norm=cfg.qk_norm, use_qkv_bias=cfg.qkv_bias,
                     use_bias=cfg.attn_out_bias, partial_rotary_factor=cfg.partial_rotary_factor,
                     rope_theta=cfg.rope_theta, rms_norm_eps=cfg.rms_norm_eps,
-                    tie_word_embeddings=cfg.tie_word_embeddings, max_position_embeddings=cfg.max_seq_len)
+                    tie_word_embeddings=cfg.tie_word_embeddings, max_position_embeddings=cfg.max_seq_len,
+                    **({} if not m.block_routed else dict(expert_capacity=m.expert_capacity, block_size=m.block_size)))
 
 
 LLADA2_MOE = LLaDA2Family(
@@ -89,7 +114,8 @@ LLADA2_MOE = LLaDA2Family(
                         "head_dim", "intermediate_size", "moe_intermediate_size", "num_experts", "num_experts_per_tok",
                         "num_shared_experts", "first_k_dense_replace", "n_group", "topk_group",
                         "routed_scaling_factor", "use_qk_norm", "use_qkv_bias", "use_bias", "partial_rotary_factor",
-                        "rotary_dim", "rope_theta", "rms_norm_eps", "tie_word_embeddings", "max_position_embeddings"}),
+                        "rotary_dim", "rope_theta", "rms_norm_eps", "tie_word_embeddings", "max_position_embeddings",
+                        "expert_capacity", "block_size"}),
     # dropout, init and training-only outputs; norm_topk_prob is read by no published
     # modeling code (the gate renormalises whenever top_k > 1); the sliding-window keys are
     # inert while use_sliding_window is false (fixed below)
