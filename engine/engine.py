@@ -86,7 +86,8 @@ class Engine(EngineCore):
             slack=kv_slack(config.compile_decode))
         self.stats.kv_budget_bytes = 0 if self.slots is None else config.token_budget * self.slots.cell_bytes
         self.runner.slots = self.slots  # compiled steps view whole shape buckets of them
-        err = prefix_cache.refusal(self.mcfg.family, self.mcfg.block_causal, config, self.full_canvas)
+        err = (prefix_cache.refusal(self.mcfg.family, self.mcfg.block_causal, config, self.full_canvas)
+               or (self.mcfg.moe and self.mcfg.moe.block_length_refusal(config.block_length)))
         if err:
             raise ValueError(err)
         on = prefix_cache.enabled(self.mcfg.family, self.mcfg.block_causal, config, self.full_canvas)

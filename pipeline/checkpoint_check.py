@@ -42,6 +42,10 @@ def check_settings(checkpoint: Checkpoint, sampling: Any, engine: Any) -> None:
     err = prefix_caching_refusal(checkpoint, engine) if engine is not None else None
     if err:
         raise CheckpointRefused(f"{err} ({where})", "enable_prefix_caching")
+    moe = checkpoint.config.moe
+    err = moe.block_length_refusal(engine.block_length) if moe is not None and engine is not None else None
+    if err:
+        raise CheckpointRefused(f"{err} ({where})", "block_length")
     err = every_row_refusal(checkpoint, sampling, engine) if sampling is not None and engine is not None else None
     if err:
         raise CheckpointRefused(f"every row would be refused with these settings ({where}): {err}")

@@ -154,6 +154,19 @@ def test_a_block_length_that_cuts_routing_blocks_is_refusable():
     assert flash.moe.block_length_refusal(16) is not None and flash.moe.block_length_refusal(64) is None
 
 
+def test_the_engine_and_the_preflight_refuse_a_block_length_that_cuts_routing_blocks(pub):
+    from pipeline.checkpoint_check import check_settings
+    from pipeline.errors import CheckpointRefused
+
+    with pytest.raises(ValueError, match="block_length=2 is not a multiple of the model's routing block_size=4"):
+        Engine(pub.model, EngineConfig(block_length=2, steps_per_block=2, cache="none"))
+    checkpoint = SimpleNamespace(family=pub.model.config.family, model="tiny 2.2", config=pub.model.config,
+                                 serving=pub.model.config.family.serving)
+    with pytest.raises(CheckpointRefused, match="routing block_size=4") as e:
+        check_settings(checkpoint, None, EngineConfig(block_length=2, steps_per_block=2, cache="none"))
+    assert e.value.options == ("block_length",)
+
+
 def test_prefix_caching_gives_the_same_tokens(pub):
     """Prompts sharing whole blocks of a preamble: their cached K/V (computed with the
     preamble's own routing blocks) reused, the same tokens as without the prefix cache,
