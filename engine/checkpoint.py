@@ -110,10 +110,11 @@ class Checkpoint:
             setattr(cfg, key, value)
             ids[key] = "the tokenizer files"
         generation = files.json(GENERATION) or {}
-        stops = stop_ids(hf, generation, tok)
+        found = stop_ids(hf, generation, tok)
+        stops = dict(found)
         if ids["eos_token_id"] != CONFIG and generation.get("eos_token_id") is None:  # the eos no file names
             stops.setdefault(cfg.eos_token_id, ids["eos_token_id"])
-        cfg.stop_ids = list(stops) or None
+        cfg.stop_ids = list(stops) if found else None  # None: the config's eos (ModelConfig.stop_token_ids)
         tensors: Dict[str, TensorInfo] = {}
         if weights and family.serving.own_weights:  # else transformers' own class reads them (engine.canvas)
             found = check_weights(files.root, cfg, files)

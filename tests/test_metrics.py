@@ -71,12 +71,13 @@ def test_metrics_exported_with_nonzero_values(tiny_model_dir, ray_local, metrics
     assert ray.nodes()[0]["MetricsExportPort"] == metrics_port
     # One engine, at most 2 requests per cycle and prompts of different lengths in arrival
     # order (sort="none": the sorter would pair equal lengths): requests queue (pending > 0),
-    # rows get padded, batches overlap, for a few export periods.
+    # rows get padded, batches overlap, for a few export periods (48 tokens a row: the engine,
+    # not the start-up, is most of the run, so the 1 s exports land while it is busy).
     config = DLLMProcessorConfig(
         model=tiny_model_dir, num_engines=1, batch_size=8, max_concurrent_batches=4, sort="none",
         should_continue_on_error=True,  # the empty prompt's error row
         engine=EngineConfig(block_length=4, steps_per_block=8, token_budget=1024, max_batch_size=2),
-        sampling=SamplingParams(max_new_tokens=16, policy="fixed", stop_token_ids=[]))
+        sampling=SamplingParams(max_new_tokens=48, policy="fixed", stop_token_ids=[]))
     items = [{"prompt": "copy: " + "abcdefghijklmnop"[: 1 + i % 16]} for i in range(64)] + [{"prompt": ""}]
     ds = build_processor(config, run_id="mtest001")(ray.data.from_items(items, override_num_blocks=9))
     result = {}
