@@ -44,6 +44,27 @@ def rope_theta(hf: Mapping[str, Any], default: float) -> float:
     return float(params.get("rope_theta", hf.get("rope_theta", default)))
 
 
+def decoder_sizes(family: Any, hf: Mapping[str, Any], theta: float, max_len: int) -> Dict[str, Any]:
+    """ModelConfig's sizes from a Llama-style config.json (the keys Llama, Qwen2/3 and the
+    block-diffusion families on them name alike), with the family's ids and attention."""
+    d, H = hf["hidden_size"], hf["num_attention_heads"]
+    return dict(
+        family._common(hf), vocab_size=hf["vocab_size"], hidden_size=d, n_layers=hf["num_hidden_layers"],
+        n_heads=H, n_kv_heads=hf.get("num_key_value_heads") or H, head_dim=hf.get("head_dim") or d // H,
+        intermediate_size=hf["intermediate_size"], rope_theta=rope_theta(hf, theta),
+        rms_norm_eps=hf.get("rms_norm_eps", 1e-6), tie_word_embeddings=hf.get("tie_word_embeddings", False),
+        max_seq_len=hf.get("max_position_embeddings", max_len))
+
+
+def decoder_hf(cfg: Any, model_type: str, architecture: str) -> Dict[str, Any]:
+    """decoder_sizes' inverse: the config.json a test checkpoint is written with."""
+    return dict(model_type=model_type, architectures=[architecture], vocab_size=cfg.vocab_size,
+                hidden_size=cfg.hidden_size, num_hidden_layers=cfg.n_layers, num_attention_heads=cfg.n_heads,
+                num_key_value_heads=cfg.n_kv_heads, head_dim=cfg.head_dim, intermediate_size=cfg.intermediate_size,
+                rope_theta=cfg.rope_theta, rms_norm_eps=cfg.rms_norm_eps, tie_word_embeddings=cfg.tie_word_embeddings,
+                max_position_embeddings=cfg.max_seq_len)
+
+
 DREAM = DreamFamily(
     name="Dream", model_type="Dream", aliases=("dream",), layout="qwen2",
     examples="Dream-org/Dream-v0-Instruct-7B, Dream-v0-Base-7B, Dream-Coder-v0-Instruct-7B; "

@@ -29,7 +29,7 @@ from __future__ import annotations
 from typing import Any, Dict, Mapping
 
 from .base import BlockLayout, Family, ThresholdRule
-from .dream import rope_theta
+from .dream import decoder_hf, decoder_sizes
 from .llada_moe import PROJECTIONS
 from .sdar import MODULES
 
@@ -44,20 +44,10 @@ class DreamReasonerFamily(Family):
 
     def parse(self, hf: Mapping[str, Any]) -> Dict[str, Any]:
         self._full_attention(hf)
-        d, H = hf["hidden_size"], hf["num_attention_heads"]
-        return dict(
-            self._common(hf), vocab_size=hf["vocab_size"], hidden_size=d, n_layers=hf["num_hidden_layers"],
-            n_heads=H, n_kv_heads=hf.get("num_key_value_heads") or H, head_dim=hf.get("head_dim") or d // H,
-            intermediate_size=hf["intermediate_size"], rope_theta=rope_theta(hf, 10000.0),
-            rms_norm_eps=hf.get("rms_norm_eps", 1e-6), tie_word_embeddings=hf.get("tie_word_embeddings", False),
-            qk_norm=True, max_seq_len=hf.get("max_position_embeddings", 32768))
+        return dict(decoder_sizes(self, hf, 10000.0, 32768), qk_norm=True)
 
     def to_hf(self, cfg: Any) -> Dict[str, Any]:
-        return dict(model_type="Dream", architectures=[ARCHITECTURE], vocab_size=cfg.vocab_size,
-                    hidden_size=cfg.hidden_size, num_hidden_layers=cfg.n_layers, num_attention_heads=cfg.n_heads,
-                    num_key_value_heads=cfg.n_kv_heads, head_dim=cfg.head_dim,
-                    intermediate_size=cfg.intermediate_size, rope_theta=cfg.rope_theta, rms_norm_eps=cfg.rms_norm_eps,
-                    tie_word_embeddings=cfg.tie_word_embeddings, max_position_embeddings=cfg.max_seq_len)
+        return decoder_hf(cfg, "Dream", ARCHITECTURE)
 
 
 DREAM_REASONER = DreamReasonerFamily(

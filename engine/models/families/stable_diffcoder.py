@@ -23,7 +23,7 @@ from __future__ import annotations
 from typing import Any, Dict, Mapping
 
 from .base import BlockLayout, Family, ThresholdRule
-from .dream import rope_theta
+from .dream import decoder_hf, decoder_sizes
 from .llada_moe import PROJECTIONS
 from .sdar import MODULES
 
@@ -39,20 +39,10 @@ class StableDiffCoderFamily(Family):
                                                     or any("stable_diffcoder" in v for v in auto))
 
     def parse(self, hf: Mapping[str, Any]) -> Dict[str, Any]:
-        d, H = hf["hidden_size"], hf["num_attention_heads"]
-        return dict(
-            self._common(hf), vocab_size=hf["vocab_size"], hidden_size=d, n_layers=hf["num_hidden_layers"],
-            n_heads=H, n_kv_heads=hf.get("num_key_value_heads") or H, head_dim=hf.get("head_dim") or d // H,
-            intermediate_size=hf["intermediate_size"], rope_theta=rope_theta(hf, 500000.0),
-            rms_norm_eps=hf.get("rms_norm_eps", 1e-6), tie_word_embeddings=hf.get("tie_word_embeddings", False),
-            max_seq_len=hf.get("max_position_embeddings", 8192))
+        return decoder_sizes(self, hf, 500000.0, 8192)
 
     def to_hf(self, cfg: Any) -> Dict[str, Any]:
-        return dict(model_type="llama", architectures=[ARCHITECTURE], vocab_size=cfg.vocab_size,
-                    hidden_size=cfg.hidden_size, num_hidden_layers=cfg.n_layers, num_attention_heads=cfg.n_heads,
-                    num_key_value_heads=cfg.n_kv_heads, head_dim=cfg.head_dim,
-                    intermediate_size=cfg.intermediate_size, rope_theta=cfg.rope_theta, rms_norm_eps=cfg.rms_norm_eps,
-                    tie_word_embeddings=cfg.tie_word_embeddings, max_position_embeddings=cfg.max_seq_len)
+        return decoder_hf(cfg, "llama", ARCHITECTURE)
 
 
 STABLE_DIFFCODER = StableDiffCoderFamily(
