@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Any, List, Optional, Sequence
 
 from .layout import Layout
 from .reads import D2F_SAMPLING, MASKED_SAMPLING
-from .rules import NOISE_MASK, BlockRule
+from .rules import InFlightRule
 from .step_view import StepView
 
 if TYPE_CHECKING:
@@ -114,13 +114,12 @@ class D2FState:
         return done
 
 
-class D2FRule(BlockRule):
+class D2FRule(InFlightRule):
     """`SamplingParams.block_add_threshold` set: D2F's pipelined blocks (see the module
     docstring), on block-causal, unshifted models with blocks after the prompt."""
 
     name = "d2f"
     reads = MASKED_SAMPLING | D2F_SAMPLING
-    stepwise = True
 
     def applies(self, params: Any) -> bool:
         return params.block_add_threshold is not None
@@ -150,17 +149,6 @@ class D2FRule(BlockRule):
 
     def blocks_needed(self, req: Any, block_length: int) -> int:
         return req.params.max_new_tokens // block_length  # D2F's count: whole blocks only
-
-    def n_active(self, req: Any) -> int:
-        return req.state.n_active
-
-    def in_flight(self, req: Any, shape: Any, mask_id: int) -> List[int]:
-        return req.state.tokens()
-
-    def noise_keys(self, req: Any, seed: int, step: int) -> List[int]:
-        """Per block in flight: (seed, tokens before it, the request's step)."""
-        st, L = req.state, req.state.block_length
-        return [hash((seed, (st.first_active + j) * L, st.steps)) & NOISE_MASK for j in range(st.n_active)]
 
     def select(self, view: StepView, rows: List[int], sel: torch.Tensor) -> torch.Tensor:
         """Its rows' blocks take D2F's rule: over threshold, or a complete block's most

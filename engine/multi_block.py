@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Any, List, Optional
 
 from .layout import Layout
 from .reads import MULTI_BLOCK_ROW
-from .rules import NOISE_MASK, BlockRule
+from .rules import InFlightRule
 from .step_view import StepView
 
 if TYPE_CHECKING:
@@ -81,6 +81,11 @@ class MultiBlockState:
         """Blocks in flight: every block not yet committed."""
         return len(self.blocks)
 
+    @property
+    def first_active(self) -> int:
+        """Generated blocks before the first in flight: the committed ones."""
+        return self.committed
+
     def tokens(self) -> List[int]:
         return [t for b in self.blocks for t in b.tokens]
 
@@ -124,13 +129,12 @@ class MultiBlockState:
         return done
 
 
-class MultiBlockRule(BlockRule):
+class MultiBlockRule(InFlightRule):
     """`SamplingParams.multi_block`: d3LLM's multi-block decoding (see the module
     docstring), on bidirectional models with blocks after the prompt, without a cache."""
 
     name = "multi_block"
     reads = MULTI_BLOCK_ROW
-    stepwise = True
 
     def applies(self, params: Any) -> bool:
         return params.multi_block is True
@@ -155,17 +159,6 @@ class MultiBlockRule(BlockRule):
         add = BLOCK_ADD_DEFAULT if p.block_add_threshold is None else float(p.block_add_threshold)
         return MultiBlockState.fresh(add, float(p.decoded_token_threshold), float(p.entropy_threshold), L,
                                      self.blocks_needed(req, L), layout.model.mask_token_id)
-
-    def n_active(self, req: Any) -> int:
-        return req.state.n_active
-
-    def in_flight(self, req: Any, shape: Any, mask_id: int) -> List[int]:
-        return req.state.tokens()
-
-    def noise_keys(self, req: Any, seed: int, step: int) -> List[int]:
-        """Per block in flight (greedy: drawn by no row of this rule; the engine asks per unit)."""
-        st, L = req.state, req.state.block_length
-        return [hash((seed, (st.committed + j) * L, st.steps)) & NOISE_MASK for j in range(st.n_active)]
 
     def select(self, view: StepView, rows: List[int], sel: torch.Tensor) -> torch.Tensor:
         """Its rows' blocks take rules 3-5: the eligible masks under the entropy threshold,

@@ -102,6 +102,26 @@ class BlockRule:
                     engine.grow(r)
 
 
+class InFlightRule(BlockRule):
+    """A rule with several blocks in flight at once, committed at any step (engine.d2f,
+    engine.multi_block). Its per-request state (Request.state) holds them: `n_active`,
+    `first_active` (generated blocks before the first in flight), `tokens()`, `steps`,
+    `block_length`."""
+
+    stepwise = True
+
+    def n_active(self, req: "Request") -> int:
+        return req.state.n_active
+
+    def in_flight(self, req: "Request", shape: "RowShape", mask_id: int) -> List[int]:
+        return req.state.tokens()
+
+    def noise_keys(self, req: "Request", seed: int, step: int) -> List[int]:
+        """Per block in flight: (seed, tokens before it, the request's step)."""
+        st, L = req.state, req.state.block_length
+        return [hash((seed, (st.first_active + j) * L, st.steps)) & NOISE_MASK for j in range(st.n_active)]
+
+
 BLOCK = BlockRule()
 
 

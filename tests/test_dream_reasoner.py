@@ -79,12 +79,14 @@ def never_proposes_mask(model):
 
 class DiffulexDreamReasoner:
     """DreamReasonerForDiffusionLM.forward + compute_logits over the checkpoint tensors;
-    `cache` {layer: (K, V)}."""
+    `cache` {layer: (K, V)}. Without the per-head q/k norm (a model whose config has none)
+    it is Diffulex's StableDiffCoderForDiffusionLM.forward, the same Llama block."""
 
     def __init__(self, model):
         cfg = model.config
         self.w = {cfg.family.checkpoint_name(n): p.detach().double() for n, p in model.named_parameters()}
         self.hf = cfg.to_hf()
+        self.qk_norm = cfg.qk_norm
         self.forwards = 0
 
     def rms(self, x, key):
@@ -110,9 +112,11 @@ class DiffulexDreamReasoner:
         for i in range(hf["num_hidden_layers"]):
             p = f"model.layers.{i}."
             x = self.rms(h, p + "input_layernorm.weight")
-            q = self.rms(F.linear(x, w[p + "self_attn.q_proj.weight"]).view(T, H, D), p + "self_attn.q_norm.weight")
-            k = self.rms(F.linear(x, w[p + "self_attn.k_proj.weight"]).view(T, Hkv, D), p + "self_attn.k_norm.weight")
+            q = F.linear(x, w[p + "self_attn.q_proj.weight"]).view(T, H, D)
+            k = F.linear(x, w[p + "self_attn.k_proj.weight"]).view(T, Hkv, D)
             v = F.linear(x, w[p + "self_attn.v_proj.weight"]).view(T, Hkv, D)
+            if self.qk_norm:
+                q, k = self.rms(q, p + "self_attn.q_norm.weight"), self.rms(k, p + "self_attn.k_norm.weight")
             q, k = rope(q.transpose(0, 1)), rope(k.transpose(0, 1))
             v = v.transpose(0, 1)
             if cache is not None and i in cache:

@@ -22,12 +22,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 import published
 from engine import Engine, EngineConfig, ModelConfig, SamplingParams, build_model
 from engine.models.families import BlockLayout, ConfigRefused, FamilyNotSupported, ThresholdRule, family_for
-from test_dream_reasoner import answer, block_diffusion_generate, block_mask, never_proposes_mask, sample_tokens
+from test_dream_reasoner import (DiffulexDreamReasoner, answer, block_diffusion_generate, block_mask,
+                                 never_proposes_mask, sample_tokens)
 
 torch.set_num_threads(1)
 VOCAB, MASK = 96, 95
@@ -42,49 +42,9 @@ def tiny_coder(**kw) -> ModelConfig:
     return ModelConfig(**{**base, **kw})
 
 
-class DiffulexStableDiffCoder:
-    """StableDiffCoderForDiffusionLM.forward + lm_head over the checkpoint tensors; `cache`
-    {layer: (K, V)}."""
-
-    def __init__(self, model):
-        cfg = model.config
-        self.w = {cfg.family.checkpoint_name(n): p.detach().double() for n, p in model.named_parameters()}
-        self.hf = cfg.to_hf()
-
-    def rms(self, x, key):
-        return self.w[key] * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.hf["rms_norm_eps"]))
-
-    def __call__(self, ids, pos, mask, cache=None, store=False):
-        hf, w = self.hf, self.w
-        T, H, Hkv = ids.shape[0], hf["num_attention_heads"], hf["num_key_value_heads"]
-        D = hf.get("head_dim") or hf["hidden_size"] // H
-        inv = 1.0 / (hf["rope_theta"] ** (torch.arange(0, D, 2, dtype=torch.float64) / D))
-        freqs = pos.double()[:, None] * inv
-        cos, sin = freqs.cos(), freqs.sin()
-
-        def rope(t):  # neox style: the two halves rotated
-            a, b = t[..., : D // 2], t[..., D // 2:]
-            return torch.cat([a * cos - b * sin, b * cos + a * sin], -1)
-
-        bias = torch.zeros(mask.shape, dtype=torch.float64).masked_fill(mask == 0, float("-inf"))
-        h = w["model.embed_tokens.weight"][ids]
-        for i in range(hf["num_hidden_layers"]):
-            p = f"model.layers.{i}."
-            x = self.rms(h, p + "input_layernorm.weight")
-            q = rope(F.linear(x, w[p + "self_attn.q_proj.weight"]).view(T, H, D).transpose(0, 1))
-            k = rope(F.linear(x, w[p + "self_attn.k_proj.weight"]).view(T, Hkv, D).transpose(0, 1))
-            v = F.linear(x, w[p + "self_attn.v_proj.weight"]).view(T, Hkv, D).transpose(0, 1)
-            if cache is not None and i in cache:
-                k, v = torch.cat([cache[i][0], k], 1), torch.cat([cache[i][1], v], 1)
-            if cache is not None and store:
-                cache[i] = (k, v)
-            k, v = k.repeat_interleave(H // Hkv, 0), v.repeat_interleave(H // Hkv, 0)
-            att = torch.softmax(q @ k.transpose(1, 2) * D ** -0.5 + bias, -1) @ v
-            h = h + F.linear(att.transpose(0, 1).reshape(T, H * D), w[p + "self_attn.o_proj.weight"])
-            x = self.rms(h, p + "post_attention_layernorm.weight")
-            gate, up = F.linear(x, w[p + "mlp.gate_proj.weight"]), F.linear(x, w[p + "mlp.up_proj.weight"])
-            h = h + F.linear(F.silu(gate) * up, w[p + "mlp.down_proj.weight"])
-        return F.linear(self.rms(h, "model.norm.weight"), w["lm_head.weight"])
+# StableDiffCoderForDiffusionLM.forward + lm_head over the checkpoint tensors: Diffulex's
+# dream_reasoner forward without the q/k norm (this config has none)
+DiffulexStableDiffCoder = DiffulexDreamReasoner
 
 
 def accepted_ids(confidence, initial_confidence, accept_threshold):

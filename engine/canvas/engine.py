@@ -214,7 +214,11 @@ class CanvasEngine:
         if err is not None:
             self.outputs.append(RequestOutput(request_id, prompt, [], FinishReason.ERROR, error=err))
             return
-        self.waiting.append(_Row(request_id, prompt, max_tokens, p, torch.Generator().manual_seed(int(seed)),
+        self.enqueue(request_id, prompt, max_tokens, seed, p)
+
+    def enqueue(self, request_id: Any, prompt: List[int], max_tokens: int, seed: int, params: CanvasParams) -> None:
+        """Queue a row `refusal` passed (add_request; CanvasServe checks at intake)."""
+        self.waiting.append(_Row(request_id, prompt, max_tokens, params, torch.Generator().manual_seed(int(seed)),
                                  keys=self.prefix.keys(prompt) if self.prefix is not None else []))
 
     def refusal(self, prompt: List[int], max_tokens: Any, params: CanvasParams) -> Optional[str]:

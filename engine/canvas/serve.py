@@ -45,7 +45,8 @@ class CanvasServe(EngineCore):
         """Hand a valid request (`check` passed) to the canvas engine."""
         seed = req.params.seed if req.params.seed is not None else random.getrandbits(62)
         self._arrival[req.request_id] = req.arrival
-        self.canvas.add_request(req.request_id, req.prompt, req.params.max_new_tokens, seed, req.params)
+        self.canvas.enqueue(req.request_id, [int(t) for t in req.prompt], req.params.max_new_tokens, seed,
+                            self.canvas.defaults.override(req.params))
 
     def run(self) -> None:
         c, st = self.canvas, self.stats
