@@ -33,7 +33,7 @@ from engine import Engine, EngineConfig, ModelConfig, SamplingParams, build_mode
 from engine.models import moe
 from engine.models.moe import routing_blocks
 from test_llada2 import (HEAD_SCALE, L, SETTINGS, PublishedLLaDA2, block_mask, generate_20, generate_21, most_emitted,
-                         published_tokens, reference, with_biases, workload)
+                         published_tokens, reference, same_tokens_under_other_caches, with_biases, workload)
 from test_not_served import EDIT_TOKENS, llada2_2_flash_config
 
 torch.set_num_threads(1)
@@ -228,14 +228,7 @@ def test_mixed_batches_equal_the_block_routed_loops(pub, refs, scheduler, steps)
 def test_step_advance_and_other_caches_give_the_same_tokens(pub, refs):
     """Admission at any step (rows of other widths padded into the forward), the refresh
     cache, no cache (whole rows every step): the same tokens."""
-    prompts, jobs, outs = refs
-    pick = [i for i, (name, _) in enumerate(jobs) if SETTINGS[name][1] == 4]
-    params = [SamplingParams(max_new_tokens=jobs[i][1], stop_token_ids=[pub.eos], **SETTINGS[jobs[i][0]][0])
-              for i in pick]
-    for cache, advance in (("persistent", "step"), ("refresh", "block"), ("none", "block")):
-        eng = Engine(pub.model, EngineConfig(block_length=L, steps_per_block=4, cache=cache, advance=advance,
-                                             token_budget=80, max_batch_size=4))
-        assert [o.token_ids for o in eng.generate([prompts[i] for i in pick], params)] == [outs[i] for i in pick]
+    same_tokens_under_other_caches(pub, refs)
 
 
 def test_the_workload_edits_and_stops(pub, refs):

@@ -379,6 +379,12 @@ def test_mixed_batches_equal_the_published_loops(pub, references, scheduler, ste
 
 def test_step_advance_and_other_caches_give_the_same_tokens(pub, references):
     """Admission at any step, and the refresh / no cache: the same tokens."""
+    same_tokens_under_other_caches(pub, references)
+
+
+def same_tokens_under_other_caches(pub, references):
+    """The workload's rows of 4 steps under step advance (persistent), refresh and no cache
+    give the reference tokens (test_block_routing's model too)."""
     prompts, jobs, outs = references
     pick = [i for i, (name, _) in enumerate(jobs) if SETTINGS[name][1] == 4]
     params = [SamplingParams(max_new_tokens=jobs[i][1], stop_token_ids=[pub.eos], **SETTINGS[jobs[i][0]][0])
