@@ -58,6 +58,63 @@ def test_every_readme_command_is_run_by_a_named_test_or_ci():
     assert "make test" in open(os.path.join(ROOT, ".ci", "run"), encoding="utf-8").read()
 
 
+# Each row of the README's checkpoint table (a unique part of its first cell) and the tests
+# that prove what the row claims: the family's loop exact against its published one, and its
+# published (or rebuilt) files through load, preflight and a job.
+PUBLISHED = "tests/test_published.py::test_published_checkpoint_loads_generates_and_runs_the_job"
+REBUILT = "tests/test_published.py::test_rebuilt_config_loads_generates_and_runs_the_job"
+BACKED = {
+    "GSAI-ML/LLaDA-8B-Instruct": ["tests/test_reference_decoding.py::test_full_canvas_matches_the_reference",
+                                  PUBLISHED],
+    "Dream-org/Dream-v0-Instruct-7B": ["tests/test_reference_decoding.py::test_full_canvas_matches_the_reference",
+                                       PUBLISHED],
+    "apple/DiffuCoder-7B-Instruct": ["tests/test_dream_coders.py::test_the_engine_decodes_as_diffusion_generate"],
+    "SJTU-Deng-Lab/D2F_LLaDA_Instruct_8B_Lora": [
+        "tests/test_d2f.py::test_mixed_batches_match_the_d2f_reference",
+        "tests/test_checkpoints.py::test_d2f_adapter_job_with_block_causal_matches_the_hand_merged_model"],
+    "inclusionAI/LLaDA-MoE-7B-A1B-Instruct": [
+        "tests/test_moe.py::test_llada_moe_mixed_batches_match_the_published_loop",
+        "tests/test_moe.py::test_published_layout_loads_and_runs_through_the_job"],
+    "google/diffusiongemma-26B-A4B-it": ["tests/test_diffusion_gemma.py::test_float64_equals_transformers_generate",
+                                         "tests/test_diffusion_gemma_job.py"],
+    "inclusionAI/LLaDA2.0-mini": ["tests/test_llada2.py::test_mixed_batches_equal_the_published_loops", PUBLISHED],
+    "inclusionAI/LLaDA2.0-flash": ["tests/test_tp_plan.py::test_the_plan_of_llada2_flash",
+                                   "tests/test_tensor_parallel.py::test_two_ranks_give_the_tokens_of_one_device"],
+    "JetLM/SDAR-1.7B/4B/8B-Chat": ["tests/test_sdar.py::test_one_mixed_batch_equals_the_published_loop",
+                                   "tests/test_sdar.py::test_sdar_moe_mixed_batch_equals_the_published_loop",
+                                   PUBLISHED],
+    "Efficient-Large-Model/Fast_dLLM_v2_7B": [
+        "tests/test_fast_dllm_v2.py::test_one_mixed_batch_equals_the_published_loop",
+        "tests/test_fast_dllm_v2.py::test_the_published_config_loads_and_runs_the_job"],
+    "GSAI-ML/iLLaDA-8B-Instruct": ["tests/test_illada.py::test_one_mixed_batch_equals_the_published_loop", REBUILT],
+    "Dream-org/DreamReasoner-8B": ["tests/test_dream_reasoner.py::test_one_mixed_batch_equals_the_published_loops",
+                                   "tests/test_dream_reasoner.py::test_the_rebuilt_config_is_dreamreasoner_never_dream_v0",
+                                   REBUILT],
+    "ByteDance-Seed/Stable-DiffCoder-8B-Instruct": [
+        "tests/test_stable_diffcoder.py::test_one_mixed_batch_equals_diffulex",
+        "tests/test_stable_diffcoder.py::test_a_plain_llama_config_is_refused", REBUILT],
+    "d3LLM": ["tests/test_d3llm.py::test_mixed_batches_match_the_reference"],
+}
+
+
+def _checkpoint_rows():
+    text = open(README, encoding="utf-8").read()
+    table = text.split("| checkpoint | needs |", 1)[1].split("\n\n", 1)[0]
+    return [line.split("|")[1].strip() for line in table.splitlines()[2:] if line.startswith("|")]
+
+
+def test_every_checkpoint_row_is_backed_by_named_tests():
+    rows = _checkpoint_rows()
+    assert len(rows) == len(BACKED), "a row without its tests in BACKED, or a BACKED entry without its row"
+    for row in rows:
+        key = next((k for k in BACKED if k in row), None)
+        assert key is not None, f"README checkpoint row not backed by a named test: {row!r}"
+        for where in BACKED[key]:
+            path, _, name = where.partition("::")
+            text = open(os.path.join(ROOT, path), encoding="utf-8").read()
+            assert not name or f"def {name}(" in text, where
+
+
 def test_make_targets_run_what_the_tests_run():
     """`make run` is the job script with no arguments (the tests run that script), and
     `make test` the suite (what .ci/run runs); checked with make's dry run."""
