@@ -16,8 +16,8 @@ request, with its loop structure and bookkeeping, over the model's tensors:
   progress is >= decoded_token_threshold;
 - active_end: the end of the last block that is active and fully active or still
   masked; every mask before it is decodable; entropy -sum p log(p + 1e-12) of the
-  softmax (SGLang's `.float()`: float64 here, as the engine computes in float32 or the
-  logits' dtype when wider), x0 the argmax; transfer entropy < threshold; the first
+  softmax (SGLang's `.float()`: float64 here, as the engine computes it in propose's
+  softmax pass), x0 the argmax; transfer entropy < threshold; the first
   fully active block with masks that transfers nothing takes its argmin entropy;
 - the generated tokens, cut at the first stop id (SGLang's output is finished there).
 
@@ -387,3 +387,48 @@ def test_tensor_parallel_2_gives_the_reference_tokens(model, expected, tmp_path)
         assert got["tokens"] == [tokens for tokens, _ in ref]
         assert [s for s, sp in zip(got["steps"], params) if sp.multi_block] == \
             [nfe for (_, nfe), sp in zip(ref, params) if sp.multi_block]
+
+
+# --- the entropies in propose's softmax pass ------------------------------------------
+def _softmax_outside_the_model(model, prompts, params, **kw):
+    """(outputs, the softmax kernels each denoising step ran outside the model's forward)."""
+    from bench.counting import LaunchCounter
+
+    cfg = dict(block_length=L, steps_per_block=L, cache="none", token_budget=300, max_batch_size=5)
+    eng = Engine(model, EngineConfig(**{**cfg, **kw}))
+    denoise, per_step = eng._denoise, []
+
+    def counted():
+        with LaunchCounter(layers=[model]) as c:
+            out = denoise()
+        names = ("softmax", "_softmax")  # torch.softmax with out= and without
+        inside = sum(call["ops"][n] for call in c.calls for n in names)
+        per_step.append(sum(c.ops[n] for n in names) - inside)
+        return out
+    eng._denoise = counted
+    return eng.generate(prompts, params), per_step
+
+
+def test_one_softmax_per_position_a_step(model, expected):
+    """The rows' entropies come from propose's float64 softmax (Confidence kind MULTI_BLOCK:
+    minus the entropy), not from a second pass: a step of a mixed batch runs one softmax
+    kernel outside the model (one chunk of positions), and the tokens are the transcription's."""
+    prompts, params, ref, _ = expected
+    outs, per_step = _softmax_outside_the_model(model, prompts, params)
+    assert [o.token_ids for o in outs] == [tokens for tokens, _ in ref]
+    assert per_step and set(per_step) == {1}
+
+
+@pytest.mark.parametrize("folder", ["GSAI-ML__LLaDA-8B-Instruct", "Dream-org__Dream-v0-Instruct-7B"])
+def test_multi_block_step_waits_once(folder):
+    """On the stand-in CUDA device (tests/test_host_waits.py): a multi_block step waits once,
+    at its designed read (no data-dependent index for the entropies), and gives the CPU's
+    tokens."""
+    from test_host_waits import _kinds, _serve
+
+    params = SamplingParams(max_new_tokens=16, multi_block=True, entropy_threshold=9.0, ignore_eos=True)
+    cpu, *_ = _serve(folder, False, params, cache="none", block_length=8)
+    got, steps, e, waits = _serve(folder, True, params, cache="none", block_length=8)
+    assert got == cpu
+    assert steps and _kinds(steps) == [[("d2h", "_fetch")]] * len(steps)
+    assert e.stats.syncs == waits == len(steps)
