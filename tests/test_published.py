@@ -259,6 +259,7 @@ def test_rebuilt_config_loads_generates_and_runs_the_job(folder, ray_local, tmp_
 # no config.json, tokenizer_config.json or chat template of d3LLM's is reachable (REFERENCES.md "d3LLM"), so no
 # tests/published/d3LLM__* folder. d3LLM_LLaDA is LLaDA-8B-Instruct's architecture and weight names (SGLang loads it
 # as LLaDAModelLM) and its located generation_config.json names LLaDA-8B-Instruct's ids: the job runs on that folder.
+# (d3LLM_Dream's located generation_config.json is Dream-v0-Instruct-7B's key for key, transformers_version aside.)
 D3LLM_LLADA_GENERATION = {"_from_model_config": True, "bos_token_id": 126080, "eos_token_id": 126081,
                           "transformers_version": "4.49.0"}  # d3LLM/d3LLM_LLaDA generation_config.json, as located
 D3LLM_FOLDERS = [f for f in SERVED_FOLDERS if f == "GSAI-ML__LLaDA-8B-Instruct"]
