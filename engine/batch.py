@@ -71,7 +71,7 @@ class Batch:
             self.block_cols = (self.window_start[:, None] + torch.arange(n)[None]).to(dev)  # [B, NB L] device
         # which window positions are a block of the row (host, and device for the step's masks)
         self.valid = torch.arange(n)[None] >= ((self.n_window - self.nact) * L)[:, None]
-        self.valid_dev = self.valid.to(dev) if self.n_window > 1 else None
+        self.valid_dev = to_device([self.valid], dev)[0] if self.n_window > 1 else None  # no host wait
         self.unit_params = self.row_params
         if self.n_window > 1:
             self.unit_params = self.row_params.take(torch.arange(len(self.rows)).repeat_interleave(self.n_window))

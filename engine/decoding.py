@@ -24,6 +24,10 @@ REMASKING_IDS = {"low_confidence": LOW_CONFIDENCE, "random": RANDOM, "entropy": 
 ENTROPY_BOUND = POLICY_IDS["entropy_bound"]  # propose computes its entropies
 ENTROPY_BOUND_DEFAULT = 0.35  # JetEngine's eb_threshold
 ENTROPY_EPS = 1e-12  # JetEngine clamps probabilities at this before p log p
+# d3LLM's entropy (engine.multi_block): a multi_block row's confidence kind in the remasking column (never a
+# user's remasking): sum p log(p + 1e-12), minus the entropy of SGLang's FullAttnMultiBlock
+MULTI_BLOCK_ENTROPY = 5
+MULTI_BLOCK_EPS = 1e-12
 
 REAL = ("threshold", "factor", "temperature", "top_p", "entropy_bound")  # Columns' float64 fields
 INTS = ("policy", "remasking", "first_position", "top_k", "cap")  # Columns' integer fields
@@ -80,6 +84,7 @@ class RowParams:
     sampled: bool = False
     threshold: Selection = field(default_factory=lambda: threshold_policy(ThresholdRule.AT_LEAST_TOP1))
     extra: Dict[str, torch.Tensor] = field(default_factory=dict)
+    any_multi_block: bool = False  # a multi_block row's confidence is minus its entropy (MULTI_BLOCK_ENTROPY)
 
     @property
     def policy(self) -> torch.Tensor:
@@ -130,7 +135,8 @@ class RowParams:
             entropy_bound=f64([ENTROPY_BOUND_DEFAULT if p.entropy_bound is None else float(p.entropy_bound)
                                for p in params]),
             policy=i64([POLICY_IDS[p.policy] for p in params]),
-            remasking=i64([REMASKING_IDS[p.remasking] for p in params]),
+            remasking=i64([MULTI_BLOCK_ENTROPY if p.multi_block is True else REMASKING_IDS[p.remasking]
+                           for p in params]),
             first_position=torch.tensor([first_position_default if p.first_position is None
                                          else bool(p.first_position) for p in params], dtype=torch.bool).reshape(B),
             top_k=i64([max(0, int(p.top_k)) for p in params]),
@@ -142,18 +148,20 @@ class RowParams:
                    any_entropy=any(p.remasking == "entropy" for p in params),
                    any_margin=any(p.remasking == "margin" for p in params),
                    any_sequential=any(p.remasking == "sequential" for p in params),
-                   sampled=confidence == Confidence.SAMPLED, threshold=policy, extra=extra)
+                   sampled=confidence == Confidence.SAMPLED, threshold=policy, extra=extra,
+                   any_multi_block=any(p.multi_block is True for p in params))
 
     def take(self, index: torch.Tensor) -> "RowParams":
         """The parameters of rows `index` (a host tensor): one entry per decoding unit
         when rows hold several blocks in flight (D2F)."""
         ix = index.tolist()
         host = self.host.take(index)
-        dev_index = index.to(self.dev.policy.device)
+        dev_index = to_device([index], self.dev.policy.device)[0]  # pinned, non-blocking: no host wait
         return RowParams(params=[self.params[i] for i in ix], seeds=[self.seeds[i] for i in ix], host=host,
                          dev=host.upload(self.dev.policy.device), any_entropy=self.any_entropy,
                          any_margin=self.any_margin, any_sequential=self.any_sequential, sampled=self.sampled,
-                         threshold=self.threshold, extra={k: v[dev_index] for k, v in self.extra.items()})
+                         threshold=self.threshold, extra={k: v[dev_index] for k, v in self.extra.items()},
+                         any_multi_block=self.any_multi_block)
 
 
 def step_cap(policy: torch.Tensor, block_length: int, steps: int) -> torch.Tensor:
@@ -323,7 +331,8 @@ def propose(logits: torch.Tensor, rp: RowParams, noise_keys: Optional[Sequence[O
             gumbel[i] = -torch.log(-torch.log(torch.rand(x0.shape[1], generator=gen, dtype=torch.float64,
                                                          device=dev)))
     x0_at = x0[idx]  # the drawn proposals, or every proposal (full_x0)
-    rem = rp.dev.remasking[idx[0]] if rp.any_entropy or rp.any_margin or rp.any_sequential else None
+    rem = rp.dev.remasking[idx[0]] if rp.any_entropy or rp.any_margin or rp.any_sequential or rp.any_multi_block \
+        else None
     bound = ENTROPY_BOUND in rp.policies  # host values
     if bound:  # JetEngine's entropy is of the softmax at the row's temperature (the model's own at 0)
         t = rp.dev.temperature[idx[0]]
@@ -332,7 +341,7 @@ def propose(logits: torch.Tensor, rp: RowParams, noise_keys: Optional[Sequence[O
     raw = _Rows(flat, at, chunk) if processed is None or bound else None
     rows = raw if processed is None else _Rows(processed, None, chunk)
     spare = torch.empty((min(chunk, n), V), dtype=torch.float64, device=dev) \
-        if rp.any_entropy or bound else None  # the entropies' p log p
+        if rp.any_entropy or bound or rp.any_multi_block else None  # the entropies' p log p
     cs, xs = [], []
     for s in range(0, n, chunk):
         e = min(n, s + chunk)
@@ -350,6 +359,9 @@ def propose(logits: torch.Tensor, rp: RowParams, noise_keys: Optional[Sequence[O
         if rp.any_margin:  # Dream's topk_margin
             top2 = probs.topk(2, dim=-1).values
             c = torch.where(rem[s:e] == MARGIN, top2[:, 0] - top2[:, 1], c)
+        if rp.any_multi_block:  # d3LLM's entropy, in this softmax pass: sum p log(p + 1e-12) (the lowest entropy first)
+            plogp = torch.add(probs, MULTI_BLOCK_EPS, out=spare[:e - s]).log_().mul_(probs)
+            c = torch.where(rem[s:e] == MULTI_BLOCK_ENTROPY, plogp.sum(-1), c)
         if rp.any_sequential:  # SDAR's sequential: the leftmost masks rank first
             c = torch.where(rem[s:e] == SEQUENTIAL, -idx[1][s:e].to(c.dtype), c)
         if bound:  # probabilities clamped at 1e-12; minus the entropy is the confidence (the lowest first)

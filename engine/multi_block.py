@@ -16,8 +16,11 @@ python/sglang/srt/dllm/algorithm/full_attn_multi_block.py, commit 26eb1bf9: d3LL
 3. the eligible positions are every mask up to the end of the last block that is
    active and either fully active or still holding masks;
 4. an eligible mask is committed (to its argmax) when the entropy
-   -sum p log(p + 1e-12) of its softmax is strictly below entropy_threshold (computed in
-   float32, or the logits' dtype when wider, as SGLang's `.float()`);
+   -sum p log(p + 1e-12) of its softmax is strictly below entropy_threshold. The engine
+   reads it off the step's one softmax pass (engine.decoding.propose: a multi_block row's
+   confidence is minus this entropy, kind MULTI_BLOCK_ENTROPY), in float64 as every
+   confidence propose computes; SGLang's `.float()` computes it in float32 (the same values
+   on float64 logits; on narrower ones they differ by float32 rounding);
 5. the first fully active block still holding masks that committed none at this step
    commits its lowest-entropy mask (the first on ties), whatever other blocks did.
 
@@ -185,7 +188,9 @@ class MultiBlockRule(InFlightRule):
         mine, eligible, force = to_device([mine, eligible, force], sel.device)
         (thr,) = to_device([thr], sel.device)
         need = view.is_mask & eligible[:, None]
-        ent = entropies(view.logits.reshape(U, L, -1), need)
+        conf = getattr(view, "conf", None)  # propose's: minus the entropy at every masked position of these rows
+        ent = entropies(view.logits.reshape(U, L, -1), need) if conf is None else \
+            torch.where(need, -conf, torch.full_like(conf, torch.inf))
         over = (ent < thr[:, None].to(ent.dtype)) & need
         forced = force & ~over.any(1)
         first = torch.arange(L, device=sel.device)[None] == ent.argmin(1)[:, None]  # the first minimum
@@ -210,7 +215,9 @@ class MultiBlockRule(InFlightRule):
 
 def entropies(logits: torch.Tensor, need: torch.Tensor) -> torch.Tensor:
     """[U, L] entropy -sum p log(p + 1e-12) of softmax(logits) at `need` (inf elsewhere), in
-    float32 or the logits' dtype when wider (SGLang's `.float()`), a few positions at a time."""
+    float32 or the logits' dtype when wider (SGLang's `.float()`), a few positions at a time:
+    for a view without propose's confidence (the rule's selection called by hand); the
+    engine's step reads propose's (one softmax pass)."""
     import torch
 
     dtype = torch.promote_types(logits.dtype, torch.float32)

@@ -16,8 +16,8 @@ request, with its loop structure and bookkeeping, over the model's tensors:
   progress is >= decoded_token_threshold;
 - active_end: the end of the last block that is active and fully active or still
   masked; every mask before it is decodable; entropy -sum p log(p + 1e-12) of the
-  softmax (SGLang's `.float()`: float64 here, as the engine computes in float32 or the
-  logits' dtype when wider), x0 the argmax; transfer entropy < threshold; the first
+  softmax (SGLang's `.float()`: float64 here, as the engine computes it in propose's
+  softmax pass), x0 the argmax; transfer entropy < threshold; the first
   fully active block with masks that transfers nothing takes its argmin entropy;
 - the generated tokens, cut at the first stop id (SGLang's output is finished there).
 
@@ -32,12 +32,14 @@ committed in one step under the threshold, and the forced commit.
 from __future__ import annotations
 
 import dataclasses
+import json
+import os
 import random
 
 import pytest
 import torch
 
-from engine import Engine, EngineConfig, ModelConfig, SamplingParams, build_model
+from engine import Engine, EngineConfig, ModelConfig, SamplingParams, build_model, load_model, save_model
 from engine.multi_block import MultiBlockState
 from test_reference_decoding import reference_decode
 
@@ -348,3 +350,85 @@ def test_the_preflight_refuses_settings_every_row_would_fail():
     assert settings_refusal(sp, layout(cache="none")) is None
     assert settings_refusal(sp, layout("Dream", cache="none")) is None
     assert "block-causal" in settings_refusal(sp, layout(cache="none", model=dict(dllm_attention="block_causal")))
+
+
+def _tp_rank(rank: int, world: int, root: str, model_type: str) -> None:
+    """One rank of tensor parallel `world` over gloo: its shard of the saved model (its heads,
+    MLP columns and vocabulary range), the workload's mixed batch."""
+    from engine.parallel import destroy_tensor_parallel, init_tensor_parallel
+
+    torch.set_num_threads(1)
+    tp = init_tensor_parallel(rank, world, f"file://{os.path.join(root, 'rendezvous')}", "gloo")
+    model, _ = load_model(os.path.join(root, "model"), dtype=torch.float64, tokenizer=False, tp=tp)
+    prompts, params = workload(model_type)
+    cfg = EngineConfig(block_length=L, steps_per_block=L, cache="none", token_budget=300, max_batch_size=5,
+                       tensor_parallel_size=world)
+    outs = Engine(model, cfg).generate(prompts, params)
+    with open(os.path.join(root, f"rank{rank}.json"), "w") as f:
+        json.dump(dict(tokens=[list(o.token_ids) for o in outs], steps=[o.num_steps for o in outs],
+                       errors=[o.error for o in outs], held=sum(p.numel() for p in model.parameters())), f)
+    destroy_tensor_parallel()
+
+
+def test_tensor_parallel_2_gives_the_reference_tokens(model, expected, tmp_path):
+    """Tensor parallel 2 over gloo (each rank half the heads, MLP and vocabulary; the
+    entropies read the gathered logits): every rank decodes the mixed batch's tokens of the
+    transcription, with its forwards, as one device does."""
+    import torch.multiprocessing as mp
+
+    _, params, ref, _ = expected
+    save_model(model, str(tmp_path / "model"))
+    mp.start_processes(_tp_rank, args=(2, str(tmp_path), model.config.model_type), nprocs=2, join=True,
+                       start_method="spawn")
+    for r in range(2):
+        got = json.loads((tmp_path / f"rank{r}.json").read_text())
+        assert got["held"] < 0.75 * sum(p.numel() for p in model.parameters())  # a shard, not the whole model
+        assert got["errors"] == [None] * len(params)
+        assert got["tokens"] == [tokens for tokens, _ in ref]
+        assert [s for s, sp in zip(got["steps"], params) if sp.multi_block] == \
+            [nfe for (_, nfe), sp in zip(ref, params) if sp.multi_block]
+
+
+# --- the entropies in propose's softmax pass ------------------------------------------
+def _softmax_outside_the_model(model, prompts, params, **kw):
+    """(outputs, the softmax kernels each denoising step ran outside the model's forward)."""
+    from bench.counting import LaunchCounter
+
+    cfg = dict(block_length=L, steps_per_block=L, cache="none", token_budget=300, max_batch_size=5)
+    eng = Engine(model, EngineConfig(**{**cfg, **kw}))
+    denoise, per_step = eng._denoise, []
+
+    def counted():
+        with LaunchCounter(layers=[model]) as c:
+            out = denoise()
+        names = ("softmax", "_softmax")  # torch.softmax with out= and without
+        inside = sum(call["ops"][n] for call in c.calls for n in names)
+        per_step.append(sum(c.ops[n] for n in names) - inside)
+        return out
+    eng._denoise = counted
+    return eng.generate(prompts, params), per_step
+
+
+def test_one_softmax_per_position_a_step(model, expected):
+    """The rows' entropies come from propose's float64 softmax (Confidence kind MULTI_BLOCK:
+    minus the entropy), not from a second pass: a step of a mixed batch runs one softmax
+    kernel outside the model (one chunk of positions), and the tokens are the transcription's."""
+    prompts, params, ref, _ = expected
+    outs, per_step = _softmax_outside_the_model(model, prompts, params)
+    assert [o.token_ids for o in outs] == [tokens for tokens, _ in ref]
+    assert per_step and set(per_step) == {1}
+
+
+@pytest.mark.parametrize("folder", ["GSAI-ML__LLaDA-8B-Instruct", "Dream-org__Dream-v0-Instruct-7B"])
+def test_multi_block_step_waits_once(folder):
+    """On the stand-in CUDA device (tests/test_host_waits.py): a multi_block step waits once,
+    at its designed read (no data-dependent index for the entropies), and gives the CPU's
+    tokens."""
+    from test_host_waits import _kinds, _serve
+
+    params = SamplingParams(max_new_tokens=16, multi_block=True, entropy_threshold=9.0, ignore_eos=True)
+    cpu, *_ = _serve(folder, False, params, cache="none", block_length=8)
+    got, steps, e, waits = _serve(folder, True, params, cache="none", block_length=8)
+    assert got == cpu
+    assert steps and _kinds(steps) == [[("d2h", "_fetch")]] * len(steps)
+    assert e.stats.syncs == waits == len(steps)

@@ -251,3 +251,60 @@ def test_rebuilt_config_loads_generates_and_runs_the_job(folder, ray_local, tmp_
     rows = read_parts(out).to_pylist()
     assert sorted(r["id"] for r in rows) == [f"r{i}" for i in range(10)]
     assert all(r["finish_reason"] in ("stop", "length") for r in rows)
+
+
+# --- d3LLM: multi-block decoding on the weights it distils -----------------------------------
+# d3LLM's own checkpoint files: only their generation_config.json were located (the public docs index:
+# https://huggingface.co/d3LLM/d3LLM_LLaDA/blob/main/generation_config.json, d3LLM_Dream's and d3LLM_Dream_Coder's);
+# no config.json, tokenizer_config.json or chat template of d3LLM's is reachable (REFERENCES.md "d3LLM"), so no
+# tests/published/d3LLM__* folder. d3LLM_LLaDA is LLaDA-8B-Instruct's architecture and weight names (SGLang loads it
+# as LLaDAModelLM) and its located generation_config.json names LLaDA-8B-Instruct's ids: the job runs on that folder.
+# (d3LLM_Dream's located generation_config.json is Dream-v0-Instruct-7B's key for key, transformers_version aside.)
+D3LLM_LLADA_GENERATION = {"_from_model_config": True, "bos_token_id": 126080, "eos_token_id": 126081,
+                          "transformers_version": "4.49.0"}  # d3LLM/d3LLM_LLaDA generation_config.json, as located
+D3LLM_FOLDERS = [f for f in SERVED_FOLDERS if f == "GSAI-ML__LLaDA-8B-Instruct"]
+# d3LLM's loop (SGLang FullAttnMultiBlock): no cache, blocks of 4 here; on the tiny random weights every entropy is
+# about ln(vocabulary) (~11.7 nats), so the job's threshold 20 commits every eligible mask (a block per forward) where
+# the published 0.4 commits one forced mask per forward (Engine.generate below)
+D3LLM_ENGINE = EngineConfig(block_length=4, steps_per_block=4, cache="none", token_budget=2048, max_batch_size=8)
+D3LLM_SAMPLING = SamplingParams(max_new_tokens=8, multi_block=True, entropy_threshold=20.0)
+
+
+@pytest.mark.parametrize("folder", D3LLM_FOLDERS, ids=[f"{f}-multi-block" for f in D3LLM_FOLDERS])
+def test_multi_block_job_on_the_weights_d3llm_distils(folder, ray_local, tmp_path):
+    """d3LLM's multi-block decoding (SamplingParams.multi_block, the CLI's --multi-block) on the
+    tiny build of LLaDA-8B-Instruct's published files (d3LLM_LLaDA's located generation_config.json
+    gives the same ids): load_model, Engine.generate at the published defaults, the preflight
+    (which refuses it under a cache) and a 10-row job whose rows take a forward per block."""
+    gen = published.read_json(folder, "generation_config.json")
+    assert {k: gen[k] for k in ("bos_token_id", "eos_token_id")} == \
+        {k: D3LLM_LLADA_GENERATION[k] for k in ("bos_token_id", "eos_token_id")}
+    root = published.build(folder, str(tmp_path / folder))
+    model, tok = load_model(root, dtype=torch.float32)
+    stops = expected_stops(folder)
+    assert model.config.stop_token_ids == list(stops) and not model.config.block_causal
+    chat = render(folder, [{"role": "user", "content": USER}])
+    outs = Engine(model, D3LLM_ENGINE, tokenizer=tok).generate(
+        [chat, "copy: the"], SamplingParams(max_new_tokens=8, multi_block=True))  # the published 0.1, 0.95, 0.4
+    assert [o.error for o in outs] == [None, None]
+    assert all(o.finish_reason in ("stop", "length") and o.num_steps >= len(o.token_ids) for o in outs)
+    # one forced commit per forward (no entropy under 0.4 on random weights): 8 forwards for 8 tokens
+    assert all(o.num_steps == 8 for o in outs if o.finish_reason == "length")
+
+    inp, out = _messages_input(str(tmp_path / "in.parquet")), str(tmp_path / "out")
+    cached = DLLMProcessorConfig(model=root, batch_size=5, engine=ENGINE, sampling=D3LLM_SAMPLING,
+                                 enable_metrics=False)
+    with pytest.raises(JobError, match="set cache 'none'"):
+        preflight(inp, str(tmp_path / "refused"), cached)
+    config = DLLMProcessorConfig(model=root, batch_size=5, engine=D3LLM_ENGINE, sampling=D3LLM_SAMPLING,
+                                 enable_metrics=False)
+    assert preflight(inp, str(tmp_path / "checked"), config).source.num_rows == 10
+    summary = run_offline(inp, out, config)
+    assert (summary["rows"], summary["errors"], summary["status"]) == (10, 0, "ok")
+    assert summary["stop_token_ids"] == {str(t): src for t, src in stops.items()}
+    rows = read_parts(out).to_pylist()
+    assert sorted(r["id"] for r in rows) == [f"m{i}" for i in range(10)]
+    assert {r["id"]: r["prompt"] for r in rows} == {f"m{i}": render(folder, m) for i, m in enumerate(MESSAGES)}
+    assert all(r["finish_reason"] in ("stop", "length") for r in rows)
+    # every eligible mask committed: a block per forward (the fixed schedule would take 4 per block)
+    assert all(r["num_steps"] <= 2 for r in rows) and any(r["num_steps"] == 2 for r in rows)
