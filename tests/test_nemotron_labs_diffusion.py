@@ -398,6 +398,9 @@ def test_decodings_it_does_not_serve_are_refused(model):
         out = eng.generate([[20, 21]], bad)[0]
         assert out.finish_reason == "error" and match in out.error, out.error
     assert "empty prompt" in eng.generate([[]], SamplingParams(max_new_tokens=8))[0].error
+    fewer = Engine(model, EngineConfig(block_length=L, steps_per_block=L // 2, cache="persistent"))
+    assert "steps_per_block=4" in fewer.generate([[20, 21]], SamplingParams(max_new_tokens=8, policy="fixed"))[0].error
+    assert fewer.generate([[20, 21]], SamplingParams(max_new_tokens=8, policy="threshold"))[0].error is None
     full = Engine(model, EngineConfig(block_length=L, steps_per_block=L, cache="none", canvas="full"))
     assert "canvas" in full.generate([[20, 21]], SamplingParams(max_new_tokens=8))[0].error
 
