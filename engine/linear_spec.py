@@ -1,0 +1,279 @@
+"""LinearSpec self-speculation and plain AR decoding, served in batches: Nemotron-Labs-
+Diffusion's `linear_spec_generate` and `ar_generate`, one checkpoint trained both
+bidirectional (diffusion) and causal.
+
+LinearSpec, per block of L and per row, exactly two forwards: a DRAFT (the block
+[seed, mask x (L-1)] attending bidirectionally to itself and to the row's cached prefix,
+its argmax filling every mask; the published loop does not exclude the mask id from it),
+then a VERIFY (the drafted block, causal, its K/V written). `ar` is the verify's argmax;
+the row keeps the longest prefix where draft[i+1] == ar[i] plus one token (the bonus),
+`accepted` tokens in all, and its K/V are cropped to cache + accepted: the K/V of the
+block's first `accepted` columns are kept, the rest dropped. ar[accepted-1], already
+emitted, seeds the next block. A causal prefill of the prompt gives the first token.
+AR mode is the same loop with no draft and a block of one: one causal forward a token.
+
+Why an engine of its own rather than a rule of engine.engine.Engine: that engine's rows
+grow by whole blocks (its widths, K/V slot shifts and finish test count in L), and
+LinearSpec grows a row by 1..L tokens a block. Here each row keeps its own K/V (per
+layer [H_kv, n, D]); a forward lays the rows' prefixes out left-padded in one cache box,
+the blocks at its right edge, so a batch of rows with different prompts and different
+accepted lengths runs as one draft and one verify forward. Admission and preemption are
+blockray's schedulers' (blockserve, static, sequential; engine.scheduler), a row's width
+being prompt + generated + L; a preempted row drops its K/V and recomputes them causally
+when it comes back (its state is its tokens and its seed, so the result is unchanged).
+
+Greedy only (the published loops' temperature 0); the published `threshold` draft
+iteration, the thinking budget and LoRA are not served (the first two are parameters
+nobody sets by default; LinearSpec's LoRA variant would need the adapter toggled between
+the two forwards). Output token ids end before the first stop id, as the block engine's;
+the published loop can overshoot max_new_tokens by up to L - 1 tokens within its last
+block, which are cut here."""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field, replace
+from typing import Any, List, Optional, Tuple
+
+import torch
+
+from .config import EngineConfig, SamplingParams
+from .core import EngineCore
+from .models import DLLM
+from .models.transformer import KVCache
+from .reads import LINEAR_SPEC
+from .scheduler import make_scheduler
+from .sequence import FinishReason, Request, RequestOutput, RowShape
+
+# the families trained for both attentions (a causal forward of a bidirectional-only model is meaningless)
+SELF_SPECULATIVE = frozenset({"nemotron_labs_diffusion"})
+
+
+@dataclass
+class SpecState:
+    """A row's LinearSpec / AR state: the K/V of its cached tokens (prompt + generated
+    tokens but the last), None until its prefill (and again after a preemption); the
+    seed of its next block (its last generated token); its forwards and, per block, its
+    accepted length (what the bench and the tests read)."""
+
+    k: Optional[List[torch.Tensor]] = None  # per layer [H_kv, n, D]
+    v: Optional[List[torch.Tensor]] = None
+    seed: Optional[int] = None
+    forwards: int = 0
+    accepted: List[int] = field(default_factory=list)
+
+    @property
+    def cached(self) -> int:
+        return 0 if self.k is None else self.k[0].shape[1]
+
+
+class SpecRule:
+    """What the schedulers' RowShape asks of a row's rule: one block in flight, the row
+    needing max_new_tokens rounded up to blocks."""
+
+    name = "linear_spec"
+
+    def n_active(self, req: Request) -> int:
+        return 1
+
+    def blocks_needed(self, req: Request, block_length: int) -> int:
+        return -(-req.params.max_new_tokens // block_length)
+
+
+SPEC_RULE = SpecRule()
+
+
+def accepted_length(draft: List[int], ar: List[int]) -> int:
+    """The longest prefix where draft[i+1] == ar[i], plus the bonus token."""
+    n = 0
+    while n < len(ar) - 1 and ar[n] == draft[n + 1]:
+        n += 1
+    return n + 1
+
+
+class LinearSpecEngine(EngineCore):
+    """Rows decoded with SamplingParams.decoding "linear_spec" or "ar" (see the module
+    docstring). One `step()`: rows admitted, new ones prefilled, then one block for every
+    row: one draft forward for the LinearSpec rows and one verify forward for all."""
+
+    reads = LINEAR_SPEC
+
+    def __init__(self, model: DLLM, config: EngineConfig = EngineConfig(), tokenizer: Any = None):
+        config = replace(config, token_budget=config.fixed_token_budget())
+        super().__init__(config, tokenizer, model.config.vocab_size)
+        self.model, self.mcfg, self.device = model, model.config, model.device
+        self.L = config.block_length
+        self.shape = RowShape(self.L)
+        self.scheduler = make_scheduler(config, self.shape)
+        self.forwards = 0  # batched forwards
+        self._holding: set = set()  # rows whose K/V are held
+
+    # --- requests -----------------------------------------------------------------
+    def stop_ids(self, params: SamplingParams) -> List[int]:
+        if params.stop_token_ids is not None:
+            return list(params.stop_token_ids)
+        return [] if params.ignore_eos else list(self.mcfg.stop_token_ids)
+
+    def check(self, req: Request) -> Optional[str]:
+        p = req.params
+        if p.decoding not in ("linear_spec", "ar"):
+            return (f"decoding {p.decoding!r} is not served by {self.reads.name}: it serves decoding 'linear_spec' "
+                    f"and 'ar'")
+        if self.mcfg.model_type not in SELF_SPECULATIVE:
+            return (f"decoding {p.decoding!r} needs a model trained for causal and bidirectional attention alike "
+                    f"(Nemotron-Labs-Diffusion); model_type {self.mcfg.model_type!r} is not")
+        width = len(req.prompt) + p.max_new_tokens + self.L
+        if width > self.mcfg.max_seq_len:
+            return (f"prompt of {len(req.prompt)} tokens + max_new_tokens {p.max_new_tokens} + a block of {self.L} "
+                    f"exceeds the model context of {self.mcfg.max_seq_len} tokens")
+        if width > self.cfg.token_budget:
+            return f"request needs {width} tokens of batch budget alone, more than token_budget={self.cfg.token_budget}"
+        req.rule, req.state = SPEC_RULE, SpecState()
+        return None
+
+    def admit(self, req: Request) -> None:
+        self.scheduler.add(req)
+
+    def pending(self) -> int:
+        return self.scheduler.num_pending()
+
+    def fail_active(self, message: str) -> None:
+        for r in list(self.scheduler.active):
+            self.scheduler.remove(r)
+            r.error = message
+            self._finish(r, FinishReason.ERROR)
+        self._holding = set()
+
+    # --- the loop -----------------------------------------------------------------
+    def run(self) -> None:
+        rows = self.scheduler.schedule()
+        for r in self._holding - set(rows):  # preempted: its K/V go, its tokens and seed stay
+            r.state.k = r.state.v = None
+        live = [r for r in rows if not self.scheduler.is_frozen(r)]
+        self._holding = set(live)
+        self.stats.active = len(live)
+        if not live:
+            return
+        self.stats.cycles += 1
+        fresh = [r for r in live if r.state.k is None]
+        if fresh:
+            for r in self._prefill(fresh):
+                live.remove(r)
+        if live:
+            self._block(live)
+
+    def _prefill(self, rows: List[Request]) -> List[Request]:
+        """One causal forward over each row's uncached tokens (its prompt, or after a
+        preemption its prompt and generated tokens but the last); a new row's first token
+        is the argmax of its last logit. Returns the rows that finished with it."""
+        seqs = [r.prompt + r.generated[:-1] for r in rows]
+        P = max(map(len, seqs))
+        ids = torch.tensor([[0] * (P - len(s)) + s for s in seqs], device=self.device)
+        pads = torch.tensor([P - len(s) for s in seqs], device=self.device)
+        pos = (torch.arange(P, device=self.device)[None] - pads[:, None]).clamp(min=0)
+        q, k = torch.arange(P, device=self.device)[:, None], torch.arange(P, device=self.device)[None]
+        # causal over the row's own columns; a pad query attends to itself only (no empty softmax)
+        mask = ((k <= q) & (k >= pads[:, None, None])) | ((k == q) & (q < pads[:, None, None]))
+        cache = KVCache.empty(self.mcfg, len(rows), P, self.model.dtype, self.device)
+        logits = self._forward(ids, pos, mask[:, None], cache, 0, 1)
+        seeds = logits[:, -1].argmax(-1).tolist()
+        done = []
+        for i, r in enumerate(rows):
+            st, a = r.state, P - len(seqs[i])
+            st.k = [c[i, :, a:].clone() for c in cache.k]
+            st.v = [c[i, :, a:].clone() for c in cache.v]
+            st.forwards += 1
+            if not r.generated:
+                st.seed = seeds[i]
+                if self._emit(r, [seeds[i]]):
+                    done.append(r)
+            else:
+                st.seed = r.generated[-1]
+        return done
+
+    def _block(self, rows: List[Request]) -> None:
+        """One block for every row: the LinearSpec rows' draft, then one verify forward
+        for all (an AR row's block is its seed alone, its other columns padding after
+        it), the accepted tokens emitted and the K/V cropped."""
+        L, mask_id = self.L, self.mcfg.mask_token_id
+        spec = [r.params.decoding == "linear_spec" for r in rows]
+        T = L if any(spec) else 1
+        blocks = [[r.state.seed] + [mask_id] * (T - 1) for r in rows]
+        drafting = [i for i, s in enumerate(spec) if s and L > 1]
+        if drafting:
+            logits = self._attend([rows[i] for i in drafting], [blocks[i] for i in drafting], causal=False)[0]
+            draft = logits.argmax(-1).tolist()
+            for j, i in enumerate(drafting):
+                blocks[i] = [d if b == mask_id else b for b, d in zip(blocks[i], draft[j])]
+                rows[i].state.forwards += 1
+        logits, cache, W = self._attend(rows, blocks, causal=True)
+        ar = logits.argmax(-1).tolist()
+        for i, r in enumerate(rows):
+            st = r.state
+            n = accepted_length(blocks[i], ar[i]) if spec[i] else 1
+            st.k = [torch.cat([h, c[i, :, W - T:W - T + n]], 1) for h, c in zip(st.k, cache.k)]  # crop: n kept
+            st.v = [torch.cat([h, c[i, :, W - T:W - T + n]], 1) for h, c in zip(st.v, cache.v)]
+            st.forwards += 1
+            st.accepted.append(n)
+            st.seed = ar[i][n - 1]
+            r.num_steps += 1
+            self._emit(r, ar[i][:n])
+
+    def _attend(self, rows: List[Request], blocks: List[List[int]], causal: bool) -> Tuple[torch.Tensor, KVCache, int]:
+        """One forward of `blocks` ([n][T]) after each row's cached prefix, laid out
+        left-padded in one cache box of W columns, the blocks in its last T; the block
+        attends to itself bidirectionally or causally. Returns the block's logits, the box
+        (the block's K/V in its last T columns) and W."""
+        T = len(blocks[0])
+        c = [r.state.cached for r in rows]
+        W = max(c) + T
+        cache = KVCache.empty(self.mcfg, len(rows), W, self.model.dtype, self.device)
+        for i, r in enumerate(rows):
+            for dst, src in ((cache.k, r.state.k), (cache.v, r.state.v)):
+                for layer, h in zip(dst, src):
+                    layer[i, :, W - T - c[i]:W - T] = h
+        first = torch.tensor([W - T - n for n in c], device=self.device)
+        pos = torch.tensor(c, device=self.device)[:, None] + torch.arange(T, device=self.device)[None]
+        q = torch.arange(T, device=self.device)[:, None] + (W - T)
+        k = torch.arange(W, device=self.device)[None]
+        mask = (k >= first[:, None, None]) & ((k <= q) if causal else (k >= 0))
+        ids = torch.tensor(blocks, device=self.device)
+        return self._forward(ids, pos, mask[:, None], cache, W - T, T), cache, W
+
+    def _forward(self, ids, pos, mask, cache: KVCache, offset: int, last: int) -> torch.Tensor:
+        self.forwards += 1
+        self.stats.steps += 1
+        with torch.no_grad():
+            return self.model(ids, pos, mask, cache=cache, offset=offset, logits_last=last)
+
+    # --- output -------------------------------------------------------------------
+    def _emit(self, r: Request, tokens: List[int]) -> bool:
+        """Append `tokens` to `r`; finish it (True) at a stop id or at max_new_tokens."""
+        n_before = len(r.generated)
+        r.generated.extend(tokens)
+        budget = r.params.max_new_tokens
+        stop_at = next((n_before + j for j, t in enumerate(tokens) if t in r.stop_ids), -1)
+        if 0 <= stop_at < budget:
+            self._finish(r, FinishReason.STOP, stop_at)
+        elif len(r.generated) >= budget:
+            self._finish(r, FinishReason.LENGTH, budget)
+        else:
+            return False
+        return True
+
+    def _finish(self, r: Request, reason: FinishReason, n_tokens: int = 0) -> None:
+        toks = r.generated[:n_tokens] if reason != FinishReason.ERROR else []
+        if reason != FinishReason.ERROR:
+            self.scheduler.finish(r)
+            self._holding.discard(r)
+            if r.state is not None:
+                r.state.k = r.state.v = None  # frees its K/V (a static batch keeps the row, frozen)
+        text = self.tokenizer.decode(toks, skip_special_tokens=True) \
+            if self.tokenizer is not None and reason != FinishReason.ERROR else None
+        self.output(RequestOutput(
+            request_id=r.request_id, prompt_token_ids=list(r.prompt), token_ids=toks, finish_reason=reason, text=text,
+            error=r.error, num_blocks=len(r.state.accepted) if r.state is not None else 0,
+            num_steps=r.state.forwards if r.state is not None else 0, latency_s=time.perf_counter() - r.arrival,
+            prompt_tokens_forwarded=len(r.prompt)))
+
+
+__all__ = ["LinearSpecEngine", "SpecState", "accepted_length", "SELF_SPECULATIVE"]

@@ -1,0 +1,267 @@
+"""Issue 54: Nemotron-Labs-Diffusion's LinearSpec self-speculation and AR mode
+(engine.linear_spec), exact against float64 transcriptions of the published
+`linear_spec_generate` and `ar_generate` (modeling_nemotron_labs_diffusion.py, read in the
+public code index), one request at a time, and served in batches.
+
+The transcriptions keep the published loops' order and tests, at batch size 1, greedy
+(temperature 0), threshold 0 (one draft pass), no thinking budget, no LoRA:
+
+- `linear_spec_generate`: a causal prefill whose last logit's argmax is the first token
+  (an eos there ends the row); then, while fewer than max_new_tokens tokens are out, a
+  block [seed, mask x (L-1)]: one bidirectional draft pass over it (use_cache=False: it
+  reads the cached prefix and writes nothing), its argmax put in every mask position (the
+  mask id not excluded), one causal verify pass over the drafted block (use_cache=True:
+  its K/V appended), `accepted` = the longest run with ar[i] == block[i+1] plus one, the
+  cache cropped to cache_len + accepted, ar[accepted-1] the next seed; the first eos among
+  the accepted tokens ends it (kept); the loop stops once total_gen >= max_new_tokens (it
+  may overshoot by up to L - 1 tokens: the engine cuts at max_new_tokens).
+- `ar_generate`: a causal prefill, then per step the argmax of the last logit, appended;
+  an eos ends it; a causal forward of the new token when more are to come.
+
+The published cache is transcribed by its contents: the tokens whose K/V it holds, every
+pass recomputing them from those tokens (a K/V of a causal pass depends only on the tokens
+up to it, so a cached and a recomputed prefix are the same numbers), which keeps the
+oracle apart from the engine's cache layout. The engine cuts its token ids before the
+first stop id, as blockray's other engines do; the published outputs keep it."""
+from __future__ import annotations
+
+from typing import List, Optional, Tuple
+
+import pytest
+import torch
+
+import engine.linear_spec as linear_spec
+from engine import EngineConfig, ModelConfig, SamplingParams, build_model
+from engine.linear_spec import LinearSpecEngine, accepted_length
+from engine.sequence import FinishReason
+
+torch.set_num_threads(1)
+VOCAB, MASK, EOS = 24, 23, 19
+L = 8
+
+
+@pytest.fixture(autouse=True)
+def _self_speculative(monkeypatch):
+    monkeypatch.setattr(linear_spec, "SELF_SPECULATIVE", linear_spec.SELF_SPECULATIVE | {"sdar"})
+
+
+def tiny(**kw) -> ModelConfig:
+    base = dict(model_type="sdar", vocab_size=VOCAB, hidden_size=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8,
+                intermediate_size=48, mask_token_id=MASK, eos_token_id=EOS, max_seq_len=512, qk_norm=True,
+                rope_theta=1e4)
+    return ModelConfig(**{**base, **kw})
+
+
+@pytest.fixture(scope="module")
+def model():
+    return build_model(tiny(), torch.float64, seed=0)
+
+
+class Encoder:
+    """The published `self.encoder` + `self.diffusion_head` as the two loops call them:
+    `cached` are the tokens whose K/V the DynamicCache holds (computed causally), `block`
+    the tokens of this pass, attending to the whole cache and to each other causally or
+    (diffusion_lm) bidirectionally. Counts the passes (the published nfe)."""
+
+    def __init__(self, model):
+        self.model = model
+
+    def __call__(self, cached: List[int], block: List[int], causal: bool) -> torch.Tensor:
+        seq = cached + block
+        n, c = len(seq), len(cached)
+        q, k = torch.arange(n)[:, None], torch.arange(n)[None]
+        mask = k <= q
+        if not causal:
+            mask[c:, c:] = True
+        with torch.no_grad():
+            logits = self.model(torch.tensor([seq]), torch.arange(n)[None], mask[None, None])
+        return logits[0, c:]
+
+
+def hf_linear_spec_generate(enc: Encoder, prompt: List[int], max_new_tokens: int, block_length: int,
+                            mask_id: int, eos: Optional[int]) -> Tuple[List[int], int, List[int]]:
+    """linear_spec_generate at temperature 0, threshold 0: (output ids with the prompt, nfe,
+    the accepted length of each block)."""
+    cache = list(prompt)  # prefill (causal)
+    next_token = int(enc([], prompt, causal=True)[-1].argmax())
+    nfe = 1
+    if eos is not None and next_token == eos:
+        return prompt + [next_token], nfe, []
+    generated, total_gen, accepts = [next_token], 1, []
+    while total_gen < max_new_tokens:
+        cache_len = len(cache)
+        block = [next_token] + [mask_id] * (block_length - 1)
+        while True:  # the draft (bidirectional): threshold 0 breaks after one pass
+            is_mask = [t == mask_id for t in block]
+            if not any(is_mask):
+                break
+            draft = enc(cache, block, causal=False).argmax(-1).tolist()
+            nfe += 1
+            block = [d if m else t for t, m, d in zip(block, is_mask, draft)]
+            break
+        ar = enc(cache, block, causal=True).argmax(-1).tolist()  # the verify (causal), its K/V appended
+        cache = cache + block
+        nfe += 1
+        accepted = 0
+        for i in range(block_length - 1):
+            if ar[i] == block[i + 1]:
+                accepted += 1
+            else:
+                break
+        accepted += 1
+        accepted_toks = ar[:accepted]
+        generated += accepted_toks
+        total_gen += accepted
+        accepts.append(accepted)
+        cache = cache[:cache_len + accepted]  # _crop_dynamic_cache
+        next_token = ar[accepted - 1]
+        if eos is not None and eos in accepted_toks:
+            first = accepted_toks.index(eos)
+            del generated[len(generated) - accepted + first + 1:]
+            break
+        if total_gen >= max_new_tokens:
+            break
+    return prompt + generated, nfe, accepts
+
+
+def hf_ar_generate(enc: Encoder, prompt: List[int], max_new_tokens: int, eos: Optional[int]) -> Tuple[List[int], int]:
+    """ar_generate at temperature 0: (output ids with the prompt, nfe)."""
+    cache = list(prompt)
+    next_logit = enc([], prompt, causal=True)[-1]
+    generated, nfe = [], 0
+    for step in range(max_new_tokens):
+        nfe += 1
+        next_token = int(next_logit.argmax())
+        generated.append(next_token)
+        if eos is not None and next_token == eos:
+            break
+        if step < max_new_tokens - 1:
+            next_logit = enc(cache, [next_token], causal=True)[-1]
+            cache.append(next_token)
+    return prompt + generated, nfe
+
+
+def served(prompt: List[int], out_ids: List[int], max_new_tokens: int) -> Tuple[List[int], FinishReason]:
+    """What the engine answers for a published output: cut at max_new_tokens, and before
+    the first eos (then finish_reason stop)."""
+    gen = out_ids[len(prompt):][:max_new_tokens]
+    if EOS in gen:
+        return gen[:gen.index(EOS)], FinishReason.STOP
+    return gen, FinishReason.LENGTH
+
+
+def workload(n: int = 12, seed: int = 0) -> Tuple[List[List[int]], List[int]]:
+    g = torch.Generator().manual_seed(seed)
+    prompts = [torch.randint(0, MASK, (int(torch.randint(2, 14, (1,), generator=g)),), generator=g).tolist()
+               for _ in range(n)]
+    lengths = [int(torch.randint(1, 48, (1,), generator=g)) for _ in range(n)]
+    return prompts, lengths
+
+
+@pytest.fixture(scope="module")
+def refs(model):
+    enc = Encoder(model)
+    prompts, lengths = workload()
+    spec = [hf_linear_spec_generate(enc, p, n, L, MASK, EOS) for p, n in zip(prompts, lengths)]
+    ar = [hf_ar_generate(enc, p, n, EOS) for p, n in zip(prompts, lengths)]
+    return prompts, lengths, spec, ar
+
+
+def params(n: int, decoding: str = "linear_spec") -> SamplingParams:
+    return SamplingParams(decoding=decoding, max_new_tokens=n, stop_token_ids=[EOS])
+
+
+def test_accepted_length_is_the_agreeing_prefix_plus_the_bonus():
+    assert accepted_length([5, 1, 2, 3], [1, 2, 9, 4]) == 3
+    assert accepted_length([5, 1, 2, 3], [7, 2, 3, 4]) == 1
+    assert accepted_length([5, 1, 2, 3], [1, 2, 3, 4]) == 4  # every draft token kept, plus the bonus
+    assert accepted_length([5], [6]) == 1  # a block of one: AR
+
+
+def test_the_workload_exercises_every_rule(refs):
+    """Rows accept different lengths (rejections fire, and full blocks too), some stop at
+    eos, some run to max_new_tokens, the published loop overshoots max_new_tokens, and a
+    block of 2 forwards each (nfe = 1 + 2 per block)."""
+    prompts, lengths, spec, _ = refs
+    accepts = [a for _, _, acc in spec for a in acc]
+    assert min(accepts) == 1 and max(accepts) > 2 and len(set(accepts)) >= 3, accepts
+    assert any(max(acc, default=0) != min(acc, default=0) for _, _, acc in spec)  # within one row too
+    reasons = [served(p, out, n)[1] for p, n, (out, _, _) in zip(prompts, lengths, spec)]
+    assert FinishReason.STOP in reasons and FinishReason.LENGTH in reasons
+    assert any(len(out) - len(p) > n for p, n, (out, _, _) in zip(prompts, lengths, spec))
+    for _, nfe, acc in spec:
+        assert nfe == 1 + 2 * len(acc)
+
+
+@pytest.mark.parametrize("decoding", ["linear_spec", "ar"])
+def test_batch_size_one_equals_the_published_loop(model, refs, decoding):
+    prompts, lengths, spec, ar = refs
+    for i, (p, n) in enumerate(zip(prompts, lengths)):
+        eng = LinearSpecEngine(model, EngineConfig(block_length=L, token_budget=4096))
+        out = eng.generate([p], params(n, decoding))[0]
+        ids = spec[i][0] if decoding == "linear_spec" else ar[i][0]
+        assert (out.token_ids, out.finish_reason) == served(p, ids, n), i
+        if decoding == "linear_spec":
+            assert out.num_blocks == len(spec[i][2]) or out.finish_reason == FinishReason.STOP
+            assert out.num_steps == spec[i][1] or out.finish_reason == FinishReason.STOP
+
+
+@pytest.mark.parametrize("scheduler", ["blockserve", "static", "sequential"])
+def test_a_mixed_batch_gives_each_row_its_batch_size_one_tokens(model, refs, scheduler):
+    """One engine, the 12 rows at once (LinearSpec and AR rows alike, different prompts,
+    different lengths, different accepted lengths in one forward); blockserve under a
+    budget that preempts."""
+    prompts, lengths, spec, ar = refs
+    budget = 160 if scheduler == "blockserve" else 4096
+    eng = LinearSpecEngine(model, EngineConfig(block_length=L, token_budget=budget, scheduler=scheduler,
+                                               max_batch_size=8))
+    kinds = ["linear_spec" if i % 3 else "ar" for i in range(len(prompts))]
+    outs = eng.generate(prompts, [params(n, k) for n, k in zip(lengths, kinds)])
+    for i, (p, n, k, out) in enumerate(zip(prompts, lengths, kinds, outs)):
+        ids = spec[i][0] if k == "linear_spec" else ar[i][0]
+        assert (out.token_ids, out.finish_reason) == served(p, ids, n), (i, k)
+    if scheduler != "sequential":
+        assert eng.forwards < sum(o.num_steps for o in outs)  # rows shared forwards
+    if scheduler == "blockserve":
+        assert eng.scheduler.preemptions > 0
+
+
+def test_linear_spec_takes_fewer_forwards_than_ar(model, refs):
+    prompts, lengths, spec, ar = refs
+    assert sum(len(out) for out, _, _ in spec) / sum(nfe for _, nfe, _ in spec) > 0  # sanity
+    eng = LinearSpecEngine(model, EngineConfig(block_length=L, token_budget=4096))
+    outs = eng.generate(prompts, [params(n) for n in lengths])
+    blocks = sum(o.num_blocks for o in outs)
+    assert blocks < sum(len(o.token_ids) for o in outs)  # more than one token a block on average
+
+
+@pytest.mark.parametrize("change, message", [
+    (dict(temperature=0.5), "temperature"),
+    (dict(policy="fixed"), "policy"),
+    (dict(decoding="diffusion"), "serves decoding 'linear_spec' and 'ar'"),
+    (dict(decoding="bogus"), "decoding must be one of"),
+    (dict(max_new_tokens=600), "exceeds the model context"),
+])
+def test_settings_it_does_not_serve_are_refused(model, change, message):
+    eng = LinearSpecEngine(model, EngineConfig(block_length=L, token_budget=4096))
+    sp = SamplingParams(**{**dict(decoding="linear_spec", max_new_tokens=8), **change})
+    out = eng.generate([[1, 2, 3]], sp)[0]
+    assert out.finish_reason == FinishReason.ERROR and message in out.error, out.error
+
+
+def test_other_families_and_engine_settings_are_refused(model, monkeypatch):
+    with pytest.raises(ValueError, match="cache"):
+        LinearSpecEngine(model, EngineConfig(block_length=L, cache="none"))
+    monkeypatch.setattr(linear_spec, "SELF_SPECULATIVE", frozenset({"nemotron_labs_diffusion"}))
+    eng = LinearSpecEngine(model, EngineConfig(block_length=L, token_budget=4096))
+    out = eng.generate([[1, 2, 3]], params(4))[0]
+    assert out.finish_reason == FinishReason.ERROR and "trained for causal and bidirectional" in out.error
+
+
+def test_the_block_engine_refuses_decoding_modes_it_does_not_serve():
+    from engine import Engine
+
+    eng = Engine(build_model(tiny(dllm_attention="block_causal"), torch.float64),
+                 EngineConfig(block_length=L, token_budget=4096))
+    out = eng.generate([[1, 2, 3]], params(4))[0]
+    assert out.finish_reason == FinishReason.ERROR and "decoding" in out.error, out.error
