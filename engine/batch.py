@@ -100,14 +100,22 @@ class AttentionMask:
 
     valid: torch.Tensor  # [B, W] bool: a real (not left-pad) column
     seg: Optional[torch.Tensor]  # [B, W] long: the column's attention segment; None: bidirectional
+    pos: Optional[torch.Tensor] = None  # [B, W] long: the column's position (causal context only)
 
     @classmethod
     def build(cls, lens: torch.Tensor, prompt_len: torch.Tensor, width: int, block_length: int,
-              block_causal: bool, absolute: bool = False) -> "AttentionMask":
+              block_causal: bool, absolute: bool = False,
+              context: Optional[torch.Tensor] = None) -> "AttentionMask":
         """`absolute` (BlockLayout.ABSOLUTE): blocks at multiples of the block length from
-        position 0, the prompt's among them."""
+        position 0, the prompt's among them. `context` [B] (Family.causal_context): each
+        row's current block's first position; the columns before it attend causally (a
+        segment each), the block's columns are one segment (bidirectional among
+        themselves, seeing the whole prefix)."""
         col = torch.arange(width, device=lens.device)[None]
         valid = col >= (width - lens)[:, None]
+        if context is not None:
+            pos = (col - (width - lens)[:, None]).clamp(min=0)
+            return cls(valid, torch.minimum(pos, context[:, None]), pos)
         if not block_causal:
             return cls(valid, None)
         pos = (col - (width - lens)[:, None]).clamp(min=0)
@@ -115,11 +123,18 @@ class AttentionMask:
             pos < prompt_len[:, None], 0, (pos - prompt_len[:, None]) // block_length + 1)
         return cls(valid, seg)
 
-    def rows(self, cols: Optional[torch.Tensor] = None, pick: Optional[torch.Tensor] = None) -> torch.Tensor:
+    def rows(self, cols: Optional[torch.Tensor] = None, pick: Optional[torch.Tensor] = None,
+             causal: bool = False) -> torch.Tensor:
         """[B', 1, T, W] bool for query columns `cols` [B', T] (None: every column) of the
-        rows `pick` (None: every row); [B', 1, 1, W] when every query sees the same keys."""
-        valid, seg = (self.valid, self.seg) if pick is None else (
-            self.valid[pick], None if self.seg is None else self.seg[pick])
+        rows `pick` (None: every row); [B', 1, 1, W] when every query sees the same keys.
+        `causal` (a causal-context mask only): every column attends causally, the current
+        block's too (the forward that writes a finished block's K/V, or verifies a draft)."""
+        seg = self.seg
+        if causal:
+            if self.pos is None:
+                raise ValueError("a causal forward needs a causal-context mask (Family.causal_context)")
+            seg = self.pos
+        valid, seg = (self.valid, seg) if pick is None else (self.valid[pick], None if seg is None else seg[pick])
         if seg is None:
             return valid[:, None, None, :]
         q = seg if cols is None else seg.gather(1, cols)
@@ -284,12 +299,17 @@ def relayout(old: Optional[Batch], rows: List[Request], grown: set, *, layout: L
         start, old_start = W - lens, old.width - old.lens[s]
         src_col = (col - start[:, None] + old_start[:, None]).clamp(0, old.width - 1)
         parts += [s, src_col, (kept[:, None] & (col >= start[:, None])).long(), book.grew.long()]
+    causal_context = layout.family.causal_context
+    if causal_context:  # each row's current block's first position (its position, not its column)
+        parts.append(lens - tail - nact * L)
     lens_d, plen_d, blk, fresh_d, kept_d, frozen_d, *moves = to_device(parts, device)
+    context = moves.pop() if causal_context else None
     ids = token_matrix(old, book, fresh_d, [kept_d, *moves], layout)
     if bool(book.frozen.any()):
         scrub_frozen(ids, blk, frozen_d, mask_id, pad_id)
     return Batch(rows=list(rows), ids=ids, lens=lens, tail=tail, prompt_len=prompt_len, cached=book.cached,
                  step=book.step, busy_steps=book.busy, prompt_fwd=book.fwd, frozen=book.frozen, masked=masked,
-                 mask=AttentionMask.build(lens_d, plen_d, W, L, layout.model.block_causal, layout.absolute),
+                 mask=AttentionMask.build(lens_d, plen_d, W, L, layout.model.block_causal, layout.absolute,
+                                          context),
                  row_params=row_params(old, rows, same_rows, layout, device), block_length=L, nact=nact,
                  block_cols=blk)

@@ -145,7 +145,7 @@ def row_refusal(req: "Request", layout: Layout) -> Optional[str]:
     if req.params.entropy_bound is not None and req.params.policy != "entropy_bound":
         return (f"entropy_bound is read by policy 'entropy_bound' only, and this row's policy is "
                 f"{req.params.policy!r}: set policy 'entropy_bound' or leave entropy_bound unset")
-    err = req.rule.unsupported(req, layout)
+    err = req.rule.unsupported(req, layout) or layout.family.row_refusal(req, layout)
     if err:
         return err
     shape, p = layout.shape, len(req.prompt + req.lead)

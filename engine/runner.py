@@ -224,8 +224,17 @@ class ModelRunner:
         if mode.caches_suffix:
             q1 = torch.where(b.cached > 0, bs + L, q1)
         # the column before the block for shifted logits, where the row has one (under blocks
-        # at absolute positions a short prompt is all in the first block: nothing before it)
-        return torch.maximum(torch.minimum(fresh, bs - self.shift), start), q1, fresh
+        # at absolute positions a short prompt is all in the first block: nothing before it),
+        # and for a causal-context row's seed at its block's first step
+        return torch.maximum(torch.minimum(fresh, bs - self.shift - self.seeds(b)), start), q1, fresh
+
+    def seeds(self, b: Batch) -> torch.Tensor:
+        """[B] (host) 1 where a row's step reads its block's first position from the column
+        before the block (Family.causal_context with first_position, at the block's first
+        step: the seed, the causal logit of the token before it), else 0."""
+        if not self.mcfg.family.causal_context:
+            return torch.zeros_like(b.step)
+        return (b.row_params.first_position & (b.step == 0)).long()
 
     def step_logits(self, b: Batch) -> torch.Tensor:
         """Window logits [B, NB L, V] of every row for this step. Rows a catch-up forward
@@ -351,6 +360,7 @@ class ModelRunner:
         if shift and self.cfg.mode.caches:  # Fast-dLLM's Dream: a cached step reads the
             # block's first position (committed at the block's first step) from itself
             at[:, 0] += rows(b.row_params.first_position & (b.step > 0)).long()
+        at[:, 0] -= rows(self.seeds(b))  # the seed's logit: the column before the block
         cached = b.cache is not None
         contiguous = bool((q1 == W).all())
         slots = list(range(len(b.rows))) if group is None else group

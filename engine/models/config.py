@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass, field
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 from ..config import Attention, enum_value
 from .families import Family, family_for, family_named
 from .families.moe import MoESpec
+from .rope_scaling import Yarn
 
 
 @dataclass
@@ -42,10 +43,16 @@ class ModelConfig:
     partial_rotary_factor: float = 1.0  # RoPE on the first head_dim * factor dims of each head
     attn_out_bias: bool = False  # LLaDA2 use_bias: the attention output projection has a bias
     head_dim: Optional[int] = None  # None: hidden_size / n_heads (explicit in Qwen3-style configs)
+    rope_yarn: Optional[Yarn] = None  # YaRN's inverse frequencies and attention factor (engine.models.rope_scaling)
+    q_position_scale: Optional[Tuple[float, int]] = None  # Llama-4's (beta, original max position): q scaled by position
 
     def __post_init__(self) -> None:
         if isinstance(self.moe, dict):  # as_dict() round trip
             self.moe = MoESpec(**self.moe)
+        if isinstance(self.rope_yarn, dict):  # as_dict() round trip
+            self.rope_yarn = Yarn(**self.rope_yarn)
+        if self.q_position_scale is not None:
+            self.q_position_scale = (float(self.q_position_scale[0]), int(self.q_position_scale[1]))
         if self.embedding_size is None:
             self.embedding_size = self.vocab_size
         if self.pad_token_id is None:

@@ -6,7 +6,7 @@ together."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 import torch.nn.functional as F
@@ -39,13 +39,20 @@ class RMSNorm(nn.Module):
         return rms_norm(x, self.weight, self.eps)
 
 
-def rope(pos: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype):
-    """cos/sin of shape [B, 1, T, D] for rotate-half RoPE at integer positions `pos` [B, T]."""
+def rope(pos: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype, yarn: Optional[Any] = None):
+    """cos/sin of shape [B, 1, T, D] for rotate-half RoPE at integer positions `pos` [B, T];
+    with `yarn` (engine.models.rope_scaling.Yarn) its inverse frequencies and attention factor."""
     cd = compute_dtype(dtype)
-    inv = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=pos.device, dtype=cd) / head_dim))
+    if yarn is None:
+        inv = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=pos.device, dtype=cd) / head_dim))
+    else:
+        inv = yarn.inv_freq(head_dim, theta, cd, pos.device)
     ang = pos.to(cd)[..., None] * inv
     ang = torch.cat([ang, ang], dim=-1)[:, None]
-    return ang.cos().to(dtype), ang.sin().to(dtype)
+    cos, sin = ang.cos(), ang.sin()
+    if yarn is not None and yarn.attention_factor != 1.0:
+        cos, sin = cos * yarn.attention_factor, sin * yarn.attention_factor
+    return cos.to(dtype), sin.to(dtype)
 
 
 @dataclass
@@ -60,10 +67,12 @@ class Rope:
     cos: torch.Tensor  # [B, T, 1, D]
     sin: torch.Tensor  # [B, T, 1, R]
     rotary: int  # R: the rotary dims, the first of each head's D
+    q_scale: Optional[torch.Tensor] = None  # [B, T, 1, 1]: the rotated queries' scale by position (Llama-4's)
 
     @classmethod
-    def at(cls, pos: torch.Tensor, rotary_dim: int, head_dim: int, theta: float, dtype: torch.dtype) -> "Rope":
-        cos, sin = rope(pos, rotary_dim, theta, dtype)  # [B, 1, T, R]
+    def at(cls, pos: torch.Tensor, rotary_dim: int, head_dim: int, theta: float, dtype: torch.dtype,
+           yarn: Optional[Any] = None) -> "Rope":
+        cos, sin = rope(pos, rotary_dim, theta, dtype, yarn)  # [B, 1, T, R]
         cos, sin = cos.transpose(1, 2), sin.transpose(1, 2)
         h = rotary_dim // 2
         sin = torch.cat([-sin[..., :h], sin[..., h:]], -1)

@@ -18,6 +18,7 @@ from .config import ModelConfig
 from .fusion import Fusing, fuse
 from .moe import MLP, RoutingBlocks, experts_forward, plus_linear, routing_blocks, swiglu
 from .ops import RMSNorm, Rope, rms_norm
+from .rope_scaling import llama4_q_scale
 
 
 @dataclass
@@ -203,7 +204,8 @@ class Layer(Fusing):
         if self.cfg.qk_norm:
             qk = rms_norm(qk, self.qk_norm_w, self.cfg.rms_norm_eps)
         qk = rope(qk)
-        return qk[:, :, :H].transpose(1, 2), qk[:, :, H:].transpose(1, 2), v.transpose(1, 2)
+        q = qk[:, :, :H] if rope.q_scale is None else qk[:, :, :H] * rope.q_scale
+        return q.transpose(1, 2), qk[:, :, H:].transpose(1, 2), v.transpose(1, 2)
 
     def ffn(self, x: torch.Tensor, h: torch.Tensor, blocks: Optional[RoutingBlocks] = None) -> torch.Tensor:
         """h + the MLP of x (the normed h): the residual joins the MLP's last matmul, or,
@@ -279,7 +281,9 @@ class DLLM(nn.Module):
         every column is the biggest waste)."""
         h = self.embed(ids)
         cfg = self.config
-        rope = Rope.at(pos, cfg.rotary_dim, cfg.head_dim, cfg.rope_theta, h.dtype)
+        rope = Rope.at(pos, cfg.rotary_dim, cfg.head_dim, cfg.rope_theta, h.dtype, cfg.rope_yarn)
+        if cfg.q_position_scale is not None:  # Llama-4's query scale by position (Ministral3's layer)
+            rope.q_scale = llama4_q_scale(pos, *cfg.q_position_scale, h.dtype)
         first = self.layers[0].cfg  # a tensor-parallel rank's layers hold its own heads
         g = attention.group(first.n_heads, first.n_kv_heads, h.device)
         mask = attention.additive_mask(mask, h.dtype, g)  # once per forward, not per layer and attention call

@@ -16,6 +16,7 @@ from .illada import ILLADA
 from .llada import LLADA
 from .llada2_moe import LLADA2_MOE
 from .llada_moe import LLADA_MOE
+from .nemotron_labs_diffusion import NEMOTRON_LABS_DIFFUSION
 from .sdar import SDAR, SDAR_MOE
 from .stable_diffcoder import STABLE_DIFFCODER
 
@@ -42,7 +43,7 @@ def register(family: Family) -> Family:
 
 # DreamReasoner before Dream: its config.json says model_type 'Dream' too (recognised by its keys)
 for _family in (LLADA_MOE, LLADA, DREAM_REASONER, DREAM, LLADA2_MOE, DIFFUSION_GEMMA, SDAR, SDAR_MOE, FAST_DLLM_V2,
-                STABLE_DIFFCODER, ILLADA):
+                STABLE_DIFFCODER, ILLADA, NEMOTRON_LABS_DIFFUSION):
     register(_family)
 
 

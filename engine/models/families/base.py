@@ -192,6 +192,11 @@ class Family:
     mask_token: Optional[str] = None  # the added token that is the mask where config.json names no mask id
     # tensor parallelism: internal module name -> Shard (anything unnamed is replicated)
     sharding: Mapping[str, Shard] = field(default_factory=lambda: dict(TRANSFORMER_SHARDING))
+    # Nemotron-Labs-Diffusion's generate(causal_context=True): the prefix (prompt, committed blocks)
+    # attends causally and its K/V are a causal forward's; only the row's current block attends
+    # bidirectionally (to itself and the prefix); with first_position its first position is the
+    # argmax of the column before it (engine.batch.AttentionMask, engine.runner)
+    causal_context: bool = False
 
     def __post_init__(self) -> None:
         self.serving.check_family(self)
@@ -210,6 +215,11 @@ class Family:
         if not block_causal:
             return (f"this {self.name} model's attention is bidirectional, so a shared prefix's K/V depend on the "
                     f"tokens after it and cannot be reused exactly")
+        return None
+
+    def row_refusal(self, req: Any, layout: Any) -> Optional[str]:
+        """Why the family's decoding cannot serve request `req` (its rule chosen) under
+        `layout` (engine.layout.Layout), or None: engine.rules.row_refusal asks."""
         return None
 
     # --- config.json --------------------------------------------------------------------
