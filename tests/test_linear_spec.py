@@ -29,53 +29,47 @@ from typing import List, Optional, Tuple
 
 import pytest
 import torch
+import torch.nn.functional as F
 
-import engine.linear_spec as linear_spec
-from engine import EngineConfig, ModelConfig, SamplingParams, build_model
+import test_nemotron_labs_diffusion as nld
+from engine import Engine, EngineConfig, ModelConfig, SamplingParams, build_model
 from engine.linear_spec import LinearSpecEngine, accepted_length
 from engine.sequence import FinishReason
 
 torch.set_num_threads(1)
-VOCAB, MASK, EOS = 24, 23, 19
+VOCAB, MASK, EOS = nld.VOCAB, nld.MASK, nld.EOS
 L = 8
-
-
-@pytest.fixture(autouse=True)
-def _self_speculative(monkeypatch):
-    monkeypatch.setattr(linear_spec, "SELF_SPECULATIVE", linear_spec.SELF_SPECULATIVE | {"sdar"})
-
-
-def tiny(**kw) -> ModelConfig:
-    base = dict(model_type="sdar", vocab_size=VOCAB, hidden_size=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8,
-                intermediate_size=48, mask_token_id=MASK, eos_token_id=EOS, max_seq_len=512, qk_norm=True,
-                rope_theta=1e4)
-    return ModelConfig(**{**base, **kw})
 
 
 @pytest.fixture(scope="module")
 def model():
-    return build_model(tiny(), torch.float64, seed=0)
+    """A tiny Nemotron-Labs-Diffusion model from the located 8B config, YaRN and Llama-4's
+    q scaling active from position 8 on (test_nemotron_labs_diffusion)."""
+    return nld.tiny_model(**nld.ACTIVE_ROPE)
 
 
 class Encoder:
     """The published `self.encoder` + `self.diffusion_head` as the two loops call them:
-    `cached` are the tokens whose K/V the DynamicCache holds (computed causally), `block`
-    the tokens of this pass, attending to the whole cache and to each other causally or
-    (diffusion_lm) bidirectionally. Counts the passes (the published nfe)."""
+    transformers' Ministral3Model over the checkpoint's encoder.* tensors (float64;
+    test_nemotron_labs_diffusion.hf_encoder). `cached` are the tokens whose K/V the
+    DynamicCache holds (computed causally), `block` the tokens of this pass, attending to
+    the whole cache and to each other causally or (diffusion_lm) bidirectionally."""
 
     def __init__(self, model):
-        self.model = model
+        self.enc, self.head = nld.hf_encoder(model, **nld.ACTIVE_ROPE)
 
     def __call__(self, cached: List[int], block: List[int], causal: bool) -> torch.Tensor:
         seq = cached + block
         n, c = len(seq), len(cached)
         q, k = torch.arange(n)[:, None], torch.arange(n)[None]
-        mask = k <= q
+        keep = k <= q
         if not causal:
-            mask[c:, c:] = True
+            keep[c:, c:] = True
+        additive = torch.zeros(n, n, dtype=torch.float64).masked_fill(~keep, float("-inf"))[None, None]
         with torch.no_grad():
-            logits = self.model(torch.tensor([seq]), torch.arange(n)[None], mask[None, None])
-        return logits[0, c:]
+            h = self.enc(input_ids=torch.tensor([seq]), attention_mask=additive,
+                         position_ids=torch.arange(n)[None]).last_hidden_state[0, c:]
+        return F.linear(h, self.head)
 
 
 def hf_linear_spec_generate(enc: Encoder, prompt: List[int], max_new_tokens: int, block_length: int,
@@ -152,7 +146,7 @@ def served(prompt: List[int], out_ids: List[int], max_new_tokens: int) -> Tuple[
 
 def workload(n: int = 12, seed: int = 0) -> Tuple[List[List[int]], List[int]]:
     g = torch.Generator().manual_seed(seed)
-    prompts = [torch.randint(0, MASK, (int(torch.randint(2, 14, (1,), generator=g)),), generator=g).tolist()
+    prompts = [torch.randint(0, VOCAB, (int(torch.randint(2, 14, (1,), generator=g)),), generator=g).tolist()
                for _ in range(n)]
     lengths = [int(torch.randint(1, 48, (1,), generator=g)) for _ in range(n)]
     return prompts, lengths
@@ -163,6 +157,11 @@ def refs(model):
     enc = Encoder(model)
     prompts, lengths = workload()
     spec = [hf_linear_spec_generate(enc, p, n, L, MASK, EOS) for p, n in zip(prompts, lengths)]
+    # one more row: a block accepting >= 2 tokens that crosses max_new_tokens (the published loop overshoots)
+    i, b = next((i, b) for i, (_, _, acc) in enumerate(spec) for b, a in enumerate(acc) if a >= 2)
+    prompts.append(prompts[i])
+    lengths.append(1 + sum(spec[i][2][:b]) + 1)
+    spec.append(hf_linear_spec_generate(enc, prompts[-1], lengths[-1], L, MASK, EOS))
     ar = [hf_ar_generate(enc, p, n, EOS) for p, n in zip(prompts, lengths)]
     return prompts, lengths, spec, ar
 
@@ -215,7 +214,7 @@ def test_a_mixed_batch_gives_each_row_its_batch_size_one_tokens(model, refs, sch
     budget = 160 if scheduler == "blockserve" else 4096
     eng = LinearSpecEngine(model, EngineConfig(block_length=L, token_budget=budget, scheduler=scheduler,
                                                max_batch_size=8))
-    kinds = ["linear_spec" if i % 3 else "ar" for i in range(len(prompts))]
+    kinds = ["ar" if i % 3 == 1 else "linear_spec" for i in range(len(prompts))]
     outs = eng.generate(prompts, [params(n, k) for n, k in zip(lengths, kinds)])
     for i, (p, n, k, out) in enumerate(zip(prompts, lengths, kinds, outs)):
         ids = spec[i][0] if k == "linear_spec" else ar[i][0]
@@ -240,7 +239,7 @@ def test_linear_spec_takes_fewer_forwards_than_ar(model, refs):
     (dict(policy="fixed"), "policy"),
     (dict(decoding="diffusion"), "serves decoding 'linear_spec' and 'ar'"),
     (dict(decoding="bogus"), "decoding must be one of"),
-    (dict(max_new_tokens=600), "exceeds the model context"),
+    (dict(max_new_tokens=5000), "exceeds the model context"),
 ])
 def test_settings_it_does_not_serve_are_refused(model, change, message):
     eng = LinearSpecEngine(model, EngineConfig(block_length=L, token_budget=4096))
@@ -249,19 +248,15 @@ def test_settings_it_does_not_serve_are_refused(model, change, message):
     assert out.finish_reason == FinishReason.ERROR and message in out.error, out.error
 
 
-def test_other_families_and_engine_settings_are_refused(model, monkeypatch):
+def test_other_families_and_engine_settings_are_refused(model):
     with pytest.raises(ValueError, match="cache"):
         LinearSpecEngine(model, EngineConfig(block_length=L, cache="none"))
-    monkeypatch.setattr(linear_spec, "SELF_SPECULATIVE", frozenset({"nemotron_labs_diffusion"}))
-    eng = LinearSpecEngine(model, EngineConfig(block_length=L, token_budget=4096))
-    out = eng.generate([[1, 2, 3]], params(4))[0]
+    llada = build_model(ModelConfig.tiny("llada"), torch.float64)
+    out = LinearSpecEngine(llada, EngineConfig(block_length=L, token_budget=4096)).generate([[1, 2, 3]], params(4))[0]
     assert out.finish_reason == FinishReason.ERROR and "trained for causal and bidirectional" in out.error
 
 
-def test_the_block_engine_refuses_decoding_modes_it_does_not_serve():
-    from engine import Engine
-
-    eng = Engine(build_model(tiny(dllm_attention="block_causal"), torch.float64),
-                 EngineConfig(block_length=L, token_budget=4096))
+def test_the_block_engine_refuses_decoding_modes_it_does_not_serve(model):
+    eng = Engine(model, EngineConfig(block_length=L, token_budget=4096))
     out = eng.generate([[1, 2, 3]], params(4))[0]
     assert out.finish_reason == FinishReason.ERROR and "decoding" in out.error, out.error
