@@ -311,6 +311,10 @@ class SamplingParams:
         "diffusion: the model's diffusion loop; linear_spec: LinearSpec self-speculation (per block one "
         "bidirectional draft and one causal verify forward, the longest agreeing prefix plus one token kept; "
         "Nemotron-Labs-Diffusion, greedy); ar: plain causal greedy decoding through the same weights")})
+    draft_threshold: Optional[float] = field(default=None, metadata={"bounds": within(0, 1, low_open=True), "help": (
+        "decoding linear_spec: the draft repeats its bidirectional pass, each committing the masks whose "
+        "probability is at least this (at least the most confident), until the block holds no mask; "
+        "none: one pass fills every mask (the published default, threshold 0)")})
     # vLLM's other names, as keyword arguments (from_dict maps them): not fields
     max_tokens: InitVar[Optional[int]] = None
     max_completion_tokens: InitVar[Optional[int]] = None

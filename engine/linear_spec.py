@@ -22,10 +22,11 @@ blockray's schedulers' (blockserve, static, sequential; engine.scheduler), a row
 being prompt + generated + L; a preempted row drops its K/V and recomputes them causally
 when it comes back (its state is its tokens and its seed, so the result is unchanged).
 
-Greedy only (the published loops' temperature 0); the published `threshold` draft
-iteration, the thinking budget and LoRA are not served (the first two are parameters
-nobody sets by default; LinearSpec's LoRA variant would need the adapter toggled between
-the two forwards). Output token ids end before the first stop id, as the block engine's;
+Greedy only (the published loops' temperature 0). The published `threshold` draft
+iteration is SamplingParams.draft_threshold (passes until the block holds no mask, so
+more than two forwards a block). The thinking budget and LoRA are not served
+(LinearSpec's LoRA variant toggles the adapter on for the draft only; blockray merges an
+adapter into the weights, so LinearSpecEngine refuses one). Output token ids end before the first stop id, as the block engine's;
 the published loop can overshoot max_new_tokens by up to L - 1 tokens within its last
 block, which are cut here."""
 from __future__ import annotations
@@ -97,7 +98,11 @@ class LinearSpecEngine(EngineCore):
 
     reads = LINEAR_SPEC
 
-    def __init__(self, model: DLLM, config: EngineConfig = EngineConfig(), tokenizer: Any = None):
+    def __init__(self, model: DLLM, config: EngineConfig = EngineConfig(), tokenizer: Any = None,
+                 adapter: Optional[str] = None):
+        if adapter is not None:  # the Checkpoint's adapter (Checkpoint.adapter), merged into every forward's weights
+            raise ValueError(f"adapter {adapter!r}: LinearSpec's LoRA applies to its draft forward only, and blockray "
+                             "merges an adapter into the weights of every forward; drop the adapter")
         config = replace(config, token_budget=config.fixed_token_budget())
         super().__init__(config, tokenizer, model.config.vocab_size)
         self.model, self.mcfg, self.device = model, model.config, model.device
@@ -198,13 +203,7 @@ class LinearSpecEngine(EngineCore):
         spec = [r.params.decoding == "linear_spec" for r in rows]
         T = L if any(spec) else 1
         blocks = [[r.state.seed] + [mask_id] * (T - 1) for r in rows]
-        drafting = [i for i, s in enumerate(spec) if s and L > 1]
-        if drafting:
-            logits = self._attend([rows[i] for i in drafting], [blocks[i] for i in drafting], causal=False)[0]
-            draft = logits.argmax(-1).tolist()
-            for j, i in enumerate(drafting):
-                blocks[i] = [d if b == mask_id else b for b, d in zip(blocks[i], draft[j])]
-                rows[i].state.forwards += 1
+        self._draft(rows, blocks, [i for i, s in enumerate(spec) if s and L > 1])
         logits, cache, W = self._attend(rows, blocks, causal=True)
         ar = logits.argmax(-1).tolist()
         for i, r in enumerate(rows):
@@ -217,6 +216,37 @@ class LinearSpecEngine(EngineCore):
             st.seed = ar[i][n - 1]
             r.num_steps += 1
             self._emit(r, ar[i][:n])
+
+    def _draft(self, rows: List[Request], blocks: List[List[int]], drafting: List[int]) -> None:
+        """The draft of rows `drafting` (their `blocks` filled in place): one bidirectional
+        pass whose argmax fills every mask; with a draft_threshold, passes until no mask is
+        left, each filling the masks whose probability is at least it (at least the most
+        confident). At most L passes (the published loop would spin forever on a model
+        that keeps proposing the mask id)."""
+        mask_id = self.mcfg.mask_token_id
+        for _ in range(self.L):
+            if not drafting:
+                return
+            logits = self._attend([rows[i] for i in drafting], [blocks[i] for i in drafting], causal=False)[0]
+            tokens = logits.argmax(-1)
+            conf = torch.softmax(logits, -1).gather(-1, tokens[..., None])[..., 0].tolist()
+            tokens = tokens.tolist()
+            more = []
+            for j, i in enumerate(drafting):
+                rows[i].state.forwards += 1
+                th, blk = rows[i].params.draft_threshold, blocks[i]
+                masked = [t == mask_id for t in blk]
+                if not th:
+                    blocks[i] = [d if m else t for t, m, d in zip(blk, masked, tokens[j])]
+                    continue
+                c = [x if m else float("-inf") for x, m in zip(conf[j], masked)]
+                fill = [x >= th for x in c]
+                if not any(fill):
+                    fill[max(range(len(c)), key=lambda k: (c[k], -k))] = True  # the first most confident
+                blocks[i] = [d if f else t for t, f, d in zip(blk, fill, tokens[j])]
+                if mask_id in blocks[i]:
+                    more.append(i)
+            drafting = more
 
     def _attend(self, rows: List[Request], blocks: List[List[int]], causal: bool) -> Tuple[torch.Tensor, KVCache, int]:
         """One forward of `blocks` ([n][T]) after each row's cached prefix, laid out
@@ -242,6 +272,7 @@ class LinearSpecEngine(EngineCore):
     def _forward(self, ids, pos, mask, cache: KVCache, offset: int, last: int) -> torch.Tensor:
         self.forwards += 1
         self.stats.steps += 1
+        self.stats.forwards += 1
         with torch.no_grad():
             return self.model(ids, pos, mask, cache=cache, offset=offset, logits_last=last)
 

@@ -32,7 +32,8 @@ MULTI_BLOCK_SAMPLING = frozenset({"multi_block", "block_add_threshold", "decoded
 MULTI_BLOCK_ROW = frozenset({"max_new_tokens", "stop_token_ids", "stop", "ignore_eos", "include_stop_str_in_output",
                              "seed"}) | MULTI_BLOCK_SAMPLING
 # Nemotron-Labs-Diffusion's LinearSpec and AR modes (engine.linear_spec): greedy, the length and the stops
-LINEAR_SPEC_SAMPLING = frozenset({"decoding", "max_new_tokens", "stop_token_ids", "ignore_eos", "seed"})
+LINEAR_SPEC_SAMPLING = frozenset({"decoding", "max_new_tokens", "stop_token_ids", "ignore_eos", "seed",
+                                  "draft_threshold"})
 LINEAR_SPEC_ENGINE = frozenset({"token_budget", "scheduler", "max_batch_size", "block_length"})
 # DiffusionGemma's canvas engine (engine.canvas): transformers' knobs
 CANVAS_SAMPLING = frozenset({"max_new_tokens", "seed", "max_denoising_steps", "entropy_bound", "t_min", "t_max",

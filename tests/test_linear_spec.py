@@ -73,9 +73,9 @@ class Encoder:
 
 
 def hf_linear_spec_generate(enc: Encoder, prompt: List[int], max_new_tokens: int, block_length: int,
-                            mask_id: int, eos: Optional[int]) -> Tuple[List[int], int, List[int]]:
-    """linear_spec_generate at temperature 0, threshold 0: (output ids with the prompt, nfe,
-    the accepted length of each block)."""
+                            mask_id: int, eos: Optional[int], threshold: float = 0.0) -> Tuple[List[int], int, List[int]]:
+    """linear_spec_generate at temperature 0: (output ids with the prompt, nfe, the accepted
+    length of each block)."""
     cache = list(prompt)  # prefill (causal)
     next_token = int(enc([], prompt, causal=True)[-1].argmax())
     nfe = 1
@@ -86,13 +86,28 @@ def hf_linear_spec_generate(enc: Encoder, prompt: List[int], max_new_tokens: int
         cache_len = len(cache)
         block = [next_token] + [mask_id] * (block_length - 1)
         while True:  # the draft (bidirectional): threshold 0 breaks after one pass
-            is_mask = [t == mask_id for t in block]
-            if not any(is_mask):
+            is_mask = torch.tensor([t == mask_id for t in block])
+            if not is_mask.any():
                 break
-            draft = enc(cache, block, causal=False).argmax(-1).tolist()
+            draft_logits = enc(cache, block, causal=False)
             nfe += 1
-            block = [d if m else t for t, m, d in zip(block, is_mask, draft)]
-            break
+            draft_tokens = draft_logits.argmax(dim=-1)
+            draft_probs = torch.softmax(draft_logits, dim=-1)
+            cur = torch.tensor(block)
+            if threshold > 0:
+                draft_conf = torch.gather(draft_probs, -1, draft_tokens.unsqueeze(-1)).squeeze(-1)
+                draft_conf = torch.where(is_mask, draft_conf, -torch.inf)
+                unmask = draft_conf >= threshold
+                if not unmask.any():  # force progress
+                    best_idx = draft_conf.view(-1).argmax()
+                    unmask = torch.zeros_like(is_mask, dtype=torch.bool)
+                    unmask.view(-1)[best_idx] = True
+                cur[unmask] = draft_tokens[unmask]
+                block = cur.tolist()
+            else:
+                cur[is_mask] = draft_tokens[is_mask]
+                block = cur.tolist()
+                break
         ar = enc(cache, block, causal=True).argmax(-1).tolist()  # the verify (causal), its K/V appended
         cache = cache + block
         nfe += 1
@@ -260,3 +275,36 @@ def test_the_block_engine_refuses_decoding_modes_it_does_not_serve(model):
     eng = Engine(model, EngineConfig(block_length=L, token_budget=4096))
     out = eng.generate([[1, 2, 3]], params(4))[0]
     assert out.finish_reason == FinishReason.ERROR and "decoding" in out.error, out.error
+
+
+DRAFT_THRESHOLD = 0.3
+
+
+@pytest.fixture(scope="module")
+def threshold_refs(model, refs):
+    enc = Encoder(model)
+    prompts, lengths = refs[0][:8], refs[1][:8]
+    return prompts, lengths, [hf_linear_spec_generate(enc, p, n, L, MASK, EOS, DRAFT_THRESHOLD)
+                              for p, n in zip(prompts, lengths)]
+
+
+@pytest.mark.parametrize("scheduler", ["blockserve", "static"])
+def test_the_draft_threshold_iterates_as_published(model, threshold_refs, scheduler):
+    """threshold > 0: the draft repeats until the block holds no mask (more than two
+    forwards a block, fired below), in a batch with rows that draft once."""
+    prompts, lengths, spec = threshold_refs
+    assert any(nfe > 1 + 2 * len(acc) for _, nfe, acc in spec)  # some blocks took several draft passes
+    eng = LinearSpecEngine(model, EngineConfig(block_length=L, token_budget=4096, scheduler=scheduler))
+    sps = [SamplingParams(decoding="linear_spec", max_new_tokens=n, stop_token_ids=[EOS],
+                          draft_threshold=DRAFT_THRESHOLD if i % 2 == 0 else None) for i, n in enumerate(lengths)]
+    outs = eng.generate(prompts, sps)
+    for i, (p, n, out) in enumerate(zip(prompts, lengths, outs)):
+        if i % 2 == 0:
+            assert (out.token_ids, out.finish_reason) == served(p, spec[i][0], n), i
+            if out.finish_reason == FinishReason.LENGTH:
+                assert out.num_steps == spec[i][1]
+
+
+def test_an_adapter_is_refused(model):
+    with pytest.raises(ValueError, match="adapter"):
+        LinearSpecEngine(model, EngineConfig(block_length=L, token_budget=4096), adapter="some/lora")
