@@ -21,7 +21,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from engine import ModelConfig, build_model
+from engine import Engine, EngineConfig, ModelConfig, SamplingParams, build_model
 from engine.models.families import ConfigRefused
 
 torch.set_num_threads(1)
@@ -145,3 +145,258 @@ def test_config_round_trips():
     again = ModelConfig.from_hf(cfg.to_hf())
     assert again.rope_yarn == cfg.rope_yarn and again.q_position_scale == cfg.q_position_scale
     assert ModelConfig(**cfg.as_dict()).rope_yarn == cfg.rope_yarn
+
+
+# --- the published loop, transcribed ----------------------------------------------------------
+
+class PublishedNemotron:
+    """NemotronLabsDiffusionModel's encoder + diffusion_head at inference, float64 over the
+    checkpoint tensors: Ministral3's layer (yarn RoPE, its attention factor on cos / sin, q
+    times 1 + beta ln(1 + floor(pos / original_max)) after RoPE, GQA, eager softmax). The
+    attention is the published switch: `causal` (self_attn.diffusion_lm False, a causal mask
+    over the cached prefix and the input) or bidirectional (diffusion_lm True: no mask, the
+    input sees the cached prefix and itself). `cache` is a DynamicCache ({layer: (K, V)}):
+    use_cache=True appends the input's K/V, use_cache=False only reads it."""
+
+    def __init__(self, model):
+        self.w = checkpoint(model)
+        self.hf = model.config.to_hf()
+        self.forwards = 0
+
+    def rms(self, x, key):
+        return self.w[key] * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.hf["rms_norm_eps"]))
+
+    def rope(self, pos, D):
+        """transformers' yarn inverse frequencies and attention factor, in float64."""
+        import math
+        rp = self.hf["rope_parameters"]
+        base, factor, orig = rp["rope_theta"], rp["factor"], rp["original_max_position_embeddings"]
+        dim_at = lambda rot: (D * math.log(orig / (rot * 2 * math.pi))) / (2 * math.log(base))  # noqa: E731
+        low, high = math.floor(dim_at(rp["beta_fast"])), math.ceil(dim_at(rp["beta_slow"]))
+        low, high = max(low, 0), min(high, D - 1)
+        pos_freqs = base ** (torch.arange(0, D, 2, dtype=torch.float64) / D)
+        ramp = ((torch.arange(D // 2, dtype=torch.float64) - low) / ((high + 0.001 if low == high else high) - low))
+        extra = 1 - ramp.clamp(0, 1)
+        inv = (1.0 / (factor * pos_freqs)) * (1 - extra) + (1.0 / pos_freqs) * extra
+        emb = torch.cat([pos[:, None] * inv] * 2, -1)
+        return emb.cos() * rp["attention_factor"], emb.sin() * rp["attention_factor"]
+
+    def __call__(self, ids, cache, causal, use_cache):
+        """Logits [T, V] of ids [T] placed after the cached columns."""
+        self.forwards += 1
+        hf, w = self.hf, self.w
+        T, H, Hkv, D = len(ids), hf["num_attention_heads"], hf["num_key_value_heads"], hf["head_dim"]
+        past = cache[0][0].shape[1] if 0 in cache else 0
+        pos = torch.arange(past, past + T, dtype=torch.float64)
+        cos, sin = self.rope(pos, D)
+        rp = hf["rope_parameters"]
+        qscale = (1 + rp["llama_4_scaling_beta"] * torch.log(1 + torch.floor(pos / rp["original_max_position_embeddings"])))
+        keep = torch.ones(T, past + T, dtype=torch.bool)
+        if causal:
+            keep = (torch.arange(past + T)[None] <= (torch.arange(T) + past)[:, None])
+        additive = torch.zeros(T, past + T, dtype=torch.float64).masked_fill(~keep, float("-inf"))
+
+        def rotary(t):
+            return t * cos + torch.cat([-t[..., D // 2:], t[..., : D // 2]], -1) * sin
+
+        h = w["encoder.embed_tokens.weight"][torch.tensor(ids)]
+        for i in range(hf["num_hidden_layers"]):
+            p = f"encoder.layers.{i}."
+            x = self.rms(h, p + "input_layernorm.weight")
+            proj = lambda m, n: F.linear(x, w[p + f"self_attn.{m}_proj.weight"]).view(T, n, D).transpose(0, 1)  # noqa: E731
+            q, k, v = rotary(proj("q", H)) * qscale[None, :, None], rotary(proj("k", Hkv)), proj("v", Hkv)
+            if i in cache:
+                k, v = torch.cat([cache[i][0], k], 1), torch.cat([cache[i][1], v], 1)
+            if use_cache:
+                cache[i] = (k, v)
+            k, v = k.repeat_interleave(H // Hkv, 0), v.repeat_interleave(H // Hkv, 0)
+            att = torch.softmax(q @ k.transpose(1, 2) * D ** -0.5 + additive, -1) @ v
+            h = h + F.linear(att.transpose(0, 1).reshape(T, H * D), w[p + "self_attn.o_proj.weight"])
+            x = self.rms(h, p + "post_attention_layernorm.weight")
+            h = h + F.linear(F.silu(F.linear(x, w[p + "mlp.gate_proj.weight"])) * F.linear(x, w[p + "mlp.up_proj.weight"]),
+                             w[p + "mlp.down_proj.weight"])
+        return F.linear(self.rms(h, "encoder.norm.weight"), w["diffusion_head.weight"])
+
+
+def generate(model, prompt, max_new_tokens, block_length, threshold=None, eos_token_id=EOS, mask_id=MASK,
+             trace=None):
+    """modeling_nemotron_labs_diffusion.py generate() for one request, temperature 0,
+    causal_context on (its default), no thinking budget: returns the answer as the engine
+    returns it, the first `max_new_tokens` tokens before the first eos (generate() itself
+    takes a multiple of block_length and returns the eos)."""
+    L = block_length
+    gen = -(-max_new_tokens // L) * L  # `assert max_new_tokens % block_length == 0`
+    cache = {}
+    logits = model(prompt, cache, causal=True, use_cache=True)  # the causal prefill
+    next_token = int(logits[-1].argmax())
+    x = torch.tensor(list(prompt))
+    p = len(prompt)
+    for nb in range(gen // L):
+        block = torch.full((L,), mask_id)
+        block[0] = next_token
+        x = torch.cat([x, block])
+        cols = slice(p + nb * L, p + (nb + 1) * L)
+        n = int((x[cols] == mask_id).sum())  # _get_num_transfer_tokens(mask_block_idx0, steps = L)
+        schedule = [n // L + (1 if i < n % L else 0) for i in range(L)]
+        for i in range(L):
+            cur = x[cols].clone()
+            mask_index = cur == mask_id
+            if not bool(mask_index.any()):
+                break
+            lg = model(cur.tolist(), cache, causal=False, use_cache=False)
+            x0 = lg.argmax(-1)  # _get_transfer_index, temperature 0
+            x0_p = torch.softmax(lg, -1).gather(-1, x0[:, None]).squeeze(-1)
+            x0 = torch.where(mask_index, x0, cur)
+            conf = torch.where(mask_index, x0_p, -torch.inf)
+            k = int(mask_index.sum()) if threshold is not None else schedule[i]
+            _, sel = torch.topk(conf, k=k)
+            transfer = torch.zeros(L, dtype=torch.bool)
+            transfer[sel] = True
+            if threshold is not None:
+                for j in range(1, k):
+                    if conf[sel[j]] < threshold:
+                        transfer[sel[j]] = False
+            cur[transfer] = x0[transfer]
+            x[cols] = cur
+            if trace is not None:
+                trace.append(dict(block=nb, step=i, masks=int(mask_index.sum()), k=k, taken=int(transfer.sum()),
+                                  high=int((conf >= (threshold or 2.0)).sum()), threshold=threshold))
+            eos = cur == eos_token_id
+            if bool(eos.any()):  # eos with no mask before it: the block is done
+                before = (cur == mask_id) & ~(eos.cumsum(0) > 0)
+                if not bool(before.any()):
+                    if trace is not None:
+                        trace.append(dict(block=nb, eos_break=True, masks_left=int((cur == mask_id).sum())))
+                    break
+        logits = model(x[cols].tolist(), cache, causal=True, use_cache=True)  # the block's K/V, the next seed
+        next_token = int(logits[-1].argmax())
+        if trace is not None:
+            trace.append(dict(block=nb, seed=next_token))
+        if bool((x[p:] == eos_token_id).any()):
+            break
+    ans = x[p:p + max_new_tokens].tolist()
+    return next((ans[:j] for j, t in enumerate(ans) if t == eos_token_id), ans)
+
+
+# --- the workload ------------------------------------------------------------------------------
+
+L, BUDGET = 8, 96
+LENGTHS = [1, 3, 5, 7, 8, 9, 12, 16, 17, 21, 24, 30]
+MAX_NEW = [9, 36, 6, 30, 25, 27, 34, 7, 30, 29, 38, 16]
+THRESHOLDS = [None, 0.3, 0.5, None, 0.7, 0.2]  # None: the fixed schedule (one mask a step)
+
+
+STOPS = [EOS, 54, 70, 75]  # the row's eos (generate()'s eos_token_id; EOS: the config's, the others per row)
+
+
+def workload():
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(12, MASK, (n,), generator=g).tolist() for n in LENGTHS]
+    prompts[6][-1] = EOS  # an eos in the prompt never stops the row
+    return prompts, [(THRESHOLDS[i % len(THRESHOLDS)], n, STOPS[i % len(STOPS)]) for i, n in enumerate(MAX_NEW)]
+
+
+def nemotron_model(seed: int = 0):
+    model = tiny_model(seed, **ACTIVE_ROPE)  # positions past 8: the q scaling acts in every row
+    with torch.no_grad():
+        model.lm_head.weight[EOS].mul_(1.3)  # eos now and then
+    return model
+
+
+def params(row):
+    threshold, n, stop = row
+    return SamplingParams(max_new_tokens=n, policy="fixed" if threshold is None else "threshold",
+                          threshold=0.9 if threshold is None else threshold,
+                          stop_token_ids=None if stop == EOS else [stop])
+
+
+@pytest.fixture(scope="module")
+def model():
+    return nemotron_model(0)
+
+
+@pytest.fixture(scope="module")
+def references(model):
+    ref, trace = PublishedNemotron(model), []
+    prompts, rows = workload()
+    outs = []
+    for i, (prompt, (threshold, n, stop)) in enumerate(zip(prompts, rows)):
+        start = len(trace)
+        outs.append(generate(ref, prompt, n, L, threshold, eos_token_id=stop, trace=trace))
+        for t in trace[start:]:
+            t["row"] = i
+    return prompts, rows, outs, trace
+
+
+def test_the_transcription_forward_equals_the_engine(model):
+    """The transcription's two attentions against the engine's forward at 1e-12: a causal
+    prefill into the cache, then a block bidirectional over it, as one causal-context mask."""
+    ref = PublishedNemotron(model)
+    T, B = 21, 5
+    ids = torch.randint(0, VOCAB, (T,), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        ours = model(ids[None], torch.arange(T)[None], context_mask(T, B)[None, None])[0]
+        causal = model(ids[None], torch.arange(T)[None], torch.ones(T, T).tril().bool()[None, None])[0]
+    cache = {}
+    torch.testing.assert_close(causal[:T - B], ref(ids[:T - B].tolist(), cache, causal=True, use_cache=True),
+                               rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(ours[T - B:], ref(ids[T - B:].tolist(), cache, causal=False, use_cache=False),
+                               rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(causal[T - B:], ref(ids[T - B:].tolist(), cache, causal=True, use_cache=True),
+                               rtol=1e-12, atol=1e-12)
+
+
+def test_the_workload_exercises_every_published_rule(references):
+    prompts, rows, outs, trace = references
+    steps = [t for t in trace if "step" in t]
+    assert any(len(o) < n for o, (_, n, _) in zip(outs, rows))  # rows stopped at their eos
+    assert any(len(o) == 0 for o in outs)  # a seed that is the eos
+    assert any(t.get("eos_break") and t["masks_left"] > 0 for t in trace)  # eos with no mask before it ends a block
+    assert any(len(o) > 2 * L for o in outs)  # several blocks
+    fixed = [t for t in steps if t["threshold"] is None]
+    assert fixed and all(t["k"] == 1 for t in fixed if t["step"] < L - 1)  # L-1 masks over L steps: one a step
+    thr = [t for t in steps if t["threshold"] is not None]
+    assert any(t["taken"] > 1 for t in thr)  # the threshold took several
+    assert any(t["high"] == 0 and t["taken"] == 1 for t in thr)  # the most confident one alone
+    assert any(t["high"] < t["masks"] and t["taken"] < t["masks"] for t in thr)
+    assert EOS in prompts[6] and len(outs[6]) > 0
+
+
+@pytest.mark.parametrize("scheduler, cache", [("blockserve", "persistent"), ("static", "persistent"),
+                                              ("sequential", "persistent"), ("blockserve", "none"),
+                                              ("static", "refresh")])
+def test_one_mixed_batch_equals_the_published_loop(model, references, scheduler, cache):
+    prompts, rows, outs, _ = references
+    cfg = EngineConfig(block_length=L, steps_per_block=L, cache=cache, scheduler=scheduler,
+                       token_budget=BUDGET if scheduler == "blockserve" else 4096, max_batch_size=6)
+    eng = Engine(model, cfg, record_batches=True)
+    got = eng.generate(prompts, [params(r) for r in rows])
+    if scheduler != "sequential":
+        assert max(len(b.request_ids) for b in eng.batch_log) > 1
+    if scheduler == "blockserve":
+        assert eng.scheduler.preemptions > 0
+    assert [o.token_ids for o in got] == outs
+
+
+def test_step_advance_and_one_row_at_a_time(model, references):
+    """advance='step' (rows join and leave at any step) and each row alone: the same tokens."""
+    prompts, rows, outs, _ = references
+    cfg = EngineConfig(block_length=L, steps_per_block=L, cache="persistent", advance="step", token_budget=BUDGET,
+                       max_batch_size=4)
+    got = Engine(model, cfg).generate(prompts, [params(r) for r in rows])
+    assert [o.token_ids for o in got] == outs
+    alone = EngineConfig(block_length=L, steps_per_block=L, cache="persistent")
+    for i in (0, 4, 9):
+        assert Engine(model, alone).generate([prompts[i]], params(rows[i]))[0].token_ids == outs[i]
+
+
+def test_decodings_it_does_not_serve_are_refused(model):
+    eng = Engine(model, EngineConfig(block_length=L, steps_per_block=L, cache="persistent"))
+    for bad, match in ((SamplingParams(max_new_tokens=8, first_position=False), "first_position"),
+                       (SamplingParams(max_new_tokens=8, sub_block_length=4), "one block at a time"),
+                       (SamplingParams(max_new_tokens=8, block_add_threshold=0.1, policy="threshold"), "")):
+        out = eng.generate([[20, 21]], bad)[0]
+        assert out.finish_reason == "error" and match in out.error, out.error
+    assert "empty prompt" in eng.generate([[]], SamplingParams(max_new_tokens=8))[0].error
+    full = Engine(model, EngineConfig(block_length=L, steps_per_block=L, cache="none", canvas="full"))
+    assert "canvas" in full.generate([[20, 21]], SamplingParams(max_new_tokens=8))[0].error

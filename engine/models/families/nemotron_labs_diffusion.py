@@ -36,6 +36,10 @@ YARN_KEYS = frozenset({"rope_type", "type", "rope_theta", "factor", "original_ma
                        "llama_4_scaling_beta"})
 
 
+# the decoding rules (engine.rules' names) that run generate()'s loop on this family's attention
+SERVED_RULES = frozenset({"block"})
+
+
 class NemotronLabsDiffusionFamily(Family):
     def parse(self, hf: Mapping[str, Any]) -> Dict[str, Any]:
         params = hf.get("rope_parameters")
@@ -69,7 +73,7 @@ class NemotronLabsDiffusionFamily(Family):
     def row_refusal(self, req: Any, layout: Any) -> Optional[str]:
         """The diffusion mode as generate() runs it: one block at a time on the block canvas,
         seeded from the token before it."""
-        if req.rule.name != "block":
+        if req.rule.name not in SERVED_RULES:
             return (f"{self.name}'s diffusion mode decodes one block at a time (causal prefix, bidirectional "
                     f"block); the {req.rule.name!r} decoding is not served for it")
         if layout.full_canvas:
