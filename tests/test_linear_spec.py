@@ -4,7 +4,8 @@
 public code index), one request at a time, and served in batches.
 
 The transcriptions keep the published loops' order and tests, at batch size 1, greedy
-(temperature 0), threshold 0 (one draft pass), no thinking budget, no LoRA:
+(temperature 0), no thinking budget, no LoRA (the draft threshold both at its default 0
+and > 0):
 
 - `linear_spec_generate`: a causal prefill whose last logit's argmax is the first token
   (an eos there ends the row); then, while fewer than max_new_tokens tokens are out, a
@@ -18,18 +19,17 @@ The transcriptions keep the published loops' order and tests, at batch size 1, g
 - `ar_generate`: a causal prefill, then per step the argmax of the last logit, appended;
   an eos ends it; a causal forward of the new token when more are to come.
 
-The published cache is transcribed by its contents: the tokens whose K/V it holds, every
-pass recomputing them from those tokens (a K/V of a causal pass depends only on the tokens
-up to it, so a cached and a recomputed prefix are the same numbers), which keeps the
-oracle apart from the engine's cache layout. The engine cuts its token ids before the
-first stop id, as blockray's other engines do; the published outputs keep it."""
+The encoder is test_nemotron_labs_diffusion's `PublishedNemotron` (Ministral3's layer over
+the checkpoint tensors in float64, its DynamicCache a dict of per-layer K/V that
+use_cache=True appends to and use_cache=False only reads), the crop `_crop_dynamic_cache`.
+The engine cuts its token ids before the first stop id, as blockray's other engines do;
+the published outputs keep it."""
 from __future__ import annotations
 
 from typing import List, Optional, Tuple
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 import test_nemotron_labs_diffusion as nld
 from engine import Engine, EngineConfig, ModelConfig, SamplingParams, build_model
@@ -43,57 +43,40 @@ L = 8
 
 @pytest.fixture(scope="module")
 def model():
-    """A tiny Nemotron-Labs-Diffusion model from the located 8B config, YaRN and Llama-4's
-    q scaling active from position 8 on (test_nemotron_labs_diffusion)."""
-    return nld.tiny_model(**nld.ACTIVE_ROPE)
+    """test_nemotron_labs_diffusion's tiny Nemotron-Labs-Diffusion model: from the located 8B
+    config, YaRN and Llama-4's q scaling active from position 8 on, eos now and then."""
+    return nld.nemotron_model(0)
 
 
-class Encoder:
-    """The published `self.encoder` + `self.diffusion_head` as the two loops call them:
-    transformers' Ministral3Model over the checkpoint's encoder.* tensors (float64;
-    test_nemotron_labs_diffusion.hf_encoder). `cached` are the tokens whose K/V the
-    DynamicCache holds (computed causally), `block` the tokens of this pass, attending to
-    the whole cache and to each other causally or (diffusion_lm) bidirectionally."""
-
-    def __init__(self, model):
-        self.enc, self.head = nld.hf_encoder(model, **nld.ACTIVE_ROPE)
-
-    def __call__(self, cached: List[int], block: List[int], causal: bool) -> torch.Tensor:
-        seq = cached + block
-        n, c = len(seq), len(cached)
-        q, k = torch.arange(n)[:, None], torch.arange(n)[None]
-        keep = k <= q
-        if not causal:
-            keep[c:, c:] = True
-        additive = torch.zeros(n, n, dtype=torch.float64).masked_fill(~keep, float("-inf"))[None, None]
-        with torch.no_grad():
-            h = self.enc(input_ids=torch.tensor([seq]), attention_mask=additive,
-                         position_ids=torch.arange(n)[None]).last_hidden_state[0, c:]
-        return F.linear(h, self.head)
+def crop(cache, max_length: int) -> None:
+    """_crop_dynamic_cache: every layer's K/V cut to their first `max_length` columns."""
+    for i, (k, v) in cache.items():
+        cache[i] = (k[:, :max_length], v[:, :max_length])
 
 
-def hf_linear_spec_generate(enc: Encoder, prompt: List[int], max_new_tokens: int, block_length: int,
+def hf_linear_spec_generate(enc: nld.PublishedNemotron, prompt: List[int], max_new_tokens: int, block_length: int,
                             mask_id: int, eos: Optional[int], threshold: float = 0.0) -> Tuple[List[int], int, List[int]]:
     """linear_spec_generate at temperature 0: (output ids with the prompt, nfe, the accepted
     length of each block)."""
-    cache = list(prompt)  # prefill (causal)
-    next_token = int(enc([], prompt, causal=True)[-1].argmax())
+    cache = {}  # the DynamicCache: {layer: (K, V)}
+    last_logit = enc(prompt, cache, causal=True, use_cache=True)[-1]  # prefill (causal)
     nfe = 1
+    next_token = int(last_logit.argmax())
     if eos is not None and next_token == eos:
         return prompt + [next_token], nfe, []
     generated, total_gen, accepts = [next_token], 1, []
     while total_gen < max_new_tokens:
-        cache_len = len(cache)
-        block = [next_token] + [mask_id] * (block_length - 1)
-        while True:  # the draft (bidirectional): threshold 0 breaks after one pass
-            is_mask = torch.tensor([t == mask_id for t in block])
+        cache_len = cache[0][0].shape[1]  # past_key_values.get_seq_length()
+        block = torch.full((block_length,), mask_id)
+        block[0] = next_token
+        while True:  # the draft (bidirectional, use_cache=False): threshold 0 breaks after one pass
+            is_mask = block == mask_id
             if not is_mask.any():
                 break
-            draft_logits = enc(cache, block, causal=False)
+            draft_logits = enc(block.tolist(), cache, causal=False, use_cache=False)
             nfe += 1
             draft_tokens = draft_logits.argmax(dim=-1)
             draft_probs = torch.softmax(draft_logits, dim=-1)
-            cur = torch.tensor(block)
             if threshold > 0:
                 draft_conf = torch.gather(draft_probs, -1, draft_tokens.unsqueeze(-1)).squeeze(-1)
                 draft_conf = torch.where(is_mask, draft_conf, -torch.inf)
@@ -102,28 +85,26 @@ def hf_linear_spec_generate(enc: Encoder, prompt: List[int], max_new_tokens: int
                     best_idx = draft_conf.view(-1).argmax()
                     unmask = torch.zeros_like(is_mask, dtype=torch.bool)
                     unmask.view(-1)[best_idx] = True
-                cur[unmask] = draft_tokens[unmask]
-                block = cur.tolist()
+                block[unmask] = draft_tokens[unmask]
             else:
-                cur[is_mask] = draft_tokens[is_mask]
-                block = cur.tolist()
+                block[is_mask] = draft_tokens[is_mask]
                 break
-        ar = enc(cache, block, causal=True).argmax(-1).tolist()  # the verify (causal), its K/V appended
-        cache = cache + block
+        verify_logits = enc(block.tolist(), cache, causal=True, use_cache=True)  # the verify (causal)
         nfe += 1
+        ar_tokens = verify_logits.argmax(dim=-1).tolist()
         accepted = 0
         for i in range(block_length - 1):
-            if ar[i] == block[i + 1]:
+            if ar_tokens[i] == int(block[i + 1]):
                 accepted += 1
             else:
                 break
         accepted += 1
-        accepted_toks = ar[:accepted]
+        accepted_toks = ar_tokens[:accepted]
         generated += accepted_toks
         total_gen += accepted
         accepts.append(accepted)
-        cache = cache[:cache_len + accepted]  # _crop_dynamic_cache
-        next_token = ar[accepted - 1]
+        crop(cache, cache_len + accepted)
+        next_token = ar_tokens[accepted - 1]
         if eos is not None and eos in accepted_toks:
             first = accepted_toks.index(eos)
             del generated[len(generated) - accepted + first + 1:]
@@ -133,10 +114,10 @@ def hf_linear_spec_generate(enc: Encoder, prompt: List[int], max_new_tokens: int
     return prompt + generated, nfe, accepts
 
 
-def hf_ar_generate(enc: Encoder, prompt: List[int], max_new_tokens: int, eos: Optional[int]) -> Tuple[List[int], int]:
+def hf_ar_generate(enc: nld.PublishedNemotron, prompt: List[int], max_new_tokens: int, eos: Optional[int]) -> Tuple[List[int], int]:
     """ar_generate at temperature 0: (output ids with the prompt, nfe)."""
-    cache = list(prompt)
-    next_logit = enc([], prompt, causal=True)[-1]
+    cache = {}
+    next_logit = enc(prompt, cache, causal=True, use_cache=True)[-1]
     generated, nfe = [], 0
     for step in range(max_new_tokens):
         nfe += 1
@@ -145,8 +126,7 @@ def hf_ar_generate(enc: Encoder, prompt: List[int], max_new_tokens: int, eos: Op
         if eos is not None and next_token == eos:
             break
         if step < max_new_tokens - 1:
-            next_logit = enc(cache, [next_token], causal=True)[-1]
-            cache.append(next_token)
+            next_logit = enc([next_token], cache, causal=True, use_cache=True)[-1]
     return prompt + generated, nfe
 
 
@@ -169,7 +149,7 @@ def workload(n: int = 12, seed: int = 0) -> Tuple[List[List[int]], List[int]]:
 
 @pytest.fixture(scope="module")
 def refs(model):
-    enc = Encoder(model)
+    enc = nld.PublishedNemotron(model)
     prompts, lengths = workload()
     spec = [hf_linear_spec_generate(enc, p, n, L, MASK, EOS) for p, n in zip(prompts, lengths)]
     # one more row: a block accepting >= 2 tokens that crosses max_new_tokens (the published loop overshoots)
@@ -282,7 +262,7 @@ DRAFT_THRESHOLD = 0.3
 
 @pytest.fixture(scope="module")
 def threshold_refs(model, refs):
-    enc = Encoder(model)
+    enc = nld.PublishedNemotron(model)
     prompts, lengths = refs[0][:8], refs[1][:8]
     return prompts, lengths, [hf_linear_spec_generate(enc, p, n, L, MASK, EOS, DRAFT_THRESHOLD)
                               for p, n in zip(prompts, lengths)]
