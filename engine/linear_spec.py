@@ -32,6 +32,7 @@ block, which are cut here."""
 from __future__ import annotations
 
 import time
+from collections import Counter
 from dataclasses import dataclass, field, replace
 from typing import Any, List, Optional, Tuple
 
@@ -110,6 +111,7 @@ class LinearSpecEngine(EngineCore):
         self.shape = RowShape(self.L)
         self.scheduler = make_scheduler(config, self.shape)
         self.forwards = 0  # batched forwards
+        self.accepted: Counter = Counter()  # LinearSpec blocks by accepted length (benches read it)
         self._holding: set = set()  # rows whose K/V are held
 
     # --- requests -----------------------------------------------------------------
@@ -213,6 +215,8 @@ class LinearSpecEngine(EngineCore):
             st.v = [torch.cat([h, c[i, :, W - T:W - T + n]], 1) for h, c in zip(st.v, cache.v)]
             st.forwards += 1
             st.accepted.append(n)
+            if spec[i]:
+                self.accepted[n] += 1
             st.seed = ar[i][n - 1]
             r.num_steps += 1
             self._emit(r, ar[i][:n])

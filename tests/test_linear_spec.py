@@ -288,3 +288,17 @@ def test_the_draft_threshold_iterates_as_published(model, threshold_refs, schedu
 def test_an_adapter_is_refused(model):
     with pytest.raises(ValueError, match="adapter"):
         LinearSpecEngine(model, EngineConfig(block_length=L, token_budget=4096), adapter="some/lora")
+
+
+def test_bench_smoke_writes_json(tmp_path):
+    import json
+
+    from bench.linear_spec import main
+
+    out = tmp_path / "linear_spec.json"
+    report = main(["--smoke", "--out", str(out)])
+    assert json.loads(out.read_text())["models"].keys() == {"random", "trained"}
+    assert (tmp_path / "linear_spec.png").exists()
+    runs = report["models"]["random"]["runs"]
+    assert {r["tokens"] for r in runs.values()} == {3 * 16}  # every mode: every row its max_new_tokens
+    assert runs["linear_spec"]["blocks"] > 0 and runs["ar"]["tokens_per_row_forward"] == 1.0
