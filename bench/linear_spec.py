@@ -154,7 +154,7 @@ def main(argv=None) -> Dict[str, Any]:
                for _ in range(args.requests)]
     cfg = ModelConfig.from_hf(TINY)
     report: Dict[str, Any] = dict(
-        command=" ".join([os.path.basename(sys.argv[0])] + (argv if argv is not None else sys.argv[1:])),
+        command="python bench/linear_spec.py " + " ".join(argv if argv is not None else sys.argv[1:]),
         date=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"), machine=machine_info(args.threads),
         git=git_state(), settings=dict(block_length=L, max_new_tokens=max_new, requests=args.requests,
                                        train_steps=args.train_steps, dtype="float32", config=TINY),
