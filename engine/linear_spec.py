@@ -26,15 +26,17 @@ Greedy only (the published loops' temperature 0). The published `threshold` draf
 iteration is SamplingParams.draft_threshold (passes until the block holds no mask, so
 more than two forwards a block). The thinking budget and LoRA are not served
 (LinearSpec's LoRA variant toggles the adapter on for the draft only; blockray merges an
-adapter into the weights, so LinearSpecEngine refuses one). Output token ids end before the first stop id, as the block engine's;
-the published loop can overshoot max_new_tokens by up to L - 1 tokens within its last
+adapter into the weights, so LinearSpecEngine refuses its rows). Output token ids end
+before the first stop id, as the block engine's; the published loop can overshoot max_new_tokens by up to L - 1 tokens within its last
 block, which are cut here."""
 from __future__ import annotations
 
+import dataclasses
+import itertools
 import time
 from collections import Counter
 from dataclasses import dataclass, field, replace
-from typing import Any, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
@@ -45,10 +47,8 @@ from .models.transformer import KVCache
 from .reads import LINEAR_SPEC
 from .scheduler import make_scheduler
 from .sequence import FinishReason, Request, RequestOutput, RowShape
-
-# the families trained for both attentions (a causal forward of a bidirectional-only model is meaningless)
-SELF_SPECULATIVE = frozenset({"nemotron_labs_diffusion"})
-
+from .speculative import row_refusal, serves
+from .stats import EngineStats
 
 @dataclass
 class SpecState:
@@ -101,9 +101,7 @@ class LinearSpecEngine(EngineCore):
 
     def __init__(self, model: DLLM, config: EngineConfig = EngineConfig(), tokenizer: Any = None,
                  adapter: Optional[str] = None):
-        if adapter is not None:  # the Checkpoint's adapter (Checkpoint.adapter), merged into every forward's weights
-            raise ValueError(f"adapter {adapter!r}: LinearSpec's LoRA applies to its draft forward only, and blockray "
-                             "merges an adapter into the weights of every forward; drop the adapter")
+        self.adapter = adapter  # the Checkpoint's (merged into every forward): its rows are refused
         config = replace(config, token_budget=config.fixed_token_budget())
         super().__init__(config, tokenizer, model.config.vocab_size)
         self.model, self.mcfg, self.device = model, model.config, model.device
@@ -121,19 +119,9 @@ class LinearSpecEngine(EngineCore):
         return [] if params.ignore_eos else list(self.mcfg.stop_token_ids)
 
     def check(self, req: Request) -> Optional[str]:
-        p = req.params
-        if p.decoding not in ("linear_spec", "ar"):
-            return (f"decoding {p.decoding!r} is not served by {self.reads.name}: it serves decoding 'linear_spec' "
-                    f"and 'ar'")
-        if self.mcfg.model_type not in SELF_SPECULATIVE:
-            return (f"decoding {p.decoding!r} needs a model trained for causal and bidirectional attention alike "
-                    f"(Nemotron-Labs-Diffusion); model_type {self.mcfg.model_type!r} is not")
-        width = len(req.prompt) + p.max_new_tokens + self.L
-        if width > self.mcfg.max_seq_len:
-            return (f"prompt of {len(req.prompt)} tokens + max_new_tokens {p.max_new_tokens} + a block of {self.L} "
-                    f"exceeds the model context of {self.mcfg.max_seq_len} tokens")
-        if width > self.cfg.token_budget:
-            return f"request needs {width} tokens of batch budget alone, more than token_budget={self.cfg.token_budget}"
+        err = row_refusal(req.params, self.mcfg, self.cfg, len(req.prompt), self.adapter)
+        if err:
+            return err
         req.rule, req.state = SPEC_RULE, SpecState()
         return None
 
@@ -311,4 +299,68 @@ class LinearSpecEngine(EngineCore):
             prompt_tokens_forwarded=len(r.prompt)))
 
 
-__all__ = ["LinearSpecEngine", "SpecState", "accepted_length", "SELF_SPECULATIVE"]
+# the EngineStats that the LinearSpec engine counts too (the rest are the block engine's own)
+ADDED_STATS = ("cycles", "steps", "forwards", "generated_tokens", "busy_s", "busy_cpu_s", "active", "pending",
+               "step_failures")
+
+
+class DecodingModes:
+    """One engine over one Nemotron-Labs-Diffusion model serving its three modes: a
+    request goes to the block engine (engine.engine: decoding "diffusion") or to the
+    LinearSpec / AR engine, as its SamplingParams.decoding says; a step steps both (each
+    only when it has requests). What the engine actor and its loop use of an engine:
+    add_request, step, has_unfinished, generate, stats (the block engine's, with the other
+    engine's counters added)."""
+
+    def __init__(self, block: Any, spec: LinearSpecEngine):
+        self.block, self.spec = block, spec
+        self._ids = itertools.count()
+
+    @classmethod
+    def over(cls, block: Any, adapter: Optional[str] = None) -> "DecodingModes":
+        """The modes over block engine `block` (engine.engine.Engine): the LinearSpec engine
+        shares its model, tokenizer and budget (the settings it reads)."""
+        cfg = block.cfg
+        spec_cfg = EngineConfig(block_length=cfg.block_length, token_budget=cfg.token_budget, scheduler=cfg.scheduler,
+                                max_batch_size=cfg.max_batch_size)
+        return cls(block, LinearSpecEngine(block.model, spec_cfg, tokenizer=block.tokenizer, adapter=adapter))
+
+    def add_request(self, prompt: Any, params: SamplingParams = SamplingParams(), request_id: Any = None) -> Any:
+        if request_id is None:  # one numbering for both engines
+            request_id = ("modes", next(self._ids))
+        engine = self.spec if serves(params) else self.block
+        return engine.add_request(prompt, params, request_id=request_id)
+
+    def has_unfinished(self) -> bool:
+        return self.block.has_unfinished() or self.spec.has_unfinished()
+
+    def step(self) -> List[RequestOutput]:
+        out: List[RequestOutput] = []
+        for engine in (self.block, self.spec):
+            if engine.has_unfinished():
+                out += engine.step()
+        return out
+
+    def generate(self, prompts: List[Any], params: Any = SamplingParams()) -> List[RequestOutput]:
+        plist = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)
+        if len(plist) != len(prompts):
+            raise ValueError(f"{len(prompts)} prompts but {len(plist)} SamplingParams")
+        ids = [self.add_request(p, sp) for p, sp in zip(prompts, plist)]
+        got: Dict[Any, RequestOutput] = {}
+        while len(got) < len(ids):
+            for o in self.step():
+                got[o.request_id] = o
+        return [got[i] for i in ids]
+
+    @property
+    def stats(self) -> EngineStats:
+        """The block engine's EngineStats, the LinearSpec engine's counts and times added."""
+        a, b = self.block.stats, self.spec.stats
+        merged = dataclasses.replace(a)
+        for name in ADDED_STATS:
+            setattr(merged, name, getattr(a, name) + getattr(b, name))
+        merged.finished = {k: a.finished.get(k, 0) + b.finished.get(k, 0) for k in {*a.finished, *b.finished}}
+        return merged
+
+
+__all__ = ["LinearSpecEngine", "SpecState", "accepted_length", "DecodingModes"]

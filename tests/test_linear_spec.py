@@ -286,8 +286,72 @@ def test_the_draft_threshold_iterates_as_published(model, threshold_refs, schedu
 
 
 def test_an_adapter_is_refused(model):
-    with pytest.raises(ValueError, match="adapter"):
-        LinearSpecEngine(model, EngineConfig(block_length=L, token_budget=4096), adapter="some/lora")
+    eng = LinearSpecEngine(model, EngineConfig(block_length=L, token_budget=4096), adapter="some/lora")
+    out = eng.generate([[1, 2, 3]], params(4))[0]
+    assert out.finish_reason == FinishReason.ERROR and "LoRA applies to its draft forward only" in out.error
+
+
+def test_one_engine_serves_the_three_modes(model, refs):
+    """DecodingModes (what the engine actor builds for Nemotron-Labs-Diffusion): diffusion
+    rows go to the block engine, LinearSpec and AR rows to the LinearSpec engine, each row
+    with the tokens it gets alone; the stats add up."""
+    from engine.linear_spec import DecodingModes
+
+    prompts, lengths, spec, ar = refs
+    kinds = ["linear_spec", "ar", "diffusion"] * 4
+    sps = [params(n, k) if k != "diffusion" else SamplingParams(max_new_tokens=n, stop_token_ids=[EOS])
+           for n, k in zip(lengths, kinds)]
+    modes = DecodingModes.over(Engine(model, EngineConfig(block_length=L, token_budget=4096)))
+    outs = modes.generate(prompts[:12], sps)
+    alone = Engine(model, EngineConfig(block_length=L, token_budget=4096)).generate(
+        [p for p, k in zip(prompts, kinds) if k == "diffusion"], [sp for sp, k in zip(sps, kinds) if k == "diffusion"])
+    for i, (p, n, k, out) in enumerate(zip(prompts, lengths, kinds, outs)):
+        if k == "diffusion":
+            want = alone.pop(0)
+            assert (out.token_ids, out.finish_reason) == (want.token_ids, want.finish_reason), i
+        else:
+            ids = spec[i][0] if k == "linear_spec" else ar[i][0]
+            assert (out.token_ids, out.finish_reason) == served(p, ids, n), (i, k)
+    st = modes.stats
+    assert st.forwards == modes.block.stats.forwards + modes.spec.stats.forwards > modes.spec.stats.forwards > 0
+    assert sum(st.finished.values()) == 12
+
+
+@pytest.fixture(scope="module")
+def nemotron_dir(model, tmp_path_factory):
+    from engine.loader import save_model
+
+    path = tmp_path_factory.mktemp("nemotron")
+    save_model(model, path)
+    return str(path)
+
+
+def test_the_job_builds_the_three_modes_and_its_preflight_checks_them(nemotron_dir, tmp_path):
+    from engine.checkpoint import Checkpoint
+    from engine.engines import engine_for
+    from engine.linear_spec import DecodingModes
+    from engine.loader import save_model
+    from pipeline.checkpoint_check import CheckpointRefused, check_settings
+
+    ckpt = Checkpoint.open(nemotron_dir)
+    engine = EngineConfig(block_length=L, token_budget=4096)
+    check_settings(ckpt, params(16), engine)  # served
+    check_settings(ckpt, params(16, "ar"), engine)
+    for sp, cfg, match in ((params(16), EngineConfig(block_length=L, steps_per_block=4), "steps_per_block"),
+                           (SamplingParams(decoding="linear_spec", policy="fixed"), engine, "policy"),
+                           (params(5000), engine, "context")):
+        with pytest.raises(CheckpointRefused, match=match):
+            check_settings(ckpt, sp, cfg)
+    built = engine_for(ckpt.serving).build(ckpt, engine, dtype=torch.float64, device=torch.device("cpu"),
+                                           weights_dir=nemotron_dir, tokenizer=lambda: None)
+    modes = built.factory()
+    assert isinstance(modes, DecodingModes)
+    outs = modes.generate([[5, 6, 7]] * 3, [params(8), params(8, "ar"), SamplingParams(max_new_tokens=8)])
+    assert all(o.finish_reason != FinishReason.ERROR for o in outs), [o.error for o in outs]
+    assert modes.spec.stats.finished and modes.block.stats.finished  # each engine served its rows
+    save_model(build_model(ModelConfig.tiny("llada"), torch.float32), tmp_path / "llada")
+    with pytest.raises(CheckpointRefused, match="trained for causal and bidirectional"):
+        check_settings(Checkpoint.open(str(tmp_path / "llada")), params(16), EngineConfig(block_length=L))
 
 
 def test_bench_smoke_writes_json(tmp_path):
