@@ -133,7 +133,10 @@ class LinearSpecEngine(EngineCore):
 
     def fail_active(self, message: str) -> None:
         for r in list(self.scheduler.active):
+            frozen = self.scheduler.is_frozen(r)  # a static batch's finished row: already answered
             self.scheduler.remove(r)
+            if frozen:
+                continue
             r.error = message
             self._finish(r, FinishReason.ERROR)
         self._holding = set()

@@ -317,6 +317,16 @@ def test_one_engine_serves_the_three_modes(model, refs):
     assert sum(st.finished.values()) == 12
 
 
+def test_a_failing_step_fails_its_rows_and_the_engine_goes_on(model, monkeypatch):
+    eng = LinearSpecEngine(model, EngineConfig(block_length=L, token_budget=4096, scheduler="static"))
+    real = eng._block
+    monkeypatch.setattr(eng, "_block", lambda rows: (_ for _ in ()).throw(RuntimeError("boom")))
+    outs = eng.generate([[5, 6, 7], [8, 9]], params(8))
+    assert all(o.finish_reason == FinishReason.ERROR and "boom" in o.error for o in outs)
+    monkeypatch.setattr(eng, "_block", real)
+    assert eng.generate([[5, 6, 7]], params(8))[0].finish_reason != FinishReason.ERROR
+
+
 @pytest.fixture(scope="module")
 def nemotron_dir(model, tmp_path_factory):
     from engine.loader import save_model
