@@ -209,12 +209,19 @@ def _fast_dllm_v2(hf: Dict[str, Any]) -> Dict[str, Any]:
     return dict(_dream(hf), layer_types=hf["layer_types"][:LAYERS])
 
 
+def _nemotron_labs_diffusion(hf: Dict[str, Any]) -> Dict[str, Any]:
+    """Nemotron-Labs-Diffusion: Ministral3's size keys (Qwen2's) and its explicit head_dim
+    (GQA: one kv head); rope_parameters kept as published."""
+    return dict(_dream(hf), head_dim=HIDDEN // HEADS)
+
+
 # "Dream" covers DreamReasoner's config.json too (Qwen's size keys; its head_dim null stays null);
 # "llama": Stable-DiffCoder's (Llama's size keys are Qwen2's)
 SHRINK: Dict[str, Callable[[Dict[str, Any]], Dict[str, Any]]] = {"llada": _llada, "Dream": _dream,
                                                                  "llada2_moe": _llada2, "sdar": _sdar,
                                                                  "sdar_moe": _sdar, "Fast_dLLM_Qwen": _fast_dllm_v2,
-                                                                 "llama": _dream, "illada": _illada}
+                                                                 "llama": _dream, "illada": _illada,
+                                                                 "nemotron_labs_diffusion": _nemotron_labs_diffusion}
 
 
 def _rule(hf: Dict[str, Any]) -> Callable[[Dict[str, Any]], Dict[str, Any]]:

@@ -364,7 +364,7 @@ def test_the_workload_exercises_every_published_rule(references):
 
 @pytest.mark.parametrize("scheduler, cache", [("blockserve", "persistent"), ("static", "persistent"),
                                               ("sequential", "persistent"), ("blockserve", "none"),
-                                              ("static", "refresh")])
+                                              ("static", "refresh"), ("sequential", "dual")])
 def test_one_mixed_batch_equals_the_published_loop(model, references, scheduler, cache):
     prompts, rows, outs, _ = references
     cfg = EngineConfig(block_length=L, steps_per_block=L, cache=cache, scheduler=scheduler,
@@ -398,5 +398,26 @@ def test_decodings_it_does_not_serve_are_refused(model):
         out = eng.generate([[20, 21]], bad)[0]
         assert out.finish_reason == "error" and match in out.error, out.error
     assert "empty prompt" in eng.generate([[]], SamplingParams(max_new_tokens=8))[0].error
+    fewer = Engine(model, EngineConfig(block_length=L, steps_per_block=L // 2, cache="persistent"))
+    assert "steps_per_block=4" in fewer.generate([[20, 21]], SamplingParams(max_new_tokens=8, policy="fixed"))[0].error
+    assert fewer.generate([[20, 21]], SamplingParams(max_new_tokens=8, policy="threshold"))[0].error is None
     full = Engine(model, EngineConfig(block_length=L, steps_per_block=L, cache="none", canvas="full"))
     assert "canvas" in full.generate([[20, 21]], SamplingParams(max_new_tokens=8))[0].error
+
+
+def test_the_causal_context_mask():
+    """engine.batch.AttentionMask under a causal-context family: left padding never seen, the
+    prefix causal, the current block (its first position `context`) bidirectional and seeing
+    the whole prefix; `causal=True` (the finished block's forward) causal everywhere."""
+    from engine.batch import AttentionMask
+
+    lens, W = torch.tensor([7, 5]), 7
+    m = AttentionMask.build(lens, torch.tensor([3, 1]), W, 4, True, context=lens - 4)
+    got, causal = m.rows()[:, 0], m.rows(causal=True)[:, 0]
+    for i, n in enumerate(lens.tolist()):
+        s = W - n
+        want = context_mask(n, 4)
+        assert torch.equal(got[i, s:, s:], want) and not got[i, :, :s].any()
+        assert torch.equal(causal[i, s:, s:], torch.ones(n, n).tril().bool()) and not causal[i, :, :s].any()
+    with pytest.raises(ValueError, match="causal-context"):
+        AttentionMask.build(lens, torch.tensor([3, 1]), W, 4, True).rows(causal=True)

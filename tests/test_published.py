@@ -27,7 +27,8 @@ from pipeline.run import JobError, preflight, run_offline
 # ("Dream" covers DreamReasoner's config.json, told apart by its architecture; "llama" is served only as
 # Stable-DiffCoder, by its architecture: a plain Llama is refused, tests/test_stable_diffcoder.py; "illada": the
 # rebuilt iLLaDA config.json, recognised by its architecture ILLaDAForCausalLM, tests/test_illada.py)
-SERVED = {"llada", "Dream", "llada2_moe", "sdar", "sdar_moe", "Fast_dLLM_Qwen", "llama", "illada"}
+SERVED = {"llada", "Dream", "llada2_moe", "sdar", "sdar_moe", "Fast_dLLM_Qwen", "llama", "illada",
+          "nemotron_labs_diffusion"}
 NOT_SERVED: set = set()  # none today (SDAR / SDAR-MoE were, until issue 38)
 
 FOLDERS = published.folders()
@@ -76,6 +77,8 @@ def settings(folder: str) -> Tuple[EngineConfig, SamplingParams]:
             "dream_reasoner": (BLOCK32_ENGINE, BLOCK32_SAMPLING),
             "stable_diffcoder": (BLOCK32_ENGINE, BLOCK32_SAMPLING),
             "illada": (ENGINE, SAMPLING),  # LLaDA's generate() (its README: mask_id=5 reuses it): fixed schedule
+            # Nemotron-Labs-Diffusion's generate() as its docstring calls it: block_length 32, threshold 0.9
+            "nemotron_labs_diffusion": (BLOCK32_ENGINE, BLOCK32_SAMPLING),
             }.get(ModelConfig.from_hf(published.config(folder)).model_type, (ENGINE, SAMPLING))
 
 

@@ -81,6 +81,10 @@ class NemotronLabsDiffusionFamily(Family):
         if req.params.first_position is False:
             return (f"{self.name}'s generate() seeds each block's first position from the causal logit before it; "
                     "first_position false is not its loop")
+        if req.params.policy == "fixed" and layout.steps != layout.block_length:
+            return (f"{self.name}'s generate() denoises a block in block_length steps (its L-1 masks one a step): "
+                    f"steps_per_block={layout.steps} with block_length={layout.block_length} is not its schedule; "
+                    "set them equal (or use policy 'threshold')")
         if not req.prompt:
             return f"{self.name}'s generate() prefills a prompt: an empty prompt has no logit to seed the first block"
         return None
