@@ -376,3 +376,41 @@ def test_bench_smoke_writes_json(tmp_path):
     runs = report["models"]["random"]["runs"]
     assert {r["tokens"] for r in runs.values()} == {3 * 16}  # every mode: every row its max_new_tokens
     assert runs["linear_spec"]["blocks"] > 0 and runs["ar"]["tokens_per_row_forward"] == 1.0
+
+
+def test_the_engine_actor_serves_linear_spec_rows(model, nemotron_dir, refs):
+    """The engine actor (in process, as tests/test_engine_fields.py drives it) on the saved
+    tiny checkpoint, the job's default decoding linear_spec, rows overriding it with ar
+    and diffusion: each row its tokens."""
+    import asyncio
+
+    import pyarrow as pa
+
+    from actors.engine_actor import DLLMEngineActor
+    from actors.spec import EngineSpec
+
+    prompts, lengths, spec, ar = refs
+    actor = DLLMEngineActor(EngineSpec(nemotron_dir, EngineConfig(block_length=L, token_budget=4096),
+                                       params(24), dtype="float64", device="cpu", rank=0, enable_metrics=False,
+                                       warmup=False))
+    over = [None, {"decoding": "ar"}, {"decoding": "diffusion"}] * 2
+    table = pa.table({"prompt_token_ids": prompts[:6], "sampling_params": over, "row": list(range(6))})
+
+    async def run():
+        return [b async for b in actor(table)]
+
+    (out,) = asyncio.run(run())
+    actor.loop.shutdown()
+    alone = Engine(model, EngineConfig(block_length=L, token_budget=4096)).generate(
+        [prompts[2], prompts[5]], SamplingParams(max_new_tokens=24, stop_token_ids=[EOS]))
+    for r in out.to_pylist():
+        i = r["row"]
+        assert r["error"] is None, r["error"]
+        if i in (2, 5):
+            want = alone[i // 3].token_ids
+        else:
+            enc = nld.PublishedNemotron(model)
+            ids = hf_linear_spec_generate(enc, prompts[i], 24, L, MASK, EOS)[0] if i % 3 == 0 \
+                else hf_ar_generate(enc, prompts[i], 24, EOS)[0]
+            want = served(prompts[i], ids, 24)[0]
+        assert r["generated_token_ids"] == want, i
