@@ -38,6 +38,8 @@ def row_refusal(params: Any, mcfg: Any, config: Any, prompt_len: int, adapter: A
     if mcfg.model_type not in SELF_SPECULATIVE:
         return (f"decoding {params.decoding!r} needs a model trained for causal and bidirectional attention alike "
                 f"(Nemotron-Labs-Diffusion); model_type {mcfg.model_type!r} is not")
+    if params.decoding == "ar" and params.draft_threshold is not None:
+        return "draft_threshold is read by decoding 'linear_spec' only (AR drafts nothing); leave it unset"
     err = adapter_refusal(adapter)
     if err:
         return err

@@ -235,6 +235,7 @@ def test_linear_spec_takes_fewer_forwards_than_ar(model, refs):
     (dict(decoding="diffusion"), "serves decoding 'linear_spec' and 'ar'"),
     (dict(decoding="bogus"), "decoding must be one of"),
     (dict(max_new_tokens=5000), "exceeds the model context"),
+    (dict(decoding="ar", draft_threshold=0.5), "draft_threshold is read by decoding 'linear_spec' only"),
 ])
 def test_settings_it_does_not_serve_are_refused(model, change, message):
     eng = LinearSpecEngine(model, EngineConfig(block_length=L, token_budget=4096))
