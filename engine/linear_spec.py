@@ -14,10 +14,11 @@ AR mode is the same loop with no draft and a block of one: one causal forward a 
 
 Why an engine of its own rather than a rule of engine.engine.Engine: that engine's rows
 grow by whole blocks (its widths, K/V slot shifts and finish test count in L), and
-LinearSpec grows a row by 1..L tokens a block. Here each row keeps its own K/V (per
-layer [H_kv, n, D]); a forward lays the rows' prefixes out left-padded in one cache box,
-the blocks at its right edge, so a batch of rows with different prompts and different
-accepted lengths runs as one draft and one verify forward. Admission and preemption are
+LinearSpec grows a row by 1..L tokens a block. Here every row's K/V live in one box
+(RowBox), a slot per row, its tokens from column 0 and its block written right after its
+own cached length (DLLM.forward's per-row columns), so a batch of rows with different
+prompts and different accepted lengths runs as one draft and one verify forward, and the
+crop is the row's cached length: nothing is copied. Admission and preemption are
 blockray's schedulers' (blockserve, static, sequential; engine.scheduler), a row's width
 being prompt + generated + L; a preempted row drops its K/V and recomputes them causally
 when it comes back (its state is its tokens and its seed, so the result is unchanged).
@@ -52,20 +53,56 @@ from .stats import EngineStats
 
 @dataclass
 class SpecState:
-    """A row's LinearSpec / AR state: the K/V of its cached tokens (prompt + generated
-    tokens but the last), None until its prefill (and again after a preemption); the
-    seed of its next block (its last generated token); its forwards and, per block, its
-    accepted length (what the bench and the tests read)."""
+    """A row's LinearSpec / AR state: its slot in the engine's K/V box (None until its
+    prefill, and again after a preemption) and how many of its tokens the box holds there
+    (prompt + generated tokens but the last); the seed of its next block (its last
+    generated token); its forwards and, per block, its accepted length (what the bench and
+    the tests read)."""
 
-    k: Optional[List[torch.Tensor]] = None  # per layer [H_kv, n, D]
-    v: Optional[List[torch.Tensor]] = None
+    slot: Optional[int] = None
+    cached: int = 0
     seed: Optional[int] = None
     forwards: int = 0
     accepted: List[int] = field(default_factory=list)
 
-    @property
-    def cached(self) -> int:
-        return 0 if self.k is None else self.k[0].shape[1]
+
+class RowBox:
+    """Every served row's K/V in one cache, a row per slot: a row's tokens in its columns
+    [0, cached), its block written right after them (DLLM.forward's per-row `cols`). A
+    forward stores in place and a crop is a shorter `cached`: nothing moves but when the box
+    grows (both sizes doubled, the old contents copied once)."""
+
+    def __init__(self, mcfg: Any, dtype: torch.dtype, device: Any):
+        self.mcfg, self.dtype, self.device = mcfg, dtype, device
+        self.cache: Optional[KVCache] = None
+        self.slots, self.width = 0, 0  # capacity
+        self.used = 0  # slots handed out so far (the free ones are in `free`)
+        self.free: List[int] = []
+
+    def take(self) -> int:
+        if self.free:
+            return self.free.pop()
+        self.used += 1
+        return self.used - 1
+
+    def release(self, slot: int) -> None:
+        self.free.append(slot)
+
+    def fit(self, width: int) -> None:
+        """Room for every slot handed out, `width` columns each."""
+        if self.used <= self.slots and width <= self.width:
+            return
+        slots, cols = max(self.used, 2 * self.slots if self.used > self.slots else self.slots), \
+            max(width, 2 * self.width if width > self.width else self.width)
+        new = KVCache.empty(self.mcfg, slots, cols, self.dtype, self.device)
+        if self.cache is not None:
+            for dst, src in ((new.k, self.cache.k), (new.v, self.cache.v)):
+                for d, o in zip(dst, src):
+                    d[:self.slots, :, :self.width] = o
+        self.cache, self.slots, self.width = new, slots, cols
+
+    def nbytes(self) -> int:
+        return 0 if self.cache is None else self.cache.nbytes()
 
 
 class SpecRule:
@@ -111,6 +148,7 @@ class LinearSpecEngine(EngineCore):
         self.forwards = 0  # batched forwards
         self.accepted: Counter = Counter()  # LinearSpec blocks by accepted length (benches read it)
         self._holding: set = set()  # rows whose K/V are held
+        self.box = RowBox(self.mcfg, model.dtype, self.device)
 
     # --- requests -----------------------------------------------------------------
     def stop_ids(self, params: SamplingParams) -> List[int]:
@@ -138,6 +176,7 @@ class LinearSpecEngine(EngineCore):
             if frozen:
                 continue
             r.error = message
+            self._release(r)
             self._finish(r, FinishReason.ERROR)
         self._holding = set()
 
@@ -145,14 +184,14 @@ class LinearSpecEngine(EngineCore):
     def run(self) -> None:
         rows = self.scheduler.schedule()
         for r in self._holding - set(rows):  # preempted: its K/V go, its tokens and seed stay
-            r.state.k = r.state.v = None
+            self._release(r)
         live = [r for r in rows if not self.scheduler.is_frozen(r)]
         self._holding = set(live)
         self.stats.active = len(live)
         if not live:
             return
         self.stats.cycles += 1
-        fresh = [r for r in live if r.state.k is None]
+        fresh = [r for r in live if r.state.slot is None]
         if fresh:
             for r in self._prefill(fresh):
                 live.remove(r)
@@ -165,20 +204,17 @@ class LinearSpecEngine(EngineCore):
         is the argmax of its last logit. Returns the rows that finished with it."""
         seqs = [r.prompt + r.generated[:-1] for r in rows]
         P = max(map(len, seqs))
-        ids = torch.tensor([[0] * (P - len(s)) + s for s in seqs], device=self.device)
-        pads = torch.tensor([P - len(s) for s in seqs], device=self.device)
-        pos = (torch.arange(P, device=self.device)[None] - pads[:, None]).clamp(min=0)
-        q, k = torch.arange(P, device=self.device)[:, None], torch.arange(P, device=self.device)[None]
-        # causal over the row's own columns; a pad query attends to itself only (no empty softmax)
-        mask = ((k <= q) & (k >= pads[:, None, None])) | ((k == q) & (q < pads[:, None, None]))
-        cache = KVCache.empty(self.mcfg, len(rows), P, self.model.dtype, self.device)
-        logits = self._forward(ids, pos, mask[:, None], cache, 0, 1)
-        seeds = logits[:, -1].argmax(-1).tolist()
+        for r, seq in zip(rows, seqs):
+            r.state.slot, r.state.cached = self.box.take(), 0
+        ids = torch.tensor([s + [0] * (P - len(s)) for s in seqs], device=self.device)  # padding after: causal
+        cols = torch.arange(P, device=self.device)[None].expand(len(rows), -1)
+        mask = (cols[:, None, :] <= cols[:, :, None])[:, None]
+        last = torch.tensor([[len(s) - 1] for s in seqs], device=self.device)
+        seeds = self._forward(rows, ids, cols, mask, P, logits_at=last)[:, 0].argmax(-1).tolist()
         done = []
         for i, r in enumerate(rows):
-            st, a = r.state, P - len(seqs[i])
-            st.k = [c[i, :, a:].clone() for c in cache.k]
-            st.v = [c[i, :, a:].clone() for c in cache.v]
+            st = r.state
+            st.cached = len(seqs[i])
             st.forwards += 1
             if not r.generated:
                 st.seed = seeds[i]
@@ -197,13 +233,11 @@ class LinearSpecEngine(EngineCore):
         T = L if any(spec) else 1
         blocks = [[r.state.seed] + [mask_id] * (T - 1) for r in rows]
         self._draft(rows, blocks, [i for i, s in enumerate(spec) if s and L > 1])
-        logits, cache, W = self._attend(rows, blocks, causal=True)
-        ar = logits.argmax(-1).tolist()
+        ar = self._attend(rows, blocks, causal=True).argmax(-1).tolist()
         for i, r in enumerate(rows):
             st = r.state
             n = accepted_length(blocks[i], ar[i]) if spec[i] else 1
-            st.k = [torch.cat([h, c[i, :, W - T:W - T + n]], 1) for h, c in zip(st.k, cache.k)]  # crop: n kept
-            st.v = [torch.cat([h, c[i, :, W - T:W - T + n]], 1) for h, c in zip(st.v, cache.v)]
+            st.cached += n  # the crop: the verify's K/V of the block's first n columns kept, the rest dropped
             st.forwards += 1
             st.accepted.append(n)
             if spec[i]:
@@ -222,7 +256,7 @@ class LinearSpecEngine(EngineCore):
         for _ in range(self.L):
             if not drafting:
                 return
-            logits = self._attend([rows[i] for i in drafting], [blocks[i] for i in drafting], causal=False)[0]
+            logits = self._attend([rows[i] for i in drafting], [blocks[i] for i in drafting], causal=False)
             tokens = logits.argmax(-1)
             conf = torch.softmax(logits, -1).gather(-1, tokens[..., None])[..., 0].tolist()
             tokens = tokens.tolist()
@@ -243,33 +277,37 @@ class LinearSpecEngine(EngineCore):
                     more.append(i)
             drafting = more
 
-    def _attend(self, rows: List[Request], blocks: List[List[int]], causal: bool) -> Tuple[torch.Tensor, KVCache, int]:
-        """One forward of `blocks` ([n][T]) after each row's cached prefix, laid out
-        left-padded in one cache box of W columns, the blocks in its last T; the block
-        attends to itself bidirectionally or causally. Returns the block's logits, the box
-        (the block's K/V in its last T columns) and W."""
+    def _attend(self, rows: List[Request], blocks: List[List[int]], causal: bool) -> torch.Tensor:
+        """One forward of `blocks` ([n][T]), each right after its row's cached tokens in the
+        row's slot, attending to them and to itself bidirectionally or causally; its K/V
+        stored in the block's columns. Returns the block's logits [n, T, V]."""
         T = len(blocks[0])
-        c = [r.state.cached for r in rows]
-        W = max(c) + T
-        cache = KVCache.empty(self.mcfg, len(rows), W, self.model.dtype, self.device)
-        for i, r in enumerate(rows):
-            for dst, src in ((cache.k, r.state.k), (cache.v, r.state.v)):
-                for layer, h in zip(dst, src):
-                    layer[i, :, W - T - c[i]:W - T] = h
-        first = torch.tensor([W - T - n for n in c], device=self.device)
-        pos = torch.tensor(c, device=self.device)[:, None] + torch.arange(T, device=self.device)[None]
-        q = torch.arange(T, device=self.device)[:, None] + (W - T)
-        k = torch.arange(W, device=self.device)[None]
-        mask = (k >= first[:, None, None]) & ((k <= q) if causal else (k >= 0))
+        c = torch.tensor([r.state.cached for r in rows], device=self.device)[:, None, None]
+        cols = c[:, 0] + torch.arange(T, device=self.device)[None]
+        K = int(c.max()) + T
+        j = torch.arange(K, device=self.device)[None, None]
+        in_block = (j >= c) & (j < c + T)
+        mask = (j < c) | (in_block & (j <= cols[:, :, None] if causal else in_block))
         ids = torch.tensor(blocks, device=self.device)
-        return self._forward(ids, pos, mask[:, None], cache, W - T, T), cache, W
+        return self._forward(rows, ids, cols, mask[:, None], K, logits_last=T)
 
-    def _forward(self, ids, pos, mask, cache: KVCache, offset: int, last: int) -> torch.Tensor:
+    def _forward(self, rows: List[Request], ids: torch.Tensor, cols: torch.Tensor, mask: torch.Tensor, K: int,
+                 **logits: Any) -> torch.Tensor:
+        """The model over `ids` [n, T] at columns (= positions) `cols` of the rows' slots,
+        attending keys [0, K) under `mask` [n, 1, T, K]."""
+        self.box.fit(K)
         self.forwards += 1
         self.stats.steps += 1
         self.stats.forwards += 1
+        self.stats.kv_peak_bytes = self.box.nbytes()
+        runs = [(r.state.slot, r.state.slot + 1, 0) for r in rows]
         with torch.no_grad():
-            return self.model(ids, pos, mask, cache=cache, offset=offset, logits_last=last)
+            return self.model(ids, cols, mask, cache=self.box.cache, runs=runs, cols=cols, **logits)
+
+    def _release(self, r: Request) -> None:
+        if r.state is not None and r.state.slot is not None:
+            self.box.release(r.state.slot)
+            r.state.slot, r.state.cached = None, 0
 
     # --- output -------------------------------------------------------------------
     def _emit(self, r: Request, tokens: List[int]) -> bool:
@@ -291,8 +329,7 @@ class LinearSpecEngine(EngineCore):
         if reason != FinishReason.ERROR:
             self.scheduler.finish(r)
             self._holding.discard(r)
-            if r.state is not None:
-                r.state.k = r.state.v = None  # frees its K/V (a static batch keeps the row, frozen)
+            self._release(r)  # frees its K/V (a static batch keeps the row, frozen)
         text = self.tokenizer.decode(toks, skip_special_tokens=True) \
             if self.tokenizer is not None and reason != FinishReason.ERROR else None
         self.output(RequestOutput(
