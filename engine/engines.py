@@ -63,7 +63,8 @@ class BlockEngine(ServingEngine):
                                       model.config, model.dtype, device)
         config = dataclasses.replace(config, token_budget=budget.token_budget)
         make = lambda: Engine(model, config, tokenizer=tokenizer(), record_batches=record_batches)  # noqa: E731
-        if tp is None and model.config.model_type in SELF_SPECULATIVE:  # LinearSpec / AR rows beside (engine.linear_spec)
+        # LinearSpec / AR rows beside the diffusion rows (engine.linear_spec), on one device
+        if tp is None and model.config.model_type in SELF_SPECULATIVE:
             from .linear_spec import DecodingModes
 
             block = make

@@ -28,8 +28,12 @@ iteration is SamplingParams.draft_threshold (passes until the block holds no mas
 more than two forwards a block). The thinking budget and LoRA are not served
 (LinearSpec's LoRA variant toggles the adapter on for the draft only; blockray merges an
 adapter into the weights, so LinearSpecEngine refuses its rows). Output token ids end
-before the first stop id, as the block engine's; the published loop can overshoot max_new_tokens by up to L - 1 tokens within its last
-block, which are cut here."""
+before the first stop id, as the block engine's; the published loop can overshoot
+max_new_tokens by up to L - 1 tokens within its last block, which are cut here.
+
+The box holds as many slots as rows ever ran at once, each as wide as the widest row:
+on a GPU that memory is outside the block engine's planned budget (engine.budget), so a
+job serving both modes at once may hold both engines' K/V."""
 from __future__ import annotations
 
 import dataclasses
@@ -37,7 +41,7 @@ import itertools
 import time
 from collections import Counter
 from dataclasses import dataclass, field, replace
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional
 
 import torch
 
@@ -50,6 +54,7 @@ from .scheduler import make_scheduler
 from .sequence import FinishReason, Request, RequestOutput, RowShape
 from .speculative import row_refusal, serves
 from .stats import EngineStats
+
 
 @dataclass
 class SpecState:
@@ -300,9 +305,21 @@ class LinearSpecEngine(EngineCore):
         self.stats.steps += 1
         self.stats.forwards += 1
         self.stats.kv_peak_bytes = self.box.nbytes()
-        runs = [(r.state.slot, r.state.slot + 1, 0) for r in rows]
+        slots = [r.state.slot for r in rows]
+        order = sorted(range(len(rows)), key=slots.__getitem__)  # by slot: adjacent slots attend in one call
+        runs: List[List[int]] = []
+        for i in order:
+            if runs and runs[-1][1] == slots[i]:
+                runs[-1][1] += 1
+            else:
+                runs.append([slots[i], slots[i] + 1, 0])
+        idx = torch.tensor(order, device=self.device)
+        at = {k: v.index_select(0, idx) for k, v in logits.items() if isinstance(v, torch.Tensor)}
         with torch.no_grad():
-            return self.model(ids, cols, mask, cache=self.box.cache, runs=runs, cols=cols, **logits)
+            out = self.model(ids.index_select(0, idx), cols.index_select(0, idx), mask.index_select(0, idx),
+                             cache=self.box.cache, runs=[tuple(r) for r in runs], cols=cols.index_select(0, idx),
+                             **{**logits, **at})
+        return out.index_select(0, torch.argsort(idx))
 
     def _release(self, r: Request) -> None:
         if r.state is not None and r.state.slot is not None:

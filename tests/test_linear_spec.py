@@ -55,7 +55,8 @@ def crop(cache, max_length: int) -> None:
 
 
 def hf_linear_spec_generate(enc: nld.PublishedNemotron, prompt: List[int], max_new_tokens: int, block_length: int,
-                            mask_id: int, eos: Optional[int], threshold: float = 0.0) -> Tuple[List[int], int, List[int]]:
+                            mask_id: int, eos: Optional[int],
+                            threshold: float = 0.0) -> Tuple[List[int], int, List[int]]:
     """linear_spec_generate at temperature 0: (output ids with the prompt, nfe, the accepted
     length of each block)."""
     cache = {}  # the DynamicCache: {layer: (K, V)}
@@ -114,7 +115,8 @@ def hf_linear_spec_generate(enc: nld.PublishedNemotron, prompt: List[int], max_n
     return prompt + generated, nfe, accepts
 
 
-def hf_ar_generate(enc: nld.PublishedNemotron, prompt: List[int], max_new_tokens: int, eos: Optional[int]) -> Tuple[List[int], int]:
+def hf_ar_generate(enc: nld.PublishedNemotron, prompt: List[int], max_new_tokens: int,
+                   eos: Optional[int]) -> Tuple[List[int], int]:
     """ar_generate at temperature 0: (output ids with the prompt, nfe)."""
     cache = {}
     next_logit = enc(prompt, cache, causal=True, use_cache=True)[-1]
