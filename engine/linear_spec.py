@@ -83,6 +83,7 @@ class RowBox:
         self.slots, self.width = 0, 0  # capacity
         self.used = 0  # slots handed out so far (the free ones are in `free`)
         self.free: List[int] = []
+        self.grows = 0  # times it grew: the only copies of K/V it makes
 
     def take(self) -> int:
         if self.free:
@@ -105,6 +106,7 @@ class RowBox:
                 for d, o in zip(dst, src):
                     d[:self.slots, :, :self.width] = o
         self.cache, self.slots, self.width = new, slots, cols
+        self.grows += 1
 
     def nbytes(self) -> int:
         return 0 if self.cache is None else self.cache.nbytes()

@@ -218,6 +218,8 @@ def test_a_mixed_batch_gives_each_row_its_batch_size_one_tokens(model, refs, sch
         assert (out.token_ids, out.finish_reason) == served(p, ids, n), (i, k)
     if scheduler != "sequential":
         assert eng.forwards < sum(o.num_steps for o in outs)  # rows shared forwards
+    assert eng.accepted[1] > 0 and len(eng.accepted) >= 2  # rejections, and different accepted lengths, fired
+    assert eng.box.grows <= 12  # K/V stored in place: the box copies only as it doubles
     if scheduler == "blockserve":
         assert eng.scheduler.preemptions > 0
 
