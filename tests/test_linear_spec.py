@@ -224,13 +224,14 @@ def test_a_mixed_batch_gives_each_row_its_batch_size_one_tokens(model, refs, sch
         assert eng.scheduler.preemptions > 0
 
 
-def test_linear_spec_takes_fewer_forwards_than_ar(model, refs):
-    prompts, lengths, spec, ar = refs
-    assert sum(len(out) for out, _, _ in spec) / sum(nfe for _, nfe, _ in spec) > 0  # sanity
+def test_a_block_is_two_forwards_of_a_row_and_an_ar_token_one(model, refs):
+    """LinearSpec: a prefill, then per block exactly one draft and one verify forward of the
+    row; AR: a prefill, then one forward per token after the first."""
+    prompts, lengths, _, _ = refs
     eng = LinearSpecEngine(model, EngineConfig(block_length=L, token_budget=4096))
-    outs = eng.generate(prompts, [params(n) for n in lengths])
-    blocks = sum(o.num_blocks for o in outs)
-    assert blocks < sum(len(o.token_ids) for o in outs)  # more than one token a block on average
+    for decoding, per_block in (("linear_spec", 2), ("ar", 1)):
+        for o in eng.generate(prompts, [params(n, decoding) for n in lengths]):
+            assert o.num_steps == 1 + per_block * o.num_blocks, (decoding, o)
 
 
 @pytest.mark.parametrize("change, message", [
