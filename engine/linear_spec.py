@@ -223,6 +223,7 @@ class LinearSpecEngine(EngineCore):
             st = r.state
             st.cached = len(seqs[i])
             st.forwards += 1
+            r.prompt_forwarded += len(r.prompt)  # again after a preemption
             if not r.generated:
                 st.seed = seeds[i]
                 if self._emit(r, [seeds[i]]):
@@ -355,7 +356,7 @@ class LinearSpecEngine(EngineCore):
             request_id=r.request_id, prompt_token_ids=list(r.prompt), token_ids=toks, finish_reason=reason, text=text,
             error=r.error, num_blocks=len(r.state.accepted) if r.state is not None else 0,
             num_steps=r.state.forwards if r.state is not None else 0, latency_s=time.perf_counter() - r.arrival,
-            prompt_tokens_forwarded=len(r.prompt)))
+            prompt_tokens_forwarded=r.prompt_forwarded))
 
 
 # the EngineStats that the LinearSpec engine counts too (the rest are the block engine's own)

@@ -222,6 +222,7 @@ def test_a_mixed_batch_gives_each_row_its_batch_size_one_tokens(model, refs, sch
     assert eng.box.grows <= 12  # K/V stored in place: the box copies only as it doubles
     if scheduler == "blockserve":
         assert eng.scheduler.preemptions > 0
+        assert any(o.prompt_tokens_forwarded > len(p) for p, o in zip(prompts, outs))  # a preempted row's again
 
 
 def test_a_block_is_two_forwards_of_a_row_and_an_ar_token_one(model, refs):
