@@ -241,6 +241,17 @@ OTHER = [
     ("sorter_scale.json", "Sorter at scale (`bench/sorter_bench.py --scale`)",
      "The job on 2 CPU engines, blendserve ordering against none, 1k to 16k rows.",
      lambda d: {k: d["summary"][k] for k in ("blendserve_over_none_1k", "r2")}),
+    ("linear_spec_cpu.json", "Nemotron-Labs-Diffusion: LinearSpec, AR and diffusion mode (`bench/linear_spec.py`)",
+     "Issue 54: one tiny Nemotron-Labs-Diffusion shape (the located 8B config shrunk: hidden 64, 2 layers, float32, "
+     "one thread), 32 copy-task prompts x 64 tokens (ignore_eos), every request in one blockserve batch, L = 8. "
+     "`random`: seeded weights (drafts rarely agree with the verify: LinearSpec's worst case); `trained`: the same "
+     "trained in the bench for 600 steps with the causal and the masked-block loss on the copy task. Per mode: "
+     "tokens per forward of a request (its nfe: RequestOutput.num_steps), tokens per CPU-second (median of 3), "
+     "LinearSpec's mean accepted length per block, and the ratios to AR.",
+     lambda d: {m: {"tokens_per_row_forward": {k: r["tokens_per_row_forward"] for k, r in v["runs"].items()},
+                    "tokens_per_cpu_s": {k: r["tokens_per_cpu_s"] for k, r in v["runs"].items()},
+                    "accepted_per_block": v["runs"]["linear_spec"]["accepted_per_block"],
+                    "vs_ar": v["vs_ar"]} for m, v in d["models"].items()}),
 ]
 
 

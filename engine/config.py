@@ -13,6 +13,8 @@ from .modes import CacheMode as CacheModeRule, cache_mode
 Policy = Literal["fixed", "threshold", "factor", "timestep", "origin", "entropy_bound"]
 Remasking = Literal["low_confidence", "random", "entropy", "margin", "sequential"]
 CacheMode = Literal["none", "refresh", "persistent", "dual"]
+# Nemotron-Labs-Diffusion's three modes of one checkpoint (engine.linear_spec serves the last two)
+Decoding = Literal["diffusion", "linear_spec", "ar"]
 Canvas = Literal["auto", "block", "full"]
 AdvanceMode = Literal["block", "step"]
 
@@ -304,6 +306,15 @@ class SamplingParams:
     structured_outputs: Optional[Dict[str, Any]] = field(default=None, metadata={"json": True, "help": (
         "constrain every answer to a language: {\"regex\": ...}, {\"choice\": [...]}, {\"json\": schema} or "
         "{\"json_object\": true} (vLLM's StructuredOutputsParams; masked-diffusion models; none: off)")})
+    # Nemotron-Labs-Diffusion's other modes (engine.linear_spec); "diffusion": the family's own loop
+    decoding: Decoding = field(default="diffusion", metadata={"help": (
+        "diffusion: the model's diffusion loop; linear_spec: LinearSpec self-speculation (per block one "
+        "bidirectional draft and one causal verify forward, the longest agreeing prefix plus one token kept; "
+        "Nemotron-Labs-Diffusion, greedy); ar: plain causal greedy decoding through the same weights")})
+    draft_threshold: Optional[float] = field(default=None, metadata={"bounds": within(0, 1, low_open=True), "help": (
+        "decoding linear_spec: the draft repeats its bidirectional pass, each committing the masks whose "
+        "probability is at least this (at least the most confident), until the block holds no mask; "
+        "none: one pass fills every mask (the published default, threshold 0)")})
     # vLLM's other names, as keyword arguments (from_dict maps them): not fields
     max_tokens: InitVar[Optional[int]] = None
     max_completion_tokens: InitVar[Optional[int]] = None
@@ -417,6 +428,9 @@ class SamplingParams:
             if self.edit_threshold is not None:
                 return ("structured_outputs with edit_threshold (token editing) is not supported: editing rewrites "
                         "tokens the constraint already checked")
+        err = not_one_of("decoding", self.decoding, Decoding)
+        if err:
+            return err
         if self.d2f and ((self.policy, self.remasking) != ("threshold", "low_confidence") or self.first_position):
             return ("block_add_threshold (D2F) decodes with policy 'threshold', remasking 'low_confidence' "
                     f"and no first_position, got {self.policy!r}, {self.remasking!r}, {self.first_position!r}")

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Optional
 
 from .serving import CANVAS, MASKED, Serving
+from .speculative import SELF_SPECULATIVE, serves, settings_refusal as spec_refusal
 
 
 @dataclass
@@ -61,8 +62,15 @@ class BlockEngine(ServingEngine):
         budget = resolve_token_budget(config if tp is None else dataclasses.replace(config, tensor_parallel_size=1),
                                       model.config, model.dtype, device)
         config = dataclasses.replace(config, token_budget=budget.token_budget)
-        return Built(model, budget, config,
-                     lambda: Engine(model, config, tokenizer=tokenizer(), record_batches=record_batches))
+        make = lambda: Engine(model, config, tokenizer=tokenizer(), record_batches=record_batches)  # noqa: E731
+        # LinearSpec / AR rows beside the diffusion rows (engine.linear_spec), on one device
+        if tp is None and model.config.model_type in SELF_SPECULATIVE:
+            from .linear_spec import DecodingModes
+
+            block = make
+            adapter = ckpt.adapter.source if ckpt.adapter is not None else None
+            make = lambda: DecodingModes.over(block(), adapter)  # noqa: E731
+        return Built(model, budget, config, make)
 
     def every_row_refusal(self, checkpoint: Any, sampling: Any, engine: Any) -> Optional[str]:
         """A decoding rule the family does not allow (D2F on a bidirectional model,
@@ -72,6 +80,8 @@ class BlockEngine(ServingEngine):
         from .sequence import RowShape
 
         cfg = checkpoint.config
+        if serves(sampling):  # decoding linear_spec / ar: engine.linear_spec's checks
+            return spec_refusal(sampling, cfg, engine, checkpoint.adapter.source if checkpoint.adapter else None)
         shape = RowShape(engine.block_length, engine.full_canvas(cfg.block_causal))
         return settings_refusal(sampling, Layout(cfg, shape, engine))
 

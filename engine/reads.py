@@ -31,6 +31,10 @@ MULTI_BLOCK_SAMPLING = frozenset({"multi_block", "block_add_threshold", "decoded
                                   "entropy_threshold"})
 MULTI_BLOCK_ROW = frozenset({"max_new_tokens", "stop_token_ids", "stop", "ignore_eos", "include_stop_str_in_output",
                              "seed"}) | MULTI_BLOCK_SAMPLING
+# Nemotron-Labs-Diffusion's LinearSpec and AR modes (engine.linear_spec): greedy, the length and the stops
+LINEAR_SPEC_SAMPLING = frozenset({"decoding", "max_new_tokens", "stop_token_ids", "ignore_eos", "seed",
+                                  "draft_threshold"})
+LINEAR_SPEC_ENGINE = frozenset({"token_budget", "scheduler", "max_batch_size", "block_length"})
 # DiffusionGemma's canvas engine (engine.canvas): transformers' knobs
 CANVAS_SAMPLING = frozenset({"max_new_tokens", "seed", "max_denoising_steps", "entropy_bound", "t_min", "t_max",
                              "stability_threshold", "confidence_threshold"})
@@ -43,7 +47,8 @@ CANVAS_ENGINE = frozenset({"token_budget", "scheduler", "max_batch_size", "enabl
 READERS = ((MASKED_SAMPLING, "masked-diffusion models"), (EDITING_SAMPLING, "LLaDA2.1 token editing (edit_threshold)"),
            (D2F_SAMPLING, "D2F decoding (block_add_threshold)"),
            (SUB_BLOCK_SAMPLING, "sub-block decoding (Fast-dLLM v2)"),
-           (MULTI_BLOCK_SAMPLING, "d3LLM multi-block decoding (multi_block)"), (CANVAS_SAMPLING, "DiffusionGemma"))
+           (MULTI_BLOCK_SAMPLING, "d3LLM multi-block decoding (multi_block)"), (CANVAS_SAMPLING, "DiffusionGemma"),
+           (LINEAR_SPEC_SAMPLING, "LinearSpec / AR decoding (decoding, engine.linear_spec)"))
 
 
 def unread(obj: Any, reads: FrozenSet[str]) -> List[str]:
@@ -80,6 +85,8 @@ class Reads:
 
 
 MASKED = Reads("the masked-diffusion engine",
-               MASKED_SAMPLING | EDITING_SAMPLING | D2F_SAMPLING | SUB_BLOCK_SAMPLING | MULTI_BLOCK_SAMPLING,
+               MASKED_SAMPLING | EDITING_SAMPLING | D2F_SAMPLING | SUB_BLOCK_SAMPLING | MULTI_BLOCK_SAMPLING
+               | LINEAR_SPEC_SAMPLING,
                MASKED_ENGINE)
 CANVAS = Reads("DiffusionGemma's canvas engine", CANVAS_SAMPLING, CANVAS_ENGINE)
+LINEAR_SPEC = Reads("the LinearSpec / AR engine", LINEAR_SPEC_SAMPLING, LINEAR_SPEC_ENGINE)
