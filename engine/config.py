@@ -304,6 +304,20 @@ class SamplingParams:
     structured_outputs: Optional[Dict[str, Any]] = field(default=None, metadata={"json": True, "help": (
         "constrain every answer to a language: {\"regex\": ...}, {\"choice\": [...]}, {\"json\": schema} or "
         "{\"json_object\": true} (vLLM's StructuredOutputsParams; masked-diffusion models; none: off)")})
+    # LLaDA2.2's Levenshtein edit loop (engine.indel); False: off. Checkpoints naming DELETE/SPLIT tokens need it
+    edit_ops: bool = field(default=False, metadata={"help": (
+        "LLaDA2.2's Levenshtein edit loop (checkpoints whose config.json names delete_token_id / split_token_id): "
+        "mask -> token writes over threshold (at least the schedule's count plus the masks edits created), "
+        "token -> token rewrites over edit_threshold (none: 0.0) that may DELETE a position or SPLIT it into a "
+        "mask and its token, an anti-loop resample, a final round after max_post_steps steps without an original "
+        "mask; greedy. LLaDA2.2's defaults: --preset llada2.2")})
+    edit_ops_variant: str = field(default="hf", metadata={"help": (
+        "edit_ops: 'hf' (the published loop: scheduled M2T floor, post-step counter reset while original masks "
+        "remain, random anti-loop position from the row's seed, max_steps_per_block) or 'sglang' (SGLang's "
+        "JointThresholdInDel: floor 1, counter never reset, block_length + max_post_steps + 1 steps, the "
+        "lowest-confidence anti-loop position)")})
+    max_steps_per_block: int = field(default=1000, metadata={"bounds": at_least(2, integer=True), "help": (
+        "edit_ops ('hf'): steps per block at most; the last is the final round")})
     # vLLM's other names, as keyword arguments (from_dict maps them): not fields
     max_tokens: InitVar[Optional[int]] = None
     max_completion_tokens: InitVar[Optional[int]] = None
@@ -402,7 +416,7 @@ class SamplingParams:
             return f"stop must be a list of non-empty strings, got {self.stop!r}"
         if self.min_tokens > self.max_new_tokens:
             return f"min_tokens={self.min_tokens} must be at most max_new_tokens={self.max_new_tokens}"
-        for name in ("ignore_eos", "include_stop_str_in_output", "multi_block"):
+        for name in ("ignore_eos", "include_stop_str_in_output", "multi_block", "edit_ops"):
             if not isinstance(getattr(self, name), bool):
                 return f"{name} must be true or false, got {getattr(self, name)!r}"
         if self.structured_outputs is not None:
@@ -417,6 +431,11 @@ class SamplingParams:
             if self.edit_threshold is not None:
                 return ("structured_outputs with edit_threshold (token editing) is not supported: editing rewrites "
                         "tokens the constraint already checked")
+        if self.edit_ops_variant not in ("hf", "sglang"):
+            return f"edit_ops_variant must be 'hf' or 'sglang', got {self.edit_ops_variant!r}"
+        if self.edit_ops and self.structured_outputs is not None:
+            return ("structured_outputs with edit_ops (LLaDA2.2's edit loop) is not supported: its edits delete and "
+                    "insert tokens the constraint already checked")
         if self.d2f and ((self.policy, self.remasking) != ("threshold", "low_confidence") or self.first_position):
             return ("block_add_threshold (D2F) decodes with policy 'threshold', remasking 'low_confidence' "
                     f"and no first_position, got {self.policy!r}, {self.remasking!r}, {self.first_position!r}")

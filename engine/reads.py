@@ -31,6 +31,11 @@ MULTI_BLOCK_SAMPLING = frozenset({"multi_block", "block_add_threshold", "decoded
                                   "entropy_threshold"})
 MULTI_BLOCK_ROW = frozenset({"max_new_tokens", "stop_token_ids", "stop", "ignore_eos", "include_stop_str_in_output",
                              "seed"}) | MULTI_BLOCK_SAMPLING
+# LLaDA2.2's Levenshtein edit loop (engine.indel): greedy, its own M2T / T2T rules (no policy, remasking,
+# temperature, logprobs, structured outputs, min_tokens); the length, the stops and the seed (its anti-loop draw)
+INDEL_SAMPLING = frozenset({"edit_ops", "edit_ops_variant", "max_steps_per_block"})
+INDEL_ROW = frozenset({"max_new_tokens", "threshold", "stop_token_ids", "stop", "ignore_eos",
+                       "include_stop_str_in_output", "seed", "edit_threshold", "max_post_steps"}) | INDEL_SAMPLING
 # DiffusionGemma's canvas engine (engine.canvas): transformers' knobs
 CANVAS_SAMPLING = frozenset({"max_new_tokens", "seed", "max_denoising_steps", "entropy_bound", "t_min", "t_max",
                              "stability_threshold", "confidence_threshold"})
@@ -43,7 +48,8 @@ CANVAS_ENGINE = frozenset({"token_budget", "scheduler", "max_batch_size", "enabl
 READERS = ((MASKED_SAMPLING, "masked-diffusion models"), (EDITING_SAMPLING, "LLaDA2.1 token editing (edit_threshold)"),
            (D2F_SAMPLING, "D2F decoding (block_add_threshold)"),
            (SUB_BLOCK_SAMPLING, "sub-block decoding (Fast-dLLM v2)"),
-           (MULTI_BLOCK_SAMPLING, "d3LLM multi-block decoding (multi_block)"), (CANVAS_SAMPLING, "DiffusionGemma"))
+           (MULTI_BLOCK_SAMPLING, "d3LLM multi-block decoding (multi_block)"), (CANVAS_SAMPLING, "DiffusionGemma"),
+           (INDEL_SAMPLING, "LLaDA2.2's edit loop (edit_ops)"))
 
 
 def unread(obj: Any, reads: FrozenSet[str]) -> List[str]:
@@ -80,6 +86,7 @@ class Reads:
 
 
 MASKED = Reads("the masked-diffusion engine",
-               MASKED_SAMPLING | EDITING_SAMPLING | D2F_SAMPLING | SUB_BLOCK_SAMPLING | MULTI_BLOCK_SAMPLING,
+               MASKED_SAMPLING | EDITING_SAMPLING | D2F_SAMPLING | SUB_BLOCK_SAMPLING | MULTI_BLOCK_SAMPLING
+               | INDEL_SAMPLING,
                MASKED_ENGINE)
 CANVAS = Reads("DiffusionGemma's canvas engine", CANVAS_SAMPLING, CANVAS_ENGINE)

@@ -84,6 +84,12 @@ class BlockRule:
         and logits."""
         return sel
 
+    def rewrite(self, view: StepView, rows: List[int], window: torch.Tensor) -> torch.Tensor:
+        """The step's window [B, NB L] (device) once the selection is written; this rule's
+        `rows` may replace their blocks (engine.indel: positions deleted and inserted). As
+        it stands by default."""
+        return window
+
     def after_step(self, view: StepView, rows: List[int], blocks: torch.Tensor, done: torch.Tensor) -> Verdict:
         """Given `done` [B] (whose current block is complete) once the step's tokens are on
         the host (`blocks`), this rule's verdict: a rule may keep a block open, and count

@@ -42,6 +42,9 @@ class ModelConfig:
     partial_rotary_factor: float = 1.0  # RoPE on the first head_dim * factor dims of each head
     attn_out_bias: bool = False  # LLaDA2 use_bias: the attention output projection has a bias
     head_dim: Optional[int] = None  # None: hidden_size / n_heads (explicit in Qwen3-style configs)
+    # LLaDA2.2's Levenshtein edit tokens (config.json delete_token_id / split_token_id): read by engine.indel
+    delete_token_id: Optional[int] = None
+    split_token_id: Optional[int] = None
 
     def __post_init__(self) -> None:
         if isinstance(self.moe, dict):  # as_dict() round trip
