@@ -71,9 +71,12 @@ def escape_key(seed, before, step, attempt):
 
 def generate_22(ref, prompt, gen_length, block_length, steps, threshold, editing_threshold=0.0, max_post_steps=16,
                 max_steps_per_block=1000, eos_id=156892, mask_id=156895, delete_id=DELETE, split_id=SPLIT, seed=0,
-                fired=None):
+                fired=None, sglang=False):
     """LLaDA2.2's generate() at temperature 0 (see the module docstring); `fired` counts
-    what fired (Counter-like dict)."""
+    what fired (Counter-like dict). `sglang`: SGLang JointThresholdInDel's M2T floor
+    (1 + new masks, no schedule), post counter (never reset), step bound (block_length +
+    max_post_steps + 1) and anti-loop position (the lowest-confidence changed one, once),
+    the rest as HF's."""
     fired = {} if fired is None else fired
 
     def count(k, n=1):
@@ -96,17 +99,22 @@ def generate_22(ref, prompt, gen_length, block_length, steps, threshold, editing
             masked = [j >= n_prompt and t == mask_id for j, t in enumerate(blk)]
             n_mask = sum(masked)
             n_orig = sum(m and o for m, o in zip(masked, is_orig))
-            post_steps = 0 if n_orig > 0 else post_steps + 1
+            if n_orig == 0:
+                post_steps += 1
+            elif not sglang:
+                post_steps = 0
+            if sglang:
+                max_steps_per_block = block_length + max_post_steps + 1
             final = step >= max_steps_per_block - 1 or (
                 post_steps >= max_post_steps if max_post_steps > 0 else n_orig == 0)
             x[start:end] = torch.tensor(blk)
             logits = ref(x[:end], mask[:end, :end])[-block_length:]
             x0, x0_p = sample_greedy(logits)
             # M2T
-            if final or step >= steps:
+            if final or (step >= steps and not sglang):
                 take = list(masked)
             else:
-                need = schedule[step] + (n_mask - n_orig)
+                need = (1 if sglang else schedule[step]) + (n_mask - n_orig)
                 high = [m and float(x0_p[j]) > threshold for j, m in enumerate(masked)]
                 if sum(high) >= need:
                     take = high
@@ -133,15 +141,18 @@ def generate_22(ref, prompt, gen_length, block_length, steps, threshold, editing
             # anti-loop
             if not final:
                 banned = {}
-                for attempt in range(ESCAPE_TRIES):
+                for attempt in range(1 if sglang else ESCAPE_TRIES):
                     if tuple(cand) not in seen:
                         break
                     changed = [j for j in range(block_length) if writes[j] and cand[j] != blk[j]]
                     if not changed:
                         break
-                    g = torch.Generator().manual_seed(escape_key(seed, (num_block - first) * block_length, step,
-                                                                 attempt))
-                    j = changed[int(torch.randint(len(changed), (1,), generator=g))]
+                    if sglang:
+                        j = min(changed, key=lambda c: (float(x0_p[c]), c))
+                    else:
+                        g = torch.Generator().manual_seed(escape_key(seed, (num_block - first) * block_length, step,
+                                                                     attempt))
+                        j = changed[int(torch.randint(len(changed), (1,), generator=g))]
                     banned.setdefault(j, []).append(cand[j])
                     row = logits[j].clone()
                     row[banned[j]] = -torch.inf
@@ -192,11 +203,12 @@ def num_transfer_tokens_of(n, steps):
 SETTINGS_22 = {"2.2": (dict(edit_ops=True, threshold=0.5), 4),
                "2.2-post2": (dict(edit_ops=True, threshold=0.3, edit_threshold=0.05, max_post_steps=2), 4),
                "2.2-S2": (dict(edit_ops=True, threshold=0.5, max_post_steps=3, max_steps_per_block=12), 2),
-               "2.2-e6": (dict(edit_ops=True, threshold=0.5, edit_threshold=0.6), 4)}
+               "2.2-e6": (dict(edit_ops=True, threshold=0.5, edit_threshold=0.6), 4),
+               "2.2-sglang": (dict(edit_ops=True, threshold=0.5, max_post_steps=3, edit_ops_variant="sglang"), 4)}
 ALL = {**SETTINGS_22, **SETTINGS}
 
 
-def workload(n=16, seed=1):
+def workload(n=20, seed=1):
     rng = random.Random(seed)
     names = list(SETTINGS_22)
     prompts = [[rng.randrange(13, 150000) for _ in range(rng.randint(1, 11))] for _ in range(n)]
@@ -216,7 +228,7 @@ def reference(pub, prompt, name, max_new, seed, fired=None):
     if name.startswith("2.2"):
         out = generate_22(pub.ref, prompt, max_new, L, S, kw["threshold"], kw.get("edit_threshold") or 0.0,
                           kw.get("max_post_steps", 16), kw.get("max_steps_per_block", 1000), seed=seed, fired=fired,
-                          **ids)
+                          sglang=kw.get("edit_ops_variant") == "sglang", **ids)
     elif name.startswith("2.0"):
         out = generate_20(pub.ref, prompt, max_new, L, S, kw["threshold"], **ids)
     else:
@@ -227,19 +239,20 @@ def reference(pub, prompt, name, max_new, seed, fired=None):
 
 @pytest.fixture(scope="module")
 def pub():
+    """The model, its reference, and a stop id: the token most of the workload's rows emit
+    when nothing stops them."""
     model = tiny_model()
     ref = BlockRoutedLLaDA2(model)
     mask = model.config.mask_token_id
     prompts, jobs = workload()
-    free = [generate_22(ref, p, n, L, 4, 0.5, eos_id=-1, mask_id=mask, max_steps_per_block=12)
-            for p, (_, n) in zip(prompts[:6], jobs)]
-    return SimpleNamespace(model=model, ref=ref, mask=mask, eos=most_emitted(
-        [[t for t in o if t not in (DELETE, SPLIT, mask)] for o in free]))
+    free = SimpleNamespace(model=model, ref=ref, mask=mask, eos=-1)
+    outs = [reference(free, p, name, n, i) for i, (p, (name, n)) in enumerate(zip(prompts, jobs))]
+    return SimpleNamespace(model=model, ref=ref, mask=mask, eos=most_emitted([set(o) for o in outs]))
 
 
 @pytest.fixture(scope="module")
 def refs(pub):
-    """The workload (16 edit_ops rows) and, mixed in, test_llada2's 2.0 / 2.1 rows."""
+    """The workload (20 edit_ops rows, 4 of them SGLang's variant) and, mixed in, test_llada2's 2.0 / 2.1 rows."""
     prompts, jobs = workload()
     per_row = [{} for _ in prompts]
     outs = [reference(pub, p, name, n, i, per_row[i]) for i, (p, (name, n)) in enumerate(zip(prompts, jobs))]
@@ -282,7 +295,7 @@ def test_config_is_2_2s_with_edit_tokens(pub):
 
 
 def test_every_rule_fires(refs):
-    """The reference run of the 16 edit_ops rows: DELETE, SPLIT (new masks), T2T rewrites,
+    """The reference run of the 20 edit_ops rows: DELETE, SPLIT (new masks), T2T rewrites,
     anti-loop escapes and final rounds all happen; some rows stop, some span blocks."""
     f = refs.fired
     print(f)
@@ -370,3 +383,92 @@ def test_preset_is_2_2s_defaults():
     assert (eng.block_length, eng.steps_per_block) == (32, 32)
     assert (smp.edit_ops, smp.threshold, smp.edit_threshold, smp.max_post_steps, smp.max_steps_per_block) == (
         True, 0.5, 0.0, 16, 1000)
+
+
+def tp_jobs(eos: int):
+    """The steps-4 rows of the workload (edit_ops rows of every setting, 2.0 and 2.1 rows)."""
+    prompts, jobs = workload()
+    from test_llada2 import workload as workload_21
+    p21, j21 = workload_21()
+    prompts, jobs = prompts + p21[:6], jobs + j21[:6]
+    pick = [i for i, (name, _) in enumerate(jobs) if ALL[name][1] == 4]
+    return pick, [prompts[i] for i in pick], [params_of(jobs[i][0], jobs[i][1], eos, i) for i in pick]
+
+
+def _tp_rank(rank: int, world: int, root: str, eos: int) -> None:
+    """One rank: its shard of the saved model (half the experts, heads, vocabulary), the jobs."""
+    import json
+    import os
+
+    from engine import load_model
+    from engine.parallel import destroy_tensor_parallel, init_tensor_parallel
+
+    torch.set_num_threads(1)
+    tp = init_tensor_parallel(rank, world, f"file://{os.path.join(root, 'rendezvous')}", "gloo")
+    model, _ = load_model(os.path.join(root, "model"), dtype=torch.float64, tokenizer=False, tp=tp)
+    _, prompts, params = tp_jobs(eos)
+    cfg = EngineConfig(block_length=L, steps_per_block=4, cache="persistent", token_budget=32, max_batch_size=4,
+                       tensor_parallel_size=world)
+    outs = Engine(model, cfg).generate(prompts, params)
+    with open(os.path.join(root, f"rank{rank}.json"), "w") as f:
+        json.dump(dict(tokens=[list(o.token_ids) for o in outs], own=list(model.layers[1].owned or []),
+                       edit_ids=[model.config.delete_token_id, model.config.split_token_id]), f)
+    destroy_tensor_parallel()
+
+
+def test_tensor_and_expert_parallel_2_give_the_transcribed_tokens(pub, refs, tmp_path):
+    """Tensor parallel 2 over gloo (each rank half the heads, the vocabulary and the experts,
+    the router replicated): every rank decodes the transcribed loops' tokens, edit_ops rows
+    (DELETE, SPLIT, escapes) among them."""
+    import json
+
+    import torch.multiprocessing as mp
+
+    from engine import save_model
+
+    save_model(pub.model, str(tmp_path / "model"))
+    mp.start_processes(_tp_rank, args=(2, str(tmp_path), pub.eos), nprocs=2, join=True, start_method="spawn")
+    pick, _, _ = tp_jobs(pub.eos)
+    got = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    assert [g["own"] for g in got] == [list(range(0, EXPERTS // 2)), list(range(EXPERTS // 2, EXPERTS))]
+    assert fired_in([refs.per_row[i] for i in pick]).get("delete", 0) > 0
+    for g in got:
+        assert g["edit_ids"] == [DELETE, SPLIT]
+        assert g["tokens"] == [refs.outs[i] for i in pick]
+
+
+FIXTURE = "inclusionAI__LLaDA2.2-flash"
+
+
+def test_published_fixture_is_2_2s_located_config():
+    """tests/published/inclusionAI__LLaDA2.2-flash: rebuilt from located values (its SOURCE.md),
+    2.1-mini's config.json with 2.2's changes and the flash sizes; a rebuilt folder
+    (tests/test_published.py runs its 10-row job with the edit loop)."""
+    hf = published.config(FIXTURE)
+    assert FIXTURE in published.rebuilt_folders()
+    want = {**llada2_2_flash_config(), "hidden_size": 4096, "num_hidden_layers": 32, "num_attention_heads": 32,
+            "num_key_value_heads": 4, "transformers_version": "5.2.0"}
+    assert list(hf) == list(want) and hf == want
+    cfg = ModelConfig.from_hf(hf)
+    assert (cfg.delete_token_id, cfg.split_token_id, cfg.moe.expert_capacity, cfg.moe.block_size) == (
+        DELETE, SPLIT, 48, 32)
+
+
+def test_generation_configs_two_stop_ids_end_a_row(tmp_path):
+    """The fixture's tiny build with 2.2's located generation_config.json (eos_token_id
+    [156892, 156900]): both are the checkpoint's stop ids; the preset's edit loop runs on it."""
+    import json
+
+    from engine import load_model
+
+    root = published.build_from_config(published.config(FIXTURE), str(tmp_path / "m"))
+    with open(f"{root}/generation_config.json", "w") as f:
+        json.dump({"eos_token_id": [156892, 156900]}, f)
+    model, _ = load_model(root, dtype=torch.float32, tokenizer=False)
+    assert model.config.stop_token_ids == [156892, 156900]
+    eng_cfg, smp = preset("llada2.2")
+    from dataclasses import replace
+
+    outs = Engine(model, replace(eng_cfg, token_budget=512)).generate(
+        [[6, 7, 8], [9] * 40], replace(smp, max_new_tokens=8))
+    assert [o.error for o in outs] == [None, None] and all(len(o.token_ids) <= 8 for o in outs)
