@@ -204,7 +204,14 @@ class SamplingParams:
     reaches `decoded_token_threshold`; every mask up to the last active block whose
     entropy is strictly below `entropy_threshold` is committed, and the first fully active
     block still holding masks commits its lowest-entropy mask when it committed none.
-    Bidirectional models (LLaDA, Dream) only."""
+    Bidirectional models (LLaDA, Dream) only.
+
+    LLaDA2.2 (engine.indel): `edit_ops=True` decodes its Levenshtein edit loop on a checkpoint
+    naming DELETE / SPLIT tokens (config.json delete_token_id / split_token_id): `threshold`
+    is its M2T threshold (2.2's default 0.5: preset "llada2.2"), `edit_threshold` its T2T
+    threshold (None: 0.0), `max_post_steps` the steps without an original mask before the
+    final round, `max_steps_per_block` its hard cap; `edit_ops_variant` 'sglang' takes
+    SGLang's JointThresholdInDel floor, counter, bound and anti-loop instead of HF's."""
 
     max_new_tokens: int = field(default=64, metadata={"bounds": at_least(1, integer=True), "help": (
         "tokens to generate at most per row (vLLM: max_tokens); rounded up to whole blocks")})

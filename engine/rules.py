@@ -8,6 +8,8 @@ rule in its batch, at the same points of every step; it names no rule itself.
 - `EditingRule` (engine.editing): LLaDA2.1's token editing on top of it.
 - `D2FRule` (engine.d2f): several blocks in flight, committed at any step.
 - `MultiBlockRule` (engine.multi_block): d3LLM's multi-block decoding, every block in flight.
+- `IndelRule` (engine.indel): LLaDA2.2's Levenshtein edit loop, whose steps delete and
+  insert positions of the block (its `rewrite` replaces the block whole).
 
 A row's rule comes from its SamplingParams (engine.decoders.rule_for: the first rule that
 `applies`); what the model's family allows (its decoding layout) each rule checks in

@@ -472,3 +472,16 @@ def test_generation_configs_two_stop_ids_end_a_row(tmp_path):
     outs = Engine(model, replace(eng_cfg, token_budget=512)).generate(
         [[6, 7, 8], [9] * 40], replace(smp, max_new_tokens=8))
     assert [o.error for o in outs] == [None, None] and all(len(o.token_ids) <= 8 for o in outs)
+
+
+def test_cli_flags_and_preset():
+    """--edit-ops, --edit-ops-variant, --max-steps-per-block (generated from SamplingParams, as
+    --edit-threshold) and --preset llada2.2 with a flag beside it winning."""
+    from pipeline.cli import build_config, parse_args
+
+    s = build_config(parse_args(["--edit-ops", "--edit-ops-variant", "sglang", "--max-steps-per-block", "50"]),
+                     0).sampling
+    assert (s.edit_ops, s.edit_ops_variant, s.max_steps_per_block) == (True, "sglang", 50)
+    cfg = build_config(parse_args(["--preset", "llada2.2", "--threshold", "0.7"]), 0)
+    assert (cfg.engine.block_length, cfg.sampling.edit_ops, cfg.sampling.threshold, cfg.sampling.edit_threshold) == (
+        32, True, 0.7, 0.0)
