@@ -127,6 +127,10 @@ class IndelRule(BlockRule):
                     f"(config.json delete_token_id / split_token_id); this {m.model_type} model names none")
         if not layout.absolute or layout.shape.full_canvas:
             return "edit_ops is implemented for LLaDA2's block canvas (blocks at absolute positions)"
+        p = req.params
+        if p.edit_ops_variant == "sglang" and p.max_steps_per_block != type(p)().max_steps_per_block:
+            return ("max_steps_per_block is HF's bound (edit_ops_variant 'hf'); SGLang's variant takes "
+                    "block_length + max_post_steps + 1 steps: leave it at the default")
         return None
 
     def step_cap(self, req: Any, block_length: int, steps: int) -> int:

@@ -361,7 +361,8 @@ def test_edit_ops_is_refused_where_it_cannot_apply(pub):
     eng = Engine(pub.model, EngineConfig(block_length=L, steps_per_block=L, cache="persistent"))
     for bad, word in ((dict(temperature=0.5), "temperature"), (dict(logprobs=1), "logprobs"),
                       (dict(min_tokens=2), "min_tokens"), (dict(edit_ops_variant="x"), "edit_ops_variant"),
-                      (dict(max_steps_per_block=1), "max_steps_per_block")):
+                      (dict(max_steps_per_block=1), "max_steps_per_block"),
+                      (dict(edit_ops_variant="sglang", max_steps_per_block=9), "max_steps_per_block")):
         try:
             o = eng.generate([[20, 21]], SamplingParams(max_new_tokens=4, edit_ops=True, **bad))[0]
             assert o.finish_reason == "error" and word in o.error, (bad, o.error)
