@@ -214,23 +214,12 @@ class IndelRule(BlockRule):
             st.post_steps += 1
         mp = prm.max_post_steps
         final = st.step >= self.max_steps(prm, L) - 1 or (st.post_steps >= mp if mp > 0 else n_orig == 0)
-        thr = float(prm.threshold)
         ethr = EDIT_THRESHOLD_DEFAULT if prm.edit_threshold is None else float(prm.edit_threshold)
 
-        def m2t(p_: torch.Tensor, final_: bool) -> List[bool]:
-            if final_ or (not sglang and st.step >= steps):
-                return masked
-            need = (1 if sglang else st.plan[st.step]) + new_masks
-            high = [mk and float(p_[j]) > thr for j, mk in enumerate(masked)]
-            if sum(high) >= need:
-                return high
-            conf = torch.where(torch.tensor(masked), p_, torch.tensor(-torch.inf, dtype=p_.dtype))
-            out = [False] * L
-            for j in torch.topk(conf, k=min(need, n_mask)).indices.tolist():
-                out[j] = True
-            return out
-
-        take = m2t(p, final)
+        if final or (not sglang and st.step >= steps):  # the final round, or past the schedule: every mask
+            take = masked
+        else:
+            take = m2t(masked, p, float(prm.threshold), (1 if sglang else st.plan[st.step]) + new_masks)
         if mp == 0 and not final and n_orig > 0 and all(t for t, mk, o in zip(take, masked, st.orig) if mk and o):
             final = True  # max_post_steps 0: the step that resolves the last original masks is the final round
         if final:
@@ -291,6 +280,21 @@ class IndelRule(BlockRule):
             if not st.had_mask:
                 busy[i] = 1
         return Verdict(done, busy)
+
+
+def m2t(masked: List[bool], p: torch.Tensor, threshold: float, need: int) -> List[bool]:
+    """Step 3: the masks whose probability `p` [L] (host float64) is strictly above
+    `threshold`, unless fewer than `need`; then the min(need, masks) most confident."""
+    import torch
+
+    high = [mk and float(p[j]) > threshold for j, mk in enumerate(masked)]
+    if sum(high) >= need:
+        return high
+    conf = torch.where(torch.tensor(masked), p, torch.tensor(-torch.inf, dtype=p.dtype))
+    out = [False] * len(masked)
+    for j in torch.topk(conf, k=min(need, sum(masked))).indices.tolist():
+        out[j] = True
+    return out
 
 
 def proposals(logits: torch.Tensor, banned: Tuple[int, ...] = ()) -> Tuple[torch.Tensor, torch.Tensor]:

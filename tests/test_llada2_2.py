@@ -204,11 +204,12 @@ SETTINGS_22 = {"2.2": (dict(edit_ops=True, threshold=0.5), 4),
                "2.2-post2": (dict(edit_ops=True, threshold=0.3, edit_threshold=0.05, max_post_steps=2), 4),
                "2.2-S2": (dict(edit_ops=True, threshold=0.5, max_post_steps=3, max_steps_per_block=12), 2),
                "2.2-e6": (dict(edit_ops=True, threshold=0.5, edit_threshold=0.6), 4),
-               "2.2-sglang": (dict(edit_ops=True, threshold=0.5, max_post_steps=3, edit_ops_variant="sglang"), 4)}
+               "2.2-sglang": (dict(edit_ops=True, threshold=0.5, max_post_steps=3, edit_ops_variant="sglang"), 4),
+               "2.2-post0": (dict(edit_ops=True, threshold=0.5, edit_threshold=0.3, max_post_steps=0), 2)}
 ALL = {**SETTINGS_22, **SETTINGS}
 
 
-def workload(n=20, seed=1):
+def workload(n=24, seed=1):
     rng = random.Random(seed)
     names = list(SETTINGS_22)
     prompts = [[rng.randrange(13, 150000) for _ in range(rng.randint(1, 11))] for _ in range(n)]
@@ -252,7 +253,7 @@ def pub():
 
 @pytest.fixture(scope="module")
 def refs(pub):
-    """The workload (20 edit_ops rows, 4 of them SGLang's variant) and, mixed in, test_llada2's 2.0 / 2.1 rows."""
+    """The workload (24 edit_ops rows, 4 of them SGLang's variant) and, mixed in, test_llada2's 2.0 / 2.1 rows."""
     prompts, jobs = workload()
     per_row = [{} for _ in prompts]
     outs = [reference(pub, p, name, n, i, per_row[i]) for i, (p, (name, n)) in enumerate(zip(prompts, jobs))]
@@ -295,7 +296,7 @@ def test_config_is_2_2s_with_edit_tokens(pub):
 
 
 def test_every_rule_fires(refs):
-    """The reference run of the 20 edit_ops rows: DELETE, SPLIT (new masks), T2T rewrites,
+    """The reference run of the 24 edit_ops rows: DELETE, SPLIT (new masks), T2T rewrites,
     anti-loop escapes and final rounds all happen; some rows stop, some span blocks."""
     f = refs.fired
     print(f)
@@ -331,8 +332,8 @@ def test_mixed_batches_equal_the_transcribed_loop(pub, refs, scheduler, engine_f
 
 
 def test_steps_2_step_advance_and_other_caches(pub, refs):
-    """The steps-2 rows (schedule past its end, a hard cap of 12 steps) with the 2.0 S=2
-    rows, under step advance, refresh and no cache: the same tokens."""
+    """The steps-2 rows (schedule past its end, a hard cap of 12 steps, max_post_steps 0) with
+    the 2.0 S=2 rows, under step advance, refresh and no cache: the same tokens."""
     pick = [i for i, (name, _) in enumerate(refs.jobs) if ALL[name][1] == 2]
     assert pick
     params = [params_of(refs.jobs[i][0], refs.jobs[i][1], pub.eos, i) for i in pick]
