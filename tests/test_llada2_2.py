@@ -181,6 +181,7 @@ def generate_22(ref, prompt, gen_length, block_length, steps, threshold, editing
             step += 1
             if final:
                 count("final")
+                count("cap", step >= max_steps_per_block)
             elif stable:
                 count("stable")
             if final or stable:
@@ -202,7 +203,7 @@ def num_transfer_tokens_of(n, steps):
 # name: (SamplingParams of the row, steps_per_block); "2.2*" rows decode with edit_ops
 SETTINGS_22 = {"2.2": (dict(edit_ops=True, threshold=0.5), 4),
                "2.2-post2": (dict(edit_ops=True, threshold=0.3, edit_threshold=0.05, max_post_steps=2), 4),
-               "2.2-S2": (dict(edit_ops=True, threshold=0.5, max_post_steps=3, max_steps_per_block=12), 2),
+               "2.2-S2": (dict(edit_ops=True, threshold=0.5, max_post_steps=3, max_steps_per_block=4), 2),
                "2.2-e6": (dict(edit_ops=True, threshold=0.5, edit_threshold=0.6), 4),
                "2.2-sglang": (dict(edit_ops=True, threshold=0.5, max_post_steps=3, edit_ops_variant="sglang"), 4),
                "2.2-post0": (dict(edit_ops=True, threshold=0.5, edit_threshold=0.3, max_post_steps=0), 2)}
@@ -297,10 +298,11 @@ def test_config_is_2_2s_with_edit_tokens(pub):
 
 def test_every_rule_fires(refs):
     """The reference run of the 24 edit_ops rows: DELETE, SPLIT (new masks), T2T rewrites,
-    anti-loop escapes and final rounds all happen; some rows stop, some span blocks."""
+    anti-loop escapes, final rounds (some at the hard cap) and stable ends all happen; some
+    rows stop, some span blocks."""
     f = refs.fired
     print(f)
-    for what in ("delete", "split", "t2t", "escape", "final", "stable", "new_masks"):
+    for what in ("delete", "split", "t2t", "escape", "final", "stable", "new_masks", "cap"):
         assert f.get(what, 0) > 0, (what, f)
     n22 = sum(1 for name, _ in refs.jobs if name.startswith("2.2"))
     assert n22 >= 12
@@ -332,7 +334,7 @@ def test_mixed_batches_equal_the_transcribed_loop(pub, refs, scheduler, engine_f
 
 
 def test_steps_2_step_advance_and_other_caches(pub, refs):
-    """The steps-2 rows (schedule past its end, a hard cap of 12 steps, max_post_steps 0) with
+    """The steps-2 rows (schedule past its end, a hard cap of 4 steps, max_post_steps 0) with
     the 2.0 S=2 rows, under step advance, refresh and no cache: the same tokens."""
     pick = [i for i, (name, _) in enumerate(refs.jobs) if ALL[name][1] == 2]
     assert pick
@@ -369,6 +371,25 @@ def test_edit_ops_is_refused_where_it_cannot_apply(pub):
             assert o.finish_reason == "error" and word in o.error, (bad, o.error)
         except ValueError as e:
             assert word in str(e)
+
+
+def test_the_preflight_refuses_edit_ops_without_edit_tokens():
+    """The job's preflight (before Ray) refuses edit_ops on a LLaDA2 checkpoint naming no
+    DELETE / SPLIT ids, and passes it on 2.2's."""
+    from pipeline.checkpoint_check import check_settings
+    from pipeline.errors import CheckpointRefused
+
+    from test_block_routing import llada2_2_tiny as without_edit_tokens
+
+    eng = EngineConfig(block_length=L, steps_per_block=L, cache="persistent")
+    for hf, ok in ((without_edit_tokens(), False), (llada2_2_tiny(), True)):
+        cfg = ModelConfig.from_hf(hf)
+        checkpoint = SimpleNamespace(family=cfg.family, model="tiny", config=cfg, serving=cfg.family.serving)
+        if ok:
+            check_settings(checkpoint, SamplingParams(edit_ops=True), eng)
+        else:
+            with pytest.raises(CheckpointRefused, match="edit_ops .*delete_token_id"):
+                check_settings(checkpoint, SamplingParams(edit_ops=True), eng)
 
 
 def test_a_config_naming_one_edit_token_is_refused():
