@@ -133,6 +133,10 @@ class IndelRule(BlockRule):
                     "block_length + max_post_steps + 1 steps: leave it at the default")
         return None
 
+    def noise_keys(self, req: Any, seed: int, step: int) -> List[Optional[int]]:
+        """None: propose draws nothing for its rows (greedy); the seed is the anti-loop's (escape_key)."""
+        return [None]
+
     def step_cap(self, req: Any, block_length: int, steps: int) -> int:
         return self.max_steps(req.params, block_length)
 
