@@ -201,8 +201,6 @@ class IndelRule(BlockRule):
     def step(self, r: Any, st: IndelState, logits: torch.Tensor, x0: torch.Tensor, p: torch.Tensor,
              L: int) -> List[int]:
         """One step of row `r`'s block (state `st`): its new tokens."""
-        import torch
-
         mask_id, steps, prm = st.mask_id, st.steps, r.params
         sglang = prm.edit_ops_variant == "sglang"
         x = st.tokens
