@@ -206,7 +206,14 @@ class SamplingParams:
     reaches `decoded_token_threshold`; every mask up to the last active block whose
     entropy is strictly below `entropy_threshold` is committed, and the first fully active
     block still holding masks commits its lowest-entropy mask when it committed none.
-    Bidirectional models (LLaDA, Dream) only."""
+    Bidirectional models (LLaDA, Dream) only.
+
+    LLaDA2.2 (engine.indel): `edit_ops=True` decodes its Levenshtein edit loop on a checkpoint
+    naming DELETE / SPLIT tokens (config.json delete_token_id / split_token_id): `threshold`
+    is its M2T threshold (2.2's default 0.5: preset "llada2.2"), `edit_threshold` its T2T
+    threshold (None: 0.0), `max_post_steps` the steps without an original mask before the
+    final round, `max_steps_per_block` its hard cap; `edit_ops_variant` 'sglang' takes
+    SGLang's JointThresholdInDel floor, counter, bound and anti-loop instead of HF's."""
 
     max_new_tokens: int = field(default=64, metadata={"bounds": at_least(1, integer=True), "help": (
         "tokens to generate at most per row (vLLM: max_tokens); rounded up to whole blocks")})
@@ -315,6 +322,20 @@ class SamplingParams:
         "decoding linear_spec: the draft repeats its bidirectional pass, each committing the masks whose "
         "probability is at least this (at least the most confident), until the block holds no mask; "
         "none: one pass fills every mask (the published default, threshold 0)")})
+    # LLaDA2.2's Levenshtein edit loop (engine.indel); False: off. Checkpoints naming DELETE/SPLIT tokens need it
+    edit_ops: bool = field(default=False, metadata={"help": (
+        "LLaDA2.2's Levenshtein edit loop (checkpoints whose config.json names delete_token_id / split_token_id): "
+        "mask -> token writes over threshold (at least the schedule's count plus the masks edits created), "
+        "token -> token rewrites over edit_threshold (none: 0.0) that may DELETE a position or SPLIT it into a "
+        "mask and its token, an anti-loop resample, a final round after max_post_steps steps without an original "
+        "mask; greedy. LLaDA2.2's defaults: --preset llada2.2")})
+    edit_ops_variant: str = field(default="hf", metadata={"help": (
+        "edit_ops: 'hf' (the published loop: scheduled M2T floor, post-step counter reset while original masks "
+        "remain, random anti-loop position from the row's seed, max_steps_per_block) or 'sglang' (SGLang's "
+        "JointThresholdInDel: floor 1, counter never reset, block_length + max_post_steps + 1 steps, the "
+        "lowest-confidence anti-loop position)")})
+    max_steps_per_block: int = field(default=1000, metadata={"bounds": at_least(2, integer=True), "help": (
+        "edit_ops ('hf'): steps per block at most; the last is the final round")})
     # vLLM's other names, as keyword arguments (from_dict maps them): not fields
     max_tokens: InitVar[Optional[int]] = None
     max_completion_tokens: InitVar[Optional[int]] = None
@@ -413,7 +434,7 @@ class SamplingParams:
             return f"stop must be a list of non-empty strings, got {self.stop!r}"
         if self.min_tokens > self.max_new_tokens:
             return f"min_tokens={self.min_tokens} must be at most max_new_tokens={self.max_new_tokens}"
-        for name in ("ignore_eos", "include_stop_str_in_output", "multi_block"):
+        for name in ("ignore_eos", "include_stop_str_in_output", "multi_block", "edit_ops"):
             if not isinstance(getattr(self, name), bool):
                 return f"{name} must be true or false, got {getattr(self, name)!r}"
         if self.structured_outputs is not None:
@@ -431,6 +452,11 @@ class SamplingParams:
         err = not_one_of("decoding", self.decoding, Decoding)
         if err:
             return err
+        if self.edit_ops_variant not in ("hf", "sglang"):
+            return f"edit_ops_variant must be 'hf' or 'sglang', got {self.edit_ops_variant!r}"
+        if self.edit_ops and self.structured_outputs is not None:
+            return ("structured_outputs with edit_ops (LLaDA2.2's edit loop) is not supported: its edits delete and "
+                    "insert tokens the constraint already checked")
         if self.d2f and ((self.policy, self.remasking) != ("threshold", "low_confidence") or self.first_position):
             return ("block_add_threshold (D2F) decodes with policy 'threshold', remasking 'low_confidence' "
                     f"and no first_position, got {self.policy!r}, {self.remasking!r}, {self.first_position!r}")

@@ -6,6 +6,7 @@ from typing import Any, Optional
 
 from .d2f import D2F
 from .editing import EDITING
+from .indel import INDEL
 from .layout import Layout
 from .multi_block import MULTI_BLOCK
 from .reads import refusal, unread
@@ -13,7 +14,7 @@ from .rules import BLOCK, BlockRule, row_refusal
 from .sequence import Request
 from .subblocks import SUB_BLOCKS
 
-RULES = (MULTI_BLOCK, D2F, EDITING, SUB_BLOCKS, BLOCK)
+RULES = (MULTI_BLOCK, D2F, INDEL, EDITING, SUB_BLOCKS, BLOCK)
 
 
 def rule_for(params: Any) -> BlockRule:

@@ -256,6 +256,8 @@ class Engine(EngineCore):
             procs.conf = conf
             sel, x0 = b.processing.after(procs, sel, x0)
         window = torch.where(sel.reshape(B, NB * L), x0.reshape(B, NB * L), window)
+        for rule, rows in live:  # each rule's rows: blocks it rewrites whole (engine.indel)
+            window = rule.rewrite(view, rows, window)
         b.ids.scatter_(1, cols, window)
         b.busy_steps += b.masked.any(1).long()
         b.step += 1

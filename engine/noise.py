@@ -26,4 +26,9 @@ def draws_noise(p: Any) -> bool:
     """Whether a row with SamplingParams `p` draws noise at all (then it needs a seed: its
     own, or one the engine draws); the rows that do not take no generator at any step.
     Reads NOISE_SAMPLING."""
-    return draws_tokens(p) or draws_confidence(p) or perturbs_confidence(p)
+    return draws_tokens(p) or draws_confidence(p) or perturbs_confidence(p) or draws_escape(p)
+
+
+def draws_escape(p: Any) -> bool:
+    """The row draws its anti-loop positions (LLaDA2.2's edit loop, engine.indel; HF's variant)."""
+    return getattr(p, "edit_ops", False) is True and getattr(p, "edit_ops_variant", "hf") == "hf"

@@ -27,7 +27,10 @@ low_confidence_dynamic dynamic_threshold: 0.9 temperature: 1.0 top_k: 0 top_p: 1
 `max_token` 2000 (long-CoT: 10000). Their engine (JetEngine) stops at the tokenizer's
 eos_token <|endoftext|> 151643 and the config's `stop_token_list` (long-CoT: <|im_end|>
 151645), so the presets name those ids; blocks are cached once complete (blockray: cache
-"persistent"). For SDAR / TraDo checkpoints (model_type sdar, sdar_moe) only."""
+"persistent"). For SDAR / TraDo checkpoints (model_type sdar, sdar_moe) only.
+
+The llada2.2 preset is LLaDA2.2-flash's generate() defaults (its edit loop, engine.indel), as
+FLX-OSS/FluxServe's LLaDA2.2 guide reports them (the HF file is not readable first-hand)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
@@ -92,6 +95,13 @@ PRESETS: Dict[str, Preset] = {
         sampling=dict(policy="threshold", remasking="low_confidence", threshold=0.9, temperature=1.0, top_k=0,
                       top_p=1.0, max_new_tokens=10000, stop_token_ids=[151643, 151645]),
         source=f"{_TRADO}/trado_longcot_eval.yaml"),
+    # LLaDA2.2's generate() defaults (../shared/checkpoints/REFERENCES.md "LLaDA2.2-flash", located second-hand:
+    # FLX-OSS/FluxServe dev-notes/llada2.2-model-support-development-guide.md section 2): the edit loop
+    "llada2.2": Preset(
+        engine=dict(block_length=32, steps_per_block=32, cache="persistent"),
+        sampling=dict(edit_ops=True, threshold=0.5, edit_threshold=0.0, max_post_steps=16, max_steps_per_block=1000,
+                      temperature=0.0),
+        source="inclusionAI/LLaDA2.2-flash generate() defaults, as FLX-OSS/FluxServe's LLaDA2.2 guide reports them"),
 }
 
 

@@ -35,6 +35,11 @@ MULTI_BLOCK_ROW = frozenset({"max_new_tokens", "stop_token_ids", "stop", "ignore
 LINEAR_SPEC_SAMPLING = frozenset({"decoding", "max_new_tokens", "stop_token_ids", "ignore_eos", "seed",
                                   "draft_threshold"})
 LINEAR_SPEC_ENGINE = frozenset({"token_budget", "scheduler", "max_batch_size", "block_length"})
+# LLaDA2.2's Levenshtein edit loop (engine.indel): greedy, its own M2T / T2T rules (no policy, remasking,
+# temperature, logprobs, structured outputs, min_tokens); the length, the stops and the seed (its anti-loop draw)
+INDEL_SAMPLING = frozenset({"edit_ops", "edit_ops_variant", "max_steps_per_block"})
+INDEL_ROW = frozenset({"max_new_tokens", "threshold", "stop_token_ids", "stop", "ignore_eos",
+                       "include_stop_str_in_output", "seed", "edit_threshold", "max_post_steps"}) | INDEL_SAMPLING
 # DiffusionGemma's canvas engine (engine.canvas): transformers' knobs
 CANVAS_SAMPLING = frozenset({"max_new_tokens", "seed", "max_denoising_steps", "entropy_bound", "t_min", "t_max",
                              "stability_threshold", "confidence_threshold"})
@@ -48,7 +53,8 @@ READERS = ((MASKED_SAMPLING, "masked-diffusion models"), (EDITING_SAMPLING, "LLa
            (D2F_SAMPLING, "D2F decoding (block_add_threshold)"),
            (SUB_BLOCK_SAMPLING, "sub-block decoding (Fast-dLLM v2)"),
            (MULTI_BLOCK_SAMPLING, "d3LLM multi-block decoding (multi_block)"), (CANVAS_SAMPLING, "DiffusionGemma"),
-           (LINEAR_SPEC_SAMPLING, "LinearSpec / AR decoding (decoding, engine.linear_spec)"))
+           (LINEAR_SPEC_SAMPLING, "LinearSpec / AR decoding (decoding, engine.linear_spec)"),
+           (INDEL_SAMPLING, "LLaDA2.2's edit loop (edit_ops)"))
 
 
 def unread(obj: Any, reads: FrozenSet[str]) -> List[str]:
@@ -86,7 +92,7 @@ class Reads:
 
 MASKED = Reads("the masked-diffusion engine",
                MASKED_SAMPLING | EDITING_SAMPLING | D2F_SAMPLING | SUB_BLOCK_SAMPLING | MULTI_BLOCK_SAMPLING
-               | LINEAR_SPEC_SAMPLING,
+               | LINEAR_SPEC_SAMPLING | INDEL_SAMPLING,
                MASKED_ENGINE)
 CANVAS = Reads("DiffusionGemma's canvas engine", CANVAS_SAMPLING, CANVAS_ENGINE)
 LINEAR_SPEC = Reads("the LinearSpec / AR engine", LINEAR_SPEC_SAMPLING, LINEAR_SPEC_ENGINE)

@@ -8,6 +8,8 @@ rule in its batch, at the same points of every step; it names no rule itself.
 - `EditingRule` (engine.editing): LLaDA2.1's token editing on top of it.
 - `D2FRule` (engine.d2f): several blocks in flight, committed at any step.
 - `MultiBlockRule` (engine.multi_block): d3LLM's multi-block decoding, every block in flight.
+- `IndelRule` (engine.indel): LLaDA2.2's Levenshtein edit loop, whose steps delete and
+  insert positions of the block (its `rewrite` replaces the block whole).
 
 A row's rule comes from its SamplingParams (engine.decoders.rule_for: the first rule that
 `applies`); what the model's family allows (its decoding layout) each rule checks in
@@ -83,6 +85,12 @@ class BlockRule:
         (not frozen) may change theirs. The view holds the step's conf, is_mask, x0, window
         and logits."""
         return sel
+
+    def rewrite(self, view: StepView, rows: List[int], window: torch.Tensor) -> torch.Tensor:
+        """The step's window [B, NB L] (device) once the selection is written; this rule's
+        `rows` may replace their blocks (engine.indel: positions deleted and inserted). As
+        it stands by default."""
+        return window
 
     def after_step(self, view: StepView, rows: List[int], blocks: torch.Tensor, done: torch.Tensor) -> Verdict:
         """Given `done` [B] (whose current block is complete) once the step's tokens are on

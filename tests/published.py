@@ -187,6 +187,8 @@ def _llada2(hf: Dict[str, Any]) -> Dict[str, Any]:
                moe_intermediate_size=FFN // 2, num_experts=EXPERTS, num_experts_per_tok=TOP_K, n_group=GROUPS,
                topk_group=max(1, hf["topk_group"] * GROUPS // hf["n_group"]), head_dim=head_dim,
                rotary_dim=int(head_dim * hf.get("partial_rotary_factor", 0.5)))
+    if hf.get("expert_capacity"):  # LLaDA2.2's block routing: the admitted experts scaled with the expert count
+        out["expert_capacity"] = max(TOP_K, hf["expert_capacity"] * EXPERTS // hf["num_experts"])
     return {k: v for k, v in out.items() if k in hf or k not in ("head_dim", "rotary_dim")}
 
 

@@ -30,7 +30,8 @@ SAMPLING = {"max_new_tokens": 8, "policy": "fixed", "threshold": 0.5, "factor": 
             "entropy_bound": 5.0, "t_min": 0.0, "t_max": 3.0, "stability_threshold": 4, "confidence_threshold": 100.0,
             "alg_temp": 0.5, "min_tokens": 3, "ignore_eos": True, "include_stop_str_in_output": True, "logprobs": 2,
             "structured_outputs": {"regex": "[a-z]+"}, "multi_block": True, "entropy_threshold": 0.5,
-            "decoding": "linear_spec", "draft_threshold": 0.5}
+            "decoding": "linear_spec", "draft_threshold": 0.5,
+            "edit_ops": True, "edit_ops_variant": "sglang", "max_steps_per_block": 10}
 ENGINE = {"block_length": 8, "steps_per_block": 8, "cache": "none", "token_budget": 40, "scheduler": "sequential",
           "max_batch_size": 1, "advance": "step", "canvas": "block", "forward_overhead_cells": 10.0,
           "compile_decode": True, "profile": True, "gpu_memory_utilization": 0.5, "enable_prefix_caching": False,

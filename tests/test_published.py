@@ -62,6 +62,9 @@ FAST_DLLM_V2_SAMPLING = SamplingParams(max_new_tokens=8, threshold=0.9, sub_bloc
 BLOCK32_ENGINE = EngineConfig(block_length=32, steps_per_block=32, cache="persistent", token_budget=2048,
                               max_batch_size=8)
 BLOCK32_SAMPLING = SamplingParams(max_new_tokens=8, threshold=0.9)
+# LLaDA2.2 (a config naming the edit tokens) as docs/models/llada2.md runs it: its edit loop (preset llada2.2's
+# thresholds), blocks of its routing block_size 32
+LLADA22_SAMPLING = SamplingParams(max_new_tokens=8, edit_ops=True, threshold=0.5, edit_threshold=0.0)
 USER = "copy: abc"
 MESSAGES = [[{"role": "user", "content": f"copy: {'abcdefgh'[: i % 8 + 1]}"}] for i in range(10)]
 # tokenizer_config.json tokenizer_class -> the class common.tokenizer reads it with
@@ -72,6 +75,8 @@ TOKENIZER_CLASS = {"PreTrainedTokenizerFast": "TokenizersBackend", "DreamTokeniz
 def settings(folder: str) -> Tuple[EngineConfig, SamplingParams]:
     """The engine and sampling settings of the folder's family (small: each job ~10 s), by the
     family's model_type (DreamReasoner's config.json says "Dream", Stable-DiffCoder's "llama")."""
+    if "delete_token_id" in published.config(folder):  # LLaDA2.2
+        return BLOCK32_ENGINE, LLADA22_SAMPLING
     return {"llada2_moe": (PERSISTENT_ENGINE, LLADA2_SAMPLING), "sdar": (PERSISTENT_ENGINE, SDAR_SAMPLING),
             "sdar_moe": (PERSISTENT_ENGINE, SDAR_SAMPLING), "Fast_dLLM_Qwen": (FAST_DLLM_V2_ENGINE, FAST_DLLM_V2_SAMPLING),
             "dream_reasoner": (BLOCK32_ENGINE, BLOCK32_SAMPLING),

@@ -45,6 +45,9 @@ class ModelConfig:
     head_dim: Optional[int] = None  # None: hidden_size / n_heads (explicit in Qwen3-style configs)
     rope_yarn: Optional[Yarn] = None  # YaRN's inverse frequencies and attention factor (engine.models.rope_scaling)
     q_position_scale: Optional[Tuple[float, int]] = None  # Llama-4's (beta, original max position): q scaled by position
+    # LLaDA2.2's Levenshtein edit tokens (config.json delete_token_id / split_token_id): read by engine.indel
+    delete_token_id: Optional[int] = None
+    split_token_id: Optional[int] = None
 
     def __post_init__(self) -> None:
         if isinstance(self.moe, dict):  # as_dict() round trip

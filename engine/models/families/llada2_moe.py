@@ -8,8 +8,10 @@ routed_scaling_factor, a shared expert of moe_intermediate_size * num_shared_exp
 LLaDA2.2's block routing (config `expert_capacity` > 0, `block_size`, default 32): per
 block of block_size positions, the expert_capacity experts with the best biased score
 over the block's tokens are admitted, each token takes its top-k among them, n_group /
-topk_group unused (engine.models.moe.route). LLaDA2.2's Levenshtein edits
-(`delete_token_id`, `split_token_id`) are not built: refused (check_config).
+topk_group unused (engine.models.moe.route). LLaDA2.2's Levenshtein edit tokens
+(`delete_token_id`, `split_token_id`) are read into the config for LLaDA2.2's edit loop
+(engine.indel, SamplingParams.edit_ops; preset "llada2.2"). Rows of the other rules
+decode the same weights without DELETE / SPLIT (as FluxServe's threshold decoder does).
 
 Decoding traits: blocks at absolute positions (multiples of the block length from
 position 0: the prompt's tail opens the first decoded block), the prompt block-causal,
@@ -30,22 +32,11 @@ MODULES = {"attn_norm": "input_layernorm", "qkv_proj": "attention.query_key_valu
            "dense": "mlp", "shared": "mlp.shared_experts", "experts": "mlp.experts"}
 
 
-# LLaDA2.2's edit tokens: its decoding deletes and inserts positions, which no blockray rule does
+# LLaDA2.2's edit tokens (engine.indel reads them from ModelConfig)
 EDIT_TOKENS = ("delete_token_id", "split_token_id")
 
 
 class LLaDA2Family(Family):
-    def check_config(self, hf: Mapping[str, Any]) -> None:
-        """Family.check_config, and LLaDA2.2's edit tokens refused naming what they need."""
-        for key in EDIT_TOKENS:
-            if key in hf:
-                raise ConfigRefused(
-                    f"config.json key {key!r} (= {hf[key]!r}) names a LLaDA2.2 Levenshtein edit token: its "
-                    f"decoding deletes positions (DELETE) and inserts masks (SPLIT), which blockray does not "
-                    f"implement (LLaDA2.1's token editing only rewrites in place); refusing rather than decoding "
-                    f"LLaDA2.2 with LLaDA2.1's loop")
-        super().check_config(hf)
-
     def tokenizer_ids(self, hf: Mapping[str, Any], tokens: Mapping[str, int], eos: Optional[int]) -> Dict[str, Any]:
         """<|mask|> and the tokenizer's eos_token where config.json names neither (it does not)."""
         out: Dict[str, Any] = {}
@@ -89,7 +80,7 @@ class LLaDA2Family(Family):
             rms_norm_eps=hf.get("rms_norm_eps", 1e-5), tie_word_embeddings=hf.get("tie_word_embeddings", False),
             max_seq_len=hf.get("max_position_embeddings", 16384), moe=moe, qk_norm=bool(hf.get("use_qk_norm", True)),
             partial_rotary_factor=prf, qkv_bias=bool(hf.get("use_qkv_bias", False)),
-            attn_out_bias=bool(hf.get("use_bias", True)))
+            attn_out_bias=bool(hf.get("use_bias", True)), **edit_tokens(hf))
 
     def to_hf(self, cfg: Any) -> Dict[str, Any]:
         m = cfg.moe
@@ -104,18 +95,33 @@ class LLaDA2Family(Family):
                     use_bias=cfg.attn_out_bias, partial_rotary_factor=cfg.partial_rotary_factor,
                     rope_theta=cfg.rope_theta, rms_norm_eps=cfg.rms_norm_eps,
                     tie_word_embeddings=cfg.tie_word_embeddings, max_position_embeddings=cfg.max_seq_len,
-                    **({} if not m.block_routed else dict(expert_capacity=m.expert_capacity, block_size=m.block_size)))
+                    **({} if not m.block_routed else dict(expert_capacity=m.expert_capacity, block_size=m.block_size)),
+                    **{k: getattr(cfg, k) for k in EDIT_TOKENS if getattr(cfg, k) is not None})
+
+
+def edit_tokens(hf: Mapping[str, Any]) -> Dict[str, int]:
+    """LLaDA2.2's DELETE / SPLIT ids: both or neither (the loop needs the two)."""
+    named = {k: hf[k] for k in EDIT_TOKENS if hf.get(k) is not None}
+    if len(named) == 1:
+        (have,) = named
+        (lack,) = set(EDIT_TOKENS) - {have}
+        raise ConfigRefused(f"config.json names {have}={named[have]!r} but no {lack}: LLaDA2.2's Levenshtein edit "
+                            f"loop needs both its DELETE and SPLIT tokens")
+    for k, v in named.items():
+        if not isinstance(v, int) or isinstance(v, bool) or not 0 <= v < hf["vocab_size"]:
+            raise ConfigRefused(f"config.json {k}={v!r} is not a token id of the vocabulary ({hf['vocab_size']})")
+    return named
 
 
 LLADA2_MOE = LLaDA2Family(
     name="LLaDA2", model_type="llada2_moe", aliases=("llada2",),
-    examples="inclusionAI/LLaDA2.0-mini, LLaDA2.1-mini, LLaDA2.0-flash, LLaDA2.1-flash",
+    examples="inclusionAI/LLaDA2.0-mini, LLaDA2.1-mini, LLaDA2.0-flash, LLaDA2.1-flash, LLaDA2.2-flash",
     honoured=frozenset({"vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
                         "head_dim", "intermediate_size", "moe_intermediate_size", "num_experts", "num_experts_per_tok",
                         "num_shared_experts", "first_k_dense_replace", "n_group", "topk_group",
                         "routed_scaling_factor", "use_qk_norm", "use_qkv_bias", "use_bias", "partial_rotary_factor",
                         "rotary_dim", "rope_theta", "rms_norm_eps", "tie_word_embeddings", "max_position_embeddings",
-                        "expert_capacity", "block_size"}),
+                        "expert_capacity", "block_size", "delete_token_id", "split_token_id"}),
     # dropout, init and training-only outputs; norm_topk_prob is read by no published
     # modeling code (the gate renormalises whenever top_k > 1); the sliding-window keys are
     # inert while use_sliding_window is false (fixed below)
