@@ -318,6 +318,7 @@ def _ep_rank(rank: int, world: int, root: str, eos: int) -> None:
     outs = Engine(model, cfg).generate(prompts, params)
     with open(os.path.join(root, f"rank{rank}.json"), "w") as f:
         json.dump(dict(tokens=[list(o.token_ids) for o in outs], own=list(model.layers[1].owned or [])), f)
+    torch.distributed.barrier()  # no rank leaves while the other still reads (gloo aborts on a closed peer)
     destroy_tensor_parallel()
 
 

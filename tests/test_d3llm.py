@@ -367,6 +367,7 @@ def _tp_rank(rank: int, world: int, root: str, model_type: str) -> None:
     with open(os.path.join(root, f"rank{rank}.json"), "w") as f:
         json.dump(dict(tokens=[list(o.token_ids) for o in outs], steps=[o.num_steps for o in outs],
                        errors=[o.error for o in outs], held=sum(p.numel() for p in model.parameters())), f)
+    torch.distributed.barrier()  # no rank leaves while the other still reads (gloo aborts on a closed peer)
     destroy_tensor_parallel()
 
 

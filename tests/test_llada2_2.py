@@ -436,6 +436,7 @@ def _tp_rank(rank: int, world: int, root: str, eos: int) -> None:
     with open(os.path.join(root, f"rank{rank}.json"), "w") as f:
         json.dump(dict(tokens=[list(o.token_ids) for o in outs], own=list(model.layers[1].owned or []),
                        edit_ids=[model.config.delete_token_id, model.config.split_token_id]), f)
+    torch.distributed.barrier()  # no rank leaves while the other still reads (gloo aborts on a closed peer)
     destroy_tensor_parallel()
 
 
