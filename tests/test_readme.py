@@ -80,6 +80,14 @@ BACKED = {
     "inclusionAI/LLaDA2.0-mini": ["tests/test_llada2.py::test_mixed_batches_equal_the_published_loops", PUBLISHED],
     "inclusionAI/LLaDA2.0-flash": ["tests/test_tp_plan.py::test_the_plan_of_llada2_flash",
                                    "tests/test_tensor_parallel.py::test_two_ranks_give_the_tokens_of_one_device"],
+    "inclusionAI/LLaDA2.2-flash": [
+        "tests/test_llada2_2.py::test_mixed_batches_equal_the_transcribed_loop",
+        "tests/test_llada2_2.py::test_tensor_and_expert_parallel_2_give_the_transcribed_tokens",
+        "tests/test_block_routing.py::test_mixed_batches_equal_the_block_routed_loops", REBUILT],
+    "nvidia/Nemotron-Labs-Diffusion": [
+        "tests/test_nemotron_labs_diffusion.py::test_one_mixed_batch_equals_the_published_loop",
+        "tests/test_linear_spec.py::test_a_mixed_batch_gives_each_row_its_batch_size_one_tokens",
+        "tests/test_linear_spec.py::test_batch_size_one_equals_the_published_loop", REBUILT],
     "JetLM/SDAR-1.7B/4B/8B-Chat": ["tests/test_sdar.py::test_one_mixed_batch_equals_the_published_loop",
                                    "tests/test_sdar.py::test_sdar_moe_mixed_batch_equals_the_published_loop",
                                    PUBLISHED],
