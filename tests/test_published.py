@@ -190,6 +190,23 @@ def test_family_blockray_does_not_serve_is_refused(folder, tmp_path):
 
 # --- a family blockray serves -------------------------------------------------------------
 
+def _ten_row_chat_job(folder, root, engine, sampling, stops, tmp_path):
+    """The preflight and a 10-row job of chat messages over the tiny build at `root`: every id
+    once, each prompt rendered with the template, the summary naming where each stop id came
+    from. Returns the output rows."""
+    inp, out = _messages_input(str(tmp_path / "in.parquet")), str(tmp_path / "out")
+    config = DLLMProcessorConfig(model=root, batch_size=5, engine=engine, sampling=sampling, enable_metrics=False)
+    assert preflight(inp, str(tmp_path / "checked"), config).source.num_rows == 10
+    summary = run_offline(inp, out, config)
+    assert (summary["rows"], summary["errors"], summary["status"]) == (10, 0, "ok")
+    assert summary["stop_token_ids"] == {str(t): src for t, src in stops.items()}
+    rows = read_parts(out).to_pylist()
+    assert sorted(r["id"] for r in rows) == [f"m{i}" for i in range(10)]
+    assert {r["id"]: r["prompt"] for r in rows} == {f"m{i}": render(folder, m) for i, m in enumerate(MESSAGES)}
+    assert all(r["finish_reason"] in ("stop", "length") for r in rows)
+    return rows
+
+
 @pytest.mark.parametrize("folder", SERVED_FOLDERS, ids=[f"{f}-served" for f in SERVED_FOLDERS])
 def test_published_checkpoint_loads_generates_and_runs_the_job(folder, ray_local, tmp_path):
     """The tiny build of the published set: its tokenizer, stop ids, mask id and chat
@@ -214,16 +231,7 @@ def test_published_checkpoint_loads_generates_and_runs_the_job(folder, ray_local
     assert [o.error for o in outs] == [None, None]
     assert all(o.finish_reason in ("stop", "length") and len(o.token_ids) <= 8 for o in outs)
 
-    inp, out = _messages_input(str(tmp_path / "in.parquet")), str(tmp_path / "out")
-    config = DLLMProcessorConfig(model=root, batch_size=5, engine=engine, sampling=sampling, enable_metrics=False)
-    assert preflight(inp, str(tmp_path / "checked"), config).source.num_rows == 10
-    summary = run_offline(inp, out, config)
-    assert (summary["rows"], summary["errors"], summary["status"]) == (10, 0, "ok")
-    assert summary["stop_token_ids"] == {str(t): src for t, src in stops.items()}
-    rows = read_parts(out).to_pylist()
-    assert sorted(r["id"] for r in rows) == [f"m{i}" for i in range(10)]
-    assert {r["id"]: r["prompt"] for r in rows} == {f"m{i}": render(folder, m) for i, m in enumerate(MESSAGES)}
-    assert all(r["finish_reason"] in ("stop", "length") for r in rows)
+    _ten_row_chat_job(folder, root, engine, sampling, stops, tmp_path)
 
 
 @pytest.mark.parametrize("folder", REBUILT_SERVED, ids=[f"{f}-rebuilt" for f in REBUILT_SERVED])
@@ -299,20 +307,10 @@ def test_multi_block_job_on_the_weights_d3llm_distils(folder, ray_local, tmp_pat
     # one forced commit per forward (no entropy under 0.4 on random weights): 8 forwards for 8 tokens
     assert all(o.num_steps == 8 for o in outs if o.finish_reason == "length")
 
-    inp, out = _messages_input(str(tmp_path / "in.parquet")), str(tmp_path / "out")
     cached = DLLMProcessorConfig(model=root, batch_size=5, engine=ENGINE, sampling=D3LLM_SAMPLING,
                                  enable_metrics=False)
     with pytest.raises(JobError, match="set cache 'none'"):
-        preflight(inp, str(tmp_path / "refused"), cached)
-    config = DLLMProcessorConfig(model=root, batch_size=5, engine=D3LLM_ENGINE, sampling=D3LLM_SAMPLING,
-                                 enable_metrics=False)
-    assert preflight(inp, str(tmp_path / "checked"), config).source.num_rows == 10
-    summary = run_offline(inp, out, config)
-    assert (summary["rows"], summary["errors"], summary["status"]) == (10, 0, "ok")
-    assert summary["stop_token_ids"] == {str(t): src for t, src in stops.items()}
-    rows = read_parts(out).to_pylist()
-    assert sorted(r["id"] for r in rows) == [f"m{i}" for i in range(10)]
-    assert {r["id"]: r["prompt"] for r in rows} == {f"m{i}": render(folder, m) for i, m in enumerate(MESSAGES)}
-    assert all(r["finish_reason"] in ("stop", "length") for r in rows)
+        preflight(_messages_input(str(tmp_path / "in.parquet")), str(tmp_path / "refused"), cached)
+    rows = _ten_row_chat_job(folder, root, D3LLM_ENGINE, D3LLM_SAMPLING, stops, tmp_path)
     # every eligible mask committed: a block per forward (the fixed schedule would take 4 per block)
     assert all(r["num_steps"] <= 2 for r in rows) and any(r["num_steps"] == 2 for r in rows)
