@@ -48,7 +48,8 @@ from engine import Engine, EngineConfig, ModelConfig, SamplingParams, build_mode
 FAMILIES = {"llada": "GSAI-ML__LLaDA-8B-Instruct", "dream": "Dream-org__Dream-v0-Instruct-7B",
             "sdar": "JetLM__SDAR-4B-Chat", "fast_dllm_v2": test_fast_dllm_v2.CONFIG,
             "llada_moe": checkpoints.LLADA_MOE_CONFIG, "llada2": "inclusionAI__LLaDA2.0-mini",
-            "sdar_moe": "JetLM__SDAR-30B-A3B-Chat", "illada": "GSAI-ML__iLLaDA-8B-Instruct"}
+            "sdar_moe": "JetLM__SDAR-30B-A3B-Chat", "illada": "GSAI-ML__iLLaDA-8B-Instruct",
+            "nemotron_labs_diffusion": "nvidia__Nemotron-Labs-Diffusion-8B"}
 ROUTING_KEYS = ("num_experts", "num_experts_per_tok", "n_group", "topk_group")
 
 

@@ -54,6 +54,7 @@ from .scheduler import make_scheduler
 from .sequence import FinishReason, Request, RequestOutput, RowShape
 from .speculative import row_refusal, serves
 from .stats import EngineStats
+from .transfer import indices
 
 
 @dataclass
@@ -128,12 +129,10 @@ class SpecRule:
 SPEC_RULE = SpecRule()
 
 
-def accepted_length(draft: List[int], ar: List[int]) -> int:
-    """The longest prefix where draft[i+1] == ar[i], plus the bonus token."""
-    n = 0
-    while n < len(ar) - 1 and ar[n] == draft[n + 1]:
-        n += 1
-    return n + 1
+def accepted_lengths(draft: torch.Tensor, ar: torch.Tensor) -> torch.Tensor:
+    """Per row of `draft` and `ar` ([n, T] each, on any device): the longest prefix where
+    draft[i+1] == ar[i], plus the bonus token."""
+    return (ar[:, :-1] == draft[:, 1:]).long().cumprod(1).sum(1) + 1
 
 
 class LinearSpecEngine(EngineCore):
@@ -213,11 +212,11 @@ class LinearSpecEngine(EngineCore):
         P = max(map(len, seqs))
         for r, seq in zip(rows, seqs):
             r.state.slot, r.state.cached = self.box.take(), 0
-        ids = torch.tensor([s + [0] * (P - len(s)) for s in seqs], device=self.device)  # padding after: causal
+        ids = indices([s + [0] * (P - len(s)) for s in seqs], self.device)  # padding after: causal
         cols = torch.arange(P, device=self.device)[None].expand(len(rows), -1)
         mask = (cols[:, None, :] <= cols[:, :, None])[:, None]
-        last = torch.tensor([[len(s) - 1] for s in seqs], device=self.device)
-        seeds = self._forward(rows, ids, cols, mask, P, logits_at=last)[:, 0].argmax(-1).tolist()
+        last = indices([[len(s) - 1] for s in seqs], self.device)
+        seeds = self._forward(rows, ids, cols, mask, P, logits_at=last)[:, 0].argmax(-1).tolist()  # the prefill's read
         done = []
         for i, r in enumerate(rows):
             st = r.state
@@ -235,69 +234,77 @@ class LinearSpecEngine(EngineCore):
     def _block(self, rows: List[Request]) -> None:
         """One block for every row: the LinearSpec rows' draft, then one verify forward
         for all (an AR row's block is its seed alone, its other columns padding after
-        it), the accepted tokens emitted and the K/V cropped."""
+        it), the accepted tokens emitted and the K/V cropped. The block stays on the
+        device from the draft to the accepted lengths (accepted_lengths):
+        the block's one host wait is the read of the verify's tokens and those lengths
+        (a draft_threshold row's extra draft passes read whether masks are left)."""
         L, mask_id = self.L, self.mcfg.mask_token_id
         spec = [r.params.decoding == "linear_spec" for r in rows]
         T = L if any(spec) else 1
-        blocks = [[r.state.seed] + [mask_id] * (T - 1) for r in rows]
-        self._draft(rows, blocks, [i for i, s in enumerate(spec) if s and L > 1])
-        ar = self._attend(rows, blocks, causal=True).argmax(-1).tolist()
+        blocks = indices([[r.state.seed] + [mask_id] * (T - 1) for r in rows], self.device)
+        blocks = self._draft(rows, blocks, [i for i, s in enumerate(spec) if s and L > 1])
+        ar = self._attend(rows, blocks, causal=True).argmax(-1)
+        agree = accepted_lengths(blocks, ar)
+        n_acc = torch.where(indices(spec, self.device, torch.bool), agree, torch.ones_like(agree))
+        got = torch.cat([ar, n_acc[:, None]], 1).tolist()  # the block's read
         for i, r in enumerate(rows):
             st = r.state
-            n = accepted_length(blocks[i], ar[i]) if spec[i] else 1
+            *ar_i, n = got[i]
             st.cached += n  # the crop: the verify's K/V of the block's first n columns kept, the rest dropped
             st.forwards += 1
             st.accepted.append(n)
             if spec[i]:
                 self.accepted[n] += 1
-            st.seed = ar[i][n - 1]
+            st.seed = ar_i[n - 1]
             r.num_steps += 1
-            self._emit(r, ar[i][:n])
+            self._emit(r, ar_i[:n])
 
-    def _draft(self, rows: List[Request], blocks: List[List[int]], drafting: List[int]) -> None:
-        """The draft of rows `drafting` (their `blocks` filled in place): one bidirectional
-        pass whose argmax fills every mask; with a draft_threshold, passes until no mask is
-        left, each filling the masks whose probability is at least it (at least the most
-        confident). At most L passes (the published loop would spin forever on a model
-        that keeps proposing the mask id)."""
+    def _draft(self, rows: List[Request], blocks: torch.Tensor, drafting: List[int]) -> torch.Tensor:
+        """The draft of rows `drafting`: `blocks` [n, T] on the device with their masks
+        filled, returned. One bidirectional pass whose argmax fills every mask; with a
+        draft_threshold, passes until no mask is left, each filling the masks whose
+        probability is at least it (at least the first most confident), a read after each
+        pass saying which rows go on. At most L passes (the published loop would spin
+        forever on a model that keeps proposing the mask id)."""
         mask_id = self.mcfg.mask_token_id
         for _ in range(self.L):
             if not drafting:
-                return
-            logits = self._attend([rows[i] for i in drafting], [blocks[i] for i in drafting], causal=False)
+                break
+            idx = indices(drafting, self.device)
+            mine = blocks.index_select(0, idx)
+            logits = self._attend([rows[i] for i in drafting], mine, causal=False)
             tokens = logits.argmax(-1)
-            conf = torch.softmax(logits, -1).gather(-1, tokens[..., None])[..., 0].tolist()
-            tokens = tokens.tolist()
-            more = []
-            for j, i in enumerate(drafting):
+            masked = mine == mask_id
+            ths = [rows[i].params.draft_threshold or 0.0 for i in drafting]
+            for i in drafting:
                 rows[i].state.forwards += 1
-                th, blk = rows[i].params.draft_threshold, blocks[i]
-                masked = [t == mask_id for t in blk]
-                if not th:
-                    blocks[i] = [d if m else t for t, m, d in zip(blk, masked, tokens[j])]
-                    continue
-                c = [x if m else float("-inf") for x, m in zip(conf[j], masked)]
-                fill = [x >= th for x in c]
-                if not any(fill):
-                    fill[max(range(len(c)), key=lambda k: (c[k], -k))] = True  # the first most confident
-                blocks[i] = [d if f else t for t, f, d in zip(blk, fill, tokens[j])]
-                if mask_id in blocks[i]:
-                    more.append(i)
-            drafting = more
+            if not any(ths):
+                return blocks.index_copy(0, idx, torch.where(masked, tokens, mine))
+            conf = torch.softmax(logits, -1).gather(-1, tokens[..., None])[..., 0]
+            c = conf.masked_fill(~masked, float("-inf"))
+            th = indices(ths, self.device, conf.dtype)[:, None]
+            fill = (c >= th) | (th == 0)  # no threshold: every mask
+            first = torch.zeros_like(fill).scatter_(1, c.argmax(-1, keepdim=True), True)  # torch.argmax: the first
+            fill = torch.where(fill.any(-1, keepdim=True), fill, first) & masked
+            mine = torch.where(fill, tokens, mine)
+            blocks = blocks.index_copy(0, idx, mine)
+            left = ((mine == mask_id).any(-1) & (th[:, 0] > 0)).tolist()  # a threshold pass's read
+            drafting = [i for i, go in zip(drafting, left) if go]
+        return blocks
 
-    def _attend(self, rows: List[Request], blocks: List[List[int]], causal: bool) -> torch.Tensor:
-        """One forward of `blocks` ([n][T]), each right after its row's cached tokens in the
-        row's slot, attending to them and to itself bidirectionally or causally; its K/V
-        stored in the block's columns. Returns the block's logits [n, T, V]."""
-        T = len(blocks[0])
-        c = torch.tensor([r.state.cached for r in rows], device=self.device)[:, None, None]
+    def _attend(self, rows: List[Request], blocks: torch.Tensor, causal: bool) -> torch.Tensor:
+        """One forward of `blocks` ([n, T] on the device), each right after its row's cached
+        tokens in the row's slot, attending to them and to itself bidirectionally or
+        causally; its K/V stored in the block's columns. Returns the block's logits [n, T, V]."""
+        T = blocks.shape[1]
+        cached = [r.state.cached for r in rows]
+        c = indices(cached, self.device)[:, None, None]
         cols = c[:, 0] + torch.arange(T, device=self.device)[None]
-        K = int(c.max()) + T
+        K = max(cached) + T
         j = torch.arange(K, device=self.device)[None, None]
         in_block = (j >= c) & (j < c + T)
         mask = (j < c) | (in_block & (j <= cols[:, :, None] if causal else in_block))
-        ids = torch.tensor(blocks, device=self.device)
-        return self._forward(rows, ids, cols, mask[:, None], K, logits_last=T)
+        return self._forward(rows, blocks, cols, mask[:, None], K, logits_last=T)
 
     def _forward(self, rows: List[Request], ids: torch.Tensor, cols: torch.Tensor, mask: torch.Tensor, K: int,
                  **logits: Any) -> torch.Tensor:
@@ -316,7 +323,7 @@ class LinearSpecEngine(EngineCore):
                 runs[-1][1] += 1
             else:
                 runs.append([slots[i], slots[i] + 1, 0])
-        idx = torch.tensor(order, device=self.device)
+        idx = indices(order, self.device)
         at = {k: v.index_select(0, idx) for k, v in logits.items() if isinstance(v, torch.Tensor)}
         with torch.no_grad():
             out = self.model(ids.index_select(0, idx), cols.index_select(0, idx), mask.index_select(0, idx),
@@ -423,4 +430,4 @@ class DecodingModes:
         return merged
 
 
-__all__ = ["LinearSpecEngine", "SpecState", "accepted_length", "DecodingModes"]
+__all__ = ["LinearSpecEngine", "SpecState", "accepted_lengths", "DecodingModes"]

@@ -20,16 +20,19 @@ from engine import EngineConfig, SamplingParams
 from engine.models import attention
 from engine.models.families import BlockLayout
 
-FAMILIES = sorted(gpu_shape.FAMILIES)  # llada, dream, sdar, fast_dllm_v2, llada_moe, llada2, sdar_moe, illada
+FAMILIES = sorted(gpu_shape.FAMILIES)  # llada, dream, sdar, fast_dllm_v2, llada_moe, llada2, sdar_moe, illada, nemotron_labs_diffusion
 PROMPTS = [list(range(40, 40 + n)) for n in (9, 14, 20, 2600)]
 GREEDY = SamplingParams(max_new_tokens=64, policy="fixed", ignore_eos=True)
 # Dream's rows with top-p/top-k (temperature 0: a CUDA generator cannot be faked)
-PARAMS = {"dream": SamplingParams(max_new_tokens=64, top_p=0.9, top_k=20, ignore_eos=True)}
+PARAMS = {"dream": SamplingParams(max_new_tokens=64, top_p=0.9, top_k=20, ignore_eos=True),
+          # generate()'s fixed schedule is one mask a step over block_length steps: the threshold here
+          "nemotron_labs_diffusion": SamplingParams(max_new_tokens=64, policy="threshold", threshold=0.9,
+                                                    ignore_eos=True)}
 # what each family's layers get on an H200 (engine.models.attention's module docstring)
 BACKENDS = {"llada": "efficient", "llada_moe": "efficient", "dream": "efficient, GQA folded x7",
             "fast_dllm_v2": "efficient, GQA folded x7", "sdar": "efficient, GQA folded x4",
             "llada2": "efficient, GQA folded x4", "sdar_moe": "efficient, GQA folded x8",
-            "illada": "efficient, GQA folded x4"}
+            "illada": "efficient, GQA folded x4", "nemotron_labs_diffusion": "efficient, GQA folded x4"}
 
 
 @pytest.fixture(autouse=True)

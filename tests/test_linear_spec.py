@@ -26,6 +26,7 @@ The engine cuts its token ids before the first stop id, as blockray's other engi
 the published outputs keep it."""
 from __future__ import annotations
 
+from collections import Counter
 from typing import List, Optional, Tuple
 
 import pytest
@@ -33,7 +34,7 @@ import torch
 
 import test_nemotron_labs_diffusion as nld
 from engine import Engine, EngineConfig, ModelConfig, SamplingParams, build_model
-from engine.linear_spec import LinearSpecEngine, accepted_length
+from engine.linear_spec import LinearSpecEngine, accepted_lengths
 from engine.sequence import FinishReason
 
 torch.set_num_threads(1)
@@ -168,10 +169,9 @@ def params(n: int, decoding: str = "linear_spec") -> SamplingParams:
 
 
 def test_accepted_length_is_the_agreeing_prefix_plus_the_bonus():
-    assert accepted_length([5, 1, 2, 3], [1, 2, 9, 4]) == 3
-    assert accepted_length([5, 1, 2, 3], [7, 2, 3, 4]) == 1
-    assert accepted_length([5, 1, 2, 3], [1, 2, 3, 4]) == 4  # every draft token kept, plus the bonus
-    assert accepted_length([5], [6]) == 1  # a block of one: AR
+    draft = torch.tensor([[5, 1, 2, 3]] * 3)
+    assert accepted_lengths(draft, torch.tensor([[1, 2, 9, 4], [7, 2, 3, 4], [1, 2, 3, 4]])).tolist() == [3, 1, 4]
+    assert accepted_lengths(torch.tensor([[5]]), torch.tensor([[6]])).tolist() == [1]  # a block of one: AR
 
 
 def test_the_workload_exercises_every_rule(refs):
@@ -421,3 +421,39 @@ def test_the_engine_actor_serves_linear_spec_rows(model, nemotron_dir, refs):
                 else hf_ar_generate(enc, prompts[i], 24, EOS)[0]
             want = served(prompts[i], ids, 24)[0]
         assert r["generated_token_ids"] == want, i
+
+
+def test_a_block_waits_on_the_host_once():
+    """On the stand-in CUDA device (bench.counting.StandInCuda, issue 51): a LinearSpec or AR
+    block (draft, verify, accepted lengths) makes one host wait, the read of the verify's
+    tokens and the accepted lengths, its uploads pinned and non-blocking; a prefill reads its
+    first tokens once. The rows' tokens are the CPU run's."""
+    from bench.counting import StandInCuda
+
+    def serve(stand_in: bool):
+        m = nld.nemotron_model(0)
+        s = StandInCuda() if stand_in else None
+        blocks: List[Counter] = []
+        with s if s is not None else torch.no_grad():
+            if s is not None:
+                s.move(m)
+            eng = LinearSpecEngine(m, EngineConfig(block_length=L, token_budget=4096, max_batch_size=4))
+            if s is not None:
+                block = eng._block
+
+                def counted(rows):
+                    with s.counting() as got:
+                        block(rows)
+                    blocks.append(got)
+                eng._block = counted
+            kinds = ["linear_spec", "ar", "linear_spec", "linear_spec"]
+            prompts = [[20 + i + j for j in range(5 + 3 * i)] for i in range(4)]
+            outs = eng.generate(prompts, [params(24, k) for k in kinds])
+        return [o.token_ids for o in outs], blocks, s.waits if s is not None else 0
+
+    cpu, _, _ = serve(False)
+    got, blocks, total = serve(True)
+    assert got == cpu
+    assert blocks and [sum(c.values()) for c in blocks] == [1] * len(blocks), blocks
+    assert {k for c in blocks for k, _ in c} == {"tolist"}
+    assert total == len(blocks) + 1  # and one prefill read (the four rows start together)
