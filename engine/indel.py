@@ -189,13 +189,14 @@ class IndelRule(BlockRule):
         dev = window.device
         logits = view.logits[indices(live, dev)][:, -L:]  # [n, L, V]
         x0, p = proposals(logits)
-        x0, p = x0.cpu(), p.cpu()
+        x0, p = torch.stack([x0.to(p.dtype), p]).cpu().unbind(0)  # one read (token ids are exact in float64)
+        x0 = x0.long()
         for k, i in enumerate(live):
             r = view.rows[i]
             new[i] = self.step(r, r.state, logits[k], x0[k], p[k], L)
         out = window.clone()
         at = indices(list(new), dev)
-        out[at, -L:] = torch.tensor([new[i] for i in new], dtype=window.dtype).to(dev)
+        out[at, -L:] = indices([new[i] for i in new], dev, window.dtype)
         return out
 
     def step(self, r: Any, st: IndelState, logits: torch.Tensor, x0: torch.Tensor, p: torch.Tensor,
