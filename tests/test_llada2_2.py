@@ -471,7 +471,9 @@ def test_published_fixture_is_2_2s_located_config():
     hf = published.config(FIXTURE)
     assert FIXTURE in published.rebuilt_folders()
     want = {**llada2_2_flash_config(), "hidden_size": 4096, "num_hidden_layers": 32, "num_attention_heads": 32,
-            "num_key_value_heads": 4, "transformers_version": "5.2.0"}
+            "num_key_value_heads": 4, "transformers_version": "5.2.0",
+            # 2.1-flash's weight shapes (2.2's are the same: SOURCE.md), as tests/shapes/LLaDA2.0-flash-shaped has them
+            "intermediate_size": 9216, "moe_intermediate_size": 1024, "max_window_layers": 32}
     assert list(hf) == list(want) and hf == want
     cfg = ModelConfig.from_hf(hf)
     assert (cfg.delete_token_id, cfg.split_token_id, cfg.moe.expert_capacity, cfg.moe.block_size) == (

@@ -83,7 +83,8 @@ BACKED = {
     "inclusionAI/LLaDA2.2-flash": [
         "tests/test_llada2_2.py::test_mixed_batches_equal_the_transcribed_loop",
         "tests/test_llada2_2.py::test_tensor_and_expert_parallel_2_give_the_transcribed_tokens",
-        "tests/test_block_routing.py::test_mixed_batches_equal_the_block_routed_loops", REBUILT],
+        "tests/test_block_routing.py::test_mixed_batches_equal_the_block_routed_loops",
+        "tests/test_tp_plan.py::test_the_plan_of_llada2_flash", REBUILT],
     "nvidia/Nemotron-Labs-Diffusion": [
         "tests/test_nemotron_labs_diffusion.py::test_one_mixed_batch_equals_the_published_loop",
         "tests/test_linear_spec.py::test_a_mixed_batch_gives_each_row_its_batch_size_one_tokens",

@@ -43,15 +43,19 @@ def test_the_plan_of_llada2_mini(capsys):
     assert "smallest tensor_parallel_size that fits: 1" in out
 
 
-def test_the_plan_of_llada2_flash(capsys):
-    assert main(["plan", "--model", FLASH, "--gpu", "H200"]) == 0
+@pytest.mark.parametrize("model", [FLASH, os.path.join(HERE, "published", "inclusionAI__LLaDA2.2-flash")],
+                         ids=["2.0-flash-shaped", "2.2-flash-rebuilt"])
+def test_the_plan_of_llada2_flash(model, capsys):
+    """LLaDA2.0-flash's shape, and LLaDA2.2-flash's rebuilt config.json (the same weights'
+    shapes: its SOURCE.md): ~100B, two H200s at least."""
+    assert main(["plan", "--model", model, "--gpu", "H200"]) == 0
     out = capsys.readouterr().out
     print(out)
     assert "102.89 B parameters (6.15 B active per token)" in out
     table = rows(out)
     assert [table[n][-1] for n in (1, 2, 4, 8)] == ["no", "yes", "yes", "yes"]
     assert "smallest tensor_parallel_size that fits: 2" in out
-    assert main(["plan", "--model", FLASH, "--gpu", "h200", "--tensor-parallel-size", "1"]) == 2
+    assert main(["plan", "--model", model, "--gpu", "h200", "--tensor-parallel-size", "1"]) == 2
 
 
 def test_per_device_weights_are_a_share_plus_the_replicated_parts():
