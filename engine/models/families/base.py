@@ -147,6 +147,13 @@ def common_inert() -> FrozenSet[str]:
     return _class_keys(_transformers_file("configuration_utils.py"), "PreTrainedConfig") | LOADING_KEYS
 
 
+# The Llama / Qwen2 / Ministral decoder layer's modules: internal name (after "layers.{i}.")
+# -> checkpoint module (after the family's layer_prefix)
+LLAMA_MODULES = {"attn_norm": "input_layernorm", "q": "self_attn.q_proj", "k": "self_attn.k_proj",
+                 "v": "self_attn.v_proj", "o": "self_attn.o_proj", "mlp_norm": "post_attention_layernorm",
+                 "gate": "mlp.gate_proj", "up": "mlp.up_proj", "down": "mlp.down_proj"}
+
+
 @dataclass(frozen=True)
 class Family:
     """One model family (see the module docstring).

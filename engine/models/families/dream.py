@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any, Dict, Mapping
 
-from .base import ConfigRefused, Confidence, Family
+from .base import LLAMA_MODULES, ConfigRefused, Confidence, Family
 
 
 class DreamFamily(Family):
@@ -79,9 +79,7 @@ DREAM = DreamFamily(
     top_weights={"embed.weight": "model.embed_tokens.weight", "norm.weight": "model.norm.weight",
                  "lm_head.weight": "lm_head.weight", "lm_head.bias": "lm_head.bias"},
     layer_prefix="model.layers.{i}.",
-    layer_weights={"attn_norm": "input_layernorm", "q": "self_attn.q_proj", "k": "self_attn.k_proj",
-                   "v": "self_attn.v_proj", "o": "self_attn.o_proj", "mlp_norm": "post_attention_layernorm",
-                   "gate": "mlp.gate_proj", "up": "mlp.up_proj", "down": "mlp.down_proj"},
+    layer_weights=LLAMA_MODULES,
     shift_logits=True, first_position=True, confidence=Confidence.SAMPLED,
     defaults={"mask_token_id": 151666, "eos_token_id": 151643},
 )

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import Any, Dict, Mapping
 
-from .base import BlockLayout, ThresholdRule
+from .base import LLAMA_MODULES, BlockLayout, ThresholdRule
 from .dream import DreamFamily
 
 class FastDLLMv2Family(DreamFamily):
@@ -39,9 +39,7 @@ FAST_DLLM_V2 = FastDLLMv2Family(
     top_weights={"embed.weight": "model.embed_tokens.weight", "norm.weight": "model.norm.weight",
                  "lm_head.weight": "lm_head.weight"},
     layer_prefix="model.layers.{i}.",
-    layer_weights={"attn_norm": "input_layernorm", "q": "self_attn.q_proj", "k": "self_attn.k_proj",
-                   "v": "self_attn.v_proj", "o": "self_attn.o_proj", "mlp_norm": "post_attention_layernorm",
-                   "gate": "mlp.gate_proj", "up": "mlp.up_proj", "down": "mlp.down_proj"},
+    layer_weights=LLAMA_MODULES,
     shift_logits=True, first_position=True, blocks=BlockLayout.ABSOLUTE,
     threshold=ThresholdRule.GREATER_AT_LEAST_TOP1, attention="block_causal",
     # batch_sample's mask_id / stop_token defaults (|<MASK>|, <|im_end|>); the mask is that added token

@@ -20,16 +20,10 @@ from __future__ import annotations
 
 from typing import Any, Dict, Mapping
 
-from .base import ConfigRefused, Family
+from .base import LLAMA_MODULES, ConfigRefused, Family
 from .llada_moe import PROJECTIONS
 
 ARCHITECTURE = "ILLaDAForCausalLM"
-
-# internal module (after "layers.{i}.") -> checkpoint module (after "model.layers.{i}."):
-# ILLaDADecoderLayer's input_layernorm / self_attn / post_attention_layernorm / mlp
-MODULES = {"attn_norm": "input_layernorm", "q": "self_attn.q_proj", "k": "self_attn.k_proj",
-           "v": "self_attn.v_proj", "o": "self_attn.o_proj", "mlp_norm": "post_attention_layernorm",
-           "gate": "mlp.gate_proj", "up": "mlp.up_proj", "down": "mlp.down_proj"}
 
 
 class ILLaDAFamily(Family):
@@ -76,7 +70,7 @@ ILLADA = ILLaDAFamily(
            "mlp_bias": (False,), "layer_norm_eps": (None,), "rope_scaling": (None,)},
     top_weights={"embed.weight": "model.embed_tokens.weight", "norm.weight": "model.norm.weight",
                  "lm_head.weight": "lm_head.weight"},
-    layer_prefix="model.layers.{i}.", layer_weights=MODULES, mlp_weights=PROJECTIONS,
+    layer_prefix="model.layers.{i}.", layer_weights=LLAMA_MODULES, mlp_weights=PROJECTIONS,
     attention="bidirectional",
     # mask: the added token <[MASK]>, 5 (the README's mask_id); eos 2 (the published files' eos_token_id,
     # tests/published/GSAI-ML__iLLaDA-8B-Instruct/SOURCE.md)

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from typing import Any, Dict, Mapping, Optional
 
-from .base import ConfigRefused, Family, ThresholdRule
+from .base import LLAMA_MODULES, ConfigRefused, Family, ThresholdRule
 from .dream import decoder_hf, decoder_sizes
 from ..rope_scaling import yarn_from
 
@@ -110,9 +110,7 @@ NEMOTRON_LABS_DIFFUSION = NemotronLabsDiffusionFamily(
     top_weights={"embed.weight": "encoder.embed_tokens.weight", "norm.weight": "encoder.norm.weight",
                  "lm_head.weight": "diffusion_head.weight"},
     layer_prefix="encoder.layers.{i}.",
-    layer_weights={"attn_norm": "input_layernorm", "q": "self_attn.q_proj", "k": "self_attn.k_proj",
-                   "v": "self_attn.v_proj", "o": "self_attn.o_proj", "mlp_norm": "post_attention_layernorm",
-                   "gate": "mlp.gate_proj", "up": "mlp.up_proj", "down": "mlp.down_proj"},
+    layer_weights=LLAMA_MODULES,
     first_position=True, threshold=ThresholdRule.AT_LEAST_TOP1, attention="block_causal", causal_context=True,
     # the published config's mask_token_id 100 and eos 11 (config.json names both)
     defaults={"mask_token_id": 100, "eos_token_id": 11},
