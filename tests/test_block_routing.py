@@ -20,8 +20,6 @@ routing blocks. The engine's mixed batches, under every scheduler with preemptio
 give the transcribed LLaDA2.0 / 2.1 loops' tokens over the block-routed reference."""
 from __future__ import annotations
 
-import json
-import os
 from types import SimpleNamespace
 
 import pytest
@@ -29,12 +27,13 @@ import torch
 import torch.nn.functional as F
 
 import published
-from engine import Engine, EngineConfig, ModelConfig, SamplingParams, build_model, load_model, save_model
+from engine import Engine, EngineConfig, ModelConfig, SamplingParams, build_model
 from engine.models import moe
 from engine.models.moe import routing_blocks
 from test_llada2 import (HEAD_SCALE, L, SETTINGS, PublishedLLaDA2, block_mask, generate_20, generate_21, most_emitted,
                          published_tokens, reference, same_tokens_under_other_caches, with_biases, workload)
 from test_not_served import EDIT_TOKENS, llada2_2_flash_config
+from tp_ranks import run_ranks
 
 torch.set_num_threads(1)
 EXPERTS, TOP_K, CAPACITY = 32, 4, 48 * 32 // 256
@@ -305,33 +304,14 @@ def ep_jobs(eos: int):
                                               for i in pick]
 
 
-def _ep_rank(rank: int, world: int, root: str, eos: int) -> None:
-    """One rank: its shard of the saved model (half the experts, heads, vocabulary), the jobs."""
-    from engine.parallel import destroy_tensor_parallel, init_tensor_parallel
-
-    torch.set_num_threads(1)
-    tp = init_tensor_parallel(rank, world, f"file://{os.path.join(root, 'rendezvous')}", "gloo")
-    model, _ = load_model(os.path.join(root, "model"), dtype=torch.float64, tokenizer=False, tp=tp)
-    _, prompts, params = ep_jobs(eos)
-    cfg = EngineConfig(block_length=L, steps_per_block=4, cache="persistent", token_budget=32, max_batch_size=4,
-                       tensor_parallel_size=world)
-    outs = Engine(model, cfg).generate(prompts, params)
-    with open(os.path.join(root, f"rank{rank}.json"), "w") as f:
-        json.dump(dict(tokens=[list(o.token_ids) for o in outs], own=list(model.layers[1].owned or [])), f)
-    torch.distributed.barrier()  # no rank leaves while the other still reads (gloo aborts on a closed peer)
-    destroy_tensor_parallel()
-
-
 def test_expert_parallel_2_gives_the_transcribed_tokens(pub, refs, tmp_path):
     """Tensor parallel 2 over gloo (each rank half the experts, the router replicated, the
     routing blocks its forward's): every rank decodes the block-routed loops' tokens."""
-    import torch.multiprocessing as mp
-
-    save_model(pub.model, str(tmp_path / "model"))
-    mp.start_processes(_ep_rank, args=(2, str(tmp_path), pub.eos), nprocs=2, join=True, start_method="spawn")
-    pick, _, _ = ep_jobs(pub.eos)
+    pick, prompts, params = ep_jobs(pub.eos)
     _, _, outs = refs
-    got = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    got = run_ranks(pub.model, str(tmp_path), prompts, params,
+                    EngineConfig(block_length=L, steps_per_block=4, cache="persistent", token_budget=32,
+                                 max_batch_size=4))
     assert [g["own"] for g in got] == [list(range(0, EXPERTS // 2)), list(range(EXPERTS // 2, EXPERTS))]
     for g in got:
         assert g["tokens"] == [outs[i] for i in pick]

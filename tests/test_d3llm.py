@@ -32,16 +32,15 @@ committed in one step under the threshold, and the forced commit.
 from __future__ import annotations
 
 import dataclasses
-import json
-import os
 import random
 
 import pytest
 import torch
 
-from engine import Engine, EngineConfig, ModelConfig, SamplingParams, build_model, load_model, save_model
+from engine import Engine, EngineConfig, ModelConfig, SamplingParams, build_model
 from engine.multi_block import MultiBlockState
 from test_reference_decoding import reference_decode
+from tp_ranks import run_ranks
 
 torch.set_num_threads(1)
 L = 4  # test_reference_decoding's block length and steps
@@ -352,37 +351,14 @@ def test_the_preflight_refuses_settings_every_row_would_fail():
     assert "block-causal" in settings_refusal(sp, layout(cache="none", model=dict(dllm_attention="block_causal")))
 
 
-def _tp_rank(rank: int, world: int, root: str, model_type: str) -> None:
-    """One rank of tensor parallel `world` over gloo: its shard of the saved model (its heads,
-    MLP columns and vocabulary range), the workload's mixed batch."""
-    from engine.parallel import destroy_tensor_parallel, init_tensor_parallel
-
-    torch.set_num_threads(1)
-    tp = init_tensor_parallel(rank, world, f"file://{os.path.join(root, 'rendezvous')}", "gloo")
-    model, _ = load_model(os.path.join(root, "model"), dtype=torch.float64, tokenizer=False, tp=tp)
-    prompts, params = workload(model_type)
-    cfg = EngineConfig(block_length=L, steps_per_block=L, cache="none", token_budget=300, max_batch_size=5,
-                       tensor_parallel_size=world)
-    outs = Engine(model, cfg).generate(prompts, params)
-    with open(os.path.join(root, f"rank{rank}.json"), "w") as f:
-        json.dump(dict(tokens=[list(o.token_ids) for o in outs], steps=[o.num_steps for o in outs],
-                       errors=[o.error for o in outs], held=sum(p.numel() for p in model.parameters())), f)
-    torch.distributed.barrier()  # no rank leaves while the other still reads (gloo aborts on a closed peer)
-    destroy_tensor_parallel()
-
-
 def test_tensor_parallel_2_gives_the_reference_tokens(model, expected, tmp_path):
     """Tensor parallel 2 over gloo (each rank half the heads, MLP and vocabulary; the
     entropies read the gathered logits): every rank decodes the mixed batch's tokens of the
     transcription, with its forwards, as one device does."""
-    import torch.multiprocessing as mp
-
-    _, params, ref, _ = expected
-    save_model(model, str(tmp_path / "model"))
-    mp.start_processes(_tp_rank, args=(2, str(tmp_path), model.config.model_type), nprocs=2, join=True,
-                       start_method="spawn")
-    for r in range(2):
-        got = json.loads((tmp_path / f"rank{r}.json").read_text())
+    prompts, params, ref, _ = expected
+    ranks = run_ranks(model, str(tmp_path), prompts, params,
+                      EngineConfig(block_length=L, steps_per_block=L, cache="none", token_budget=300, max_batch_size=5))
+    for got in ranks:
         assert got["held"] < 0.75 * sum(p.numel() for p in model.parameters())  # a shard, not the whole model
         assert got["errors"] == [None] * len(params)
         assert got["tokens"] == [tokens for tokens, _ in ref]

@@ -228,7 +228,15 @@ def accepted_ids(prev_semi_complete, confidence, initial_confidence, accept_thre
     return high
 
 
-def diffulex_generate(model, prompt, gen_length, block_length, threshold, stop_ids=STOPS, mask_id=MASK, trace=None):
+def semi_complete(prev, mask_id) -> bool:
+    """DreamReasonerSampler: the previous block (None: none) is at least SEMI_COMPLETE decoded."""
+    return True if prev is None else float((prev != mask_id).double().mean()) >= SEMI_COMPLETE
+
+
+def diffulex_generate(model, prompt, gen_length, block_length, threshold, stop_ids=STOPS, mask_id=MASK, trace=None,
+                      semi=semi_complete):
+    """Diffulex's multi_bd loop, one block in the buffer; `semi(prev, mask_id)` says whether
+    the block may force its most confident token (Stable-DiffCoder's sampler: always)."""
     L, p = block_length, len(prompt)
     num_blocks = (p + gen_length + L - 1) // L
     bm, position_ids = block_mask(num_blocks, L), torch.arange(num_blocks * L)
@@ -250,10 +258,10 @@ def diffulex_generate(model, prompt, gen_length, block_length, threshold, stop_i
                 break
             logits = model(block, position_ids[cols], bm[cols, :(nb + 1) * L], cache)
             conf, x0 = sample_tokens(logits[rel], mask_id)
-            semi = True if prev is None else float((prev != mask_id).double().mean()) >= SEMI_COMPLETE
-            ids = accepted_ids(semi, conf, conf, threshold)
+            forced = semi(prev, mask_id)
+            ids = accepted_ids(forced, conf, conf, threshold)
             if trace is not None:
-                trace.append(dict(masks=len(rel), high=int((conf > threshold).sum()), taken=len(ids), semi=semi,
+                trace.append(dict(masks=len(rel), high=int((conf > threshold).sum()), taken=len(ids), semi=forced,
                                   lead=max(0, p - nb * L)))
             x[nb * L + rel[ids]] = x0[ids]
         if any(s in x[p:] for s in stop_ids):

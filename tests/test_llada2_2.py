@@ -35,6 +35,7 @@ from test_block_routing import CAPACITY, EXPERTS, TOP_K, BlockRoutedLLaDA2
 from test_llada2 import (HEAD_SCALE, L, SETTINGS, block_mask, generate_20, generate_21, most_emitted,
                          published_tokens, sample_greedy, with_biases)
 from test_not_served import llada2_2_flash_config
+from tp_ranks import run_ranks
 
 torch.set_num_threads(1)
 DELETE, SPLIT = 156930, 156931
@@ -418,42 +419,14 @@ def tp_jobs(eos: int):
     return pick, [prompts[i] for i in pick], [params_of(jobs[i][0], jobs[i][1], eos, i) for i in pick]
 
 
-def _tp_rank(rank: int, world: int, root: str, eos: int) -> None:
-    """One rank: its shard of the saved model (half the experts, heads, vocabulary), the jobs."""
-    import json
-    import os
-
-    from engine import load_model
-    from engine.parallel import destroy_tensor_parallel, init_tensor_parallel
-
-    torch.set_num_threads(1)
-    tp = init_tensor_parallel(rank, world, f"file://{os.path.join(root, 'rendezvous')}", "gloo")
-    model, _ = load_model(os.path.join(root, "model"), dtype=torch.float64, tokenizer=False, tp=tp)
-    _, prompts, params = tp_jobs(eos)
-    cfg = EngineConfig(block_length=L, steps_per_block=4, cache="persistent", token_budget=32, max_batch_size=4,
-                       tensor_parallel_size=world)
-    outs = Engine(model, cfg).generate(prompts, params)
-    with open(os.path.join(root, f"rank{rank}.json"), "w") as f:
-        json.dump(dict(tokens=[list(o.token_ids) for o in outs], own=list(model.layers[1].owned or []),
-                       edit_ids=[model.config.delete_token_id, model.config.split_token_id]), f)
-    torch.distributed.barrier()  # no rank leaves while the other still reads (gloo aborts on a closed peer)
-    destroy_tensor_parallel()
-
-
 def test_tensor_and_expert_parallel_2_give_the_transcribed_tokens(pub, refs, tmp_path):
     """Tensor parallel 2 over gloo (each rank half the heads, the vocabulary and the experts,
     the router replicated): every rank decodes the transcribed loops' tokens, edit_ops rows
     (DELETE, SPLIT, escapes) among them."""
-    import json
-
-    import torch.multiprocessing as mp
-
-    from engine import save_model
-
-    save_model(pub.model, str(tmp_path / "model"))
-    mp.start_processes(_tp_rank, args=(2, str(tmp_path), pub.eos), nprocs=2, join=True, start_method="spawn")
-    pick, _, _ = tp_jobs(pub.eos)
-    got = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    pick, prompts, params = tp_jobs(pub.eos)
+    got = run_ranks(pub.model, str(tmp_path), prompts, params,
+                    EngineConfig(block_length=L, steps_per_block=4, cache="persistent", token_budget=32,
+                                 max_batch_size=4))
     assert [g["own"] for g in got] == [list(range(0, EXPERTS // 2)), list(range(EXPERTS // 2, EXPERTS))]
     assert fired_in([refs.per_row[i] for i in pick]).get("delete", 0) > 0
     for g in got:

@@ -26,8 +26,8 @@ import torch
 import published
 from engine import Engine, EngineConfig, ModelConfig, SamplingParams, build_model
 from engine.models.families import BlockLayout, ConfigRefused, FamilyNotSupported, ThresholdRule, family_for
-from test_dream_reasoner import (DiffulexDreamReasoner, answer, block_diffusion_generate, block_mask,
-                                 never_proposes_mask, sample_tokens)
+from test_dream_reasoner import DiffulexDreamReasoner, block_diffusion_generate, block_mask, never_proposes_mask
+from test_dream_reasoner import diffulex_generate as dream_reasoner_generate
 
 torch.set_num_threads(1)
 VOCAB, MASK = 96, 95
@@ -47,42 +47,11 @@ def tiny_coder(**kw) -> ModelConfig:
 DiffulexStableDiffCoder = DiffulexDreamReasoner
 
 
-def accepted_ids(confidence, initial_confidence, accept_threshold):
-    """StableDiffCoderSampler._compute_accepted_ids."""
-    high = torch.where(initial_confidence > accept_threshold)[0]
-    top = torch.topk(confidence, 1)[1] if len(high) == 0 else torch.tensor([], dtype=torch.long)
-    return torch.unique(torch.cat([top, high]))
-
-
 def diffulex_generate(model, prompt, gen_length, block_length, threshold, stop_ids, mask_id=MASK, trace=None):
-    L, p = block_length, len(prompt)
-    num_blocks = (p + gen_length + L - 1) // L
-    bm, position_ids = block_mask(num_blocks, L), torch.arange(num_blocks * L)
-    x = torch.full((num_blocks * L,), mask_id, dtype=torch.long)
-    x[:p] = torch.tensor(prompt)
-    editable = torch.arange(num_blocks * L) >= p
-    cache, prefill_blocks = {}, p // L
-    if prefill_blocks:
-        n = prefill_blocks * L
-        model(x[:n], position_ids[:n], bm[:n, :n], cache, store=True)
-    for nb in range(prefill_blocks, num_blocks):
-        cols = slice(nb * L, (nb + 1) * L)
-        while True:
-            block = x[cols]
-            rel = torch.where((block == mask_id) & editable[cols])[0]
-            if len(rel) == 0:
-                model(block, position_ids[cols], bm[cols, :(nb + 1) * L], cache, store=True)
-                break
-            logits = model(block, position_ids[cols], bm[cols, :(nb + 1) * L], cache)
-            conf, x0 = sample_tokens(logits[rel], mask_id)
-            ids = accepted_ids(conf, conf, threshold)
-            if trace is not None:
-                trace.append(dict(masks=len(rel), high=int((conf > threshold).sum()), taken=len(ids),
-                                  lead=max(0, p - nb * L)))
-            x[nb * L + rel[ids]] = x0[ids]
-        if any(s in x[p:] for s in stop_ids):
-            break
-    return answer(x, p, gen_length, stop_ids)
+    """StableDiffCoderSampler: DreamReasoner's sampler whose _compute_accepted_ids always
+    takes the most confident token when none is over the threshold (no semi-complete test)."""
+    return dream_reasoner_generate(model, prompt, gen_length, block_length, threshold, stop_ids, mask_id, trace,
+                                   semi=lambda prev, mask_id: True)
 
 
 # --- the workload ---------------------------------------------------------------------------
