@@ -100,7 +100,6 @@ class AttentionMask:
 
     valid: torch.Tensor  # [B, W] bool: a real (not left-pad) column
     seg: Optional[torch.Tensor]  # [B, W] long: the column's attention segment; None: bidirectional
-    pos: Optional[torch.Tensor] = None  # [B, W] long: the column's position (causal context only)
 
     @classmethod
     def build(cls, lens: torch.Tensor, prompt_len: torch.Tensor, width: int, block_length: int,
@@ -115,7 +114,7 @@ class AttentionMask:
         valid = col >= (width - lens)[:, None]
         if context is not None:
             pos = (col - (width - lens)[:, None]).clamp(min=0)
-            return cls(valid, torch.minimum(pos, context[:, None]), pos)
+            return cls(valid, torch.minimum(pos, context[:, None]))
         if not block_causal:
             return cls(valid, None)
         pos = (col - (width - lens)[:, None]).clamp(min=0)
@@ -123,18 +122,11 @@ class AttentionMask:
             pos < prompt_len[:, None], 0, (pos - prompt_len[:, None]) // block_length + 1)
         return cls(valid, seg)
 
-    def rows(self, cols: Optional[torch.Tensor] = None, pick: Optional[torch.Tensor] = None,
-             causal: bool = False) -> torch.Tensor:
+    def rows(self, cols: Optional[torch.Tensor] = None, pick: Optional[torch.Tensor] = None) -> torch.Tensor:
         """[B', 1, T, W] bool for query columns `cols` [B', T] (None: every column) of the
-        rows `pick` (None: every row); [B', 1, 1, W] when every query sees the same keys.
-        `causal` (a causal-context mask only): every column attends causally, the current
-        block's too (the forward that writes a finished block's K/V, or verifies a draft)."""
-        seg = self.seg
-        if causal:
-            if self.pos is None:
-                raise ValueError("a causal forward needs a causal-context mask (Family.causal_context)")
-            seg = self.pos
-        valid, seg = (self.valid, seg) if pick is None else (self.valid[pick], None if seg is None else seg[pick])
+        rows `pick` (None: every row); [B', 1, 1, W] when every query sees the same keys."""
+        valid, seg = (self.valid, self.seg) if pick is None else (
+            self.valid[pick], None if self.seg is None else self.seg[pick])
         if seg is None:
             return valid[:, None, None, :]
         q = seg if cols is None else seg.gather(1, cols)

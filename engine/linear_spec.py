@@ -41,12 +41,13 @@ import itertools
 import time
 from collections import Counter
 from dataclasses import dataclass, field, replace
-from typing import Any, Dict, List, Optional
+from typing import Any, List, Optional
 
 import torch
 
 from .config import EngineConfig, SamplingParams
 from .core import EngineCore
+from .engine import Engine
 from .models import DLLM
 from .models.transformer import KVCache
 from .reads import LINEAR_SPEC
@@ -157,10 +158,7 @@ class LinearSpecEngine(EngineCore):
         self.box = RowBox(self.mcfg, model.dtype, self.device)
 
     # --- requests -----------------------------------------------------------------
-    def stop_ids(self, params: SamplingParams) -> List[int]:
-        if params.stop_token_ids is not None:
-            return list(params.stop_token_ids)
-        return [] if params.ignore_eos else list(self.mcfg.stop_token_ids)
+    stop_ids = Engine.stop_ids  # the row's stop_token_ids, else the checkpoint's (none with ignore_eos)
 
     def check(self, req: Request) -> Optional[str]:
         err = row_refusal(req.params, self.mcfg, self.cfg, len(req.prompt), self.adapter)
@@ -408,16 +406,7 @@ class DecodingModes:
                 out += engine.step()
         return out
 
-    def generate(self, prompts: List[Any], params: Any = SamplingParams()) -> List[RequestOutput]:
-        plist = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)
-        if len(plist) != len(prompts):
-            raise ValueError(f"{len(prompts)} prompts but {len(plist)} SamplingParams")
-        ids = [self.add_request(p, sp) for p, sp in zip(prompts, plist)]
-        got: Dict[Any, RequestOutput] = {}
-        while len(got) < len(ids):
-            for o in self.step():
-                got[o.request_id] = o
-        return [got[i] for i in ids]
+    generate = EngineCore.generate  # over this add_request and step
 
     @property
     def stats(self) -> EngineStats:

@@ -277,22 +277,19 @@ class ModelRunner:
         groups = catch_up_groups((q1 - q0).tolist(), L + self.shift, after.tolist(), overhead, rejoin)
         return [(group, self.forward(b, group, catch_up=True)) for group in groups]
 
-    def forward(self, b: Batch, group: Optional[List[int]] = None, catch_up: bool = False,
-                causal: bool = False) -> torch.Tensor:
+    def forward(self, b: Batch, group: Optional[List[int]] = None, catch_up: bool = False) -> torch.Tensor:
         """Window logits [n, NB L, V] for the rows `group` (ascending; all rows when None):
         each row's current block, or the batch's window of NB blocks when D2F rows hold
         several in flight (positions outside a row's blocks are clamped into its query and
         ignored); read for Dream from the column before each position. Planned on the host
-        (`plan`), run with one upload of its index tensors (`run`), counted (`account`).
-        `causal` (a causal-context family, Family.causal_context): the current block attends
-        causally too (AttentionMask.rows), as a finished block's or a draft's verify forward."""
+        (`plan`), run with one upload of its index tensors (`run`), counted (`account`)."""
         if group is None:
             p, inputs, reused = self.whole_batch_plan(b)
             self.prepared_hits += reused
         else:
             p = self.plan(b, group)
             inputs = None
-        logits, seconds = self.run(b, p, inputs, causal)
+        logits, seconds = self.run(b, p, inputs)
         self.account(b, p, seconds, catch_up)
         return logits
 
@@ -408,13 +405,12 @@ class ModelRunner:
             parts.append(p.pick[:, None])
         return to_device(parts, self.device)
 
-    def run(self, b: Batch, p: ForwardPlan, inputs: Optional[List[torch.Tensor]] = None,
-            causal: bool = False) -> Tuple[torch.Tensor, float]:
+    def run(self, b: Batch, p: ForwardPlan, inputs: Optional[List[torch.Tensor]] = None) -> Tuple[torch.Tensor, float]:
         """(logits, seconds): the index tensors go to the device (`upload`, unless `prepare`
         did), then the model runs: compiled on a bucket (eager on the same inputs once the
         compiled step gave up), else on the plan's rows as they are."""
         got = inputs if inputs is not None else self.upload(p)
-        args, kw = (self.bucket_inputs if p.compiled else self.inputs)(b, p, got, causal)
+        args, kw = (self.bucket_inputs if p.compiled else self.inputs)(b, p, got)
         timer = self.timer.start(p.cells)
         t0, c0 = time.perf_counter(), time.thread_time()
         with torch.inference_mode():
@@ -430,7 +426,7 @@ class ModelRunner:
         timer.stop(seconds)
         return logits, seconds
 
-    def inputs(self, b: Batch, p: ForwardPlan, got: List[torch.Tensor], causal: bool = False) -> Tuple[tuple, dict]:
+    def inputs(self, b: Batch, p: ForwardPlan, got: List[torch.Tensor]) -> Tuple[tuple, dict]:
         """The model's arguments for the plan's rows as they are (not padded to a bucket)."""
         W, T = b.width, p.T
         qc_d, pos_d, at_d, real_d = got[0], got[1], got[2], got[3].bool()
@@ -439,15 +435,14 @@ class ModelRunner:
             idx = got[-1][:, 0]
             ids = ids[idx]
         tokens = torch.where(real_d, ids.gather(1, qc_d), self.mcfg.pad_token_id)
-        qmask = b.mask.rows(qc_d, idx, causal)
+        qmask = b.mask.rows(qc_d, idx)
         if b.cache is None:
             return (tokens, pos_d, qmask[..., W - T:]), dict(logits_at=at_d)
         write_d = None if p.write is None else got[4].bool()
         return (tokens, pos_d, qmask, b.cache, W - T), dict(
             write=write_d, runs=p.runs, cols=None if p.contiguous else qc_d, logits_at=at_d)
 
-    def bucket_inputs(self, b: Batch, p: ForwardPlan, got: List[torch.Tensor],
-                      causal: bool = False) -> Tuple[tuple, dict]:
+    def bucket_inputs(self, b: Batch, p: ForwardPlan, got: List[torch.Tensor]) -> Tuple[tuple, dict]:
         """The compiled step's arguments, padded to its bucket (`plan`): the batch's token ids
         and mask with the box's extra rows (no key visible) and keys (masked out), and the
         K/V slots' static view of the whole bucket."""
@@ -456,7 +451,7 @@ class ModelRunner:
         write_d, vc_d = got[4].bool(), got[5]
         ids = F.pad(b.ids, (0, 0, 0, box.rows - n))
         tokens = torch.where(real_d, ids.gather(1, qc_d), self.mcfg.pad_token_id)
-        qmask = F.pad(b.mask.rows(qc_d[:n], causal=causal), (box.keys - W, 0, 0, 0, 0, 0, 0, box.rows - n),
+        qmask = F.pad(b.mask.rows(qc_d[:n]), (box.keys - W, 0, 0, 0, 0, 0, 0, box.rows - n),
                       value=False)
         if b.cache is None:
             return (tokens, pos_d, qmask), dict(logits_at=at_d)

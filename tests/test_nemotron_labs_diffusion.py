@@ -408,26 +408,22 @@ def test_decodings_it_does_not_serve_are_refused(model):
 def test_the_causal_context_mask():
     """engine.batch.AttentionMask under a causal-context family: left padding never seen, the
     prefix causal, the current block (its first position `context`) bidirectional and seeing
-    the whole prefix; `causal=True` (the finished block's forward) causal everywhere."""
+    the whole prefix."""
     from engine.batch import AttentionMask
 
     lens, W = torch.tensor([7, 5]), 7
     m = AttentionMask.build(lens, torch.tensor([3, 1]), W, 4, True, context=lens - 4)
-    got, causal = m.rows()[:, 0], m.rows(causal=True)[:, 0]
+    got = m.rows()[:, 0]
     for i, n in enumerate(lens.tolist()):
         s = W - n
         want = context_mask(n, 4)
         assert torch.equal(got[i, s:, s:], want) and not got[i, :, :s].any()
-        assert torch.equal(causal[i, s:, s:], torch.ones(n, n).tril().bool()) and not causal[i, :, :s].any()
-    with pytest.raises(ValueError, match="causal-context"):
-        AttentionMask.build(lens, torch.tensor([3, 1]), W, 4, True).rows(causal=True)
 
 
 @pytest.mark.parametrize("cache", ["persistent", "none"])
-def test_the_runner_runs_either_attention_on_one_batch(model, cache):
-    """ModelRunner.forward on a batch of rows of different lengths: by default the current
-    block bidirectional over a causal prefix (generate()'s denoising step), with causal=True
-    all causal (the finished block's forward, a LinearSpec verify): each row's block logits
+def test_the_runner_runs_the_causal_context_attention(model, cache):
+    """ModelRunner.forward on a batch of rows of different lengths: the current block
+    bidirectional over a causal prefix (generate()'s denoising step): each row's block logits
     equal the transcription's, the prefix prefilled causally, at 1e-12; at the block's
     first step its position 0 reads the causal logit of the column before (the seed)."""
     prompts = [[20 + j for j in range(n)] for n in (3, 9, 6)]
@@ -439,17 +435,14 @@ def test_the_runner_runs_either_attention_on_one_batch(model, cache):
     eng._form_batch()
     b = eng.batch
     with torch.no_grad():
-        bidir = eng.runner.forward(b, causal=False)
-        b.cached.zero_()  # recompute the prefix again for the causal read
-        causal = eng.runner.forward(b, causal=True)
+        bidir = eng.runner.forward(b)
     ref = PublishedNemotron(model)
     assert sorted(len(r.prompt) for r in b.rows) == [3, 6, 9]
     for i, p in enumerate(r.prompt for r in b.rows):  # the batch's slot order
         block = [MASK] * L
         cache = {}
         seed = ref(p, cache, causal=True, use_cache=True)[-1]  # at a block's first step position 0 reads the seed's
-        for got, want in ((bidir[i], ref(block, dict(cache), causal=False, use_cache=False)),
-                          (causal[i], ref(block, dict(cache), causal=True, use_cache=False))):
-            torch.testing.assert_close(got[0], seed, rtol=1e-12, atol=1e-12)
-            torch.testing.assert_close(got[1:], want[1:], rtol=1e-12, atol=1e-12)
-        assert not torch.allclose(bidir[i, 1:], causal[i, 1:])
+        want = ref(block, dict(cache), causal=False, use_cache=False)
+        torch.testing.assert_close(bidir[i, 0], seed, rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(bidir[i, 1:], want[1:], rtol=1e-12, atol=1e-12)
+        assert not torch.allclose(bidir[i, 1:], ref(block, dict(cache), causal=True, use_cache=False)[1:])
