@@ -41,7 +41,7 @@ from common.model_source import model_name
 from common.schema import OUTPUT_SCHEMA, STOP_TEXT, as_table
 from actors.row_values import RowValueError, parse_sampling, parse_seed
 
-from .engine_build import load_engine, resolve_device, resolve_dtype, warm_up  # noqa: F401 - resolve_dtype: callers import it from here
+from .engine_build import load_engine, resolve_device, warm_up
 from .engine_loop import EngineLoop, error_output
 from .metrics import EngineMetrics
 from .spec import EngineSpec

@@ -324,7 +324,7 @@ def gpu_shape_section(d: Dict[str, Any]) -> List[str]:
         out.append(f"| {fam} | {pair(fam, 'per_dense_layer')} | {pair(fam, 'per_moe_layer')} | "
                    f"{pair(fam, 'per_forward_published')} |")
     mix, bmix = d["mixed_b32"], (d.get("before") or {}).get("mixed_b32")
-    out += ["", f"- mixed, per layer (mean, max): "
+    out += ["", "- mixed, per layer (mean, max): "
             + (f"{fmt(bmix['per_layer_mean'])}, {fmt(bmix['per_layer_max'])} -> " if bmix else "")
             + f"{fmt(mix['per_layer_mean'])}, {fmt(mix['per_layer_max'])}", ""]
     waits, bwaits = d.get("waits_per_step") or {}, (d.get("before") or {}).get("waits_per_step") or {}

@@ -21,7 +21,7 @@ from . import openai_batch
 from .reader import DEFAULT_ID_COLUMN, DuplicateIds, InputError, PromptParquetDatasource
 from .resources import Cluster, check_gpu_memory, check_resources
 from .run_record import RECORD_FILE, build_record, check_resume, read_json, run_history
-from .run_spec import MAX_ERROR_FRACTION, RunSpec, as_spec, check_options  # noqa: F401 - re-exported
+from .run_spec import RunSpec, as_spec
 from .stages import template_of
 from .writer import OUTPUT_FORMATS, PART_SUFFIX, accepted_parts, check_output, completed_keys, prepare_output, write_json
 

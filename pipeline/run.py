@@ -50,9 +50,9 @@ from .checkpoint_check import stop_sources
 from .config import DLLMProcessorConfig
 from .failures import users_to_fix
 from .output_lock import LOCK_FILE, LeaseLost
-from .preflight import (MAX_ERROR_FRACTION, SUMMARY_FILE, JobError, Preflight, check_columns,  # noqa: F401
-                        check_model, check_options, check_separate, preflight)
-from .run_spec import UNREAD, RunSpec, as_spec
+from .preflight import (SUMMARY_FILE, JobError, Preflight, check_columns, check_model,  # noqa: F401 - re-exported
+                        check_separate, preflight)
+from .run_spec import MAX_ERROR_FRACTION, UNREAD, RunSpec, as_spec
 from .reader import read_prompts
 from .resources import connected_cluster
 from .run_record import history_entry

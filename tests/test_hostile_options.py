@@ -121,7 +121,8 @@ def test_the_same_bounds_hold_for_a_library_caller():
     same declarations; run_offline's own options too."""
     from engine import EngineConfig, SamplingParams
     from pipeline import DLLMProcessorConfig
-    from pipeline.preflight import JobError, check_options
+    from pipeline.preflight import JobError
+    from pipeline.run_spec import check_options
 
     for kw, named in ((dict(num_engines=0), "num_engines"), (dict(cpu_stage_num_cpus=0), "cpu_stage_num_cpus"),
                       (dict(wait_for_engines_s=-1), "wait_for_engines_s"), (dict(batch_size=2.5), "batch_size")):

@@ -53,7 +53,7 @@ def test_one_model_config_class_and_kv_formula():
 def test_dtype_bytes_match_the_engine_actor():
     import torch
 
-    from actors.engine_actor import resolve_dtype
+    from actors.engine_build import resolve_dtype
 
     for dtype in ("auto", "float32", "bfloat16", "float16"):
         for device in ("cpu", "cuda"):
