@@ -14,8 +14,7 @@ import torch
 
 from .models.families.base import Confidence, ThresholdRule
 from .noise import draws_confidence, draws_tokens, perturbs_confidence
-from .selection import (DREAM_EPS, NO_CAP, POLICIES, POLICY_IDS, Candidates, Selection,  # noqa: F401 - re-exported
-                        fixed_schedule, policies_with, threshold_policy, timestep_schedule, transfer_fraction)
+from .selection import POLICIES, POLICY_IDS, Candidates, Selection, policies_with, threshold_policy
 from .transfer import to_device
 
 LOW_CONFIDENCE, RANDOM, ENTROPY, MARGIN, SEQUENTIAL = 0, 1, 2, 3, 4

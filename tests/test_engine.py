@@ -9,7 +9,8 @@ import torch
 from safetensors import safe_open
 
 from engine import Engine, EngineConfig, ModelConfig, SamplingParams, build_model, load_model, save_model
-from engine.decoding import RowParams, fixed_schedule, select
+from engine.decoding import RowParams, select
+from engine.selection import fixed_schedule
 
 torch.set_num_threads(1)
 L = 4
